@@ -1,0 +1,52 @@
+"""ectier — a tiered store for multimodal encoder outputs (vLLM's encoder cache, keyed by ``mm_hash``).
+
+Public API::
+
+    from ectier import TieredCache, CacheConfig, HostTierConfig, NvmeTierConfig
+    cache = TieredCache(CacheConfig(nvme=NvmeTierConfig(path="/nvme/ectier")))
+    cache.put(mm_hash, encoder_output)          # (N, 8192) bfloat16 for Qwen3-VL
+    tensor = cache.get(mm_hash)                 # byte-identical copy, or None
+
+See ``docs/architecture.md`` for the layers.
+"""
+
+from .cache import TieredCache
+from .config import CacheConfig, HostTierConfig, NvmeTierConfig, parse_bytes
+from .errors import (
+    ConfigError,
+    CorruptRecordError,
+    EctierError,
+    EntryTooLargeError,
+    InvalidDeviceError,
+    InvalidKeyError,
+    InvalidTensorError,
+    StoreLockedError,
+    StoreOpenError,
+    TierWriteError,
+    UnknownCodecError,
+)
+from .sizing import image_tokens, smart_resize
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TieredCache",
+    "CacheConfig",
+    "HostTierConfig",
+    "NvmeTierConfig",
+    "parse_bytes",
+    "image_tokens",
+    "smart_resize",
+    "EctierError",
+    "ConfigError",
+    "CorruptRecordError",
+    "EntryTooLargeError",
+    "InvalidDeviceError",
+    "InvalidKeyError",
+    "InvalidTensorError",
+    "StoreLockedError",
+    "StoreOpenError",
+    "TierWriteError",
+    "UnknownCodecError",
+    "__version__",
+]

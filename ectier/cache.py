@@ -1,0 +1,587 @@
+"""TieredCache: the encoder cache over host memory and NVMe — the only module that knows tier order.
+
+::
+
+    put(key, tensor) ──> host arena (LRU by bytes) ──evict: demote──> NVMe / LMDB (LRU by bytes) ──evict──> dropped
+    get(key)         <── host hit                  <──promote on hit── NVMe hit (checked, decoded)
+
+Rules this class keeps (``design.md``):
+
+- Entry lifecycle ``reserve → write → commit`` (or ``abort``); a key becomes visible only at commit,
+  so a half-written entry is never served. Copies run outside the cache lock; only bookkeeping
+  runs under it.
+- Readers pin the slot they copy from; pinned slots are never evicted or freed.
+- Admission evicts least-recently-used entries by bytes, all or nothing. Victims demote to NVMe
+  (unless NVMe already holds the same version, then eviction is free), else they are dropped.
+- An entry larger than a tier's whole budget skips that tier (counted as ``skipped_too_large``);
+  it never empties the tier.
+- Every committed write carries a version; a tier copy is served only if it is the current
+  version of its key, so a late demotion or promotion can never resurrect old bytes.
+- A failure inside the NVMe tier (checksum, I/O) is a miss for that key, never an exception from
+  :meth:`get`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+
+from .config import CacheConfig
+from .entry import EntryMeta, EntryState, entry_digest, next_version, validate_key, validate_namespace
+from .errors import EctierError, EntryTooLargeError, TierWriteError
+from .index import Slot
+from .policy import LRUPolicy
+from .tensors import byte_view, meta_for, parse_device, torch_dtype
+from .tiers.host import HostTier
+from .tiers.nvme import NvmeTier
+
+__all__ = ["TieredCache"]
+
+log = logging.getLogger(__name__)
+
+_HOST_COUNTERS = ("hits", "hit_bytes", "puts", "put_bytes", "promotions", "evictions", "demotions",
+                  "drops", "skipped_too_large", "admission_timeouts")
+_NVME_COUNTERS = ("hits", "hit_bytes", "puts", "put_bytes", "evictions", "skipped_too_large",
+                  "write_failures", "read_failures")
+
+
+class TieredCache:
+    """An in-process encoder cache keyed by ``mm_hash`` over a host tier and an NVMe tier.
+
+    Args:
+        config: :class:`~ectier.config.CacheConfig` (default: 1 GiB host arena, no NVMe tier).
+
+    Thread-safe: any number of threads may call ``put``/``get``/``contains``/``delete`` at once.
+
+    Raises:
+        StoreOpenError, StoreLockedError: the NVMe directory cannot be opened / is in use.
+        RuntimeError: from torch when the host arena cannot be allocated.
+    """
+
+    def __init__(self, config: CacheConfig | None = None) -> None:
+        self.config = config if config is not None else CacheConfig()
+        self._cond = threading.Condition(threading.Lock())
+        self._closed = False
+        self._host = HostTier(self.config.host) if self.config.host.capacity_bytes > 0 else None
+        try:
+            self._nvme = NvmeTier(self.config.nvme) if self.config.nvme.enabled else None
+        except BaseException:
+            self._host = None
+            raise
+        self._counters: dict[str, Counter] = {"host": Counter(), "nvme": Counter(), "cache": Counter()}
+        # digest -> write version of the key's current bytes, wherever they are
+        self._current: dict[bytes, int] = {}
+        self._nvme_lru = LRUPolicy()
+        self._nvme_reserved = 0
+        if self._nvme is not None:
+            for digest, rec in self._nvme.records():  # oldest write first = least recently used
+                self._current[digest] = rec.version
+                self._nvme_lru.add(digest, rec.stored_bytes)
+            self._trim_nvme_to_budget()
+
+    # ================================================================================ public API
+
+    def put(self, key: str, tensor: torch.Tensor, *, namespace: str | None = None) -> None:
+        """Store ``tensor`` under ``key`` (an ``mm_hash``), replacing any previous entry atomically.
+
+        Any dtype torch has (bfloat16, float16, float32, int8, fp8, ...) and any shape, including
+        zero-size tensors (stored and returned as such) and non-contiguous views (stored in C order).
+        The entry goes to the host tier; if it is larger than the host budget it goes to NVMe.
+        On return the bytes are owned by the cache: the caller may reuse ``tensor``.
+
+        Args:
+            key: non-empty ``str`` (up to 64 KiB of UTF-8).
+            tensor: the encoder output, e.g. ``(N, 8192)`` bfloat16 for Qwen3-VL.
+            namespace: override of ``config.namespace`` for this entry.
+
+        Raises:
+            InvalidKeyError, InvalidTensorError: bad ``key``/``namespace``/``tensor``.
+            EntryTooLargeError: larger than every enabled tier's whole budget (names the knobs).
+            TierWriteError: no tier could store it (NVMe write failed, host held by pinned readers).
+            EctierError: the cache is closed.
+        In every error case nothing already stored is changed.
+        """
+        ns, key = self._identity(key, namespace)
+        meta = meta_for(ns, key, tensor)
+        self._check_open()
+        digest = entry_digest(ns, key)
+        version = next_version()
+        src = byte_view(tensor)
+        host_ok = self._host is not None and self._host.index.fits(meta.nbytes)
+        nvme_ok = self._nvme is not None and self._nvme_fits(meta.nbytes)
+        if not host_ok and not nvme_ok:
+            raise EntryTooLargeError(self._too_large_text(meta.nbytes))
+        if self._host is not None and not host_ok:
+            self._count("host", skipped_too_large=1)
+        if host_ok:
+            stored = self._host_store(digest, meta, version, src, promotion=False)
+            if stored:
+                self._count("host", puts=1, put_bytes=meta.nbytes)
+                if self._nvme is not None and self.config.nvme.write_through:
+                    self._write_through(digest, meta, version)
+                return
+            if self._nvme is None:
+                raise TierWriteError(
+                    "host tier: no room could be made (entries pinned by readers for longer than "
+                    "host.admit_wait_s) and no NVMe tier is configured; raise host.capacity_bytes"
+                )
+        if not nvme_ok:
+            raise EntryTooLargeError(self._too_large_text(meta.nbytes))
+        self._nvme_store(digest, meta, version, src if src.device.type == "cpu" else src.cpu(), register=True)
+
+    def get(self, key: str, *, device: str | torch.device | None = None, namespace: str | None = None) -> torch.Tensor | None:
+        """Return a copy of the entry stored under ``key``, or ``None`` on a miss.
+
+        The tensor has the shape and dtype it was put with and is byte-identical to it. An NVMe hit
+        is promoted to the host tier. A record that fails its checksum is quarantined and read as a
+        miss (counted in ``stats()["tiers"]["nvme"]["checksum_failures"]``).
+
+        Args:
+            key: the ``mm_hash``.
+            device: ``None``/``"cpu"`` (default) or an explicit ``"cuda:<index>"``.
+            namespace: override of ``config.namespace``.
+
+        Raises:
+            InvalidKeyError: bad ``key``/``namespace``. InvalidDeviceError: bad ``device``.
+            EctierError: the cache is closed.
+        """
+        ns, key = self._identity(key, namespace)
+        dev = parse_device(device)
+        self._check_open()
+        digest = entry_digest(ns, key)
+        for _ in range(3):  # a concurrent overwrite between lookup and read → look again
+            slot = None
+            nvme_version = None
+            with self._cond:
+                if self._host is not None:
+                    slot = self._host.index.lookup(digest)
+                    if slot is not None:
+                        self._host.index.pin(slot)
+                        self._host.index.touch(slot)
+                if slot is None:
+                    v = self._current.get(digest)
+                    rec = self._nvme.record(digest) if self._nvme is not None and v is not None else None
+                    if rec is None or rec.version != v:
+                        self._counters["cache"]["misses"] += 1
+                        return None
+                    nvme_version = v
+                    self._nvme_lru.touch(digest)
+            if slot is not None:
+                try:
+                    out = torch.empty(slot.meta.shape, dtype=torch_dtype(slot.meta.dtype))
+                    self._host.read_into(slot, byte_view(out))
+                finally:
+                    self._unpin(slot)
+                self._count("host", hits=1, hit_bytes=slot.meta.nbytes)
+                self._counters["cache"]["hits"] += 1
+                return out if dev.type == "cpu" else out.to(dev)
+            result = self._nvme_read(digest, ns, key, nvme_version)
+            if result is _RETRY:
+                continue
+            if result is None:
+                self._counters["cache"]["misses"] += 1
+                return None
+            meta, data = result
+            self._count("nvme", hits=1, hit_bytes=meta.nbytes)
+            self._counters["cache"]["hits"] += 1
+            if self._host is not None and self._host.index.fits(meta.nbytes):
+                if self._host_store(digest, meta, nvme_version, data, promotion=True):
+                    self._count("host", promotions=1)
+            out = data.view(torch_dtype(meta.dtype)).view(meta.shape) if meta.nbytes else torch.empty(
+                meta.shape, dtype=torch_dtype(meta.dtype))
+            return out if dev.type == "cpu" else out.to(dev)
+        self._counters["cache"]["misses"] += 1
+        return None
+
+    def contains(self, key: str, *, namespace: str | None = None) -> bool:
+        """True if ``key`` is stored in some tier (answered from memory, no I/O).
+
+        Raises:
+            InvalidKeyError: bad ``key``/``namespace``.
+        """
+        ns, key = self._identity(key, namespace)
+        with self._cond:
+            return entry_digest(ns, key) in self._current
+
+    __contains__ = contains
+
+    def delete(self, key: str, *, namespace: str | None = None) -> bool:
+        """Remove ``key`` from every tier. Returns True if it was stored.
+
+        Raises:
+            InvalidKeyError: bad ``key``/``namespace``. EctierError: the cache is closed.
+        """
+        ns, key = self._identity(key, namespace)
+        self._check_open()
+        digest = entry_digest(ns, key)
+        with self._cond:
+            existed = self._current.pop(digest, None) is not None
+            if self._host is not None:
+                slot = self._host.index.lookup(digest)
+                if slot is not None:
+                    if self._host.index.remove(slot):
+                        self._cond.notify_all()
+            self._forget_nvme_locked(digest)
+            rec = self._nvme.record(digest) if self._nvme is not None else None
+        if rec is not None:
+            self._nvme.delete(digest, only_version=rec.version)
+        return existed
+
+    def __len__(self) -> int:
+        """Number of entries stored (all tiers, counted once)."""
+        with self._cond:
+            return len(self._current)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and occupancy, in items and bytes.
+
+        Returns a dict::
+
+            {"namespace", "entries", "hits", "misses",
+             "tiers": {"host": {capacity_bytes, used_bytes, entries, pinned, hits, hit_bytes, puts,
+                                put_bytes, promotions, evictions, demotions, drops,
+                                skipped_too_large, admission_timeouts},
+                       "nvme": {path, codec, capacity_bytes, used_bytes, entries, map_size_bytes,
+                                hits, hit_bytes, puts, put_bytes, evictions, skipped_too_large,
+                                write_failures, read_failures, checksum_failures, quarantined,
+                                orphans_reclaimed, write_errors, map_growths}}}
+
+        A disabled tier is absent from ``tiers``.
+        """
+        with self._cond:
+            out: dict[str, Any] = {
+                "namespace": self.config.namespace,
+                "entries": len(self._current),
+                "hits": self._counters["cache"]["hits"],
+                "misses": self._counters["cache"]["misses"],
+                "tiers": {},
+            }
+            if self._host is not None:
+                idx = self._host.index
+                host = {name: self._counters["host"][name] for name in _HOST_COUNTERS}
+                host.update(capacity_bytes=idx.capacity_bytes, used_bytes=idx.used_bytes,
+                            entries=len(idx), pinned=self._host.pinned)
+                out["tiers"]["host"] = host
+            if self._nvme is not None:
+                nv = {name: self._counters["nvme"][name] for name in _NVME_COUNTERS}
+                nv.update(self._nvme.counters)
+                nv.update(path=str(self._nvme.path), codec=self.config.nvme.codec,
+                          capacity_bytes=self.config.nvme.capacity_bytes, used_bytes=self._nvme.used_bytes,
+                          entries=len(self._nvme), map_size_bytes=self._nvme.map_size_bytes)
+                out["tiers"]["nvme"] = nv
+            return out
+
+    def flush(self) -> int:
+        """Write every host entry that NVMe does not hold yet to NVMe (host copies stay).
+
+        Returns the number of entries written. A no-op without an NVMe tier. Used by ``close()``
+        when ``nvme.flush_on_close`` so that a restart serves what was in host memory.
+        """
+        if self._host is None or self._nvme is None:
+            return 0
+        with self._cond:
+            dirty = [s for s in self._host.index.slots() if not s.lower_copy and s.visible]
+            for s in dirty:
+                self._host.index.pin(s)
+        written = 0
+        for s in dirty:
+            try:
+                if self._demote_one(s):
+                    written += 1
+            finally:
+                self._unpin(s)
+        return written
+
+    def close(self) -> None:
+        """Flush (if ``nvme.flush_on_close``), close the NVMe tier and free the host arena. Idempotent.
+
+        After ``close`` every operation raises :class:`~ectier.errors.EctierError`.
+        """
+        if self._closed:
+            return
+        try:
+            if self.config.nvme.flush_on_close:
+                try:
+                    self.flush()
+                except EctierError as exc:
+                    log.error("close: flush to NVMe failed: %s", exc)
+        finally:
+            self._closed = True
+            if self._nvme is not None:
+                self._nvme.close()
+            self._host = None
+
+    def __enter__(self) -> "TieredCache":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ================================================================================ internals
+
+    def _identity(self, key: object, namespace: object) -> tuple[str, str]:
+        ns = self.config.namespace if namespace is None else validate_namespace(namespace)
+        return ns, validate_key(key)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EctierError("cache is closed")
+
+    def _count(self, tier: str, **amounts: int) -> None:
+        with self._cond:
+            self._counters[tier].update(amounts)
+
+    def _too_large_text(self, nbytes: int) -> str:
+        parts = []
+        if self._host is not None:
+            parts.append(f"host.capacity_bytes={self._host.index.capacity_bytes}")
+        if self._nvme is not None:
+            parts.append(f"nvme.capacity_bytes={self.config.nvme.capacity_bytes}")
+        return f"entry of {nbytes} bytes is larger than every tier's whole budget ({', '.join(parts)})"
+
+    def _unpin(self, slot: Slot) -> None:
+        with self._cond:
+            if self._host is not None and self._host.index.unpin(slot):
+                self._cond.notify_all()
+
+    # ---------------------------------------------------------------------------- host tier
+
+    def _host_store(self, digest: bytes, meta: EntryMeta, version: int, src: torch.Tensor, *, promotion: bool) -> bool:
+        """Admit an entry into the host tier: reserve (evicting LRU victims), copy, commit.
+
+        For a promotion, nothing happens unless ``version`` is still the key's current version and
+        the host does not hold the key. Returns True if committed.
+        """
+        host = self._host
+        assert host is not None
+        idx = host.index
+        deadline = time.monotonic() + self.config.host.admit_wait_s
+        while True:
+            victims: list[Slot] = []
+            with self._cond:
+                if promotion and (self._current.get(digest) != version or idx.lookup(digest) is not None):
+                    return False
+                slot = idx.reserve(digest, meta, version)
+                if slot is None:
+                    found = idx.victims(idx.alloc_bytes(meta.nbytes) - idx.free_bytes)
+                    if found is None:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0 or promotion:
+                            self._counters["host"]["admission_timeouts"] += 1
+                            return False
+                        self._cond.wait(timeout=min(remaining, 0.05))
+                        continue
+                    victims = found
+                    for v in victims:
+                        idx.pin(v)  # the demoter's pin: bytes stay valid until demoted
+            if slot is None:
+                self._evict(victims)
+                continue
+            break
+        try:
+            host.write(slot, src)
+        except BaseException:
+            with self._cond:
+                idx.abort(slot)
+                self._cond.notify_all()
+            raise
+        stale_nvme = None
+        with self._cond:
+            current = self._current.get(digest)
+            superseded = (current is not None and current > version) if not promotion else current != version
+            if superseded or (promotion and idx.lookup(digest) is not None):
+                idx.abort(slot)
+                self._cond.notify_all()
+                return not promotion  # a newer put won the race: this put is ordered before it
+            replaced = idx.commit(slot)
+            if replaced is not None:
+                self._cond.notify_all()
+            self._current[digest] = version
+            rec = self._nvme.record(digest) if self._nvme is not None else None
+            if rec is not None and rec.version == version:
+                slot.lower_copy = True
+            elif rec is not None:
+                stale_nvme = rec.version
+                self._forget_nvme_locked(digest)
+        if stale_nvme is not None:
+            # the NVMe copy is an older version of this key: remove it before put returns, so a
+            # restart never serves it
+            self._nvme.delete(digest, only_version=stale_nvme)
+        return True
+
+    def _evict(self, victims: list[Slot]) -> None:
+        """Demote (or drop) host victims that this thread pinned, then remove them from the host."""
+        for v in victims:
+            if self._nvme is not None and not v.lower_copy:
+                self._demote_one(v)
+            with self._cond:
+                rec = self._nvme.record(v.digest) if self._nvme is not None else None
+                demoted = v.lower_copy and rec is not None and rec.version == v.version
+                if demoted:
+                    self._nvme_lru.touch(v.digest)
+                self._counters["host"]["evictions"] += 1
+                if demoted:
+                    self._counters["host"]["demotions"] += 1
+                else:
+                    self._counters["host"]["drops"] += 1
+                    if self._current.get(v.digest) == v.version:
+                        del self._current[v.digest]
+                if self._host is not None:
+                    self._host.index.remove(v)
+                    self._host.index.unpin(v)
+                self._cond.notify_all()
+
+    def _demote_one(self, slot: Slot) -> bool:
+        """Write a pinned host slot to NVMe. True if NVMe now holds this version."""
+        assert self._host is not None and self._nvme is not None
+        if not self._nvme_fits(slot.meta.nbytes):
+            self._count("nvme", skipped_too_large=1)
+            return False
+        view = self._host.contiguous_view(slot)
+        if view is None:
+            view = torch.empty(slot.meta.nbytes, dtype=torch.uint8)
+            self._host.read_into(slot, view)
+        try:
+            ok = self._nvme_store(slot.digest, slot.meta, slot.version, view, register=False)
+        except TierWriteError as exc:
+            log.warning("demotion of an entry to NVMe failed (%s); entry dropped", exc)
+            return False
+        if ok:
+            with self._cond:
+                slot.lower_copy = True
+        return ok
+
+    def _write_through(self, digest: bytes, meta: EntryMeta, version: int) -> None:
+        assert self._host is not None
+        with self._cond:
+            slot = self._host.index.lookup(digest)
+            if slot is None or slot.version != version:
+                return
+            self._host.index.pin(slot)
+        try:
+            self._demote_one(slot)
+        finally:
+            self._unpin(slot)
+
+    # ---------------------------------------------------------------------------- NVMe tier
+
+    def _nvme_fits(self, nbytes: int) -> bool:
+        # an upper bound of the stored size: raw payload + a generous header allowance
+        return nbytes + 4096 + 2 * 65536 <= self.config.nvme.capacity_bytes
+
+    def _forget_nvme_locked(self, digest: bytes) -> None:
+        self._nvme_lru.remove(digest)
+
+    def _trim_nvme_to_budget(self) -> None:
+        assert self._nvme is not None
+        over = self._nvme.used_bytes - self.config.nvme.capacity_bytes
+        if over > 0:
+            with self._cond:
+                victims = self._nvme_lru.victims(over) or list(self._nvme_lru)
+                doomed = self._drop_nvme_victims_locked(victims)
+            for digest, version in doomed:
+                self._nvme.delete(digest, only_version=version)
+
+    def _drop_nvme_victims_locked(self, victims: list[bytes]) -> list[tuple[bytes, int]]:
+        assert self._nvme is not None
+        doomed = []
+        for d in victims:
+            self._nvme_lru.remove(d)
+            rec = self._nvme.record(d)
+            if rec is None:
+                continue
+            doomed.append((d, rec.version))
+            self._counters["nvme"]["evictions"] += 1
+            slot = self._host.index.lookup(d) if self._host is not None else None
+            if slot is not None and slot.version == rec.version:
+                slot.lower_copy = False  # the host copy is now the only one
+            elif self._current.get(d) == rec.version:
+                del self._current[d]
+        return doomed
+
+    def _nvme_store(self, digest: bytes, meta: EntryMeta, version: int, src: torch.Tensor, *, register: bool) -> bool:
+        """Encode and write an entry to NVMe, evicting NVMe LRU victims to stay within budget.
+
+        ``register`` makes the write the key's current version (a put that skipped the host);
+        otherwise (a demotion/flush) NVMe is only a second copy of the current version.
+        Returns True if NVMe now holds ``version`` as the key's current bytes.
+
+        Raises:
+            TierWriteError: the write failed (nothing changed).
+        """
+        nvme = self._nvme
+        assert nvme is not None
+        record = nvme.encode(meta, src, version)
+        size = record.stored_bytes
+        with self._cond:
+            if not register and self._current.get(digest) != version:
+                return False  # deleted or replaced meanwhile: nothing to demote
+            need = nvme.used_bytes + self._nvme_reserved + size - self.config.nvme.capacity_bytes
+            victims = self._nvme_lru.victims(need, protected=lambda d: d == digest) if need > 0 else []
+            if victims is None:
+                self._counters["nvme"]["skipped_too_large"] += 1
+                if register:
+                    raise TierWriteError("nvme tier: budget nvme.capacity_bytes is held by in-flight writes")
+                return False
+            doomed = self._drop_nvme_victims_locked(victims)
+            self._nvme_reserved += size
+        try:
+            for d, v in doomed:
+                nvme.delete(d, only_version=v)
+            try:
+                written = nvme.write(digest, record)
+            except TierWriteError:
+                self._count("nvme", write_failures=1)
+                raise
+        finally:
+            with self._cond:
+                self._nvme_reserved -= size
+        stale = None
+        with self._cond:
+            current = self._current.get(digest)
+            if written:
+                self._counters["nvme"]["puts"] += 1
+                self._counters["nvme"]["put_bytes"] += meta.nbytes
+            if register and (current is None or current < version):
+                self._current[digest] = version
+                current = version
+                slot = self._host.index.lookup(digest) if self._host is not None else None
+                if slot is not None and slot.version != version:
+                    if self._host.index.remove(slot):
+                        self._cond.notify_all()
+            rec = nvme.record(digest)
+            if rec is not None and rec.version == version:
+                if current == version:
+                    self._nvme_lru.add(digest, rec.stored_bytes)
+                    return True
+                stale = version
+        if stale is not None:
+            nvme.delete(digest, only_version=stale)
+        return False
+
+    def _nvme_read(self, digest: bytes, ns: str, key: str, version: int):
+        nvme = self._nvme
+        assert nvme is not None
+        result = nvme.read(digest, ns, key)
+        if result is None:
+            self._count("nvme", read_failures=1)
+            with self._cond:
+                if self._current.get(digest) == version and (
+                    self._host is None or self._host.index.lookup(digest) is None
+                ):
+                    del self._current[digest]
+                self._nvme_lru.remove(digest)
+            return None
+        header, data = result
+        if header.version != version:
+            return _RETRY
+        meta = EntryMeta(header.namespace, header.key, header.dtype, tuple(header.shape), header.raw_nbytes)
+        return meta, data
+
+
+_RETRY = object()

@@ -1,0 +1,192 @@
+"""Entry identity and metadata: keys, namespaces, digests, dtypes, versions. Pure Python (no torch).
+
+- A **key** is vLLM's ``mm_hash`` (a blake3 hex digest, a ``lora:``-prefixed digest) or any id a
+  client chooses: any non-empty ``str`` up to :data:`MAX_KEY_BYTES` bytes of UTF-8. Keys are never
+  used as file paths.
+- The **namespace** (model / encoder identity) is part of the identity: ``(namespace, key)``.
+- The **digest** of an identity (BLAKE2b-256 over the length-prefixed UTF-8 of both) is the fixed
+  32-byte id used inside the tiers (LMDB keys are limited to 511 bytes). Every stored record also
+  carries the full namespace and key, which are compared on read, so even a digest collision
+  reads as a miss, never as another entry's bytes.
+- Shape and dtype travel with every entry in :class:`EntryMeta`; dtypes are named as torch names
+  them without the ``torch.`` prefix (``"bfloat16"``, ``"float8_e4m3fn"``).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+from .errors import InvalidKeyError, InvalidTensorError
+
+__all__ = [
+    "MAX_KEY_BYTES",
+    "DTYPE_ITEMSIZE",
+    "EntryMeta",
+    "EntryState",
+    "validate_key",
+    "validate_namespace",
+    "entry_digest",
+    "dtype_itemsize",
+    "next_version",
+]
+
+#: Longest accepted key, in bytes of UTF-8 (vLLM's mm_hash is 64 hex characters).
+MAX_KEY_BYTES = 65536
+#: Longest accepted namespace, in bytes of UTF-8.
+MAX_NAMESPACE_BYTES = 4096
+
+#: Bytes per element of every dtype ectier stores (torch names, without ``torch.``).
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "int16": 2,
+    "uint16": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "float32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float64": 8,
+    "complex64": 8,
+    "complex128": 16,
+}
+
+
+def _utf8(text: str) -> bytes:
+    # surrogatepass: a str from a JSON/msgpack client may hold lone surrogates; keep them distinct.
+    return text.encode("utf-8", "surrogatepass")
+
+
+def validate_key(key: object, *, arg: str = "key") -> str:
+    """Return ``key`` if it is a non-empty ``str`` of at most :data:`MAX_KEY_BYTES` UTF-8 bytes.
+
+    Raises:
+        InvalidKeyError: naming ``arg`` for a non-str, empty or too long key.
+    """
+    if not isinstance(key, str):
+        raise InvalidKeyError(f"{arg}: expected str (e.g. vLLM's mm_hash), got {type(key).__name__}")
+    if not key:
+        raise InvalidKeyError(f"{arg}: must be a non-empty string")
+    if len(key) > MAX_KEY_BYTES // 4 and len(_utf8(key)) > MAX_KEY_BYTES:
+        raise InvalidKeyError(f"{arg}: {len(_utf8(key))} bytes of UTF-8, longer than {MAX_KEY_BYTES}")
+    return key
+
+
+def validate_namespace(namespace: object, *, arg: str = "namespace") -> str:
+    """Return ``namespace`` if it is a non-empty ``str`` of at most 4096 UTF-8 bytes.
+
+    Raises:
+        InvalidKeyError: naming ``arg`` otherwise.
+    """
+    if not isinstance(namespace, str) or not namespace:
+        raise InvalidKeyError(f"{arg}: expected a non-empty str, got {namespace!r}")
+    if len(_utf8(namespace)) > MAX_NAMESPACE_BYTES:
+        raise InvalidKeyError(f"{arg}: longer than {MAX_NAMESPACE_BYTES} bytes of UTF-8")
+    return namespace
+
+
+def entry_digest(namespace: str, key: str) -> bytes:
+    """The 32-byte id of ``(namespace, key)``: BLAKE2b-256 of both, each length-prefixed (8 bytes LE).
+
+    Length prefixes make ``("a", "bc")`` and ``("ab", "c")`` different identities.
+    """
+    ns, k = _utf8(namespace), _utf8(key)
+    h = hashlib.blake2b(digest_size=32, person=b"ectier-entry")
+    h.update(len(ns).to_bytes(8, "little"))
+    h.update(ns)
+    h.update(len(k).to_bytes(8, "little"))
+    h.update(k)
+    return h.digest()
+
+
+def dtype_itemsize(dtype: str) -> int:
+    """Bytes per element of ``dtype`` (a torch dtype name).
+
+    Raises:
+        InvalidTensorError: for a dtype ectier does not store.
+    """
+    try:
+        return DTYPE_ITEMSIZE[dtype]
+    except KeyError:
+        raise InvalidTensorError(
+            f"dtype {dtype!r} is not supported; supported: {', '.join(sorted(DTYPE_ITEMSIZE))}"
+        ) from None
+
+
+class EntryState(enum.Enum):
+    """Where an entry is in its lifecycle inside one memory tier.
+
+    ``RESERVED`` (bytes accounted, invisible) → ``COMMITTED`` (visible, evictable when unpinned)
+    → ``LEAVING`` (chosen as a victim: still readable while it demotes, never chosen again).
+    """
+
+    RESERVED = "reserved"
+    COMMITTED = "committed"
+    LEAVING = "leaving"
+
+
+@dataclass(frozen=True)
+class EntryMeta:
+    """What travels with every entry: identity, dtype, shape and size.
+
+    Fields:
+        namespace, key: the identity (see module docstring).
+        dtype: torch dtype name, e.g. ``"bfloat16"``.
+        shape: tensor shape, e.g. ``(2040, 8192)`` for a 1920x1080 image on Qwen3-VL.
+        nbytes: ``prod(shape) * itemsize(dtype)``, checked at construction.
+
+    Raises:
+        InvalidTensorError: if the fields disagree (unknown dtype, negative dim, wrong nbytes).
+    """
+
+    namespace: str
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        itemsize = dtype_itemsize(self.dtype)
+        if not isinstance(self.shape, tuple) or any(
+            isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in self.shape
+        ):
+            raise InvalidTensorError(f"shape: expected a tuple of ints >= 0, got {self.shape!r}")
+        expected = math.prod(self.shape) * itemsize
+        if self.nbytes != expected:
+            raise InvalidTensorError(
+                f"nbytes: {self.nbytes} does not match shape {self.shape} x {itemsize} bytes ({expected})"
+            )
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return DTYPE_ITEMSIZE[self.dtype]
+
+
+_version_lock = threading.Lock()
+_last_version = 0
+
+
+def next_version() -> int:
+    """A strictly increasing 64-bit write version: ``max(last + 1, time.time_ns())``.
+
+    Stamped on every committed write (and stored in NVMe records) so that a stale copy of a key can
+    always be told from the current one.
+    """
+    global _last_version
+    with _version_lock:
+        _last_version = max(_last_version + 1, time.time_ns())
+        return _last_version

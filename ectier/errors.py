@@ -1,0 +1,90 @@
+"""Errors raised by ectier.
+
+Every error ectier raises on purpose derives from :class:`EctierError`, so a caller (the vLLM
+connector, the daemon) can catch the whole family in one place. Errors that are also a kind of
+standard error (a bad argument is a ``ValueError``, a wrong type a ``TypeError``) derive from that
+standard class as well, so ordinary ``except ValueError`` code keeps working.
+
+::
+
+    EctierError
+    ├── ConfigError(ValueError)          a config field is missing, unknown or out of range
+    ├── InvalidKeyError(ValueError)      a key or namespace is empty, not a str, or too long
+    ├── InvalidTensorError(TypeError)    put() got something that is not a storable tensor
+    ├── InvalidDeviceError(ValueError)   a device string that does not exist on this machine
+    ├── EntryTooLargeError(ValueError)   an entry larger than every tier's whole budget
+    ├── StoreLockedError                 the NVMe directory is held by another process
+    ├── StoreOpenError                   the NVMe directory cannot be created, opened or read
+    ├── TierWriteError                   a tier could not store an entry (disk full, map full)
+    ├── CorruptRecordError               a stored record failed its checks (read as a miss)
+    └── UnknownCodecError(ValueError)    a codec name or id that is not registered
+
+Messages name the argument or config field at fault (``host.capacity_bytes``, ``nvme.path``) and,
+where there is one, the knob that fixes it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EctierError",
+    "ConfigError",
+    "InvalidKeyError",
+    "InvalidTensorError",
+    "InvalidDeviceError",
+    "EntryTooLargeError",
+    "StoreLockedError",
+    "StoreOpenError",
+    "TierWriteError",
+    "CorruptRecordError",
+    "UnknownCodecError",
+]
+
+
+class EctierError(Exception):
+    """Root of every error ectier raises on purpose."""
+
+
+class ConfigError(EctierError, ValueError):
+    """A configuration value is invalid. The message names the field, e.g. ``nvme.capacity_bytes``."""
+
+
+class InvalidKeyError(EctierError, ValueError):
+    """A key (``mm_hash``) or namespace is not a non-empty ``str`` within the length limit."""
+
+
+class InvalidTensorError(EctierError, TypeError):
+    """``put`` was given a value that is not a storable ``torch.Tensor``."""
+
+
+class InvalidDeviceError(EctierError, ValueError):
+    """A device string names a device that is malformed or absent on this machine."""
+
+
+class EntryTooLargeError(EctierError, ValueError):
+    """An entry is larger than the whole byte budget of every tier that could hold it."""
+
+
+class StoreLockedError(EctierError):
+    """The NVMe tier's directory is locked by another process (another cache or the daemon)."""
+
+
+class StoreOpenError(EctierError):
+    """The NVMe tier's directory is missing, not a directory, not writable, or not an ectier store."""
+
+
+class TierWriteError(EctierError):
+    """A tier failed to store an entry (disk full, LMDB map at its ceiling, I/O error).
+
+    Nothing already stored is changed by the failed write.
+    """
+
+
+class CorruptRecordError(EctierError):
+    """A stored record failed a check (magic, format version, header, checksum, length).
+
+    Raised inside the NVMe tier; the cache turns it into a miss and quarantines the record.
+    """
+
+
+class UnknownCodecError(EctierError, ValueError):
+    """A codec name or numeric id that is not in :mod:`ectier.codec`'s registry."""

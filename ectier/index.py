@@ -1,0 +1,211 @@
+"""Bookkeeping of one arena-backed memory tier: slots, states, pins, bytes. Pure Python.
+
+The index knows which entries a tier holds, where their bytes lie in the arena (extents of
+blocks), their lifecycle state and how many readers pin them. It never touches the bytes.
+
+Lifecycle of a slot (``design.md``)::
+
+    reserve ──> RESERVED ──commit──> COMMITTED ──evict──> LEAVING ──remove──> (blocks freed
+       │        (invisible)  │       (visible,            (readable while       when the last
+       └─ None if short      abort   evictable when       it demotes; never      pin drops)
+                             (freed)  unpinned)            chosen again)
+
+- ``reserve`` accounts the bytes at once, so concurrent puts never over-commit the budget.
+- Readers ``pin`` a visible slot while they copy from it; a pinned slot is never chosen as a
+  victim and its blocks are not freed before the last ``unpin``.
+- A key is visible only through ``commit``: a half-written entry is never served.
+
+Not thread-safe: the owning cache holds its lock around every call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .arena import BlockAllocator, Extent
+from .entry import EntryMeta, EntryState
+from .policy import EvictionPolicy, LRUPolicy
+
+__all__ = ["Slot", "ArenaIndex"]
+
+
+@dataclass(eq=False)
+class Slot:
+    """One entry's place in a memory tier.
+
+    Fields:
+        digest: 32-byte identity (:func:`ectier.entry.entry_digest`).
+        meta: dtype, shape, nbytes, namespace and key.
+        version: write version (:func:`ectier.entry.next_version`).
+        extents: block runs holding the bytes, in order.
+        alloc_bytes: blocks x block size, what the slot costs the budget.
+        state: :class:`~ectier.entry.EntryState`.
+        pins: readers (and demoters) currently copying from it.
+        visible: True while the index maps ``digest`` to this slot.
+        lower_copy: True when the next tier down holds this same version (eviction is then free).
+    """
+
+    digest: bytes
+    meta: EntryMeta
+    version: int
+    extents: list[Extent]
+    alloc_bytes: int
+    state: EntryState = EntryState.RESERVED
+    pins: int = 0
+    visible: bool = False
+    lower_copy: bool = False
+    freed: bool = field(default=False, repr=False)
+
+
+class ArenaIndex:
+    """Slots, LRU order and block accounting of one arena tier of ``capacity_bytes``.
+
+    Args:
+        capacity_bytes: byte budget; rounded down to whole blocks.
+        block_bytes: allocation unit in bytes.
+        policy: eviction policy (default :class:`~ectier.policy.LRUPolicy`).
+    """
+
+    def __init__(self, capacity_bytes: int, block_bytes: int, policy: EvictionPolicy | None = None) -> None:
+        if block_bytes <= 0:
+            raise ValueError(f"block_bytes: must be > 0, got {block_bytes}")
+        self.block_bytes = block_bytes
+        self.allocator = BlockAllocator(capacity_bytes // block_bytes)
+        self.policy = policy if policy is not None else LRUPolicy()
+        self._slots: dict[bytes, Slot] = {}
+        self.reserved_bytes = 0  # reserved, not yet committed
+
+    # ---------------------------------------------------------------------------- accounting
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Usable budget in bytes (whole blocks)."""
+        return self.allocator.nblocks * self.block_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes held by reserved, committed and leaving slots (block-rounded)."""
+        return self.allocator.used_blocks * self.block_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self.allocator.free_blocks * self.block_bytes
+
+    def alloc_bytes(self, nbytes: int) -> int:
+        """Budget an entry of ``nbytes`` costs: whole blocks."""
+        return -(-nbytes // self.block_bytes) * self.block_bytes
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether an entry of ``nbytes`` could ever fit this tier (i.e. within its whole budget)."""
+        return self.alloc_bytes(nbytes) <= self.capacity_bytes
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, digest: object) -> bool:
+        return digest in self._slots
+
+    def slots(self) -> list[Slot]:
+        """Visible slots, least recently used first."""
+        return [self._slots[d] for d in self.policy if d in self._slots] + [
+            s for s in self._slots.values() if s.state is EntryState.LEAVING
+        ]
+
+    # ----------------------------------------------------------------------------- lifecycle
+
+    def reserve(self, digest: bytes, meta: EntryMeta, version: int) -> Slot | None:
+        """Allocate blocks for ``meta.nbytes``; ``None`` if the free blocks do not suffice now."""
+        nblocks = -(-meta.nbytes // self.block_bytes)
+        extents = self.allocator.alloc(nblocks)
+        if extents is None:
+            return None
+        slot = Slot(digest, meta, version, extents, nblocks * self.block_bytes)
+        self.reserved_bytes += slot.alloc_bytes
+        return slot
+
+    def abort(self, slot: Slot) -> None:
+        """Give a reserved slot's blocks back."""
+        if slot.state is not EntryState.RESERVED:
+            raise ValueError(f"abort: slot is {slot.state.value}, not reserved")
+        self.reserved_bytes -= slot.alloc_bytes
+        self._release(slot)
+
+    def commit(self, slot: Slot) -> Slot | None:
+        """Make a reserved slot visible under its digest; returns the slot it replaced (now removed)."""
+        if slot.state is not EntryState.RESERVED:
+            raise ValueError(f"commit: slot is {slot.state.value}, not reserved")
+        self.reserved_bytes -= slot.alloc_bytes
+        old = self._slots.get(slot.digest)
+        if old is not None:
+            self.remove(old)
+        slot.state = EntryState.COMMITTED
+        slot.visible = True
+        self._slots[slot.digest] = slot
+        self.policy.add(slot.digest, slot.alloc_bytes)
+        return old
+
+    def lookup(self, digest: bytes) -> Slot | None:
+        """The visible slot for ``digest`` (committed or leaving), or ``None``."""
+        return self._slots.get(digest)
+
+    def touch(self, slot: Slot) -> None:
+        """Record a hit (moves the slot to the most-recently-used end)."""
+        if slot.state is EntryState.COMMITTED:
+            self.policy.touch(slot.digest)
+
+    def pin(self, slot: Slot) -> None:
+        """A reader starts copying from ``slot``: it is neither evicted nor freed until unpinned."""
+        if slot.freed:
+            raise ValueError("pin: slot was already freed")
+        slot.pins += 1
+
+    def unpin(self, slot: Slot) -> bool:
+        """A reader is done; frees the blocks if the slot was removed meanwhile. True if freed."""
+        if slot.pins <= 0:
+            raise ValueError("unpin: slot is not pinned")
+        slot.pins -= 1
+        if slot.pins == 0 and not slot.visible and slot.state is not EntryState.RESERVED:
+            self._release(slot)
+            return True
+        return False
+
+    def victims(self, need_bytes: int) -> list[Slot] | None:
+        """Mark LRU victims covering ``need_bytes`` as LEAVING (all or nothing).
+
+        Pinned slots are skipped. Victims stay visible (readable) until :meth:`remove`.
+        """
+        chosen = self.policy.victims(need_bytes, protected=lambda d: self._slots[d].pins > 0)
+        if chosen is None:
+            return None
+        out = []
+        for d in chosen:
+            slot = self._slots[d]
+            self.policy.remove(d)
+            slot.state = EntryState.LEAVING
+            out.append(slot)
+        return out
+
+    def remove(self, slot: Slot) -> bool:
+        """Make ``slot`` invisible; its blocks are freed now, or at the last unpin. True if freed now."""
+        if self._slots.get(slot.digest) is slot:
+            del self._slots[slot.digest]
+            self.policy.remove(slot.digest)
+        if not slot.visible:
+            return False
+        slot.visible = False
+        if slot.state is EntryState.COMMITTED:
+            slot.state = EntryState.LEAVING
+        if slot.pins == 0:
+            self._release(slot)
+            return True
+        return False
+
+    def evictable_bytes(self) -> int:
+        """Bytes of committed, unpinned slots (what eviction could free right now)."""
+        return sum(s.alloc_bytes for s in self._slots.values() if s.state is EntryState.COMMITTED and s.pins == 0)
+
+    def _release(self, slot: Slot) -> None:
+        if slot.freed:
+            raise ValueError("slot freed twice")
+        slot.freed = True
+        self.allocator.free(slot.extents)

@@ -1,0 +1,119 @@
+"""Torch helpers: tensor validation, dtype names, byte views, device strings.
+
+The only module of the lower layers that imports torch; tiers and the cache use it so that the
+pure-Python layers (entry, index, policy, codec) stay free of torch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .entry import DTYPE_ITEMSIZE, EntryMeta
+from .errors import InvalidDeviceError, InvalidTensorError
+
+__all__ = [
+    "dtype_name",
+    "torch_dtype",
+    "meta_for",
+    "byte_view",
+    "empty_for",
+    "parse_device",
+    "cuda_available",
+]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16 -> "bfloat16"``.
+
+    Raises:
+        InvalidTensorError: for a dtype ectier does not store (e.g. quantized types).
+    """
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_ITEMSIZE or getattr(torch, name, None) is not dtype:
+        raise InvalidTensorError(f"tensor dtype {dtype} is not supported")
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16" -> torch.bfloat16``.
+
+    Raises:
+        InvalidTensorError: for an unknown name or one this torch build lacks (e.g. an fp8 type).
+    """
+    dt = getattr(torch, name, None) if name in DTYPE_ITEMSIZE else None
+    if not isinstance(dt, torch.dtype):
+        raise InvalidTensorError(f"dtype {name!r} is not available in torch {torch.__version__}")
+    return dt
+
+
+def meta_for(namespace: str, key: str, tensor: object, *, arg: str = "tensor") -> EntryMeta:
+    """Describe ``tensor`` for storage.
+
+    Raises:
+        InvalidTensorError: naming ``arg`` when it is not a dense, non-quantized ``torch.Tensor``.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidTensorError(f"{arg}: expected torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout is not torch.strided:
+        raise InvalidTensorError(f"{arg}: only dense (strided) tensors are stored, got {tensor.layout}")
+    if tensor.is_quantized or tensor.device.type == "meta":
+        raise InvalidTensorError(f"{arg}: quantized and meta tensors hold no storable bytes")
+    name = dtype_name(tensor.dtype)
+    shape = tuple(int(d) for d in tensor.shape)
+    return EntryMeta(namespace, key, name, shape, math.prod(shape) * DTYPE_ITEMSIZE[name])
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat ``uint8`` tensor on the same device, in C order.
+
+    Zero-copy for a contiguous tensor; a non-contiguous tensor is first made contiguous (one copy),
+    so what is stored is always the logical C-order content, whatever the strides.
+    """
+    t = tensor.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return t.reshape(-1).view(torch.uint8)
+
+
+def empty_for(meta: EntryMeta, device: torch.device | str = "cpu", *, pin_memory: bool = False) -> torch.Tensor:
+    """An uninitialised tensor of ``meta``'s shape and dtype on ``device``."""
+    return torch.empty(meta.shape, dtype=torch_dtype(meta.dtype), device=device, pin_memory=pin_memory)
+
+
+def cuda_available() -> bool:
+    """True when torch sees at least one CUDA device."""
+    return torch.cuda.is_available()
+
+
+def parse_device(device: object, *, arg: str = "device") -> torch.device:
+    """Validate a device argument: ``None``/``"cpu"`` or an explicit ``"cuda:<index>"``.
+
+    A bare ``"cuda"`` is refused (design rule 6: device strings are explicit, the calling worker's
+    index), as is an index this machine does not have.
+
+    Raises:
+        InvalidDeviceError: naming ``arg``.
+    """
+    if device is None:
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidDeviceError(f"{arg}: cannot parse {device!r} as a device: {exc}") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise InvalidDeviceError(f"{arg}: {dev.type!r} devices are not supported (use 'cpu' or 'cuda:<index>')")
+    if dev.index is None:
+        raise InvalidDeviceError(f"{arg}: use an explicit 'cuda:<index>' (the calling worker's device), not {device!r}")
+    if not torch.cuda.is_available():
+        raise InvalidDeviceError(f"{arg}: {device!r} requested but CUDA is not available on this machine")
+    if dev.index >= torch.cuda.device_count():
+        raise InvalidDeviceError(
+            f"{arg}: {device!r} does not exist; this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
+    return dev

@@ -1,0 +1,508 @@
+"""NVMe tier: self-describing, checksummed records in an LMDB environment under one directory.
+
+Layout under ``nvme.path``::
+
+    ectier.lock        flock'ed by the one process that owns the store (StoreLockedError otherwise)
+    lmdb/data.mdb      the LMDB environment, four named databases:
+        meta           digest (32 B) -> packed RecordHeader (magic, version, codec, dtype, shape,
+                       namespace, key, sizes, payload checksum, write version; own checksum)
+        data           digest -> stored payload (raw or compressed bytes)
+        quarantine     digest -> JSON {reason, time, header hex} of records that failed a check
+        settings       store format and creation facts, checked on reopen
+
+Contract (``design.md``, "NVMe tier contract"):
+
+- **Atomic writes.** Header and payload go in one LMDB write transaction: after a crash at any
+  point a record is either wholly there (old or new) or absent, never torn.
+- **Checked reads.** Every read checks the header (magic, format, its own checksum), the identity
+  (namespace and key), the payload length and its xxh3-64 checksum, and the decoded length. Any
+  failure quarantines the record (moved out of ``meta``/``data``), counts it, and reads as a miss.
+- **Restart.** Opening the directory again scans ``meta`` (headers only, no payload reads) and
+  serves every committed record; headers that fail to parse are quarantined, payloads without a
+  header (and headers without a payload) are reclaimed as orphans.
+- **Map growth.** The map starts at ``nvme.map_initial_bytes`` and doubles when LMDB reports it full,
+  up to ``nvme.map_ceiling_bytes``; beyond that a write fails with :class:`TierWriteError`.
+- **Disk full / I/O errors** fail that one write with :class:`TierWriteError`; reads and the other
+  tiers keep working.
+
+Threads: the tier is safe to share between threads. Writes are serialised (LMDB has one writer);
+reads run in parallel with each other and with the writer (MVCC snapshots), so a record deleted or
+replaced while it is read is still read whole and consistent. Map growth briefly excludes everyone.
+Fork: do not use a tier across ``fork()``; open it in the child (LMDB's rule).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import lmdb
+import numpy as np
+import torch
+
+from ..codec import (
+    Codec,
+    RecordHeader,
+    get_codec,
+    pack_header,
+    unpack_header,
+    verify_payload,
+    checksum,
+)
+from ..config import NvmeTierConfig
+from ..entry import DTYPE_ITEMSIZE, EntryMeta, entry_digest
+from ..errors import CorruptRecordError, StoreLockedError, StoreOpenError, TierWriteError, UnknownCodecError
+
+__all__ = ["NvmeTier", "NvmeRecord", "EncodedRecord", "STORE_FORMAT"]
+
+log = logging.getLogger(__name__)
+
+#: Version of the directory layout (bumped only for incompatible changes).
+STORE_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class NvmeRecord:
+    """What the tier knows, in memory, of one stored record.
+
+    Fields: ``header`` (:class:`~ectier.codec.RecordHeader`), ``stored_bytes`` (header + payload,
+    what the record costs the ``nvme.capacity_bytes`` budget).
+    """
+
+    header: RecordHeader
+    stored_bytes: int
+
+    @property
+    def version(self) -> int:
+        return self.header.version
+
+
+@dataclass(frozen=True)
+class EncodedRecord:
+    """A record ready to write: packed header, payload (zero-copy for the raw codec), sizes."""
+
+    header: RecordHeader
+    header_bytes: bytes
+    payload: object  # bytes-like
+    keepalive: object  # the source the payload may point into
+
+    @property
+    def stored_bytes(self) -> int:
+        return len(self.header_bytes) + self.header.payload_nbytes
+
+
+class _RWLock:
+    """Many shared holders or one exclusive holder (used only around LMDB map resizes)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                if self._shared == 0:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._exclusive = True
+            while self._shared:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+class NvmeTier:
+    """An LMDB-backed record store under ``config.path`` (see the module docstring).
+
+    Args:
+        config: :class:`~ectier.config.NvmeTierConfig` with ``path`` set.
+
+    Raises:
+        StoreOpenError: the path cannot be created or is not a directory, is not writable, or holds
+            an LMDB store of another format.
+        StoreLockedError: another process has the store open.
+        ConfigError: never here (the config validated itself).
+    """
+
+    name = "nvme"
+
+    def __init__(self, config: NvmeTierConfig) -> None:
+        if config.path is None:
+            raise StoreOpenError("nvme.path: not set; the NVMe tier needs a directory")
+        self.config = config
+        self.path = Path(config.path)
+        self.codec: Codec = self._make_codec(config)
+        self._lock_file = None
+        self._env: lmdb.Environment | None = None
+        self._rw = _RWLock()
+        self._write_lock = threading.Lock()
+        self._records_lock = threading.Lock()
+        self._records: dict[bytes, NvmeRecord] = {}
+        self.used_bytes = 0
+        self.counters = {"checksum_failures": 0, "quarantined": 0, "orphans_reclaimed": 0,
+                         "write_errors": 0, "map_growths": 0}
+        self._open()
+
+    # ------------------------------------------------------------------------------- opening
+
+    @staticmethod
+    def _make_codec(config: NvmeTierConfig) -> Codec:
+        if config.codec == "raw":
+            return get_codec("raw")
+        return get_codec(config.codec, level=config.zstd_level)
+
+    def _open(self) -> None:
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise StoreOpenError(f"nvme.path: {str(self.path)!r} exists and is not a directory") from None
+        except OSError as exc:
+            raise StoreOpenError(f"nvme.path: cannot create {str(self.path)!r}: {exc.strerror}") from None
+        if not self.path.is_dir():
+            raise StoreOpenError(f"nvme.path: {str(self.path)!r} is not a directory")
+        try:
+            self._lock_file = open(self.path / "ectier.lock", "a+")
+        except OSError as exc:
+            raise StoreOpenError(f"nvme.path: cannot write in {str(self.path)!r}: {exc.strerror}") from None
+        try:
+            fcntl.flock(self._lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            self._lock_file = None
+            raise StoreLockedError(
+                f"nvme.path: {str(self.path)!r} is in use by another process; give each cache its own "
+                "directory, or share one store through the ectier daemon"
+            ) from None
+        try:
+            self._env = lmdb.open(
+                str(self.path / "lmdb"),
+                map_size=self.config.map_initial_bytes,
+                subdir=True,
+                max_dbs=4,
+                sync=self.config.sync,
+                metasync=self.config.sync,
+                writemap=False,  # with writemap a full disk is SIGBUS; without it, ENOSPC
+                readahead=False,
+                meminit=False,
+                max_readers=1024,
+                lock=True,
+            )
+            self._meta = self._env.open_db(b"meta")
+            self._data = self._env.open_db(b"data")
+            self._quarantine = self._env.open_db(b"quarantine")
+            self._settings = self._env.open_db(b"settings")
+            self._check_settings()
+            self._scan()
+        except lmdb.Error as exc:
+            self.close()
+            raise StoreOpenError(f"nvme.path: cannot open LMDB store in {str(self.path)!r}: {exc}") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_settings(self) -> None:
+        assert self._env is not None
+        with self._env.begin(write=True) as txn:
+            fmt = txn.get(b"format", db=self._settings)
+            if fmt is None:
+                txn.put(b"format", str(STORE_FORMAT).encode(), db=self._settings)
+                txn.put(b"created", json.dumps({"time": time.time()}).encode(), db=self._settings)
+            elif fmt != str(STORE_FORMAT).encode():
+                raise StoreOpenError(
+                    f"nvme.path: {str(self.path)!r} holds store format {fmt.decode(errors='replace')}, "
+                    f"this ectier reads format {STORE_FORMAT}"
+                )
+
+    def _scan(self) -> None:
+        """Load every header into memory; quarantine bad ones; reclaim orphans."""
+        assert self._env is not None
+        bad: list[tuple[bytes, bytes, str]] = []
+        orphans: list[bytes] = []
+        with self._env.begin(buffers=True) as txn:
+            for digest, raw in txn.cursor(db=self._meta):
+                digest = bytes(digest)
+                try:
+                    header = unpack_header(raw)
+                    if entry_digest(header.namespace, header.key) != digest:
+                        raise CorruptRecordError("header identity does not match its digest")
+                    payload = txn.get(digest, db=self._data)
+                    if payload is None or len(payload) != header.payload_nbytes:
+                        raise CorruptRecordError("payload missing or of the wrong length")
+                except CorruptRecordError as exc:
+                    bad.append((digest, bytes(raw), str(exc)))
+                    continue
+                self._records[digest] = NvmeRecord(header, len(raw) + header.payload_nbytes)
+            for digest in txn.cursor(db=self._data).iternext(keys=True, values=False):
+                digest = bytes(digest)
+                if digest not in self._records and all(digest != b[0] for b in bad):
+                    orphans.append(digest)
+        self.used_bytes = sum(r.stored_bytes for r in self._records.values())
+        if bad or orphans:
+            with self._env.begin(write=True) as txn:
+                for digest, raw, reason in bad:
+                    self._quarantine_in(txn, digest, raw, reason)
+                for digest in orphans:
+                    txn.delete(digest, db=self._data)
+            self.counters["orphans_reclaimed"] += len(orphans)
+            for digest, _, reason in bad:
+                log.warning("nvme tier: quarantined record %s at open: %s", digest.hex()[:16], reason)
+        log.info("nvme tier: opened %s with %d records, %d bytes", self.path, len(self._records), self.used_bytes)
+
+    # ------------------------------------------------------------------------------- queries
+
+    def record(self, digest: bytes) -> NvmeRecord | None:
+        """The in-memory record for ``digest`` (no disk access), or ``None``."""
+        return self._records.get(digest)
+
+    def records(self) -> list[tuple[bytes, NvmeRecord]]:
+        """All records, oldest write version first."""
+        with self._records_lock:
+            items = list(self._records.items())
+        items.sort(key=lambda kv: kv[1].version)
+        return items
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    @property
+    def map_size_bytes(self) -> int:
+        """Current LMDB map size in bytes."""
+        return self._env.info()["map_size"] if self._env is not None else 0
+
+    # ------------------------------------------------------------------------------- writing
+
+    def encode(self, meta: EntryMeta, src: torch.Tensor, version: int) -> EncodedRecord:
+        """Encode ``src`` (flat ``uint8`` CPU tensor of ``meta.nbytes``) into a record. No disk I/O."""
+        data = src.numpy() if src.numel() else np.empty(0, dtype=np.uint8)
+        payload = self.codec.encode(data, meta.itemsize)
+        view = memoryview(payload)
+        header = RecordHeader(
+            codec_id=self.codec.codec_id,
+            dtype=meta.dtype,
+            shape=tuple(meta.shape),
+            namespace=meta.namespace,
+            key=meta.key,
+            raw_nbytes=meta.nbytes,
+            payload_nbytes=view.nbytes,
+            payload_checksum=checksum(view),
+            version=version,
+            created_ns=time.time_ns(),
+            codec_config={k: v for k, v in self.codec.get_config().items() if k != "name"},
+        )
+        return EncodedRecord(header, pack_header(header), view, src)
+
+    def write(self, digest: bytes, record: EncodedRecord) -> bool:
+        """Store ``record`` under ``digest`` atomically, unless a record of an equal or newer write
+        version is already there (then nothing is written and ``False`` is returned).
+
+        Raises:
+            TierWriteError: disk full, map at ``nvme.map_ceiling_bytes``, or another LMDB error;
+                nothing stored is changed.
+        """
+        version = record.header.version
+        for _ in range(64):
+            with self._rw.shared(), self._write_lock:
+                assert self._env is not None
+                try:
+                    with self._env.begin(write=True) as txn:
+                        current = txn.get(digest, db=self._meta)
+                        if current is not None:
+                            try:
+                                if unpack_header(current).version >= version:
+                                    return False
+                            except CorruptRecordError:
+                                pass  # replaced below; the bad header goes away with it
+                        txn.put(digest, record.payload, db=self._data)
+                        txn.put(digest, record.header_bytes, db=self._meta)
+                except lmdb.MapFullError:
+                    pass  # grow below, outside the write lock
+                except lmdb.Error as exc:
+                    self.counters["write_errors"] += 1
+                    raise TierWriteError(self._write_error_text(exc)) from None
+                else:
+                    self._set_record(digest, NvmeRecord(record.header, record.stored_bytes))
+                    return True
+            self._grow(record.stored_bytes)
+        raise TierWriteError("nvme tier: map still full after growing")  # pragma: no cover
+
+    def _write_error_text(self, exc: lmdb.Error) -> str:
+        text = str(exc)
+        if "No space" in text or getattr(exc, "errno", None) == errno.ENOSPC:
+            return f"nvme tier: disk full under {str(self.path)!r} ({text}); free space or lower nvme.capacity_bytes"
+        return f"nvme tier: write failed under {str(self.path)!r}: {text}"
+
+    def _grow(self, need_bytes: int) -> None:
+        ceiling = self.config.map_ceiling_bytes
+        with self._rw.exclusive():
+            assert self._env is not None
+            current = self._env.info()["map_size"]
+            if current >= ceiling:
+                self.counters["write_errors"] += 1
+                raise TierWriteError(
+                    f"nvme tier: LMDB map full at its ceiling of {ceiling} bytes; raise nvme.map_max_bytes "
+                    f"or lower nvme.capacity_bytes"
+                )
+            new = min(ceiling, max(2 * current, current + 2 * need_bytes + (16 << 20)))
+            self._env.set_mapsize(new)
+            self.counters["map_growths"] += 1
+            log.info("nvme tier: LMDB map grown from %d to %d bytes", current, new)
+
+    def _set_record(self, digest: bytes, rec: NvmeRecord | None) -> None:
+        with self._records_lock:
+            old = self._records.pop(digest, None)
+            if old is not None:
+                self.used_bytes -= old.stored_bytes
+            if rec is not None:
+                self._records[digest] = rec
+                self.used_bytes += rec.stored_bytes
+
+    def delete(self, digest: bytes, *, only_version: int | None = None) -> bool:
+        """Remove the record for ``digest`` (only if its write version is ``only_version``, when given).
+
+        Returns True if a record was removed. LMDB errors are logged and return False (the record
+        stays; a later delete or overwrite removes it).
+        """
+        with self._rw.shared(), self._write_lock:
+            assert self._env is not None
+            try:
+                with self._env.begin(write=True) as txn:
+                    current = txn.get(digest, db=self._meta)
+                    if current is None:
+                        removed = False
+                    else:
+                        if only_version is not None:
+                            try:
+                                if unpack_header(current).version != only_version:
+                                    return False
+                            except CorruptRecordError:
+                                pass
+                        txn.delete(digest, db=self._meta)
+                        txn.delete(digest, db=self._data)
+                        removed = True
+            except lmdb.Error as exc:
+                log.error("nvme tier: delete failed: %s", exc)
+                return False
+        rec = self._records.get(digest)
+        if rec is not None and (only_version is None or rec.version == only_version):
+            self._set_record(digest, None)
+        return removed
+
+    # ------------------------------------------------------------------------------- reading
+
+    def read(self, digest: bytes, namespace: str, key: str) -> tuple[RecordHeader, torch.Tensor] | None:
+        """Read, check and decode the record for ``(namespace, key)``.
+
+        Returns ``(header, data)`` with ``data`` a new flat ``uint8`` CPU tensor of
+        ``header.raw_nbytes`` bytes, or ``None`` for a miss. A record that fails any check is
+        quarantined, counted in ``counters["checksum_failures"]`` and read as ``None``.
+        """
+        with self._rw.shared():
+            assert self._env is not None
+            failure: tuple[bytes, str] | None = None
+            with self._env.begin(buffers=True) as txn:
+                raw = txn.get(digest, db=self._meta)
+                if raw is None:
+                    if digest in self._records:
+                        self._set_record(digest, None)
+                    return None
+                try:
+                    header = unpack_header(raw)
+                    if header.namespace != namespace or header.key != key:
+                        raise CorruptRecordError("record identity does not match the requested key")
+                    itemsize = DTYPE_ITEMSIZE.get(header.dtype)
+                    if itemsize is None:
+                        raise CorruptRecordError(f"unknown dtype {header.dtype!r}")
+                    expected = itemsize
+                    for d in header.shape:
+                        expected *= d
+                    if expected != header.raw_nbytes:
+                        raise CorruptRecordError("raw size does not match dtype and shape")
+                    payload = txn.get(digest, db=self._data)
+                    if payload is None:
+                        raise CorruptRecordError("payload missing")
+                    verify_payload(header, payload)
+                    out = torch.empty(header.raw_nbytes, dtype=torch.uint8)
+                    try:
+                        codec = self.codec if header.codec_id == self.codec.codec_id else get_codec(header.codec_id)
+                    except UnknownCodecError as exc:
+                        raise CorruptRecordError(str(exc)) from None
+                    codec.decode_into(payload, out.numpy(), itemsize)
+                    return header, out
+                except CorruptRecordError as exc:
+                    failure = (bytes(raw), str(exc))
+        self.counters["checksum_failures"] += 1
+        log.warning("nvme tier: record %s failed its check (%s); quarantined, served as a miss",
+                    digest.hex()[:16], failure[1])
+        self.quarantine(digest, failure[0], failure[1])
+        return None
+
+    def quarantine(self, digest: bytes, raw_header: bytes, reason: str) -> None:
+        """Move a damaged record out of service (header kept in ``quarantine`` for inspection)."""
+        with self._rw.shared(), self._write_lock:
+            assert self._env is not None
+            try:
+                with self._env.begin(write=True) as txn:
+                    if bytes(txn.get(digest, db=self._meta) or b"") == raw_header:
+                        self._quarantine_in(txn, digest, raw_header, reason)
+            except lmdb.Error as exc:
+                log.error("nvme tier: quarantine failed: %s", exc)
+        self._set_record(digest, None)
+
+    def _quarantine_in(self, txn: lmdb.Transaction, digest: bytes, raw_header: bytes, reason: str) -> None:
+        note = {"reason": reason, "time": time.time(), "header": raw_header[:4096].hex()}
+        txn.put(digest, json.dumps(note).encode(), db=self._quarantine)
+        txn.delete(digest, db=self._meta)
+        txn.delete(digest, db=self._data)
+        self.counters["quarantined"] += 1
+
+    def quarantined(self) -> dict[bytes, dict]:
+        """Digest -> ``{"reason", "time", "header"}`` of every quarantined record."""
+        assert self._env is not None
+        with self._env.begin() as txn:
+            return {bytes(k): json.loads(v) for k, v in txn.cursor(db=self._quarantine)}
+
+    # ------------------------------------------------------------------------------- closing
+
+    def close(self) -> None:
+        """Close LMDB (committed data is already durable) and release the directory lock. Idempotent."""
+        if self._env is not None:
+            with self._rw.exclusive():
+                self._env.close()
+                self._env = None
+        if self._lock_file is not None:
+            try:
+                fcntl.flock(self._lock_file.fileno(), fcntl.LOCK_UN)
+            finally:
+                self._lock_file.close()
+                self._lock_file = None
+
+    @property
+    def closed(self) -> bool:
+        return self._env is None

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv (if needed) and install ectier with the given extras. Usage: scripts/bootstrap.sh test,demo
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-demo}"
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+# torch: users bring vLLM's build; here we pin the CPU build 2.13.0 when none is installed
+# (an unpinned torch would pull a multi-GB CUDA build).
+if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+  .venv/bin/pip install --quiet "torch==2.13.0"
+fi
+.venv/bin/pip install --quiet -e ".[${extras}]"

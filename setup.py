@@ -1,0 +1,43 @@
+"""ectier: a tiered store (GPU -> pinned host -> NVMe) for multimodal encoder outputs."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+
+setup(
+    name="ectier",
+    version="0.1.0",
+    description="Tiered encoder cache (host memory + NVMe/LMDB) for vision-language model serving",
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["ectier", "ectier.*"])
+    + find_packages(where="bindings", include=["ectier_vllm", "ectier_vllm.*"]),
+    package_dir={"ectier_vllm": "bindings/ectier_vllm"},
+    install_requires=[
+        # users bring vLLM's torch; any 2.x from 2.4 on has what ectier uses (fp8 dtypes, uint views)
+        "torch>=2.4,<3",
+        "numpy>=1.24",
+        "lmdb>=1.4",
+        "zstandard>=0.22",
+        "xxhash>=3.0",
+        "msgpack>=1.0",
+        "click>=8.1",
+        "rich>=13",
+        "PyYAML>=6",
+    ],
+    extras_require={
+        "gpu": ["cupy-cuda12x>=13"],
+        "vllm": ["vllm>=0.33,<0.34"],
+        "demo": ["scikit-image>=0.22", "safetensors>=0.4"],
+        "test": ["pytest>=8", "hypothesis>=6.100", "scikit-image>=0.22", "safetensors>=0.4"],
+        "bench": ["pytest-benchmark>=4", "matplotlib>=3.8", "safetensors>=0.4", "scikit-image>=0.22"],
+    },
+    entry_points={"console_scripts": ["ectier=ectier.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
