@@ -45,7 +45,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping, Optional, Tuple, Union
 
-from ectier.errors import ConfigError
+from .entry import DTYPE_ITEMSIZE
+from .errors import ConfigError
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -70,16 +71,7 @@ DEFAULT_MODEL = "qwen3-vl"
 MAX_ASPECT_RATIO = 200
 
 # Bytes per element of the dtypes we know by name; a ModelSpec naming one of these must agree.
-_DTYPE_ITEMSIZE = {
-    "bfloat16": 2,
-    "float16": 2,
-    "float32": 4,
-    "float64": 8,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int8": 1,
-    "uint8": 1,
-}
+_DTYPE_ITEMSIZE = DTYPE_ITEMSIZE
 
 
 def _check_int(value: object, name: str, *, minimum: int = 1) -> int:
