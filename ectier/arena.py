@@ -74,13 +74,21 @@ class BlockAllocator:
         """Return extents to the free runs, merging neighbours.
 
         Raises:
-            ValueError: an extent outside the region or overlapping a free run (double free).
+            ValueError: an extent outside the region, with a negative count, overlapping a free
+                run (double free) or another extent of the same call. Nothing is freed then.
         """
-        for start, count in extents:
-            if count <= 0:
+        # Check every extent before changing anything, so a bad call leaves the runs untouched.
+        prev_end = None
+        for start, count in sorted(extents):
+            if count < 0:
+                raise ValueError(f"extent ({start}, {count}): count must be >= 0")
+            if count == 0:
                 continue
             if start < 0 or start + count > self.nblocks:
                 raise ValueError(f"extent ({start}, {count}) lies outside 0..{self.nblocks}")
+            if prev_end is not None and start < prev_end:
+                raise ValueError(f"extent ({start}, {count}) overlaps another extent of the same free")
+            prev_end = start + count
             i = bisect.bisect_left(self._starts, start)
             prev_start = self._starts[i - 1] if i > 0 else None
             next_start = self._starts[i] if i < len(self._starts) else None
@@ -88,6 +96,12 @@ class BlockAllocator:
                 next_start is not None and start + count > next_start
             ):
                 raise ValueError(f"extent ({start}, {count}) is already free (double free)")
+        for start, count in extents:
+            if count == 0:
+                continue
+            i = bisect.bisect_left(self._starts, start)
+            prev_start = self._starts[i - 1] if i > 0 else None
+            next_start = self._starts[i] if i < len(self._starts) else None
             new_start, new_len = start, count
             if prev_start is not None and prev_start + self._runs[prev_start] == start:
                 new_start = prev_start

@@ -32,6 +32,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -81,8 +82,8 @@ def parse_bytes(value: int | str, *, field_name: str = "value") -> int:
             raise ConfigError(
                 f"{field_name}: cannot read {value!r} as bytes; use an int or e.g. '512MiB', '4GiB', '2GB'"
             )
-        number = float(m.group(1)) * _UNITS[m.group(2).lower()]
-        if number != int(number):
+        number = Fraction(m.group(1)) * _UNITS[m.group(2).lower()]  # exact: float loses bytes past 2**53
+        if number.denominator != 1:
             raise ConfigError(f"{field_name}: {value!r} is not a whole number of bytes")
         return int(number)
     raise ConfigError(f"{field_name}: expected int or str byte count, got {type(value).__name__}")
@@ -111,7 +112,7 @@ def _check_bool(name: str, value: Any) -> None:
 
 
 def _check_seconds(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:  # NaN too
         raise ConfigError(f"{name}: expected a number of seconds >= 0, got {value!r}")
 
 
@@ -374,7 +375,12 @@ def _env_value(name: str, raw: str, current: Any, type_text: str) -> Any:
         except ValueError:
             raise ConfigError(f"{name}: expected a number of seconds, got {raw!r}") from None
     if "int" in type_text:
-        return raw.strip()  # parsed (with units) by from_dict
+        if name.upper().endswith("_BYTES"):
+            return raw.strip()  # parsed (with units) by from_dict
+        try:
+            return int(raw.strip())
+        except ValueError:
+            raise ConfigError(f"{name}: expected an integer, got {raw!r}") from None
     return raw
 
 

@@ -165,7 +165,7 @@ class EntryMeta:
         ):
             raise InvalidTensorError(f"shape: expected a tuple of ints >= 0, got {self.shape!r}")
         expected = math.prod(self.shape) * itemsize
-        if self.nbytes != expected:
+        if isinstance(self.nbytes, bool) or not isinstance(self.nbytes, int) or self.nbytes != expected:
             raise InvalidTensorError(
                 f"nbytes: {self.nbytes} does not match shape {self.shape} x {itemsize} bytes ({expected})"
             )

@@ -125,15 +125,16 @@ class ArenaIndex:
 
     def abort(self, slot: Slot) -> None:
         """Give a reserved slot's blocks back."""
-        if slot.state is not EntryState.RESERVED:
-            raise ValueError(f"abort: slot is {slot.state.value}, not reserved")
+        if slot.state is not EntryState.RESERVED or slot.freed:
+            raise ValueError(f"abort: slot is {'aborted' if slot.freed else slot.state.value}, not reserved")
         self.reserved_bytes -= slot.alloc_bytes
         self._release(slot)
 
     def commit(self, slot: Slot) -> Slot | None:
         """Make a reserved slot visible under its digest; returns the slot it replaced (now removed)."""
-        if slot.state is not EntryState.RESERVED:
-            raise ValueError(f"commit: slot is {slot.state.value}, not reserved")
+        if slot.state is not EntryState.RESERVED or slot.freed:
+            # an aborted slot keeps state RESERVED but its blocks may already hold another entry
+            raise ValueError(f"commit: slot is {'aborted' if slot.freed else slot.state.value}, not reserved")
         self.reserved_bytes -= slot.alloc_bytes
         old = self._slots.get(slot.digest)
         if old is not None:

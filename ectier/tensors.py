@@ -71,12 +71,19 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     Zero-copy for a contiguous tensor; a non-contiguous tensor is first made contiguous (one copy),
     so what is stored is always the logical C-order content, whatever the strides.
     """
-    t = tensor.detach()
+    # Lazy conjugate / negative-bit views (``x.conj()`` of a complex tensor) keep the original bytes
+    # plus a flag; ``view(uint8)`` refuses them. Materialise the logical values (no copy without a flag).
+    t = tensor.detach().resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
     if t.dim() == 0:
         t = t.reshape(1)
-    return t.reshape(-1).view(torch.uint8)
+    flat = t.reshape(-1)
+    if flat.stride(0) != 1:
+        # Only a tensor of 0 or 1 element is "contiguous" with another stride (``x[::5][:1]``,
+        # ``empty[::2]``); view(uint8) needs stride 1. Same memory, zero-copy.
+        flat = flat.as_strided(flat.shape, (1,))
+    return flat.view(torch.uint8)
 
 
 def empty_for(meta: EntryMeta, device: torch.device | str = "cpu", *, pin_memory: bool = False) -> torch.Tensor:

@@ -1,0 +1,493 @@
+"""Tests for ectier.config: defaults, validation messages, parse_bytes, loaders (dict, JSON, YAML,
+env), round trips and immutability."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ectier.config import CacheConfig, HostTierConfig, NvmeTierConfig, format_bytes, parse_bytes
+from ectier.errors import ConfigError, EctierError
+
+KiB, MiB, GiB, TiB = 1024, 1024**2, 1024**3, 1024**4
+
+
+# -------------------------------------------------------------------------------- defaults
+
+
+def test_defaults_are_valid_and_documented_values():
+    c = CacheConfig()
+    assert c.namespace == "default"
+    assert c.host == HostTierConfig() and c.nvme == NvmeTierConfig()
+    assert c.host.capacity_bytes == GiB
+    assert c.host.block_bytes == 256 * KiB
+    assert c.host.pin_memory is None
+    assert c.host.admit_wait_s == 5.0
+    assert c.nvme.path is None and not c.nvme.enabled
+    assert c.nvme.capacity_bytes == 16 * GiB
+    assert c.nvme.codec == "raw"
+    assert c.nvme.sync is True and c.nvme.write_through is False and c.nvme.flush_on_close is True
+    assert c.nvme.map_initial_bytes == 256 * MiB and c.nvme.map_max_bytes is None
+
+
+def test_config_error_is_an_ectier_value_error():
+    assert issubclass(ConfigError, EctierError) and issubclass(ConfigError, ValueError)
+
+
+def test_frozen():
+    c = CacheConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.namespace = "x"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.host.capacity_bytes = 1  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.nvme.path = "/tmp"  # type: ignore[misc]
+
+
+def test_map_ceiling_bytes():
+    assert NvmeTierConfig(capacity_bytes=GiB).map_ceiling_bytes == 2 * GiB + 256 * MiB
+    assert NvmeTierConfig(map_max_bytes=512 * MiB).map_ceiling_bytes == 512 * MiB
+    assert NvmeTierConfig(capacity_bytes=0, map_initial_bytes=512 * MiB).map_ceiling_bytes == 512 * MiB
+
+
+def test_nvme_path_accepts_pathlike(tmp_path):
+    n = NvmeTierConfig(path=tmp_path)
+    assert n.path == str(tmp_path) and isinstance(n.path, str) and n.enabled
+
+
+def test_replace_revalidates():
+    c = CacheConfig()
+    assert c.replace(namespace="m").namespace == "m"
+    with pytest.raises(ConfigError, match="^namespace"):
+        c.replace(namespace="")
+
+
+# ----------------------------------------------------------------------- field validation
+
+# (section, field, bad value): every one must raise ConfigError whose message starts with the
+# dotted field name, both from the dataclass constructor and from from_dict.
+BAD_FIELDS = [
+    ("host", "capacity_bytes", -1),
+    ("host", "capacity_bytes", 1.5),
+    ("host", "capacity_bytes", True),
+    ("host", "block_bytes", 3 * KiB),
+    ("host", "block_bytes", 5 * KiB),  # not a power of two
+    ("host", "block_bytes", 128 * MiB),  # above 64 MiB
+    ("host", "block_bytes", 0),
+    ("host", "pin_memory", "yes"),
+    ("host", "pin_memory", 1),
+    ("host", "admit_wait_s", -0.1),
+    ("host", "admit_wait_s", "5"),
+    ("host", "admit_wait_s", True),
+    ("host", "admit_wait_s", math.nan),
+    ("nvme", "path", ""),
+    ("nvme", "path", 42),
+    ("nvme", "capacity_bytes", -5),
+    ("nvme", "codec", "lz4"),
+    ("nvme", "codec", 0),
+    ("nvme", "zstd_level", 23),
+    ("nvme", "zstd_level", -8),
+    ("nvme", "zstd_level", 1.0),
+    ("nvme", "sync", "false"),
+    ("nvme", "write_through", 0),
+    ("nvme", "flush_on_close", None),
+    ("nvme", "map_initial_bytes", MiB - 1),
+    ("nvme", "map_max_bytes", MiB - 1),
+    ("nvme", "map_max_bytes", 128 * MiB),  # below map_initial_bytes (256 MiB)
+]
+SECTION_CLS = {"host": HostTierConfig, "nvme": NvmeTierConfig}
+
+
+@pytest.mark.parametrize("section, name, value", BAD_FIELDS, ids=[f"{s}.{n}={v!r}" for s, n, v in BAD_FIELDS])
+def test_bad_field_from_constructor_names_dotted_field(section, name, value):
+    with pytest.raises(ConfigError) as info:
+        SECTION_CLS[section](**{name: value})
+    assert str(info.value).startswith(f"{section}.{name}:"), str(info.value)
+
+
+@pytest.mark.parametrize("section, name, value", BAD_FIELDS, ids=[f"{s}.{n}={v!r}" for s, n, v in BAD_FIELDS])
+def test_bad_field_from_dict_names_dotted_field(section, name, value):
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.from_dict({section: {name: value}})
+    assert str(info.value).startswith(f"{section}.{name}:"), str(info.value)
+
+
+@pytest.mark.parametrize("value", ["", 5, None, "x" * 4097, "é" * 2049])
+def test_bad_namespace(value):
+    with pytest.raises(ConfigError, match="^namespace"):
+        CacheConfig(namespace=value)
+
+
+def test_namespace_limit_is_in_bytes():
+    CacheConfig(namespace="x" * 4096)
+    CacheConfig(namespace="é" * 2048)  # 4096 bytes
+
+
+@pytest.mark.parametrize("block", [4 * KiB, 8 * KiB, 256 * KiB, 64 * MiB])
+def test_good_block_sizes(block):
+    assert HostTierConfig(block_bytes=block).block_bytes == block
+
+
+def test_known_codecs_accepted():
+    for name in ("raw", "zstd", "zstd-planes"):
+        assert NvmeTierConfig(codec=name).codec == name
+
+
+def test_unknown_codec_names_field_and_lists_known():
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.from_dict({"nvme": {"codec": "zstd-plane"}})
+    msg = str(info.value)
+    assert msg.startswith("nvme.codec:") and "zstd-planes" in msg and "raw" in msg
+
+
+def test_host_capacity_zero_needs_nvme(tmp_path):
+    with pytest.raises(ConfigError, match=r"^host\.capacity_bytes.*nvme\.path"):
+        CacheConfig(host=HostTierConfig(capacity_bytes=0))
+    c = CacheConfig(host=HostTierConfig(capacity_bytes=0), nvme=NvmeTierConfig(path=str(tmp_path)))
+    assert c.host.capacity_bytes == 0
+
+
+@pytest.mark.parametrize("field, value", [("host", {"capacity_bytes": 1}), ("nvme", "raw")])
+def test_section_of_wrong_type(field, value):
+    with pytest.raises(ConfigError, match=f"^{field}"):
+        CacheConfig(**{field: value})
+
+
+# ------------------------------------------------------------------------------ parse_bytes
+
+UNIT_FACTORS = {
+    "": 1, "B": 1, "b": 1,
+    "K": 10**3, "KB": 10**3, "kb": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12, "TB": 10**12,
+    "KiB": 2**10, "kib": 2**10, "MiB": 2**20, "GiB": 2**30, "GIB": 2**30, "TiB": 2**40,
+}
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("4GiB", 4 * 2**30),
+        ("2GB", 2 * 10**9),
+        ("1.5KiB", 1536),
+        ("512 MB", 512 * 10**6),
+        ("  64MiB  ", 64 * 2**20),
+        ("1048576", 1048576),
+        ("0", 0),
+        ("0.5KiB", 512),
+        ("0.25MB", 250_000),
+        ("1TiB", 2**40),
+    ],
+)
+def test_parse_bytes_examples(text, expected):
+    assert parse_bytes(text) == expected
+    assert type(parse_bytes(text)) is int
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["", "GiB", "4 GiBs", "4XB", "-1", "-1GiB", "1.5", "0.3B", "1e9", "4 G i B", "1,000", "0x10", "1.2.3KiB", "nan"],
+)
+def test_parse_bytes_rejects_bad_strings(bad):
+    with pytest.raises(ConfigError, match="^host.capacity_bytes:"):
+        parse_bytes(bad, field_name="host.capacity_bytes")
+
+
+@pytest.mark.parametrize("bad", [-1, -(2**40), True, False, 1.0, 2.5, None, b"4GiB", [4]])
+def test_parse_bytes_rejects_bad_values(bad):
+    with pytest.raises(ConfigError, match="^field:"):
+        parse_bytes(bad, field_name="field")
+
+
+@given(st.integers(min_value=0, max_value=2**80))
+def test_parse_bytes_int_and_decimal_string_are_exact(n):
+    assert parse_bytes(n) == n
+    assert parse_bytes(str(n)) == n  # no float rounding, even past 2**53
+
+
+@settings(max_examples=200)
+@given(st.integers(min_value=0, max_value=10**6), st.sampled_from(sorted(UNIT_FACTORS)))
+def test_parse_bytes_units(n, unit):
+    assert parse_bytes(f"{n}{unit}") == n * UNIT_FACTORS[unit]
+    assert parse_bytes(f"{n} {unit}".strip()) == n * UNIT_FACTORS[unit]
+
+
+@given(st.integers(min_value=0, max_value=2**40), st.integers(min_value=1, max_value=9))
+def test_parse_bytes_fractions_of_kib(n, tenths):
+    text = f"{n}.{tenths}KiB"
+    if tenths == 5:  # x.5 KiB = x KiB + 512 B; every other tenth of 1024 is fractional
+        assert parse_bytes(text) == n * 1024 + 512
+    else:
+        with pytest.raises(ConfigError, match="whole number"):
+            parse_bytes(text)
+
+
+def test_format_bytes():
+    assert format_bytes(0) == "0 B"
+    assert format_bytes(1023) == "1023 B"
+    assert format_bytes(1536) == "1.5 KiB"
+    assert format_bytes(33423360) == "31.9 MiB"
+    assert format_bytes(3 * TiB) == "3.0 TiB"
+    assert format_bytes(5000 * TiB) == "5000.0 TiB"
+
+
+# -------------------------------------------------------------------------------- from_dict
+
+
+def test_from_dict_parses_byte_strings_everywhere():
+    c = CacheConfig.from_dict(
+        {
+            "namespace": "Qwen/Qwen3-VL@main:bfloat16",
+            "host": {"capacity_bytes": "4GiB", "block_bytes": "1MiB", "pin_memory": False, "admit_wait_s": 0.5},
+            "nvme": {
+                "path": "/nvme/ec",
+                "capacity_bytes": "2GB",
+                "codec": "zstd-planes",
+                "zstd_level": 3,
+                "sync": False,
+                "map_initial_bytes": "512MiB",
+                "map_max_bytes": "10GiB",
+            },
+        }
+    )
+    assert c.namespace == "Qwen/Qwen3-VL@main:bfloat16"
+    assert c.host == HostTierConfig(4 * GiB, MiB, False, 0.5)
+    assert c.nvme.capacity_bytes == 2 * 10**9
+    assert c.nvme.map_initial_bytes == 512 * MiB and c.nvme.map_max_bytes == 10 * GiB
+    assert (c.nvme.codec, c.nvme.zstd_level, c.nvme.sync) == ("zstd-planes", 3, False)
+
+
+def test_from_dict_empty_and_null_sections_are_defaults():
+    assert CacheConfig.from_dict({}) == CacheConfig()
+    assert CacheConfig.from_dict({"host": None, "nvme": {}}) == CacheConfig()
+
+
+def test_from_dict_accepts_section_objects():
+    host = HostTierConfig(capacity_bytes=MiB)
+    assert CacheConfig.from_dict({"host": host}).host is host
+
+
+@pytest.mark.parametrize(
+    "data, dotted, hint",
+    [
+        ({"hots": {}}, "hots", "host"),
+        ({"host": {"capacity": 1}}, "host.capacity", "host.capacity_bytes"),
+        ({"nvme": {"zstd_levle": 3}}, "nvme.zstd_levle", "nvme.zstd_level"),
+        ({"namespce": "x"}, "namespce", "namespace"),
+    ],
+)
+def test_from_dict_unknown_key_did_you_mean(data, dotted, hint):
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.from_dict(data)
+    msg = str(info.value)
+    assert msg.startswith(f"{dotted}: unknown setting")
+    assert f"did you mean {hint}?" in msg
+
+
+def test_from_dict_unknown_key_without_close_match_lists_known():
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.from_dict({"host": {"zzzzzz": 1}})
+    msg = str(info.value)
+    assert msg.startswith("host.zzzzzz: unknown setting") and "did you mean" not in msg
+    assert "capacity_bytes" in msg and "block_bytes" in msg
+
+
+@pytest.mark.parametrize("data, name", [([], "config"), ({"host": 5}, "host"), ({"nvme": "x"}, "nvme")])
+def test_from_dict_non_mapping(data, name):
+    with pytest.raises(ConfigError, match=f"^{name}: expected a mapping"):
+        CacheConfig.from_dict(data)
+
+
+def _nondefault() -> CacheConfig:
+    return CacheConfig(
+        namespace="m:bf16",
+        host=HostTierConfig(capacity_bytes=3 * GiB, block_bytes=64 * KiB, pin_memory=True, admit_wait_s=1.25),
+        nvme=NvmeTierConfig(
+            path="/data/ec", capacity_bytes=5 * GiB, codec="zstd", zstd_level=-3, sync=False,
+            write_through=True, flush_on_close=False, map_initial_bytes=64 * MiB, map_max_bytes=GiB,
+        ),
+    )
+
+
+def test_to_dict_round_trip_and_json_serializable():
+    c = _nondefault()
+    d = c.to_dict()
+    assert d["host"]["capacity_bytes"] == 3 * GiB and d["nvme"]["path"] == "/data/ec"
+    assert CacheConfig.from_dict(d) == c
+    assert CacheConfig.from_dict(json.loads(json.dumps(d))) == c
+    assert CacheConfig.from_dict(CacheConfig().to_dict()) == CacheConfig()
+
+
+# --------------------------------------------------------------------------------- files
+
+
+def test_from_json_file_and_text(tmp_path):
+    c = _nondefault()
+    text = json.dumps(c.to_dict())
+    p = tmp_path / "c.json"
+    p.write_text(text)
+    assert CacheConfig.from_json(p) == c
+    assert CacheConfig.from_json(str(p)) == c
+    assert CacheConfig.from_json(text) == c
+    assert CacheConfig.from_json('{"host": {"capacity_bytes": "2MiB"}}').host.capacity_bytes == 2 * MiB
+
+
+def test_from_json_errors(tmp_path):
+    with pytest.raises(ConfigError, match="invalid JSON"):
+        CacheConfig.from_json("{not json")
+    with pytest.raises(ConfigError, match="cannot read"):
+        CacheConfig.from_json(tmp_path / "missing.json")
+    p = tmp_path / "list.json"
+    p.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="mapping"):
+        CacheConfig.from_json(p)
+    with pytest.raises(ConfigError, match=r"^host\.capacity_bytes"):
+        CacheConfig.from_json('{"host": {"capacity_bytes": "lots"}}')
+
+
+def test_from_yaml_file_and_text(tmp_path):
+    text = "namespace: m\nhost:\n  capacity_bytes: 4GiB\n  pin_memory: false\nnvme:\n  path: /x\n  map_max_bytes: null\n"
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    for source in (p, str(p), text):
+        c = CacheConfig.from_yaml(source)
+        assert c.namespace == "m"
+        assert c.host.capacity_bytes == 4 * GiB and c.host.pin_memory is False
+        assert c.nvme.path == "/x" and c.nvme.map_max_bytes is None
+
+
+def test_from_yaml_empty_file_is_defaults_and_errors(tmp_path):
+    p = tmp_path / "empty.yaml"
+    p.write_text("")
+    assert CacheConfig.from_yaml(p) == CacheConfig()
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        CacheConfig.from_yaml("host: [\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        CacheConfig.from_yaml("- a\n- b\n")
+    with pytest.raises(ConfigError, match=r"^nvme\.sinc: unknown setting; did you mean nvme\.sync"):
+        CacheConfig.from_yaml("nvme:\n  sinc: true\n")
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml", ".yml", ".JSON"])
+def test_load_by_suffix(tmp_path, suffix):
+    c = _nondefault()
+    p = tmp_path / f"cfg{suffix}"
+    if suffix.lower() == ".json":
+        p.write_text(json.dumps(c.to_dict()))
+    else:
+        import yaml
+
+        p.write_text(yaml.safe_dump(c.to_dict()))
+    assert CacheConfig.load(p) == c
+    assert CacheConfig.load(str(p)) == c
+
+
+def test_load_unknown_suffix(tmp_path):
+    p = tmp_path / "cfg.toml"
+    p.write_text("")
+    with pytest.raises(ConfigError, match=r"\.json, \.yaml or \.yml"):
+        CacheConfig.load(p)
+
+
+# ---------------------------------------------------------------------------------- env
+
+
+def test_from_env_overlays_defaults():
+    c = CacheConfig.from_env(
+        {
+            "ECTIER_NAMESPACE": "model-a",
+            "ECTIER_HOST__CAPACITY_BYTES": "2GiB",
+            "ECTIER_HOST__PIN_MEMORY": "no",
+            "ECTIER_HOST__ADMIT_WAIT_S": "0.25",
+            "ECTIER_NVME__PATH": "/nvme/ec",
+            "ECTIER_NVME__SYNC": "false",
+            "ECTIER_NVME__WRITE_THROUGH": "1",
+            "ECTIER_NVME__MAP_MAX_BYTES": "none",
+            "ECTIER_NVME__CODEC": "zstd",
+            "PATH": "/usr/bin",  # not ours: ignored
+            "OTHER_ECTIER_HOST": "x",
+        }
+    )
+    assert c.namespace == "model-a"
+    assert c.host.capacity_bytes == 2 * GiB and c.host.pin_memory is False and c.host.admit_wait_s == 0.25
+    assert c.nvme.path == "/nvme/ec" and c.nvme.sync is False and c.nvme.write_through is True
+    assert c.nvme.map_max_bytes is None and c.nvme.codec == "zstd"
+    # untouched fields keep their defaults
+    assert c.host.block_bytes == 256 * KiB and c.nvme.flush_on_close is True
+
+
+def test_from_env_empty_is_defaults():
+    assert CacheConfig.from_env({}) == CacheConfig()
+
+
+@pytest.mark.parametrize(
+    "raw, expected", [("true", True), ("YES", True), ("on", True), ("0", False), ("Off", False), ("null", None)]
+)
+def test_from_env_booleans_and_null(raw, expected):
+    assert CacheConfig.from_env({"ECTIER_HOST__PIN_MEMORY": raw}).host.pin_memory is expected
+
+
+def test_from_env_plain_int_field():
+    assert CacheConfig.from_env({"ECTIER_NVME__ZSTD_LEVEL": "5"}).nvme.zstd_level == 5
+    with pytest.raises(ConfigError, match="ECTIER_NVME__ZSTD_LEVEL"):
+        CacheConfig.from_env({"ECTIER_NVME__ZSTD_LEVEL": "high"})
+
+
+def test_from_env_map_max_bytes_value():
+    c = CacheConfig.from_env({"ECTIER_NVME__MAP_MAX_BYTES": "8GiB"})
+    assert c.nvme.map_max_bytes == 8 * GiB
+
+
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        ({"ECTIER_NVME__SYNC": "maybe"}, "^ECTIER_NVME__SYNC: expected true/false"),
+        ({"ECTIER_HOST__ADMIT_WAIT_S": "soon"}, "^ECTIER_HOST__ADMIT_WAIT_S"),
+        ({"ECTIER_HOST__ADMIT_WAIT_S": "nan"}, r"^host\.admit_wait_s"),
+        ({"ECTIER_HOST__CAPACITY_BYTES": "lots"}, r"^host\.capacity_bytes"),
+        ({"ECTIER_HOST__CAPACITY_BYTES": "none"}, r"^host\.capacity_bytes"),  # not optional
+        ({"ECTIER_HOST__CAPACITY": "1"}, r"^ECTIER_HOST__CAPACITY: unknown.*did you mean ECTIER_HOST__CAPACITY_BYTES\?"),
+        ({"ECTIER_NVME__SYNCH": "1"}, r"did you mean ECTIER_NVME__SYNC\?"),
+        ({"ECTIER_DISK__PATH": "/x"}, r"^ECTIER_DISK__PATH: no config section 'disk'"),
+        ({"ECTIER_HOST": "1"}, "^ECTIER_HOST: unknown"),
+        ({"ECTIER_BOGUS": "1"}, "^ECTIER_BOGUS: unknown"),
+    ],
+)
+def test_from_env_errors_name_the_variable_or_field(env, match):
+    with pytest.raises(ConfigError, match=match):
+        CacheConfig.from_env(env)
+
+
+def test_from_env_layers_over_config_file(tmp_path):
+    p = tmp_path / "base.yaml"
+    p.write_text("namespace: from-file\nhost:\n  capacity_bytes: 3GiB\n  block_bytes: 1MiB\n")
+    c = CacheConfig.from_env({"ECTIER_CONFIG": str(p), "ECTIER_HOST__CAPACITY_BYTES": "5GiB"})
+    assert c.namespace == "from-file"  # from the file
+    assert c.host.block_bytes == MiB  # from the file
+    assert c.host.capacity_bytes == 5 * GiB  # env wins over the file
+
+
+def test_from_env_explicit_base_and_prefix():
+    base = _nondefault()
+    c = CacheConfig.from_env({"MY_NVME__ZSTD_LEVEL": "7", "ECTIER_NAMESPACE": "ignored"}, prefix="MY_", base=base)
+    assert c == dataclasses.replace(base, nvme=dataclasses.replace(base.nvme, zstd_level=7))
+
+
+def test_from_env_reads_os_environ(monkeypatch):
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("ECTIER_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("ECTIER_HOST__BLOCK_BYTES", "512KiB")
+    assert CacheConfig.from_env().host.block_bytes == 512 * KiB
+
+
+def test_from_env_result_is_validated_as_a_whole():
+    with pytest.raises(ConfigError, match=r"^host\.capacity_bytes.*nvme\.path"):
+        CacheConfig.from_env({"ECTIER_HOST__CAPACITY_BYTES": "0"})
+    c = CacheConfig.from_env({"ECTIER_HOST__CAPACITY_BYTES": "0", "ECTIER_NVME__PATH": "/nvme"})
+    assert c.host.capacity_bytes == 0
