@@ -1,0 +1,284 @@
+"""The ``ectier`` command line (console script ``ectier`` -> :func:`main`).
+
+::
+
+    ectier size 1920x1080 [1024x1024 ...] [--model qwen3-vl] [--json]   tokens, shape, bytes of images
+    ectier models [--json]                                               registered models
+    ectier demo [--requests 300 --zipf 1.1 --codec raw ...]              the main job (see ectier.demo)
+    ectier --version
+
+Bad arguments are usage errors (exit code 2, a message naming the argument, no traceback).
+``size`` and ``models`` need only the token math; ``demo`` imports torch and the cache lazily.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Optional
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from . import __version__
+from .config import format_bytes, parse_bytes
+from .errors import ConfigError, EctierError
+from .sizing import DEFAULT_MODEL, MODELS, ImageTokens, ModelSpec, get_model, image_tokens, parse_size
+
+__all__ = ["main"]
+
+
+# =================================================================================== param types
+
+
+class ImageSize(click.ParamType):
+    """``WIDTHxHEIGHT`` in pixels (``1920x1080``, ``1920×1080``, ``1920,1080``) -> ``(w, h)``."""
+
+    name = "WxH"
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> tuple[int, int]:
+        if isinstance(value, tuple):
+            return value
+        try:
+            return parse_size(value)
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class ModelName(click.ParamType):
+    """A registered model name or alias (any case) -> :class:`~ectier.sizing.ModelSpec`."""
+
+    name = "MODEL"
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> ModelSpec:
+        if isinstance(value, ModelSpec):
+            return value
+        try:
+            return get_model(value)
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class ByteSize(click.ParamType):
+    """A byte count: ``1048576``, ``64MiB``, ``2GB`` (IEC = powers of 1024, SI = powers of 1000)."""
+
+    name = "BYTES"
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        try:
+            return parse_bytes(value, field_name=param.name if param is not None else "value")
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+def _console() -> Console:
+    return Console(highlight=False)
+
+
+# ========================================================================================= group
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", "-V", prog_name="ectier", message="%(prog)s %(version)s")
+def main() -> None:
+    """ectier: a tiered encoder cache (host memory -> NVMe/LMDB) for vision-language-model encoder
+    outputs, keyed by vLLM's mm_hash."""
+
+
+# Room for the commands later issues add, next to these: `serve` (the daemon owning the host and
+# NVMe tiers), `stats` (a running cache's counters), `bench` (throughput benchmarks).
+
+
+# ========================================================================================== size
+
+
+def _size_record(info: ImageTokens) -> dict[str, Any]:
+    return {
+        "model": info.model,
+        "width": info.width,
+        "height": info.height,
+        "resized_width": info.resized_width,
+        "resized_height": info.resized_height,
+        "grid_t": info.grid_t,
+        "grid_h": info.grid_h,
+        "grid_w": info.grid_w,
+        "num_patches": info.num_patches,
+        "num_tokens": info.num_tokens,
+        "shape": list(info.shape),
+        "dtype": info.dtype,
+        "nbytes": info.nbytes,
+        "human": format_bytes(info.nbytes),
+    }
+
+
+@main.command()
+@click.argument("sizes", nargs=-1, required=True, type=ImageSize())
+@click.option("--model", "-m", type=ModelName(), default=DEFAULT_MODEL, show_default=True,
+              help="Model name or alias (see `ectier models`).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list (one object per size) instead of a table.")
+@click.pass_context
+def size(ctx: click.Context, sizes: tuple[tuple[int, int], ...], model: ModelSpec, as_json: bool) -> None:
+    """Vision tokens, encoder-output shape and bytes for images of SIZES (WIDTHxHEIGHT, pixels).
+
+    \b
+    Example: ectier size 1920x1080 1024x1024
+      1920x1080 -> resized 1920x1088, grid 1x68x120, 8160 patches, N=2040,
+      shape (2040, 8192) bfloat16, 33423360 bytes (31.9 MiB)
+    """
+    infos = []
+    for w, h in sizes:
+        try:
+            infos.append(image_tokens(w, h, model))
+        except ConfigError as exc:
+            param = next(p for p in ctx.command.params if p.name == "sizes")
+            raise click.BadParameter(f"{w}x{h}: {exc}", ctx=ctx, param=param) from None
+    if as_json:
+        click.echo(json.dumps([_size_record(i) for i in infos], indent=2))
+        return
+    console = _console()
+    console.print(f"model {model.name}: encoder output (N, {model.embed_dim}) {model.dtype}")
+    table = Table(show_edge=False, pad_edge=False)
+    table.add_column("", style="bold")
+    for i in infos:
+        table.add_column(f"{i.width}x{i.height}", justify="right")
+
+    def row(label: str, fn) -> None:
+        table.add_row(label, *(fn(i) for i in infos))
+
+    row("model", lambda i: i.model)
+    row("input WxH", lambda i: f"{i.width}x{i.height}")
+    if not model.is_fixed:
+        row("resized WxH", lambda i: f"{i.resized_width}x{i.resized_height}")
+        row("grid t×h×w", lambda i: f"{i.grid_t}x{i.grid_h}x{i.grid_w}")
+        row("patches", lambda i: str(i.num_patches))
+    else:
+        row("resized WxH", lambda i: f"(fixed {model.fixed_tokens} tokens)")
+    row("tokens N", lambda i: str(i.num_tokens))
+    row("shape", lambda i: f"({i.shape[0]}, {i.shape[1]})")
+    row("dtype", lambda i: i.dtype)
+    row("bytes", lambda i: str(i.nbytes))
+    row("size", lambda i: format_bytes(i.nbytes))
+    console.print(table)
+
+
+# ======================================================================================== models
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def models(as_json: bool) -> None:
+    """List the registered models: tokens per image, output width, dtype, bytes per image."""
+    rows = []
+    for spec in MODELS.values():
+        rows.append({
+            "name": spec.name,
+            "aliases": list(spec.aliases),
+            "tokens": "fixed" if spec.is_fixed else "patch-grid",
+            "min_tokens": spec.min_tokens,
+            "max_tokens": spec.max_tokens,
+            "embed_dim": spec.embed_dim,
+            "dtype": spec.dtype,
+            "bytes_per_token": spec.bytes_per_token,
+            "min_bytes": spec.min_tokens * spec.bytes_per_token,
+            "max_bytes": spec.max_tokens * spec.bytes_per_token,
+        })
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    table = Table(show_edge=False, pad_edge=False)
+    for col, just in (("name", "left"), ("tokens / image", "right"), ("width", "right"), ("dtype", "left"),
+                      ("bytes / image", "right")):
+        table.add_column(col, justify=just)
+    for r in rows:
+        tokens = (str(r["min_tokens"]) + " (fixed)" if r["tokens"] == "fixed"
+                  else f"{r['min_tokens']}–{r['max_tokens']}")
+        nbytes = (format_bytes(r["min_bytes"]) if r["min_bytes"] == r["max_bytes"]
+                  else f"{format_bytes(r['min_bytes'])}–{format_bytes(r['max_bytes'])}")
+        table.add_row(r["name"], tokens, str(r["embed_dim"]), r["dtype"], nbytes)
+    console = _console()
+    console.print("registered models (encoder output (N, width) of dtype; N tokens per image)")
+    console.print(table)
+    for r in rows:
+        if r["aliases"]:
+            console.print(f"{r['name']} aliases: {', '.join(r['aliases'])}", soft_wrap=True)
+
+
+# ========================================================================================== demo
+
+
+@main.command()
+@click.option("--requests", "-n", type=click.IntRange(min=1), default=300, show_default=True,
+              help="Requests in the replayed stream.")
+@click.option("--zipf", "-s", type=click.FloatRange(min=0.0), default=1.1, show_default=True,
+              help="Popularity exponent: image at rank r is requested with probability ~ r**-s (0 = uniform).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the request stream.")
+@click.option("--host-bytes", type=ByteSize(), default=None,
+              help="Host tier budget, e.g. 64MiB (default: 25% of the working set's unique bytes; 0 disables).")
+@click.option("--nvme-bytes", type=ByteSize(), default=None,
+              help="NVMe tier budget, e.g. 256MiB (default: 60% of the unique bytes; 0 disables).")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
+              help="Where the stores go (a fresh subdirectory, removed afterwards). Default: the temp dir.")
+@click.option("--codec", type=click.Choice(["raw", "zstd", "zstd-planes"]), default="raw", show_default=True,
+              help="NVMe tier codec.")
+@click.option("--sync/--no-sync", default=False, show_default=True,
+              help="fsync every NVMe commit (the safetensors baseline never fsyncs).")
+@click.option("--model", "-m", type=ModelName(), default=DEFAULT_MODEL, show_default=True,
+              help="Model whose encoder output is simulated (qwen3-vl: (N, 8192) bf16; gemma3: (256, 5376) bf16).")
+@click.option("--images", type=click.IntRange(min=1), default=None,
+              help="Use only the first N images of the working set (default: all).")
+@click.option("--no-baseline", is_flag=True, help="Skip the safetensors-file-per-item baseline.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Also write the summary as JSON to this file.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars or tables: one summary line.")
+@click.pass_context
+def demo(ctx: click.Context, requests: int, zipf: float, seed: int, host_bytes: Optional[int],
+         nvme_bytes: Optional[int], directory: Optional[str], codec: str, sync: bool, model: ModelSpec,
+         images: Optional[int], no_baseline: bool, json_path: Optional[str], quiet: bool) -> None:
+    """The main job: replay a Zipf-popular image stream through a TieredCache (host -> NVMe).
+
+    Real scikit-image photographs (plus 256x256, 1024x1024 and 1920x1080 resized photographs) go
+    through a deterministic stand-in encoder; misses are encoded and put, hits are verified
+    byte-exact against recomputation. Each request is also served by a safetensors file per item,
+    as vLLM's ECExampleConnector stores it, for comparison. Exit code 1 if any hit mismatched.
+    """
+    from . import demo as demo_mod  # torch, lmdb, scikit-image: only when needed
+
+    if host_bytes == 0 and nvme_bytes == 0:
+        raise click.UsageError("--host-bytes and --nvme-bytes are both 0: no tier could store anything", ctx=ctx)
+    opts = demo_mod.DemoOptions(
+        requests=requests, zipf=zipf, seed=seed, host_bytes=host_bytes, nvme_bytes=nvme_bytes,
+        dir=directory, codec=codec, sync=sync, baseline=not no_baseline, model=model.name, images=images,
+    )
+    console = _console()
+    try:
+        summary = demo_mod.run_demo(opts, console=console, quiet=quiet)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc), ctx=ctx) from None
+    except (EctierError, OSError) as exc:
+        raise click.ClickException(f"demo failed: {exc}") from None
+    if json_path is not None:
+        try:
+            demo_mod.write_json(summary, json_path)
+        except OSError as exc:
+            raise click.ClickException(f"--json: cannot write {json_path}: {exc}") from None
+    if quiet:
+        ect = summary["ectier"]
+        sp = summary["speedup"] or {}
+        load = f", load {sp['load']:.1f}x vs safetensors" if sp.get("load") else ""
+        click.echo(
+            f"{'OK' if summary['ok'] else 'FAIL'}: {ect['hits']}/{ect['requests']} hits "
+            f"({ect['hit_rate']:.1%} items, {ect['byte_hit_rate']:.1%} bytes), "
+            f"{summary['mismatches']} mismatches{load}, {summary['wall_s']:.1f} s"
+            + (" (synthetic pixels: scikit-image is not installed)" if summary["image_source"] == "synthetic" else "")
+        )
+    else:
+        demo_mod.print_summary(summary, console)
+    if not summary["ok"]:
+        ctx.exit(1)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

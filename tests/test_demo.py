@@ -1,0 +1,266 @@
+"""``ectier demo``: the main job, in small and fast runs, plus its building blocks.
+
+The small runs use the first six scikit-image photographs (~19 MiB of Qwen3-VL encoder outputs) with
+budgets far below that, so entries are evicted from the host arena, demoted to NVMe and promoted back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from rich.console import Console
+
+import ectier.demo as demo
+from ectier.cache import TieredCache
+from ectier.cli import main
+from ectier.errors import ConfigError
+from ectier.sizing import image_tokens
+
+# first six photographs: astronaut, camera, chelsea, coffee, rocket, coins (~19.4 MiB in all)
+SMALL = ["--images", "6", "--requests", "40", "--zipf", "0.8", "--seed", "3",
+         "--host-bytes", "6MiB", "--nvme-bytes", "10MiB"]
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner(env={"COLUMNS": "120"})
+
+
+def _run(runner, tmp_path, *args):
+    path = tmp_path / "summary.json"
+    result = runner.invoke(main, ["demo", *args, "--json", str(path)], catch_exceptions=False)
+    summary = json.loads(path.read_text()) if path.exists() else None
+    return result, summary
+
+
+# ======================================================================================== runs
+
+
+def test_small_demo_evicts_demotes_promotes_and_verifies(runner, tmp_path):
+    result, s = _run(runner, tmp_path, *SMALL, "--quiet", "--dir", str(tmp_path / "stores"))
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("OK:")
+    ect = s["ectier"]
+    host = ect["stats"]["tiers"]["host"]
+    nvme = ect["stats"]["tiers"]["nvme"]
+    assert s["ok"] is True and s["mismatches"] == 0 and ect["mismatches"] == 0
+    assert ect["hits"] > 0 and ect["misses"] > 0
+    assert ect["hits"] + ect["misses"] == 40
+    assert host["evictions"] > 0 and host["demotions"] > 0 and host["promotions"] > 0
+    assert ect["nvme_hits"] > 0 and ect["host_hits"] > 0
+    assert nvme["puts"] > 0
+    assert host["used_bytes"] <= host["capacity_bytes"] == 6 << 20
+    assert nvme["used_bytes"] <= nvme["capacity_bytes"] == 10 << 20
+    # the baseline ran on the same stream and never evicts: a miss only on first sight
+    base = s["baseline"]
+    assert base is not None and base["mismatches"] == 0
+    assert base["requests"] == 40 and base["misses"] == sum(1 for im in s["images"] if im["requests"])
+    assert base["hits"] == 40 - base["misses"] > 0
+    assert set(s["speedup"]) == {"load", "save", "total"}
+    assert all(v is None or v > 0 for v in s["speedup"].values())
+    assert ect["get_gbps"] > 0 and ect["put_gbps"] > 0 and ect["encoder_saved_s"] > 0
+    # the store lived in a fresh subdirectory of --dir and was removed
+    assert os.listdir(tmp_path / "stores") == []
+    # the images are the real photographs at their native sizes, keyed by 64-hex mm_hash
+    assert s["image_source"] == "scikit-image"
+    assert [im["name"] for im in s["images"]] == ["astronaut", "camera", "chelsea", "coffee", "rocket", "coins"]
+    for im in s["images"]:
+        assert len(im["mm_hash"]) == 64 and int(im["mm_hash"], 16) >= 0
+        assert im["nbytes"] == image_tokens(im["width"], im["height"]).nbytes
+
+
+def test_demo_prints_the_report(runner, tmp_path):
+    result, s = _run(runner, tmp_path, *SMALL, "--codec", "zstd-planes")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    for text in ("ectier demo", "working set", "tiers", "demotions", "promotions", "hit rate (items)",
+                 "hit rate (bytes)", "GB/s", "saved by", "all byte-exact", "safetensors-per-item", "OK:"):
+        assert text in out, text
+    assert s["budgets"]["codec"] == "zstd-planes"
+    assert s["ectier"]["stats"]["tiers"]["nvme"]["codec"] == "zstd-planes"
+
+
+def test_demo_verification_catches_altered_bytes(runner, tmp_path, monkeypatch):
+    original_get = TieredCache.get
+
+    def corrupting_get(self, key, **kwargs):
+        out = original_get(self, key, **kwargs)
+        if out is not None:
+            flat = out.view(-1).view(torch.uint8)
+            flat[flat.numel() // 2] ^= 0x01  # one bit of one element
+        return out
+
+    monkeypatch.setattr(TieredCache, "get", corrupting_get)
+    result, s = _run(runner, tmp_path, *SMALL, "--no-baseline")
+    assert result.exit_code == 1, result.output
+    assert "MISMATCHED" in result.output and "FAIL" in result.output
+    assert s["ok"] is False
+    assert s["mismatches"] == s["ectier"]["mismatches"] == s["ectier"]["hits"] > 0
+    assert s["ectier"]["mismatch_examples"][0]["mm_hash"] in {im["mm_hash"] for im in s["images"]}
+    assert s["baseline"] is None
+
+
+def test_demo_gemma3_fixed_tokens(runner, tmp_path):
+    result, s = _run(runner, tmp_path, "--model", "gemma3", "--images", "5", "--requests", "20",
+                     "--host-bytes", "6MiB", "--nvme-bytes", "8MiB", "--no-baseline", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert s["model"] == {"name": "gemma3", "embed_dim": 5376, "dtype": "bfloat16"}
+    assert {im["tokens"] for im in s["images"]} == {256}
+    assert s["ectier"]["hits"] > 0 and s["mismatches"] == 0
+
+
+def test_demo_entry_larger_than_every_tier_is_served_uncached(runner, tmp_path):
+    # hubble_deep_field (13.1 MiB) fits neither tier: put refuses it, the demo goes on
+    result, s = _run(runner, tmp_path, "--images", "7", "--requests", "30", "--zipf", "0.2",
+                     "--host-bytes", "3MiB", "--nvme-bytes", "6MiB", "--no-baseline")
+    assert result.exit_code == 0, result.output
+    ect = s["ectier"]
+    assert ect["put_refused"] > 0 and "EntryTooLargeError" in ect["put_refusal_reasons"]
+    assert ect["puts"] + ect["put_refused"] == ect["misses"]
+    assert ect["stats"]["tiers"]["host"]["skipped_too_large"] > 0
+    assert "puts refused" in result.output
+    assert s["ok"]
+
+
+def test_demo_default_budgets_follow_the_working_set(tmp_path):
+    s = demo.run_demo(demo.DemoOptions(images=4, requests=8, baseline=False, dir=str(tmp_path)),
+                      console=Console(quiet=True), quiet=True)
+    unique = s["unique_bytes"]
+    largest = max(im["nbytes"] for im in s["images"])
+    assert s["budgets"]["host_bytes"] >= max(unique * demo.DEFAULT_HOST_FRACTION, largest)
+    assert s["budgets"]["host_bytes"] < unique
+    assert s["budgets"]["nvme_bytes"] >= unique * demo.DEFAULT_NVME_FRACTION
+    assert s["ok"]
+
+
+def test_demo_without_scikit_image_uses_synthetic_pixels(tmp_path, monkeypatch):
+    def no_skimage():
+        raise ImportError("No module named 'skimage'")
+
+    monkeypatch.setattr(demo, "_import_skimage", no_skimage)
+    console = Console(record=True, width=200)
+    s = demo.run_demo(demo.DemoOptions(images=5, requests=15, host_bytes=3 << 20, nvme_bytes=8 << 20,
+                                       dir=str(tmp_path)), console=console)
+    assert "scikit-image is not installed" in console.export_text()
+    assert s["image_source"] == "synthetic"
+    assert all(im["source"] == "synthetic" for im in s["images"])
+    assert s["ok"] and s["ectier"]["hits"] > 0
+
+
+# ============================================================================== building blocks
+
+
+def test_load_images_skips_photographs_that_need_a_download(monkeypatch):
+    real = demo._import_skimage()
+
+    def offline(exc):
+        def loader():
+            raise exc
+        return loader
+
+    fake = types.SimpleNamespace(**{name: getattr(real, name) for name in demo.SKIMAGE_PHOTOS})
+    fake.camera = offline(ModuleNotFoundError("requires pooch"))
+    fake.coffee = offline(ConnectionError("network is unreachable"))
+    monkeypatch.setattr(demo, "_import_skimage", lambda: fake)
+    notes = []
+    images, origin = demo.load_images(warn=notes.append)
+    names = [im.name for im in images]
+    assert origin == "scikit-image"
+    assert "camera" not in names and "coffee" not in names and "astronaut" in names
+    assert sum("skipped" in n for n in notes) == 2
+    # the seed sizes are still there, made from real photographs
+    sizes = {(im.width, im.height) for im in images if im.source == "skimage-resized"}
+    assert sizes == {(256, 256), (1024, 1024), (1920, 1080)}
+
+
+def test_working_set_has_the_seed_sizes_and_distinct_keys():
+    images, origin = demo.load_images()
+    assert origin == "scikit-image"
+    assert len({im.mm_hash for im in images}) == len(images) >= 15
+    seed_sizes = {(im.width, im.height) for im in images if im.source == "skimage-resized"}
+    assert seed_sizes == {(256, 256), (1024, 1024), (1920, 1080)}
+    assert {im.name for im in images} >= {"astronaut", "coffee", "retina", "hubble_deep_field"}
+    for im in images:
+        assert im.pixels.dtype == np.uint8
+
+
+def test_mm_hash_is_a_content_hash():
+    a = np.arange(12, dtype=np.uint8).reshape(3, 4)
+    assert demo.mm_hash(a) == demo.mm_hash(a.copy())
+    assert len(demo.mm_hash(a)) == 64
+    b = a.copy()
+    b[0, 0] += 1
+    assert demo.mm_hash(a) != demo.mm_hash(b)
+    assert demo.mm_hash(a) != demo.mm_hash(a.reshape(4, 3))  # same bytes, other shape
+
+
+def test_stand_in_encoder_shapes_and_determinism():
+    enc = demo.StandInEncoder()
+    rng = np.random.default_rng(0)
+    for w, h, n in ((256, 256, 64), (1024, 1024, 1024), (1920, 1080, 2040), (300, 200, None)):
+        px = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        out = enc.encode(px)
+        assert out.dtype == torch.bfloat16 and out.is_contiguous()
+        assert tuple(out.shape) == image_tokens(w, h).shape
+        if n is not None:
+            assert out.shape[0] == n
+        again = demo.StandInEncoder().encode(px)  # another instance, same seed: same bytes
+        assert torch.equal(out.view(torch.int16), again.view(torch.int16))
+    grey = rng.integers(0, 256, (300, 400), dtype=np.uint8)
+    out = enc.encode(grey)
+    # one pixel changes the output
+    grey2 = grey.copy()
+    grey2[123, 321] ^= 0x80
+    assert not torch.equal(out, enc.encode(grey2))
+    g = demo.StandInEncoder("gemma3").encode(grey)
+    assert tuple(g.shape) == (256, 5376) and g.dtype == torch.bfloat16
+    with pytest.raises(ConfigError, match="pixels"):
+        enc.encode(grey.astype(np.float32))
+
+
+def test_zipf_stream():
+    a = demo.zipf_stream(10, 2000, 1.1, seed=7)
+    assert a == demo.zipf_stream(10, 2000, 1.1, seed=7)
+    assert a != demo.zipf_stream(10, 2000, 1.1, seed=8)
+    counts = np.bincount(a, minlength=10)
+    assert sorted(counts)[-1] > 4 * sorted(counts)[0]  # skewed
+    uniform = np.bincount(demo.zipf_stream(10, 5000, 0.0, seed=1), minlength=10)
+    assert uniform.min() > 350
+    for args, field in (((0, 5, 1.0, 0), "images"), ((3, 0, 1.0, 0), "requests"), ((3, 5, -1.0, 0), "zipf"),
+                        ((3, 5, float("nan"), 0), "zipf")):
+        with pytest.raises(ConfigError, match=field):
+            demo.zipf_stream(*args)
+
+
+def test_safetensors_baseline_layout_and_round_trip(tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    store = demo.SafetensorsPerItemStore(tmp_path)
+    key = "ab" * 32
+    t = torch.randn(64, 8192).to(torch.bfloat16)
+    assert not store.has(key)
+    store.save(key, t)
+    path = tmp_path / key / "encoder_cache.safetensors"
+    assert store.has(key) and path.is_file()
+    assert set(safetensors_torch.load_file(str(path))) == {"ec_cache"}
+    back = store.load(key)
+    assert back.dtype == t.dtype and torch.equal(back.view(torch.int16), t.view(torch.int16))
+    with pytest.raises(FileNotFoundError):
+        store.load("cd" * 32)
+
+
+def test_same_bytes_is_bitwise():
+    a = torch.tensor([0.0, 1.0], dtype=torch.bfloat16)
+    b = torch.tensor([-0.0, 1.0], dtype=torch.bfloat16)
+    assert torch.equal(a, b)  # equal as numbers ...
+    assert not demo._same_bytes(a, b)  # ... not as bytes
+    assert demo._same_bytes(a, a.clone())
+    assert not demo._same_bytes(a, a.to(torch.float16))
+    assert not demo._same_bytes(a, a.reshape(2, 1))
+    odd = torch.arange(3, dtype=torch.uint8)
+    assert demo._same_bytes(odd, odd.clone()) and not demo._same_bytes(odd, odd + 1)
