@@ -78,6 +78,15 @@ class TieredCache:
         self._current: dict[bytes, int] = {}
         self._nvme_lru = LRUPolicy()
         self._nvme_reserved = 0
+        # deletes of records already taken out of the NVMe LRU, still counted in nvme.used_bytes
+        self._nvme_busy = 0
+        # digest -> NVMe writes in flight for it: the record they replace was credited to them, so
+        # no other admission may take it as a victim
+        self._nvme_writing: Counter = Counter()
+        # thread ident -> digest that thread is promoting to host: until the promotion commits its
+        # NVMe copy is the only one, so the demotions that the promotion itself causes (in the
+        # same thread) must not evict it
+        self._promoting: dict[int, bytes] = {}
         if self._nvme is not None:
             for digest, rec in self._nvme.records():  # oldest write first = least recently used
                 self._current[digest] = rec.version
@@ -202,9 +211,10 @@ class TieredCache:
         """True if ``key`` is stored in some tier (answered from memory, no I/O).
 
         Raises:
-            InvalidKeyError: bad ``key``/``namespace``.
+            InvalidKeyError: bad ``key``/``namespace``. EctierError: the cache is closed.
         """
         ns, key = self._identity(key, namespace)
+        self._check_open()
         with self._cond:
             return entry_digest(ns, key) in self._current
 
@@ -228,8 +238,10 @@ class TieredCache:
                         self._cond.notify_all()
             self._forget_nvme_locked(digest)
             rec = self._nvme.record(digest) if self._nvme is not None else None
+            if rec is not None:
+                self._nvme_busy += 1
         if rec is not None:
-            self._nvme.delete(digest, only_version=rec.version)
+            self._nvme_delete_pending(digest, rec.version)
         return existed
 
     def __len__(self) -> int:
@@ -281,7 +293,11 @@ class TieredCache:
 
         Returns the number of entries written. A no-op without an NVMe tier. Used by ``close()``
         when ``nvme.flush_on_close`` so that a restart serves what was in host memory.
+
+        Raises:
+            EctierError: the cache is closed.
         """
+        self._check_open()
         if self._host is None or self._nvme is None:
             return 0
         with self._cond:
@@ -357,6 +373,18 @@ class TieredCache:
         For a promotion, nothing happens unless ``version`` is still the key's current version and
         the host does not hold the key. Returns True if committed.
         """
+        if promotion:
+            me = threading.get_ident()
+            with self._cond:
+                self._promoting[me] = digest
+            try:
+                return self._host_admit(digest, meta, version, src, promotion=True)
+            finally:
+                with self._cond:
+                    self._promoting.pop(me, None)
+        return self._host_admit(digest, meta, version, src, promotion=False)
+
+    def _host_admit(self, digest: bytes, meta: EntryMeta, version: int, src: torch.Tensor, *, promotion: bool) -> bool:
         host = self._host
         assert host is not None
         idx = host.index
@@ -394,6 +422,9 @@ class TieredCache:
         with self._cond:
             current = self._current.get(digest)
             superseded = (current is not None and current > version) if not promotion else current != version
+            # a newer put written to NVMe whose bookkeeping has not run yet also supersedes this one
+            rec = self._nvme.record(digest) if self._nvme is not None else None
+            superseded = superseded or (rec is not None and rec.version > version)
             if superseded or (promotion and idx.lookup(digest) is not None):
                 idx.abort(slot)
                 self._cond.notify_all()
@@ -402,39 +433,56 @@ class TieredCache:
             if replaced is not None:
                 self._cond.notify_all()
             self._current[digest] = version
-            rec = self._nvme.record(digest) if self._nvme is not None else None
             if rec is not None and rec.version == version:
                 slot.lower_copy = True
             elif rec is not None:
                 stale_nvme = rec.version
                 self._forget_nvme_locked(digest)
+                self._nvme_busy += 1
         if stale_nvme is not None:
             # the NVMe copy is an older version of this key: remove it before put returns, so a
             # restart never serves it
-            self._nvme.delete(digest, only_version=stale_nvme)
+            self._nvme_delete_pending(digest, stale_nvme)
         return True
 
     def _evict(self, victims: list[Slot]) -> None:
-        """Demote (or drop) host victims that this thread pinned, then remove them from the host."""
-        for v in victims:
-            if self._nvme is not None and not v.lower_copy:
-                self._demote_one(v)
-            with self._cond:
-                rec = self._nvme.record(v.digest) if self._nvme is not None else None
-                demoted = v.lower_copy and rec is not None and rec.version == v.version
-                if demoted:
-                    self._nvme_lru.touch(v.digest)
-                self._counters["host"]["evictions"] += 1
-                if demoted:
-                    self._counters["host"]["demotions"] += 1
-                else:
-                    self._counters["host"]["drops"] += 1
-                    if self._current.get(v.digest) == v.version:
-                        del self._current[v.digest]
-                if self._host is not None:
-                    self._host.index.remove(v)
-                    self._host.index.unpin(v)
-                self._cond.notify_all()
+        """Demote (or drop) host victims that this thread pinned, then remove them from the host.
+
+        Every victim is removed and unpinned even if a demotion raises (the rest are then dropped
+        without demotion), so an unexpected error never leaks pinned host blocks.
+        """
+        pending = list(victims)
+        try:
+            while pending:
+                v = pending[0]
+                try:
+                    if self._nvme is not None and not v.lower_copy:
+                        self._demote_one(v)
+                finally:
+                    pending.pop(0)
+                    self._release_victim(v)
+        finally:
+            for v in pending:
+                self._release_victim(v)
+
+    def _release_victim(self, v: Slot) -> None:
+        """Remove an evicted host slot (counted as a demotion if NVMe holds its version, else a drop)."""
+        with self._cond:
+            rec = self._nvme.record(v.digest) if self._nvme is not None else None
+            demoted = v.lower_copy and rec is not None and rec.version == v.version
+            if demoted:
+                self._nvme_lru.touch(v.digest)
+            self._counters["host"]["evictions"] += 1
+            if demoted:
+                self._counters["host"]["demotions"] += 1
+            else:
+                self._counters["host"]["drops"] += 1
+                if self._current.get(v.digest) == v.version:
+                    del self._current[v.digest]
+            if self._host is not None:
+                self._host.index.remove(v)
+                self._host.index.unpin(v)
+            self._cond.notify_all()
 
     def _demote_one(self, slot: Slot) -> bool:
         """Write a pinned host slot to NVMe. True if NVMe now holds this version."""
@@ -518,51 +566,120 @@ class TieredCache:
         assert nvme is not None
         record = nvme.encode(meta, src, version)
         size = record.stored_bytes
+        deadline = time.monotonic() + self.config.host.admit_wait_s
         with self._cond:
-            if not register and self._current.get(digest) != version:
-                return False  # deleted or replaced meanwhile: nothing to demote
-            need = nvme.used_bytes + self._nvme_reserved + size - self.config.nvme.capacity_bytes
-            victims = self._nvme_lru.victims(need, protected=lambda d: d == digest) if need > 0 else []
-            if victims is None:
+            promoting = self._promoting.get(threading.get_ident())
+            while True:
+                if not register and self._current.get(digest) != version:
+                    return False  # deleted or replaced meanwhile: nothing to demote
+                current = self._current.get(digest)
+                if register and current is not None and current > version:
+                    return False  # a newer put of this key won the race: this put is ordered before it
+                # an older record of this key is replaced by this write: its bytes come back (unless
+                # it is out of the LRU already: then a delete or another admission counts on them)
+                old = nvme.record(digest)
+                replaced = old.stored_bytes if (
+                    old is not None and old.version < version and digest in self._nvme_lru) else 0
+                need = nvme.used_bytes + self._nvme_reserved + size - replaced - self.config.nvme.capacity_bytes
+                # skipped: this key, the entry this thread is promoting, keys with writes in flight,
+                # and entries whose record a delete in flight already removed (they free nothing)
+                victims = self._nvme_lru.victims(
+                    need, protected=lambda d: d == digest or d == promoting or d in self._nvme_writing
+                    or nvme.record(d) is None
+                ) if need > 0 else []
+                if victims is not None:
+                    break
+                remaining = deadline - time.monotonic()
+                if (self._nvme_reserved > 0 or self._nvme_busy > 0) and remaining > 0:
+                    # the budget is held by writes or deletes in flight: wait for them to finish
+                    self._cond.wait(timeout=min(remaining, 0.05))
+                    continue
                 self._counters["nvme"]["skipped_too_large"] += 1
                 if register:
                     raise TierWriteError("nvme tier: budget nvme.capacity_bytes is held by in-flight writes")
                 return False
             doomed = self._drop_nvme_victims_locked(victims)
             self._nvme_reserved += size
+            self._nvme_writing[digest] += 1
         try:
             for d, v in doomed:
-                nvme.delete(d, only_version=v)
+                if nvme.delete(d, only_version=v):
+                    self._after_nvme_delete(d, v)
             try:
                 written = nvme.write(digest, record)
             except TierWriteError:
                 self._count("nvme", write_failures=1)
                 raise
-        finally:
+        except BaseException:
             with self._cond:
-                self._nvme_reserved -= size
+                self._end_nvme_write_locked(digest, size)
+            raise
         stale = None
         with self._cond:
+            # the reservation ends only once the record is in the NVMe LRU (or marked stale), so
+            # a concurrent admission never sees its bytes as used but unevictable
+            self._end_nvme_write_locked(digest, size)
             current = self._current.get(digest)
             if written:
                 self._counters["nvme"]["puts"] += 1
                 self._counters["nvme"]["put_bytes"] += meta.nbytes
-            if register and (current is None or current < version):
+            rec = nvme.record(digest)
+            ours = rec is not None and rec.version == version
+            # register only while NVMe still holds this write (a delete after it leaves the key absent)
+            if register and ours and (current is None or current < version):
                 self._current[digest] = version
                 current = version
                 slot = self._host.index.lookup(digest) if self._host is not None else None
                 if slot is not None and slot.version != version:
                     if self._host.index.remove(slot):
                         self._cond.notify_all()
-            rec = nvme.record(digest)
-            if rec is not None and rec.version == version:
+            if ours:
                 if current == version:
                     self._nvme_lru.add(digest, rec.stored_bytes)
                     return True
                 stale = version
+                self._nvme_busy += 1
+                # our write replaced whatever record the LRU entry of this digest stood for
+                self._forget_nvme_locked(digest)
         if stale is not None:
-            nvme.delete(digest, only_version=stale)
+            self._nvme_delete_pending(digest, stale)
         return False
+
+    def _end_nvme_write_locked(self, digest: bytes, size: int) -> None:
+        self._nvme_reserved -= size
+        self._nvme_writing[digest] -= 1
+        if self._nvme_writing[digest] <= 0:
+            del self._nvme_writing[digest]
+        self._cond.notify_all()
+
+    def _nvme_delete_pending(self, digest: bytes, version: int) -> None:
+        """Delete an NVMe record that is no longer in the NVMe LRU (``_nvme_busy`` was raised for it)."""
+        assert self._nvme is not None
+        try:
+            if self._nvme.delete(digest, only_version=version):
+                self._after_nvme_delete(digest, version)
+        finally:
+            with self._cond:
+                self._nvme_busy -= 1
+                self._cond.notify_all()
+
+    def _after_nvme_delete(self, digest: bytes, version: int) -> None:
+        """Bookkeeping after NVMe record ``version`` was deleted outside the lock.
+
+        A concurrent write may have registered that very record between the decision to delete
+        it and the delete: then it must leave the NVMe LRU, and the key is gone unless the host
+        holds that version.
+        """
+        with self._cond:
+            if self._nvme is None or self._nvme.record(digest) is not None:
+                return
+            self._nvme_lru.remove(digest)
+            if self._current.get(digest) == version:
+                slot = self._host.index.lookup(digest) if self._host is not None else None
+                if slot is not None and slot.version == version:
+                    slot.lower_copy = False
+                else:
+                    del self._current[digest]
 
     def _nvme_read(self, digest: bytes, ns: str, key: str, version: int):
         nvme = self._nvme
@@ -575,7 +692,8 @@ class TieredCache:
                     self._host is None or self._host.index.lookup(digest) is None
                 ):
                     del self._current[digest]
-                self._nvme_lru.remove(digest)
+                if nvme.record(digest) is None:  # a newer record written meanwhile stays evictable
+                    self._nvme_lru.remove(digest)
             return None
         header, data = result
         if header.version != version:

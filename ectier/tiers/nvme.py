@@ -409,9 +409,10 @@ class NvmeTier:
             except lmdb.Error as exc:
                 log.error("nvme tier: delete failed: %s", exc)
                 return False
-        rec = self._records.get(digest)
-        if rec is not None and (only_version is None or rec.version == only_version):
-            self._set_record(digest, None)
+            # under the write lock: a write of a newer version cannot slip in between check and drop
+            rec = self._records.get(digest)
+            if rec is not None and (only_version is None or rec.version == only_version):
+                self._set_record(digest, None)
         return removed
 
     # ------------------------------------------------------------------------------- reading
@@ -428,35 +429,37 @@ class NvmeTier:
             failure: tuple[bytes, str] | None = None
             with self._env.begin(buffers=True) as txn:
                 raw = txn.get(digest, db=self._meta)
-                if raw is None:
-                    if digest in self._records:
-                        self._set_record(digest, None)
-                    return None
-                try:
-                    header = unpack_header(raw)
-                    if header.namespace != namespace or header.key != key:
-                        raise CorruptRecordError("record identity does not match the requested key")
-                    itemsize = DTYPE_ITEMSIZE.get(header.dtype)
-                    if itemsize is None:
-                        raise CorruptRecordError(f"unknown dtype {header.dtype!r}")
-                    expected = itemsize
-                    for d in header.shape:
-                        expected *= d
-                    if expected != header.raw_nbytes:
-                        raise CorruptRecordError("raw size does not match dtype and shape")
-                    payload = txn.get(digest, db=self._data)
-                    if payload is None:
-                        raise CorruptRecordError("payload missing")
-                    verify_payload(header, payload)
-                    out = torch.empty(header.raw_nbytes, dtype=torch.uint8)
+                if raw is not None:
                     try:
-                        codec = self.codec if header.codec_id == self.codec.codec_id else get_codec(header.codec_id)
-                    except UnknownCodecError as exc:
-                        raise CorruptRecordError(str(exc)) from None
-                    codec.decode_into(payload, out.numpy(), itemsize)
-                    return header, out
-                except CorruptRecordError as exc:
-                    failure = (bytes(raw), str(exc))
+                        header = unpack_header(raw)
+                        if header.namespace != namespace or header.key != key:
+                            raise CorruptRecordError("record identity does not match the requested key")
+                        itemsize = DTYPE_ITEMSIZE.get(header.dtype)
+                        if itemsize is None:
+                            raise CorruptRecordError(f"unknown dtype {header.dtype!r}")
+                        expected = itemsize
+                        for d in header.shape:
+                            expected *= d
+                        if expected != header.raw_nbytes:
+                            raise CorruptRecordError("raw size does not match dtype and shape")
+                        payload = txn.get(digest, db=self._data)
+                        if payload is None:
+                            raise CorruptRecordError("payload missing")
+                        verify_payload(header, payload)
+                        out = torch.empty(header.raw_nbytes, dtype=torch.uint8)
+                        try:
+                            codec = self.codec if header.codec_id == self.codec.codec_id else get_codec(header.codec_id)
+                        except UnknownCodecError as exc:
+                            raise CorruptRecordError(str(exc)) from None
+                        codec.decode_into(payload, out.numpy(), itemsize)
+                        return header, out
+                    except CorruptRecordError as exc:
+                        failure = (bytes(raw), str(exc))
+        if failure is None:
+            # No record in this read's snapshot. Forget the in-memory record only if LMDB still has
+            # none under the write lock: a write that committed after the snapshot began is kept.
+            self._forget_if_absent(digest)
+            return None
         self.counters["checksum_failures"] += 1
         log.warning("nvme tier: record %s failed its check (%s); quarantined, served as a miss",
                     digest.hex()[:16], failure[1])
@@ -464,16 +467,33 @@ class NvmeTier:
         return None
 
     def quarantine(self, digest: bytes, raw_header: bytes, reason: str) -> None:
-        """Move a damaged record out of service (header kept in ``quarantine`` for inspection)."""
+        """Move a damaged record out of service (header kept in ``quarantine`` for inspection).
+
+        Only the record with exactly ``raw_header`` is affected: a record written meanwhile under
+        the same digest stays in service.
+        """
         with self._rw.shared(), self._write_lock:
             assert self._env is not None
             try:
                 with self._env.begin(write=True) as txn:
-                    if bytes(txn.get(digest, db=self._meta) or b"") == raw_header:
+                    current = txn.get(digest, db=self._meta)
+                    replaced = current is not None and bytes(current) != raw_header
+                    if current is not None and not replaced:
                         self._quarantine_in(txn, digest, raw_header, reason)
             except lmdb.Error as exc:
                 log.error("nvme tier: quarantine failed: %s", exc)
-        self._set_record(digest, None)
+                replaced = False
+            if not replaced:
+                self._set_record(digest, None)
+
+    def _forget_if_absent(self, digest: bytes) -> None:
+        """Drop the in-memory record of ``digest`` if LMDB holds no header for it (under the write lock)."""
+        with self._rw.shared(), self._write_lock:
+            if digest not in self._records or self._env is None:
+                return
+            with self._env.begin() as txn:
+                if txn.get(digest, db=self._meta) is None:
+                    self._set_record(digest, None)
 
     def _quarantine_in(self, txn: lmdb.Transaction, digest: bytes, raw_header: bytes, reason: str) -> None:
         note = {"reason": reason, "time": time.time(), "header": raw_header[:4096].hex()}

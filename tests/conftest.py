@@ -1,0 +1,153 @@
+"""Shared helpers for the TieredCache / NVMe tier tests (CPU only, small budgets).
+
+Sizes: host arenas of a few hundred KiB to a few MiB in 64 KiB blocks, NVMe budgets of about 1 MiB,
+so evictions happen after a handful of puts and the whole suite stays fast on 2 cores.
+
+Byte-exact comparisons go through :func:`raw_bytes`, which reads a tensor's logical C-order content
+as ``uint8`` (so NaN payloads, negative zeros and fp8 bit patterns all count).
+"""
+
+from __future__ import annotations
+
+import math
+
+import lmdb
+import pytest
+import torch
+
+from ectier import CacheConfig, HostTierConfig, NvmeTierConfig, TieredCache
+from ectier.entry import entry_digest
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+#: the NVMe tier's fixed admission slack (``TieredCache._nvme_fits``): an entry of ``n`` bytes
+#: is admitted only when ``n + NVME_SLACK <= nvme.capacity_bytes``.
+NVME_SLACK = 4096 + 2 * 65536
+
+
+def float8_dtypes() -> list[torch.dtype]:
+    return [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
+
+
+ALL_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.uint8, torch.bool,
+              torch.int64, *float8_dtypes()]
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """The tensor's logical content in C order as raw bytes (independent of its strides)."""
+    flat = torch.empty(t.shape, dtype=t.dtype)
+    flat.copy_(t)  # element-wise copy into a fresh C-contiguous tensor
+    return flat.reshape(-1).view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """A tensor whose bytes are random (all bit patterns, NaN payloads included; bool is 0/1)."""
+    g = torch.Generator().manual_seed(seed)
+    n = math.prod(shape)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if dtype is torch.bool:
+        return torch.randint(0, 2, shape, generator=g, dtype=torch.uint8).bool()
+    b = torch.randint(0, 256, (n * itemsize,), generator=g, dtype=torch.uint8)
+    return b.view(dtype).reshape(shape)
+
+
+def filled(nbytes: int, value: int) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes`` bytes, byte i = (value * 7 + i) % 251 (distinct per value)."""
+    return ((torch.arange(nbytes, dtype=torch.int64) + value * 7) % 251).to(torch.uint8)
+
+
+def assert_same(got: torch.Tensor | None, expected: torch.Tensor) -> None:
+    """``got`` has ``expected``'s dtype and shape and the same bytes."""
+    assert got is not None, "expected a tensor, got a miss"
+    assert isinstance(got, torch.Tensor)
+    assert got.dtype == expected.dtype
+    assert tuple(got.shape) == tuple(expected.shape)
+    assert got.device.type == "cpu"
+    assert raw_bytes(got) == raw_bytes(expected)
+
+
+def digest(key: str, namespace: str = "test") -> bytes:
+    return entry_digest(namespace, key)
+
+
+def make_config(path, *, host_bytes: int = 1 * MiB, nvme_bytes: int = 1 * MiB, block_bytes: int = 64 * KiB,
+                namespace: str = "test", nvme: bool = True, admit_wait_s: float = 1.0, **nvme_kw) -> CacheConfig:
+    nvme_kw.setdefault("sync", False)
+    nvme_kw.setdefault("map_initial_bytes", 4 * MiB)
+    return CacheConfig(
+        namespace=namespace,
+        host=HostTierConfig(capacity_bytes=host_bytes, block_bytes=block_bytes, pin_memory=False,
+                            admit_wait_s=admit_wait_s),
+        nvme=NvmeTierConfig(path=str(path), capacity_bytes=nvme_bytes, **nvme_kw) if nvme else NvmeTierConfig(),
+    )
+
+
+@pytest.fixture
+def make_cache(tmp_path):
+    """``make_cache(**make_config kwargs, path=None) -> (cache, config)``; caches closed at teardown."""
+    caches: list[TieredCache] = []
+
+    def make(path=None, **kw):
+        cfg = make_config(path if path is not None else tmp_path / "nvme", **kw)
+        cache = TieredCache(cfg)
+        caches.append(cache)
+        return cache, cfg
+
+    yield make
+    for c in caches:
+        c.close()
+
+
+def open_lmdb(store_dir):
+    """Open a closed store's LMDB environment directly (for fault injection)."""
+    env = lmdb.open(str(store_dir / "lmdb"), subdir=True, max_dbs=4, map_size=1 << 30)
+    return env, env.open_db(b"meta"), env.open_db(b"data"), env.open_db(b"quarantine"), env.open_db(b"settings")
+
+
+def host_holds(cache: TieredCache, key: str, namespace: str = "test") -> bool:
+    return cache._host is not None and cache._host.index.lookup(digest(key, namespace)) is not None
+
+
+def nvme_holds(cache: TieredCache, key: str, namespace: str = "test") -> bool:
+    return cache._nvme is not None and cache._nvme.record(digest(key, namespace)) is not None
+
+
+def check_budgets(cache: TieredCache) -> None:
+    st = cache.stats()["tiers"]
+    if "host" in st:
+        assert 0 <= st["host"]["used_bytes"] <= st["host"]["capacity_bytes"]
+    if "nvme" in st:
+        assert 0 <= st["nvme"]["used_bytes"] <= st["nvme"]["capacity_bytes"]
+
+
+def check_quiescent(cache: TieredCache) -> None:
+    """Internal consistency of an idle cache: no pins or reservations, byte counts add up, and the
+    NVMe tier's in-memory records match what LMDB holds."""
+    with cache._cond:
+        if cache._host is not None:
+            idx = cache._host.index
+            slots = list(idx._slots.values())
+            assert idx.reserved_bytes == 0
+            assert all(s.pins == 0 for s in slots)
+            assert idx.used_bytes == sum(s.alloc_bytes for s in slots)
+            assert idx.used_bytes <= idx.capacity_bytes
+        if cache._nvme is not None:
+            nv = cache._nvme
+            recs = dict(nv._records)
+            assert nv.used_bytes == sum(r.stored_bytes for r in recs.values())
+            assert nv.used_bytes <= cache.config.nvme.capacity_bytes
+            with nv._env.begin() as txn:
+                on_disk = {bytes(k) for k, _ in txn.cursor(db=nv._meta)}
+                data_keys = {bytes(k) for k, _ in txn.cursor(db=nv._data)}
+            assert on_disk == set(recs), "NVMe records in memory differ from LMDB"
+            assert data_keys == on_disk
+            # every NVMe record is the current version of its key and can be evicted
+            assert set(cache._nvme_lru) == set(recs), "NVMe LRU differs from the NVMe records"
+            for d, rec in recs.items():
+                assert cache._current.get(d) == rec.version, "stale NVMe record left behind"
+        # every key the cache says it holds is held by some tier at its current version
+        for d, v in cache._current.items():
+            slot = cache._host.index.lookup(d) if cache._host is not None else None
+            rec = cache._nvme.record(d) if cache._nvme is not None else None
+            assert (slot is not None and slot.version == v) or (rec is not None and rec.version == v)

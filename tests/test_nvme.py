@@ -1,0 +1,620 @@
+"""NVMe tier contract, through TieredCache: restart, flush/write-through, checked reads with
+quarantine, orphans, codecs, map growth and ceiling, directory locking and open errors.
+
+Fault injection opens the closed store's LMDB environment directly (``conftest.open_lmdb``) or, for
+damage while the store is open, writes through the tier's own environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from ectier import StoreLockedError, StoreOpenError, TieredCache, TierWriteError
+from ectier.codec import registered_codecs
+
+from conftest import (
+    KiB,
+    MiB,
+    assert_same,
+    check_budgets,
+    check_quiescent,
+    digest,
+    filled,
+    host_holds,
+    make_config,
+    nvme_holds,
+    open_lmdb,
+    random_tensor,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def normal_bf16(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(torch.bfloat16)
+
+
+def reopen(cfg, **nvme_changes):
+    if nvme_changes:
+        cfg = cfg.replace(nvme=dataclasses.replace(cfg.nvme, **nvme_changes))
+    return TieredCache(cfg)
+
+
+def run_child(code: str, *args: str, **kw) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], env=env, cwd=REPO,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kw)
+
+
+# ============================================================================ restart
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_restart_serves_everything_committed(make_cache, sync):
+    cache, cfg = make_cache(host_bytes=0, nvme_bytes=2 * MiB, sync=sync)
+    vals = {f"k{i}": random_tensor((i + 1, 1000), torch.float16, i) for i in range(8)}
+    for k, t in vals.items():
+        cache.put(k, t)
+    cache.delete("k3")
+    del vals["k3"]
+    used = cache.stats()["tiers"]["nvme"]["used_bytes"]
+    cache.close()
+    again = reopen(cfg)
+    try:
+        st = again.stats()["tiers"]["nvme"]
+        assert st["entries"] == len(vals) == len(again)
+        assert st["used_bytes"] == used
+        assert again.get("k3") is None
+        for k, t in vals.items():
+            assert_same(again.get(k), t)
+        check_quiescent(again)
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize("flush_on_close", [True, False])
+def test_flush_on_close(make_cache, flush_on_close):
+    cache, cfg = make_cache(host_bytes=256 * KiB, nvme_bytes=2 * MiB, flush_on_close=flush_on_close)
+    a, b, big = filled(64 * KiB, 1), filled(64 * KiB, 2), filled(320 * KiB, 3)
+    cache.put("a", a)
+    cache.put("b", b)
+    cache.put("big", big)  # too large for host: NVMe at once
+    assert host_holds(cache, "a") and not nvme_holds(cache, "a")
+    cache.close()
+    again = reopen(cfg)
+    try:
+        assert_same(again.get("big"), big)
+        if flush_on_close:
+            assert len(again) == 3
+            assert_same(again.get("a"), a)
+            assert_same(again.get("b"), b)
+        else:
+            assert len(again) == 1
+            assert again.get("a") is None and again.get("b") is None
+    finally:
+        again.close()
+
+
+def test_explicit_flush_writes_host_only_entries_once(make_cache):
+    cache, _ = make_cache(host_bytes=1 * MiB)
+    for i in range(3):
+        cache.put(f"k{i}", filled(64 * KiB, i))
+    assert cache.flush() == 3
+    assert all(nvme_holds(cache, f"k{i}") and host_holds(cache, f"k{i}") for i in range(3))
+    assert cache.flush() == 0
+    cache.put("k1", filled(64 * KiB, 11))  # overwrite: the NVMe copy is stale and goes
+    assert not nvme_holds(cache, "k1")
+    assert cache.flush() == 1
+    assert cache.stats()["tiers"]["nvme"]["puts"] == 4
+
+
+def test_write_through_in_process(make_cache):
+    cache, _ = make_cache(host_bytes=2 * 64 * KiB, write_through=True)
+    for i in range(3):
+        cache.put(f"k{i}", filled(64 * KiB, i))
+        assert nvme_holds(cache, f"k{i}")
+    st = cache.stats()["tiers"]
+    # k0 was evicted from host for k2, but NVMe already held it: no second write
+    assert st["nvme"]["puts"] == 3
+    assert st["host"]["evictions"] == 1 and st["host"]["demotions"] == 1
+    for i in range(3):
+        assert_same(cache.get(f"k{i}"), filled(64 * KiB, i))
+
+
+CHILD_PUT_AND_DIE = """
+import os, sys, torch
+from ectier import CacheConfig, HostTierConfig, NvmeTierConfig, TieredCache
+def cfg(path, write_through):
+    return CacheConfig(namespace="test",
+        host=HostTierConfig(capacity_bytes=1 << 20, block_bytes=65536, pin_memory=False),
+        nvme=NvmeTierConfig(path=path, capacity_bytes=1 << 20, sync=False, write_through=write_through,
+                            map_initial_bytes=4 << 20))
+wt = TieredCache(cfg(sys.argv[1], True))
+wb = TieredCache(cfg(sys.argv[2], False))
+for i in range(4):
+    t = ((torch.arange(65536, dtype=torch.int64) + i * 7) % 251).to(torch.uint8)
+    wt.put(f"k{i}", t)
+    wb.put(f"k{i}", t)
+print("done", flush=True)
+os._exit(0)  # no close, no flush: as if the process were killed
+"""
+
+
+def test_write_through_survives_a_process_that_never_closes(tmp_path):
+    wt_dir, wb_dir = tmp_path / "wt", tmp_path / "wb"
+    child = run_child(CHILD_PUT_AND_DIE, str(wt_dir), str(wb_dir))
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, err
+    assert "done" in out
+    with TieredCache(make_config(wt_dir, write_through=True)) as wt:
+        assert len(wt) == 4
+        for i in range(4):
+            assert_same(wt.get(f"k{i}"), filled(64 * KiB, i))
+    with TieredCache(make_config(wb_dir)) as wb:  # write-back without close: host contents lost
+        assert len(wb) == 0
+
+
+# ============================================================================ corruption
+
+
+def _put_three(make_cache, **kw):
+    cache, cfg = make_cache(host_bytes=0, nvme_bytes=2 * MiB, **kw)
+    vals = {k: random_tensor((4, 8192), torch.bfloat16, i) for i, k in enumerate("abc")}
+    for k, t in vals.items():
+        cache.put(k, t)
+    cache.close()
+    return cfg, vals
+
+
+def _edit(store_dir, fn):
+    env, meta, data, quarantine, settings = open_lmdb(store_dir)
+    try:
+        with env.begin(write=True) as txn:
+            fn(txn, meta, data)
+    finally:
+        env.close()
+
+
+def _flip(db, key, pos=None, bit=0x10):
+    def fn(txn, meta, data):
+        d = meta if db == "meta" else data
+        v = bytearray(txn.get(key, db=d))
+        p = len(v) // 2 if pos is None else pos
+        v[p] ^= bit
+        txn.put(key, bytes(v), db=d)
+    return fn
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd-planes"])
+@pytest.mark.parametrize("host_bytes", [0, 1 * MiB], ids=["nvme-only", "with-host"])
+def test_bit_flip_in_payload_is_a_miss_and_quarantined(make_cache, tmp_path, codec, host_bytes):
+    cfg, vals = _put_three(make_cache, codec=codec)
+    _edit(tmp_path / "nvme", _flip("data", digest("a")))
+    cfg = cfg.replace(host=dataclasses.replace(cfg.host, capacity_bytes=host_bytes))
+    cache = reopen(cfg)
+    try:
+        assert len(cache) == 3  # the open-time scan does not read payloads
+        assert cache.get("a") is None
+        st = cache.stats()["tiers"]["nvme"]
+        assert st["checksum_failures"] == 1
+        assert st["quarantined"] == 1
+        q = cache._nvme.quarantined()
+        assert set(q) == {digest("a")}
+        assert "checksum" in q[digest("a")]["reason"]
+        assert not cache.contains("a") and len(cache) == 2
+        assert cache.get("a") is None
+        assert cache.stats()["tiers"]["nvme"]["checksum_failures"] == 1  # not read again
+        for k in "bc":
+            assert_same(cache.get(k), vals[k])
+        check_quiescent(cache)
+    finally:
+        cache.close()
+    cache = reopen(cfg)  # the quarantine persists; the record stays out of service
+    try:
+        assert len(cache) == 2 and cache.get("a") is None
+        assert set(cache._nvme.quarantined()) == {digest("a")}
+        assert cache.stats()["tiers"]["nvme"]["checksum_failures"] == 0
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "drop-meta-tail"])
+def test_damage_while_open_is_a_miss(make_cache, damage):
+    """Bit rot after the store was opened: caught by the per-read checks."""
+    cache, _ = make_cache(host_bytes=0, codec="zstd")
+    vals = {k: normal_bf16((4, 4096), i) for i, k in enumerate("abc")}
+    for k, t in vals.items():
+        cache.put(k, t)
+    env, nv = cache._nvme._env, cache._nvme
+    with env.begin(write=True) as txn:
+        if damage == "flip":
+            _flip("data", digest("b"), pos=-3)(txn, nv._meta, nv._data)
+        elif damage == "truncate":
+            v = bytes(txn.get(digest("b"), db=nv._data))
+            txn.put(digest("b"), v[: len(v) // 2], db=nv._data)
+        else:
+            v = bytes(txn.get(digest("b"), db=nv._meta))
+            txn.put(digest("b"), v[:-5], db=nv._meta)
+    assert cache.get("b") is None
+    st = cache.stats()["tiers"]["nvme"]
+    assert st["checksum_failures"] == 1 and st["quarantined"] == 1
+    assert digest("b") in nv.quarantined()
+    for k in "ac":
+        assert_same(cache.get(k), vals[k])
+    check_quiescent(cache)
+
+
+@pytest.mark.parametrize("damage", ["truncate-payload", "truncate-header", "flip-header", "empty-payload"])
+def test_damage_found_at_open_is_quarantined(make_cache, tmp_path, damage):
+    cfg, vals = _put_three(make_cache)
+
+    def fn(txn, meta, data):
+        d = digest("a")
+        if damage == "truncate-payload":
+            txn.put(d, bytes(txn.get(d, db=data))[:1000], db=data)
+        elif damage == "empty-payload":
+            txn.put(d, b"", db=data)
+        elif damage == "truncate-header":
+            txn.put(d, bytes(txn.get(d, db=meta))[:40], db=meta)
+        else:
+            _flip("meta", d, pos=30)(txn, meta, data)
+
+    _edit(tmp_path / "nvme", fn)
+    cache = reopen(cfg)
+    try:
+        st = cache.stats()["tiers"]["nvme"]
+        assert st["quarantined"] == 1 and st["entries"] == 2
+        assert set(cache._nvme.quarantined()) == {digest("a")}
+        assert not cache.contains("a") and cache.get("a") is None
+        for k in "bc":
+            assert_same(cache.get(k), vals[k])
+        check_quiescent(cache)
+    finally:
+        cache.close()
+
+
+def test_record_under_another_digest_is_never_served(make_cache, tmp_path):
+    """A header whose (namespace, key) does not hash to its LMDB key (a copied or misplaced record)
+    is quarantined; it is never served as the other key's bytes."""
+    cfg, vals = _put_three(make_cache)
+
+    def fn(txn, meta, data):
+        txn.put(digest("evil"), bytes(txn.get(digest("a"), db=meta)), db=meta)
+        txn.put(digest("evil"), bytes(txn.get(digest("a"), db=data)), db=data)
+
+    _edit(tmp_path / "nvme", fn)
+    cache = reopen(cfg)
+    try:
+        assert cache.get("evil") is None
+        assert set(cache._nvme.quarantined()) == {digest("evil")}
+        for k in "abc":
+            assert_same(cache.get(k), vals[k])
+    finally:
+        cache.close()
+
+
+def test_orphans_reclaimed_at_open(make_cache, tmp_path):
+    cfg, vals = _put_three(make_cache)
+    orphan = digest("never-put")
+
+    def fn(txn, meta, data):
+        txn.put(orphan, b"\x01" * 5000, db=data)  # payload without a header
+        txn.delete(digest("c"), db=data)  # header without a payload
+
+    _edit(tmp_path / "nvme", fn)
+    cache = reopen(cfg)
+    try:
+        st = cache.stats()["tiers"]["nvme"]
+        assert st["orphans_reclaimed"] >= 1
+        assert st["orphans_reclaimed"] + st["quarantined"] == 2
+        assert cache.get("c") is None and not cache.contains("c")
+        for k in "ab":
+            assert_same(cache.get(k), vals[k])
+        check_quiescent(cache)  # LMDB meta and data hold exactly the served records
+    finally:
+        cache.close()
+    env, meta, data, _, _ = open_lmdb(tmp_path / "nvme")
+    try:
+        with env.begin() as txn:
+            assert txn.get(orphan, db=data) is None
+            assert {bytes(k) for k, _ in txn.cursor(db=data)} == {digest("a"), digest("b")}
+    finally:
+        env.close()
+
+
+# ============================================================================ codecs
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd", "zstd-planes"])
+def test_codecs_round_trip_with_restart(make_cache, codec):
+    cache, cfg = make_cache(host_bytes=0, nvme_bytes=4 * MiB, codec=codec)
+    vals = {
+        "normal": normal_bf16((16, 8192), 1),  # 256 KiB, compressible after the plane split
+        "random": random_tensor((8, 8192), torch.bfloat16, 2),
+        "int64": torch.arange(5000, dtype=torch.int64) * 3,
+        "bool": random_tensor((33, 7), torch.bool, 3),
+        "f32": random_tensor((3, 5, 7), torch.float32, 4),
+        "scalar": torch.tensor(2.5, dtype=torch.float16),
+        "empty": torch.empty(0, 8192, dtype=torch.bfloat16),
+    }
+    for t in (random_tensor((77,), dt, 5) for dt in (torch.float8_e4m3fn,) if hasattr(torch, "float8_e4m3fn")):
+        vals["fp8"] = t
+    for k, t in vals.items():
+        cache.put(k, t)
+    cid = registered_codecs()[codec]
+    for k in vals:
+        assert cache._nvme.record(digest(k)).header.codec_id == cid
+    for k, t in vals.items():
+        assert_same(cache.get(k), t)
+    if codec == "zstd-planes":
+        hdr = cache._nvme.record(digest("normal")).header
+        assert hdr.payload_nbytes < 0.8 * hdr.raw_nbytes
+    if codec == "raw":
+        hdr = cache._nvme.record(digest("normal")).header
+        assert hdr.payload_nbytes == hdr.raw_nbytes
+    cache.close()
+    again = reopen(cfg)
+    try:
+        for k, t in vals.items():
+            assert_same(again.get(k), t)
+    finally:
+        again.close()
+
+
+def test_mixed_codecs_in_one_store(make_cache):
+    cache, cfg = make_cache(host_bytes=0, nvme_bytes=4 * MiB, codec="zstd")
+    z = normal_bf16((8, 8192), 1)
+    cache.put("z", z)
+    cache.close()
+    raw = reopen(cfg, codec="raw")  # reads records written with zstd
+    try:
+        assert_same(raw.get("z"), z)
+        r = normal_bf16((8, 8192), 2)
+        raw.put("r", r)
+        assert raw._nvme.record(digest("r")).header.codec_id == registered_codecs()["raw"]
+    finally:
+        raw.close()
+    planes = reopen(cfg, codec="zstd-planes")
+    try:
+        assert_same(planes.get("z"), z)
+        assert_same(planes.get("r"), r)
+        p = normal_bf16((8, 8192), 3)
+        planes.put("p", p)
+        ids = {k: planes._nvme.record(digest(k)).header.codec_id for k in "zrp"}
+        assert ids == {"z": registered_codecs()["zstd"], "r": registered_codecs()["raw"],
+                       "p": registered_codecs()["zstd-planes"]}
+        assert_same(planes.get("p"), p)
+    finally:
+        planes.close()
+
+
+def test_promotion_from_compressed_record(make_cache):
+    cache, _ = make_cache(host_bytes=2 * 64 * KiB, codec="zstd-planes")
+    vals = {f"k{i}": normal_bf16((4, 8192), i) for i in range(4)}
+    for k, t in vals.items():
+        cache.put(k, t)
+    assert nvme_holds(cache, "k0")
+    for k, t in vals.items():
+        assert_same(cache.get(k), t)
+    assert cache.stats()["tiers"]["host"]["promotions"] >= 2
+
+
+# ============================================================================ map size
+
+
+def test_map_grows_from_a_tiny_initial_map(make_cache):
+    cache, cfg = make_cache(host_bytes=0, nvme_bytes=8 * MiB, map_initial_bytes=1 * MiB)
+    vals = {f"k{i}": filled(256 * KiB, i) for i in range(12)}  # 3 MiB in a 1 MiB map
+    for k, t in vals.items():
+        cache.put(k, t)
+    st = cache.stats()["tiers"]["nvme"]
+    assert st["map_growths"] > 0
+    assert st["map_size_bytes"] > 1 * MiB
+    assert st["entries"] == 12 and st["write_failures"] == 0
+    for k, t in vals.items():
+        assert_same(cache.get(k), t)
+    cache.close()
+    again = reopen(cfg)
+    try:
+        for k, t in vals.items():
+            assert_same(again.get(k), t)
+    finally:
+        again.close()
+
+
+def test_map_ceiling_fails_that_put_only(make_cache):
+    cache, _ = make_cache(host_bytes=0, nvme_bytes=8 * MiB, map_initial_bytes=1 * MiB, map_max_bytes=2 * MiB)
+    stored = {}
+    with pytest.raises(TierWriteError, match="map"):
+        for i in range(16):  # 4 MiB into a map capped at 2 MiB
+            t = filled(256 * KiB, i)
+            cache.put(f"k{i}", t)
+            stored[f"k{i}"] = t
+    failed = f"k{len(stored)}"
+    assert 2 <= len(stored) < 8
+    assert not cache.contains(failed) and cache.get(failed) is None
+    assert len(cache) == len(stored)
+    st = cache.stats()["tiers"]["nvme"]
+    assert st["write_failures"] == 1 and st["write_errors"] >= 1
+    assert st["map_size_bytes"] <= 2 * MiB
+    for k, t in stored.items():
+        assert_same(cache.get(k), t)
+    # the store keeps working: free a record, then a smaller write fits
+    assert cache.delete("k0")
+    cache.put("small", filled(64 * KiB, 99))
+    assert_same(cache.get("small"), filled(64 * KiB, 99))
+    check_quiescent(cache)
+
+
+def test_map_ceiling_during_demotion_drops_the_victim_not_the_put(make_cache):
+    cache, _ = make_cache(host_bytes=2 * 128 * KiB, nvme_bytes=8 * MiB, map_initial_bytes=1 * MiB,
+                          map_max_bytes=1 * MiB)
+    for i in range(16):
+        cache.put(f"k{i}", filled(128 * KiB, i))  # never raises: a failed demotion drops the victim
+        check_budgets(cache)
+    st = cache.stats()["tiers"]
+    assert st["nvme"]["write_failures"] >= 1
+    assert st["host"]["drops"] >= 1
+    assert cache.contains("k14") and cache.contains("k15")
+    for i in range(16):
+        got = cache.get(f"k{i}")
+        if got is not None:
+            assert_same(got, filled(128 * KiB, i))
+    check_quiescent(cache)
+
+
+# ============================================================================ opening
+
+
+def test_second_cache_on_same_directory_in_process_is_locked(make_cache, tmp_path):
+    cache, cfg = make_cache()
+    cache.put("k", torch.ones(3))
+    with pytest.raises(StoreLockedError, match="nvme.path"):
+        TieredCache(cfg)
+    assert_same(cache.get("k"), torch.ones(3))  # the failed open did not disturb the owner
+    cache.put("k2", torch.zeros(2))
+    cache.close()
+    with TieredCache(cfg) as again:
+        assert_same(again.get("k"), torch.ones(3))
+        assert_same(again.get("k2"), torch.zeros(2))
+
+
+CHILD_HOLD = """
+import sys
+from ectier import CacheConfig, HostTierConfig, NvmeTierConfig, TieredCache
+cache = TieredCache(CacheConfig(namespace="test", host=HostTierConfig(capacity_bytes=0),
+                                nvme=NvmeTierConfig(path=sys.argv[1], capacity_bytes=1 << 20, sync=False)))
+print("ready", flush=True)
+sys.stdin.read()
+cache.close()
+"""
+
+
+def test_directory_held_by_another_process_is_locked(tmp_path):
+    path = tmp_path / "held"
+    child = run_child(CHILD_HOLD, str(path))
+    try:
+        line = child.stdout.readline()
+        assert line.strip() == "ready", child.stderr.read()
+        with pytest.raises(StoreLockedError, match="nvme.path"):
+            TieredCache(make_config(path))
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)
+    assert child.returncode == 0
+    with TieredCache(make_config(path)) as cache:  # released when the owner closed
+        cache.put("k", torch.ones(1))
+
+
+def test_path_is_a_regular_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_bytes(b"x")
+    with pytest.raises(StoreOpenError, match="nvme.path"):
+        TieredCache(make_config(f))
+    with pytest.raises(StoreOpenError, match="nvme.path"):
+        TieredCache(make_config(f / "sub"))
+    assert f.read_bytes() == b"x"
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root ignores permissions")
+def test_unwritable_directory(tmp_path):
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o500)
+    try:
+        with pytest.raises(StoreOpenError, match="nvme.path"):
+            TieredCache(make_config(d))
+        with pytest.raises(StoreOpenError, match="nvme.path"):
+            TieredCache(make_config(d / "sub"))
+    finally:
+        d.chmod(0o700)
+
+
+def test_uncreatable_directory():
+    with pytest.raises(StoreOpenError, match="nvme.path"):
+        TieredCache(make_config("/proc/ectier-cannot-exist/store"))
+
+
+def _set_format(store_dir, value: bytes) -> None:
+    env, meta, data, quarantine, settings = open_lmdb(store_dir)
+    try:
+        with env.begin(write=True) as txn:
+            txn.put(b"format", value, db=settings)
+    finally:
+        env.close()
+
+
+def test_store_of_another_format_is_refused_and_released(make_cache, tmp_path):
+    cfg, vals = _put_three(make_cache)
+    _set_format(tmp_path / "nvme", b"99")
+    with pytest.raises(StoreOpenError, match="format"):
+        TieredCache(cfg)
+    _set_format(tmp_path / "nvme", b"1")
+    with TieredCache(cfg) as again:  # the failed open released the directory lock
+        assert_same(again.get("a"), vals["a"])
+
+
+# ============================================================================ tier level
+
+
+def test_quarantine_of_an_old_header_keeps_a_newer_record(tmp_path):
+    """A reader that found version 1 damaged quarantines it after version 2 was written: version 2
+    stays in service (LMDB and the tier's in-memory index agree)."""
+    from ectier.config import NvmeTierConfig
+    from ectier.entry import EntryMeta, next_version
+    from ectier.tiers.nvme import NvmeTier
+
+    tier = NvmeTier(NvmeTierConfig(path=str(tmp_path / "t"), capacity_bytes=1 * MiB, sync=False))
+    try:
+        d = digest("k")
+        meta = EntryMeta("test", "k", "uint8", (4096,), 4096)
+        r1 = tier.encode(meta, filled(4096, 1), next_version())
+        assert tier.write(d, r1)
+        r2 = tier.encode(meta, filled(4096, 2), next_version())
+        assert tier.write(d, r2)
+        tier.quarantine(d, r1.header_bytes, "test: stale reader")
+        assert tier.record(d) is not None and tier.record(d).version == r2.header.version
+        assert tier.used_bytes == r2.stored_bytes
+        assert tier.quarantined() == {}
+        header, data = tier.read(d, "test", "k")
+        assert header.version == r2.header.version
+        assert bytes(data.numpy()) == bytes(filled(4096, 2).numpy())
+        # an older write never replaces a newer record
+        assert tier.write(d, r1) is False
+        assert tier.record(d).version == r2.header.version
+        # deleting by an old version leaves the newer record alone
+        assert tier.delete(d, only_version=r1.header.version) is False
+        assert tier.record(d) is not None
+        assert tier.delete(d, only_version=r2.header.version) is True
+        assert tier.record(d) is None and tier.used_bytes == 0
+    finally:
+        tier.close()
+
+
+@pytest.mark.xfail(strict=True, reason="write versions come from the wall clock (entry.next_version) and "
+                   "are not advanced past the versions already stored when a store is opened: after a "
+                   "restart with the clock behind, an overwrite is silently ignored (reported)")
+def test_overwrite_after_restart_with_the_clock_behind(make_cache, tmp_path, monkeypatch):
+    import types
+
+    import ectier.entry as entry_mod
+
+    cache, cfg = make_cache(host_bytes=0)
+    cache.put("k", filled(4096, 1))
+    cache.close()
+    # a new process (fresh version counter) on a host whose wall clock is now one hour behind
+    real_ns = entry_mod.time.time_ns
+    monkeypatch.setattr(entry_mod, "_last_version", 0)
+    monkeypatch.setattr(entry_mod, "time", types.SimpleNamespace(time_ns=lambda: real_ns() - 3600 * 10**9))
+    with TieredCache(cfg) as again:
+        again.put("k", filled(4096, 2))
+        assert_same(again.get("k"), filled(4096, 2))
