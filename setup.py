@@ -27,6 +27,7 @@ setup(
         "click>=8.1",
         "rich>=13",
         "PyYAML>=6",
+        "prometheus-client>=0.17",
     ],
     extras_require={
         "gpu": ["cupy-cuda12x>=13"],

@@ -32,7 +32,15 @@ from typing import Any
 import torch
 
 from .config import CacheConfig
-from .entry import EntryMeta, EntryState, entry_digest, next_version, validate_key, validate_namespace
+from .entry import (
+    EntryMeta,
+    EntryState,
+    advance_version,
+    entry_digest,
+    next_version,
+    validate_key,
+    validate_namespace,
+)
 from .errors import EctierError, EntryTooLargeError, TierWriteError
 from .index import Slot
 from .policy import LRUPolicy
@@ -88,7 +96,10 @@ class TieredCache:
         # same thread) must not evict it
         self._promoting: dict[int, bytes] = {}
         if self._nvme is not None:
-            for digest, rec in self._nvme.records():  # oldest write first = least recently used
+            records = self._nvme.records()
+            if records:
+                advance_version(records[-1][1].version)
+            for digest, rec in records:  # oldest write first = least recently used
                 self._current[digest] = rec.version
                 self._nvme_lru.add(digest, rec.stored_bytes)
             self._trim_nvme_to_budget()

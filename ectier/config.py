@@ -6,9 +6,12 @@
     ├── namespace: str                 model / encoder identity, part of every entry's identity
     ├── host: HostTierConfig           pinned (or ordinary) host memory arena
     │     capacity_bytes, block_bytes, pin_memory, admit_wait_s
-    └── nvme: NvmeTierConfig           LMDB store under a directory (disabled when path is None)
-          path, capacity_bytes, codec, zstd_level, sync, write_through, flush_on_close,
-          map_initial_bytes, map_max_bytes
+    ├── nvme: NvmeTierConfig           LMDB store under a directory (disabled when path is None)
+    │     path, capacity_bytes, codec, zstd_level, sync, write_through, flush_on_close,
+    │     map_initial_bytes, map_max_bytes
+    └── daemon: DaemonConfig           the standalone daemon (``ectier serve``) only
+          socket_path, socket_mode, allowed_group, shm_dir, lease_s, max_frame_bytes,
+          max_clients, metrics_port, metrics_host
 
 Every field is checked in ``__post_init__``; a bad value raises :class:`~ectier.errors.ConfigError`
 whose message starts with the dotted field name (``host.capacity_bytes: ...``).
@@ -42,6 +45,7 @@ __all__ = [
     "CacheConfig",
     "HostTierConfig",
     "NvmeTierConfig",
+    "DaemonConfig",
     "parse_bytes",
     "format_bytes",
 ]
@@ -170,6 +174,8 @@ class NvmeTierConfig:
         map_initial_bytes: LMDB map size at first open; grows by doubling when full. Default 256 MiB.
         map_max_bytes: ceiling of map growth. Default ``None`` = ``2 * capacity_bytes + 256 MiB``
             (LMDB stores large values in contiguous pages; the headroom absorbs its fragmentation).
+            Set it below ``capacity_bytes`` and writes fail with ``TierWriteError`` once the map is
+            full, before the budget evicts anything.
     """
 
     path: str | None = None
@@ -224,6 +230,82 @@ class NvmeTierConfig:
 
 
 @dataclass(frozen=True)
+class DaemonConfig:
+    """The standalone cache daemon (``ectier serve``): socket, security, leases, metrics.
+
+    Fields:
+        socket_path: Unix socket to listen on. ``None`` (default) = ``$XDG_RUNTIME_DIR/ectier.sock``
+            when that directory exists, else ``/tmp/ectier-<uid>.sock``.
+        socket_mode: permission bits of the socket file as an octal string, default ``"0600"``
+            (owner only); ``"0660"`` with ``allowed_group`` lets a group in.
+        allowed_group: name of a group whose members may connect besides the daemon's own user
+            (checked with SO_PEERCRED on every connection). Default ``None``.
+        shm_dir: directory of the shared host arena file that clients map. Default ``/dev/shm``.
+        lease_s: seconds a client holds a put reservation or a get lease before it expires and its
+            arena space is reclaimed (a disconnect reclaims at once). Default 30.
+        max_frame_bytes: cap of one protocol frame (control messages only; tensor bytes move
+            through shared memory). Default 1 MiB.
+        max_clients: concurrent connections; more are refused with an error reply. Default 64.
+        metrics_port: serve Prometheus metrics on this TCP port; ``None`` (default) = off.
+        metrics_host: address of the metrics endpoint. Default ``127.0.0.1``.
+    """
+
+    socket_path: str | None = None
+    socket_mode: str = "0600"
+    allowed_group: str | None = None
+    shm_dir: str = "/dev/shm"
+    lease_s: float = 30.0
+    max_frame_bytes: int = 1 * MiB
+    max_clients: int = 64
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if self.socket_path is not None:
+            if isinstance(self.socket_path, os.PathLike):
+                object.__setattr__(self, "socket_path", os.fspath(self.socket_path))
+            if not isinstance(self.socket_path, str) or not self.socket_path:
+                raise ConfigError(f"daemon.socket_path: expected a path or null, got {self.socket_path!r}")
+            if len(os.fsencode(self.socket_path)) > 107:
+                raise ConfigError("daemon.socket_path: longer than the 107 bytes a Unix socket path may have")
+        if isinstance(self.socket_mode, int) and not isinstance(self.socket_mode, bool):
+            object.__setattr__(self, "socket_mode", format(self.socket_mode, "04o"))
+        if not isinstance(self.socket_mode, str) or not re.fullmatch(r"0?o?[0-7]{3,4}", self.socket_mode):
+            raise ConfigError(f"daemon.socket_mode: expected an octal string such as '0600', got {self.socket_mode!r}")
+        if self.socket_mode_bits & 0o007:
+            raise ConfigError(f"daemon.socket_mode: {self.socket_mode} gives access to every user; use 0600 or 0660")
+        if self.allowed_group is not None and (not isinstance(self.allowed_group, str) or not self.allowed_group):
+            raise ConfigError(f"daemon.allowed_group: expected a group name or null, got {self.allowed_group!r}")
+        if not isinstance(self.shm_dir, str) or not self.shm_dir:
+            raise ConfigError(f"daemon.shm_dir: expected a directory path, got {self.shm_dir!r}")
+        _check_seconds("daemon.lease_s", self.lease_s)
+        if not self.lease_s > 0:
+            raise ConfigError(f"daemon.lease_s: must be > 0, got {self.lease_s}")
+        _check_int("daemon.max_frame_bytes", self.max_frame_bytes, minimum=4 * KiB)
+        _check_int("daemon.max_clients", self.max_clients, minimum=1)
+        if self.metrics_port is not None:
+            _check_int("daemon.metrics_port", self.metrics_port, minimum=0)
+            if self.metrics_port > 65535:
+                raise ConfigError(f"daemon.metrics_port: must be <= 65535, got {self.metrics_port}")
+        if not isinstance(self.metrics_host, str) or not self.metrics_host:
+            raise ConfigError(f"daemon.metrics_host: expected an address, got {self.metrics_host!r}")
+
+    @property
+    def socket_mode_bits(self) -> int:
+        """``socket_mode`` as an int (``"0600" -> 0o600``)."""
+        return int(self.socket_mode.replace("o", ""), 8)
+
+    def resolved_socket_path(self) -> str:
+        """``socket_path``, or the default for this user when it is ``None``."""
+        if self.socket_path is not None:
+            return self.socket_path
+        runtime = os.environ.get("XDG_RUNTIME_DIR")
+        if runtime and os.path.isdir(runtime):
+            return os.path.join(runtime, "ectier.sock")
+        return f"/tmp/ectier-{os.getuid()}.sock"
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     """Root configuration of a :class:`~ectier.cache.TieredCache`.
 
@@ -232,11 +314,13 @@ class CacheConfig:
             Part of every entry's identity: the same key under two namespaces is two entries.
         host: :class:`HostTierConfig`.
         nvme: :class:`NvmeTierConfig`.
+        daemon: :class:`DaemonConfig` (used only by ``ectier serve`` and its clients).
     """
 
     namespace: str = "default"
     host: HostTierConfig = field(default_factory=HostTierConfig)
     nvme: NvmeTierConfig = field(default_factory=NvmeTierConfig)
+    daemon: DaemonConfig = field(default_factory=DaemonConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, str) or not self.namespace:
@@ -247,6 +331,8 @@ class CacheConfig:
             raise ConfigError(f"host: expected HostTierConfig, got {type(self.host).__name__}")
         if not isinstance(self.nvme, NvmeTierConfig):
             raise ConfigError(f"nvme: expected NvmeTierConfig, got {type(self.nvme).__name__}")
+        if not isinstance(self.daemon, DaemonConfig):
+            raise ConfigError(f"daemon: expected DaemonConfig, got {type(self.daemon).__name__}")
         if self.host.capacity_bytes == 0 and not self.nvme.enabled:
             raise ConfigError(
                 "host.capacity_bytes: is 0 and nvme.path is not set, so no tier could store anything"

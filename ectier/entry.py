@@ -33,6 +33,7 @@ __all__ = [
     "entry_digest",
     "dtype_itemsize",
     "next_version",
+    "advance_version",
 ]
 
 #: Longest accepted key, in bytes of UTF-8 (vLLM's mm_hash is 64 hex characters).
@@ -70,16 +71,28 @@ def _utf8(text: str) -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
 
+def _check_utf8(text: str, arg: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidKeyError(
+            f"{arg}: not encodable as UTF-8 (lone surrogate at index {exc.start}); records and the "
+            "daemon protocol store identities as UTF-8"
+        ) from None
+
+
 def validate_key(key: object, *, arg: str = "key") -> str:
     """Return ``key`` if it is a non-empty ``str`` of at most :data:`MAX_KEY_BYTES` UTF-8 bytes.
 
     Raises:
-        InvalidKeyError: naming ``arg`` for a non-str, empty or too long key.
+        InvalidKeyError: naming ``arg`` for a non-str, empty or too long key, or one that is not
+            valid Unicode text (a lone surrogate cannot be written as UTF-8).
     """
     if not isinstance(key, str):
         raise InvalidKeyError(f"{arg}: expected str (e.g. vLLM's mm_hash), got {type(key).__name__}")
     if not key:
         raise InvalidKeyError(f"{arg}: must be a non-empty string")
+    _check_utf8(key, arg)
     if len(key) > MAX_KEY_BYTES // 4 and len(_utf8(key)) > MAX_KEY_BYTES:
         raise InvalidKeyError(f"{arg}: {len(_utf8(key))} bytes of UTF-8, longer than {MAX_KEY_BYTES}")
     return key
@@ -93,6 +106,7 @@ def validate_namespace(namespace: object, *, arg: str = "namespace") -> str:
     """
     if not isinstance(namespace, str) or not namespace:
         raise InvalidKeyError(f"{arg}: expected a non-empty str, got {namespace!r}")
+    _check_utf8(namespace, arg)
     if len(_utf8(namespace)) > MAX_NAMESPACE_BYTES:
         raise InvalidKeyError(f"{arg}: longer than {MAX_NAMESPACE_BYTES} bytes of UTF-8")
     return namespace
@@ -178,6 +192,17 @@ class EntryMeta:
 
 _version_lock = threading.Lock()
 _last_version = 0
+
+
+def advance_version(floor: int) -> None:
+    """Make every later :func:`next_version` larger than ``floor``.
+
+    Called when a store is opened with the highest version it holds, so that an overwrite after a
+    restart wins even if the wall clock is now behind the clock that wrote the store.
+    """
+    global _last_version
+    with _version_lock:
+        _last_version = max(_last_version, int(floor))
 
 
 def next_version() -> int:

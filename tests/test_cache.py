@@ -274,9 +274,6 @@ def test_odd_keys_round_trip_and_stay_distinct(make_cache, host_bytes):
         reopened.close()
 
 
-@pytest.mark.xfail(strict=True, reason="codec.pack_header encodes keys strictly as UTF-8 while "
-                   "entry.validate_key accepts lone surrogates (surrogatepass): demoting such a key "
-                   "raises UnicodeEncodeError from an unrelated put (reported)")
 def test_lone_surrogate_key_survives_demotion(make_cache):
     """Either refused up front (InvalidKeyError) or stored like any key; never an error from an
     unrelated put that happens to demote it. (Remove the xfail marker once fixed.)"""

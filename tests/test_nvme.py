@@ -600,9 +600,6 @@ def test_quarantine_of_an_old_header_keeps_a_newer_record(tmp_path):
         tier.close()
 
 
-@pytest.mark.xfail(strict=True, reason="write versions come from the wall clock (entry.next_version) and "
-                   "are not advanced past the versions already stored when a store is opened: after a "
-                   "restart with the clock behind, an overwrite is silently ignored (reported)")
 def test_overwrite_after_restart_with_the_clock_behind(make_cache, tmp_path, monkeypatch):
     import types
 

@@ -1,0 +1,94 @@
+"""Prometheus metrics of the daemon, in encoder-cache terms (prometheus-client).
+
+Exported (all read from ``TieredCache.stats()`` at scrape time, so they cost nothing between
+scrapes):
+
+==========================================  =========  ==============================================
+metric                                      type       meaning
+==========================================  =========  ==============================================
+``ectier_lookups_total{result}``            counter    gets that hit / missed every tier
+``ectier_tier_hits_total{tier}``            counter    gets served by a tier (items)
+``ectier_tier_hit_bytes_total{tier}``       counter    bytes served by a tier
+``ectier_tier_puts_total{tier}``            counter    entries written into a tier
+``ectier_tier_put_bytes_total{tier}``       counter    bytes written into a tier
+``ectier_tier_evictions_total{tier}``       counter    entries evicted from a tier
+``ectier_demotions_total``                  counter    host victims written down to NVMe
+``ectier_promotions_total``                 counter    NVMe hits copied back up to host
+``ectier_drops_total``                      counter    host victims lost (no room below)
+``ectier_checksum_failures_total``          counter    NVMe records that failed a check (miss)
+``ectier_tier_used_bytes{tier}``            gauge      bytes held by a tier
+``ectier_tier_capacity_bytes{tier}``        gauge      budget of a tier
+``ectier_tier_entries{tier}``               gauge      entries held by a tier
+``ectier_clients``                          gauge      connected clients
+``ectier_leases{kind}``                     gauge      open put / get leases
+``ectier_leases_expired_total``             counter    leases reclaimed after ``daemon.lease_s``
+==========================================  =========  ==============================================
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+__all__ = ["StatsCollector", "start_metrics_server"]
+
+
+class StatsCollector:
+    """A prometheus-client collector that turns ``stats()`` into metric families."""
+
+    def __init__(self, stats_fn) -> None:
+        self._stats = stats_fn
+
+    def collect(self) -> Iterable[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self._stats()
+        tiers = s.get("tiers", {})
+        lookups = CounterMetricFamily("ectier_lookups", "Gets by result", labels=["result"])
+        lookups.add_metric(["hit"], s.get("hits", 0))
+        lookups.add_metric(["miss"], s.get("misses", 0))
+        yield lookups
+
+        def per_tier(name: str, doc: str, field: str, kind=CounterMetricFamily):
+            fam = kind(name, doc, labels=["tier"])
+            for tier, t in tiers.items():
+                if field in t:
+                    fam.add_metric([tier], t[field])
+            return fam
+
+        yield per_tier("ectier_tier_hits", "Gets served by a tier (items)", "hits")
+        yield per_tier("ectier_tier_hit_bytes", "Bytes served by a tier", "hit_bytes")
+        yield per_tier("ectier_tier_puts", "Entries written into a tier", "puts")
+        yield per_tier("ectier_tier_put_bytes", "Bytes written into a tier", "put_bytes")
+        yield per_tier("ectier_tier_evictions", "Entries evicted from a tier", "evictions")
+        yield per_tier("ectier_tier_used_bytes", "Bytes held by a tier", "used_bytes", GaugeMetricFamily)
+        yield per_tier("ectier_tier_capacity_bytes", "Byte budget of a tier", "capacity_bytes", GaugeMetricFamily)
+        yield per_tier("ectier_tier_entries", "Entries held by a tier", "entries", GaugeMetricFamily)
+        host = tiers.get("host", {})
+        nvme = tiers.get("nvme", {})
+        yield CounterMetricFamily("ectier_demotions", "Host victims written down to NVMe", value=host.get("demotions", 0))
+        yield CounterMetricFamily("ectier_promotions", "NVMe hits copied back up to host", value=host.get("promotions", 0))
+        yield CounterMetricFamily("ectier_drops", "Host victims lost for lack of room below", value=host.get("drops", 0))
+        yield CounterMetricFamily("ectier_checksum_failures", "NVMe records that failed a check",
+                                  value=nvme.get("checksum_failures", 0))
+        daemon = s.get("daemon")
+        if daemon is not None:
+            yield GaugeMetricFamily("ectier_clients", "Connected clients", value=len(daemon["clients"]))
+            leases = GaugeMetricFamily("ectier_leases", "Open leases", labels=["kind"])
+            for kind, n in daemon["leases"].items():
+                leases.add_metric([kind], n)
+            yield leases
+            yield CounterMetricFamily("ectier_leases_expired", "Leases reclaimed after daemon.lease_s",
+                                      value=daemon.get("leases_expired", 0))
+
+
+def start_metrics_server(server, host: str, port: int):
+    """Serve ``/metrics`` for ``server`` (a DaemonServer) on ``host:port``; returns the HTTP server
+    (call ``.shutdown()`` to stop). Raises ImportError naming the ``prometheus-client`` package."""
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError as exc:  # pragma: no cover - a declared dependency
+        raise ImportError("daemon.metrics_port needs the prometheus-client package") from exc
+    registry = CollectorRegistry()
+    registry.register(StatsCollector(server.stats))
+    httpd, _thread = start_http_server(port, addr=host, registry=registry)
+    return httpd

@@ -1,0 +1,483 @@
+"""The ectier cache daemon: one process per node that owns the host and NVMe tiers.
+
+Clients (vLLM engines: an encoder instance that produces, prefill/decode instances that consume)
+connect over a Unix socket and speak :mod:`ectier.daemon.protocol`. Tensor bytes move through the
+host arena, a file in ``daemon.shm_dir`` that the daemon and every client map: a put reserves
+arena blocks, the client copies into them and commits; a get pins an entry's blocks under a lease,
+the client copies out and releases.
+
+Threads: the accept loop runs in the caller's thread (:meth:`DaemonServer.serve_forever`); each
+connection gets a thread; one reaper thread expires leases. The daemon is a thin shell around
+:class:`~ectier.cache.TieredCache`, which is thread-safe.
+
+Leases: every reservation and read lease belongs to a connection and has a deadline
+(``daemon.lease_s``). A disconnect (including a client killed with ``kill -9``) releases all of its
+leases at once; a live client that overruns a deadline loses the lease (its commit fails, its
+release reports the copy invalid) and its connection is closed. ``contains`` never renews a lease.
+"""
+
+from __future__ import annotations
+
+import grp
+import logging
+import os
+import pwd
+import signal
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import __version__
+from ..cache import ReadLease, TieredCache, WriteLease
+from ..config import CacheConfig
+from ..errors import EctierError
+from .protocol import (
+    PROTOCOL_VERSION,
+    FrameDecoder,
+    ProtocolError,
+    encode_frame,
+    error_reply,
+    ok_reply,
+    parse_request,
+)
+
+__all__ = ["DaemonServer", "run_daemon"]
+
+log = logging.getLogger("ectier.daemon")
+
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid (struct ucred)
+
+
+@dataclass(eq=False)
+class _Lease:
+    id: int
+    kind: str  # "put" | "get"
+    conn: "_Connection"
+    deadline: float
+    handle: WriteLease | ReadLease
+
+
+@dataclass(eq=False)
+class _Connection:
+    id: int
+    sock: socket.socket
+    pid: int
+    uid: int
+    gid: int
+    name: str = ""
+    since: float = field(default_factory=time.time)
+    leases: set[int] = field(default_factory=set)
+    requests: int = 0
+    closed: bool = False
+
+
+class DaemonServer:
+    """Serve a :class:`TieredCache` over a Unix socket (see the module docstring).
+
+    Args:
+        config: the whole :class:`~ectier.config.CacheConfig`; ``config.daemon`` configures the
+            socket, ``host``/``nvme`` the tiers.
+
+    Raises (from :meth:`start`):
+        EctierError: the socket path is in use by a live daemon, or cannot be bound.
+        StoreOpenError, StoreLockedError: from the NVMe tier.
+    """
+
+    def __init__(self, config: CacheConfig) -> None:
+        if config.host.capacity_bytes == 0:
+            raise EctierError("host.capacity_bytes: the daemon moves bytes through the host arena; it must be > 0")
+        self.config = config
+        self.socket_path = config.daemon.resolved_socket_path()
+        self.arena_path = os.path.join(
+            config.daemon.shm_dir, f"ectier-{os.getuid()}-{os.getpid()}.arena"
+        )
+        self.cache: TieredCache | None = None
+        self._listener: socket.socket | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._conns: dict[int, _Connection] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._next_id = 1
+        self._threads: list[threading.Thread] = []
+        self._allowed_gid = self._resolve_group(config.daemon.allowed_group)
+        self._metrics_server = None
+        self.counters = {"connections": 0, "refused": 0, "protocol_errors": 0, "leases_expired": 0}
+
+    # --------------------------------------------------------------------------- lifecycle
+
+    @staticmethod
+    def _resolve_group(name: str | None) -> int | None:
+        if name is None:
+            return None
+        try:
+            return grp.getgrnam(name).gr_gid
+        except KeyError:
+            raise EctierError(f"daemon.allowed_group: no group named {name!r} on this machine") from None
+
+    def start(self) -> None:
+        """Open the tiers, bind the socket, start the reaper (and metrics). Returns at once."""
+        self._claim_socket_path()
+        self.cache = TieredCache(self.config, host_shm_path=self.arena_path)
+        try:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            old_umask = os.umask(0o177)
+            try:
+                listener.bind(self.socket_path)
+            finally:
+                os.umask(old_umask)
+            os.chmod(self.socket_path, self.config.daemon.socket_mode_bits)
+            if self._allowed_gid is not None:
+                os.chown(self.socket_path, -1, self._allowed_gid)
+                os.chown(self.arena_path, -1, self._allowed_gid)
+                os.chmod(self.arena_path, 0o660)
+            listener.listen(128)
+            listener.settimeout(0.2)
+        except OSError as exc:
+            self.cache.close()
+            raise EctierError(f"daemon.socket_path: cannot listen on {self.socket_path!r}: {exc.strerror}") from None
+        self._listener = listener
+        reaper = threading.Thread(target=self._reap_loop, name="ectier-lease-reaper", daemon=True)
+        reaper.start()
+        self._threads.append(reaper)
+        if self.config.daemon.metrics_port is not None:
+            from .metrics import start_metrics_server
+
+            self._metrics_server = start_metrics_server(self, self.config.daemon.metrics_host,
+                                                        self.config.daemon.metrics_port)
+        log.info("ectier daemon %s listening on %s (arena %s, %d bytes; nvme %s)", __version__,
+                 self.socket_path, self.arena_path, self.config.host.capacity_bytes,
+                 self.config.nvme.path or "off")
+
+    def _claim_socket_path(self) -> None:
+        path = self.socket_path
+        if not os.path.exists(path):
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            return
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # stale socket of a dead daemon
+            return
+        finally:
+            probe.close()
+        raise EctierError(f"daemon.socket_path: a daemon is already listening on {path!r}")
+
+    def serve_forever(self) -> None:
+        """Accept connections until :meth:`stop` (or SIGTERM/SIGINT via :func:`run_daemon`)."""
+        assert self._listener is not None, "call start() first"
+        while not self._stop.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    break
+                raise
+            self._admit(sock)
+        self._shutdown()
+
+    def stop(self) -> None:
+        """Ask the accept loop to finish; in-flight requests complete, then the cache is closed."""
+        self._stop.set()
+
+    def _shutdown(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        with self._lock:
+            conns = list(self._conns.values())
+        for conn in conns:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in self._threads:
+            t.join(timeout=10)
+        with self._lock:
+            leases = list(self._leases.values())
+            self._leases.clear()
+        for lease in leases:
+            self._end_lease(lease, commit=False)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        if self.cache is not None:
+            self.cache.close()  # flushes host entries to NVMe when nvme.flush_on_close
+        for path in (self.socket_path, self.arena_path):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        log.info("ectier daemon stopped")
+
+    # ------------------------------------------------------------------------- connections
+
+    def _admit(self, sock: socket.socket) -> None:
+        pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        reason = None
+        if not self._peer_allowed(uid, gid):
+            reason = f"uid {uid} is not allowed (daemon runs as uid {os.getuid()}; see daemon.allowed_group)"
+        elif len(self._conns) >= self.config.daemon.max_clients:
+            reason = f"too many clients (daemon.max_clients={self.config.daemon.max_clients})"
+        if reason is not None:
+            self.counters["refused"] += 1
+            log.warning("refused connection from pid %d: %s", pid, reason)
+            try:
+                sock.sendall(encode_frame(error_reply(None, "PermissionError", reason)))
+            except OSError:
+                pass
+            sock.close()
+            return
+        with self._lock:
+            conn = _Connection(self._next_id, sock, pid, uid, gid)
+            self._next_id += 1
+            self._conns[conn.id] = conn
+            self.counters["connections"] += 1
+        t = threading.Thread(target=self._serve_connection, args=(conn,), name=f"ectier-conn-{conn.id}", daemon=True)
+        self._threads = [x for x in self._threads if x.is_alive()]
+        self._threads.append(t)
+        t.start()
+
+    def _peer_allowed(self, uid: int, gid: int) -> bool:
+        if uid == os.getuid():
+            return True
+        if self._allowed_gid is None:
+            return False
+        if gid == self._allowed_gid:
+            return True
+        try:
+            user = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            return False
+        return user in grp.getgrgid(self._allowed_gid).gr_mem
+
+    def _serve_connection(self, conn: _Connection) -> None:
+        decoder = FrameDecoder(self.config.daemon.max_frame_bytes)
+        sock = conn.sock
+        try:
+            while not self._stop.is_set():
+                try:
+                    data = sock.recv(65536)
+                except OSError:
+                    break
+                if not data:
+                    break
+                try:
+                    messages = decoder.feed(data)
+                except ProtocolError as exc:  # framing lost: answer once, then drop this client
+                    self.counters["protocol_errors"] += 1
+                    self._send(conn, error_reply(None, "ProtocolError", str(exc)))
+                    break
+                for msg in messages:
+                    reply = self._handle(conn, msg)
+                    if not self._send(conn, reply):
+                        break
+                if conn.closed:
+                    break
+        finally:
+            self._disconnect(conn)
+
+    def _send(self, conn: _Connection, reply: dict[str, Any]) -> bool:
+        try:
+            conn.sock.sendall(encode_frame(reply, max_frame_bytes=1 << 30))
+            return True
+        except OSError:
+            return False
+
+    def _disconnect(self, conn: _Connection) -> None:
+        with self._lock:
+            self._conns.pop(conn.id, None)
+            leases = [self._leases.pop(i) for i in list(conn.leases) if i in self._leases]
+            conn.leases.clear()
+            conn.closed = True
+        for lease in leases:
+            self._end_lease(lease, commit=False)
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+        if leases:
+            log.info("client %s (pid %d) disconnected holding %d lease(s); reclaimed", conn.name, conn.pid, len(leases))
+
+    # ------------------------------------------------------------------------------ requests
+
+    def _handle(self, conn: _Connection, msg: dict[str, Any] | ProtocolError) -> dict[str, Any]:
+        rid = msg.get("id") if isinstance(msg, dict) and isinstance(msg.get("id"), int) else None
+        try:
+            if isinstance(msg, ProtocolError):
+                raise msg
+            req = parse_request(msg)
+            conn.requests += 1
+            handler = getattr(self, f"_op_{req.op}")
+            return ok_reply(req.id, **handler(conn, **req.args))
+        except ProtocolError as exc:
+            self.counters["protocol_errors"] += 1
+            return error_reply(rid, "ProtocolError", str(exc))
+        except EctierError as exc:
+            return error_reply(rid, type(exc).__name__, str(exc))
+        except (ValueError, TypeError) as exc:  # validation errors from the cache's inputs
+            return error_reply(rid, type(exc).__name__, str(exc))
+        except Exception as exc:  # keep serving everyone else; this request failed
+            log.exception("request %r failed", msg if isinstance(msg, dict) else None)
+            return error_reply(rid, "InternalError", f"{type(exc).__name__}: {exc}")
+
+    def _op_hello(self, conn: _Connection, version: int, client: str = "") -> dict[str, Any]:
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(f"hello: client speaks protocol {version}, daemon speaks {PROTOCOL_VERSION}")
+        conn.name = client[:200]
+        return {
+            "version": PROTOCOL_VERSION,
+            "server": f"ectier {__version__}",
+            "namespace": self.config.namespace,
+            "arena": {"path": self.arena_path, "nbytes": self.cache.host_arena_bytes,
+                      "block_bytes": self.config.host.block_bytes},
+            "lease_s": self.config.daemon.lease_s,
+        }
+
+    def _op_ping(self, conn: _Connection) -> dict[str, Any]:
+        return {}
+
+    def _new_lease(self, conn: _Connection, kind: str, handle: WriteLease | ReadLease) -> int:
+        with self._lock:
+            lease = _Lease(self._next_id, kind, conn, time.monotonic() + self.config.daemon.lease_s, handle)
+            self._next_id += 1
+            self._leases[lease.id] = lease
+            conn.leases.add(lease.id)
+        return lease.id
+
+    def _take_lease(self, conn: _Connection, lease_id: int, kind: str) -> _Lease | None:
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.conn is not conn or lease.kind != kind:
+                return None
+            del self._leases[lease_id]
+            conn.leases.discard(lease_id)
+            return lease
+
+    def _end_lease(self, lease: _Lease, *, commit: bool) -> None:
+        assert self.cache is not None
+        try:
+            if lease.kind == "put":
+                if commit:
+                    self.cache.commit(lease.handle)
+                else:
+                    self.cache.abort(lease.handle)
+            else:
+                self.cache.release(lease.handle)
+        except EctierError:
+            if commit:
+                raise
+            log.exception("ending a %s lease failed", lease.kind)
+
+    def _op_reserve(self, conn: _Connection, key: str, dtype: str, shape: tuple, namespace: str | None = None) -> dict[str, Any]:
+        assert self.cache is not None
+        handle = self.cache.reserve(key, dtype=dtype, shape=shape, namespace=namespace)
+        lease_id = self._new_lease(conn, "put", handle)
+        return {"lease": lease_id, "nbytes": handle.meta.nbytes, "extents": [list(e) for e in handle.extents]}
+
+    def _op_commit(self, conn: _Connection, lease: int) -> dict[str, Any]:
+        held = self._take_lease(conn, lease, "put")
+        if held is None:
+            raise EctierError(f"commit: lease {lease} is unknown or expired; the put was aborted, retry it")
+        self._end_lease(held, commit=True)
+        return {}
+
+    def _op_abort(self, conn: _Connection, lease: int) -> dict[str, Any]:
+        held = self._take_lease(conn, lease, "put")
+        if held is not None:
+            self._end_lease(held, commit=False)
+        return {"aborted": held is not None}
+
+    def _op_get(self, conn: _Connection, key: str, namespace: str | None = None) -> dict[str, Any]:
+        assert self.cache is not None
+        handle = self.cache.acquire(key, namespace=namespace)
+        if handle is None:
+            return {"hit": False}
+        lease_id = self._new_lease(conn, "get", handle)
+        meta = handle.meta
+        return {"hit": True, "lease": lease_id, "dtype": meta.dtype, "shape": list(meta.shape),
+                "nbytes": meta.nbytes, "extents": [list(e) for e in handle.extents]}
+
+    def _op_release(self, conn: _Connection, lease: int) -> dict[str, Any]:
+        held = self._take_lease(conn, lease, "get")
+        if held is not None:
+            self._end_lease(held, commit=False)
+        # valid=False: the lease expired before release, so the bytes copied may be foreign
+        return {"valid": held is not None}
+
+    def _op_contains(self, conn: _Connection, key: str, namespace: str | None = None) -> dict[str, Any]:
+        assert self.cache is not None
+        return {"found": self.cache.contains(key, namespace=namespace)}
+
+    def _op_delete(self, conn: _Connection, key: str, namespace: str | None = None) -> dict[str, Any]:
+        assert self.cache is not None
+        return {"deleted": self.cache.delete(key, namespace=namespace)}
+
+    def _op_stats(self, conn: _Connection) -> dict[str, Any]:
+        return {"stats": self.stats()}
+
+    def stats(self) -> dict[str, Any]:
+        """The cache's stats plus daemon facts: socket, arena, clients, leases, counters."""
+        assert self.cache is not None
+        out = self.cache.stats()
+        with self._lock:
+            now = time.time()
+            out["daemon"] = {
+                "socket": self.socket_path,
+                "arena": self.arena_path,
+                "leases": {"put": sum(1 for l in self._leases.values() if l.kind == "put"),
+                           "get": sum(1 for l in self._leases.values() if l.kind == "get")},
+                "clients": [
+                    {"id": c.id, "name": c.name, "pid": c.pid, "uid": c.uid, "connected_s": round(now - c.since, 3),
+                     "requests": c.requests, "leases": len(c.leases)}
+                    for c in self._conns.values()
+                ],
+                **self.counters,
+            }
+        return out
+
+    # -------------------------------------------------------------------------------- leases
+
+    def _reap_loop(self) -> None:
+        interval = min(1.0, self.config.daemon.lease_s / 4)
+        while not self._stop.wait(interval):
+            self.expire_leases()
+
+    def expire_leases(self, now: float | None = None) -> int:
+        """End every lease past its deadline and close its connection. Returns how many expired."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            expired = [l for l in self._leases.values() if l.deadline <= now]
+            for lease in expired:
+                del self._leases[lease.id]
+                lease.conn.leases.discard(lease.id)
+            self.counters["leases_expired"] += len(expired)
+        for lease in expired:
+            log.warning("lease %d (%s) of client %s (pid %d) expired after daemon.lease_s=%s; reclaimed",
+                        lease.id, lease.kind, lease.conn.name, lease.conn.pid, self.config.daemon.lease_s)
+            self._end_lease(lease, commit=False)
+            lease.conn.closed = True
+            try:
+                lease.conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        return len(expired)
+
+
+def run_daemon(config: CacheConfig) -> int:
+    """Run a daemon in the foreground until SIGTERM/SIGINT; returns the exit code (0)."""
+    server = DaemonServer(config)
+    server.start()
+
+    def _on_signal(signum: int, frame: object) -> None:
+        log.info("received %s; finishing in-flight requests", signal.Signals(signum).name)
+        server.stop()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    server.serve_forever()
+    return 0
