@@ -24,9 +24,11 @@ Rules this class keeps (``design.md``):
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,19 +38,20 @@ from .entry import (
     EntryMeta,
     EntryState,
     advance_version,
+    dtype_itemsize,
     entry_digest,
     next_version,
     validate_key,
     validate_namespace,
 )
-from .errors import EctierError, EntryTooLargeError, TierWriteError
+from .errors import EctierError, EntryTooLargeError, InvalidTensorError, TierWriteError
 from .index import Slot
 from .policy import LRUPolicy
 from .tensors import byte_view, meta_for, parse_device, torch_dtype
 from .tiers.host import HostTier
 from .tiers.nvme import NvmeTier
 
-__all__ = ["TieredCache"]
+__all__ = ["TieredCache", "WriteLease", "ReadLease"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,8 @@ class TieredCache:
 
     Args:
         config: :class:`~ectier.config.CacheConfig` (default: 1 GiB host arena, no NVMe tier).
+        host_shm_path: put the host arena in this new file (e.g. under ``/dev/shm``) mapped shared,
+            so that other processes can map it (the daemon does this); default: private memory.
 
     Thread-safe: any number of threads may call ``put``/``get``/``contains``/``delete`` at once.
 
@@ -71,11 +76,13 @@ class TieredCache:
         RuntimeError: from torch when the host arena cannot be allocated.
     """
 
-    def __init__(self, config: CacheConfig | None = None) -> None:
+    def __init__(self, config: CacheConfig | None = None, *, host_shm_path: str | None = None) -> None:
         self.config = config if config is not None else CacheConfig()
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
-        self._host = HostTier(self.config.host) if self.config.host.capacity_bytes > 0 else None
+        self._host = (
+            HostTier(self.config.host, shm_path=host_shm_path) if self.config.host.capacity_bytes > 0 else None
+        )
         try:
             self._nvme = NvmeTier(self.config.nvme) if self.config.nvme.enabled else None
         except BaseException:
@@ -154,7 +161,14 @@ class TieredCache:
             raise EntryTooLargeError(self._too_large_text(meta.nbytes))
         self._nvme_store(digest, meta, version, src if src.device.type == "cpu" else src.cpu(), register=True)
 
-    def get(self, key: str, *, device: str | torch.device | None = None, namespace: str | None = None) -> torch.Tensor | None:
+    def get(
+        self,
+        key: str,
+        *,
+        device: str | torch.device | None = None,
+        namespace: str | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """Return a copy of the entry stored under ``key``, or ``None`` on a miss.
 
         The tensor has the shape and dtype it was put with and is byte-identical to it. An NVMe hit
@@ -165,9 +179,13 @@ class TieredCache:
             key: the ``mm_hash``.
             device: ``None``/``"cpu"`` (default) or an explicit ``"cuda:<index>"``.
             namespace: override of ``config.namespace``.
+            out: a contiguous CPU tensor to copy into (saves allocating fresh memory on every hit);
+                on a hit whose shape and dtype match, ``out`` itself is returned. A hit of another
+                shape or dtype raises ``InvalidTensorError`` and leaves ``out`` untouched.
 
         Raises:
             InvalidKeyError: bad ``key``/``namespace``. InvalidDeviceError: bad ``device``.
+            InvalidTensorError: ``out`` is not contiguous, not on the CPU, or does not match the entry.
             EctierError: the cache is closed.
         """
         ns, key = self._identity(key, namespace)
@@ -193,7 +211,7 @@ class TieredCache:
                     self._nvme_lru.touch(digest)
             if slot is not None:
                 try:
-                    out = torch.empty(slot.meta.shape, dtype=torch_dtype(slot.meta.dtype))
+                    out = self._output_for(slot.meta, out)
                     self._host.read_into(slot, byte_view(out))
                 finally:
                     self._unpin(slot)
@@ -212,11 +230,130 @@ class TieredCache:
             if self._host is not None and self._host.index.fits(meta.nbytes):
                 if self._host_store(digest, meta, nvme_version, data, promotion=True):
                     self._count("host", promotions=1)
-            out = data.view(torch_dtype(meta.dtype)).view(meta.shape) if meta.nbytes else torch.empty(
-                meta.shape, dtype=torch_dtype(meta.dtype))
+            if out is not None:
+                out = self._output_for(meta, out)
+                byte_view(out).copy_(data)
+            elif meta.nbytes:
+                out = data.view(torch_dtype(meta.dtype)).view(meta.shape)
+            else:
+                out = torch.empty(meta.shape, dtype=torch_dtype(meta.dtype))
             return out if dev.type == "cpu" else out.to(dev)
         self._counters["cache"]["misses"] += 1
         return None
+
+    # ------------------------------------------------------------ two-phase API (the daemon's)
+
+    def reserve(self, key: str, *, dtype: str, shape: tuple[int, ...] | list[int], namespace: str | None = None) -> "WriteLease":
+        """Phase 1 of a put by another party (e.g. a daemon client writing through shared memory):
+        reserve host-arena bytes for an entry of ``dtype`` and ``shape``, evicting LRU entries as
+        needed. The entry stays invisible until :meth:`commit`; :meth:`abort` returns the bytes.
+
+        Returns a :class:`WriteLease` whose ``extents`` are ``(arena byte offset, length)`` runs
+        that together hold the entry's bytes in C order.
+
+        Raises:
+            InvalidKeyError, InvalidTensorError: bad key/namespace, unknown dtype, bad shape.
+            EntryTooLargeError: larger than ``host.capacity_bytes`` (or there is no host tier).
+            TierWriteError: no room could be made within ``host.admit_wait_s``.
+        """
+        ns, key = self._identity(key, namespace)
+        try:
+            dims = tuple(int(d) for d in shape)
+        except (TypeError, ValueError):
+            raise InvalidTensorError(f"shape: expected a sequence of ints, got {shape!r}") from None
+        meta = EntryMeta(ns, key, dtype, dims, math.prod(dims) * dtype_itemsize(dtype))
+        self._check_open()
+        if self._host is None or not self._host.index.fits(meta.nbytes):
+            cap = self._host.index.capacity_bytes if self._host is not None else 0
+            raise EntryTooLargeError(
+                f"entry of {meta.nbytes} bytes does not fit the host arena (host.capacity_bytes={cap}), "
+                "through which shared-memory puts go"
+            )
+        slot = self._host_reserve(entry_digest(ns, key), meta, next_version(), promotion=False)
+        if slot is None:
+            raise TierWriteError(
+                "host tier: no room could be made (entries pinned by readers for longer than host.admit_wait_s)"
+            )
+        return WriteLease(meta, tuple(self._host.byte_extents(slot)), slot)
+
+    def commit(self, lease: "WriteLease") -> None:
+        """Phase 2: make a reserved entry visible, replacing any older entry of its key atomically
+        (written through to NVMe first when ``nvme.write_through``).
+
+        Raises:
+            ValueError: the lease was already committed or aborted.
+        """
+        slot = lease._slot
+        if self._host_commit(slot, promotion=False):
+            self._count("host", puts=1, put_bytes=slot.meta.nbytes)
+            if self._nvme is not None and self.config.nvme.write_through:
+                self._write_through(slot.digest, slot.meta, slot.version)
+
+    def abort(self, lease: "WriteLease") -> None:
+        """Give up a reservation: its bytes return to the arena, nothing becomes visible.
+
+        Raises:
+            ValueError: the lease was already committed or aborted.
+        """
+        self._host_abort(lease._slot)
+
+    def acquire(self, key: str, *, namespace: str | None = None) -> "ReadLease | None":
+        """Pin an entry in the host arena for another party to copy out; ``None`` on a miss.
+
+        An NVMe hit is promoted into the host arena first; if it cannot be placed there (larger
+        than the host budget, or no clean room), the result is ``None``. The entry is neither
+        evicted nor freed until :meth:`release`.
+        """
+        ns, key = self._identity(key, namespace)
+        self._check_open()
+        if self._host is None:
+            return None
+        digest = entry_digest(ns, key)
+        for _ in range(3):
+            with self._cond:
+                slot = self._host.index.lookup(digest)
+                if slot is not None:
+                    self._host.index.pin(slot)
+                    self._host.index.touch(slot)
+                    self._counters["host"]["hits"] += 1
+                    self._counters["host"]["hit_bytes"] += slot.meta.nbytes
+                    self._counters["cache"]["hits"] += 1
+                    return ReadLease(slot.meta, tuple(self._host.byte_extents(slot)), slot)
+                v = self._current.get(digest)
+                rec = self._nvme.record(digest) if self._nvme is not None and v is not None else None
+                if rec is None or rec.version != v:
+                    break
+                self._nvme_lru.touch(digest)
+            result = self._nvme_read(digest, ns, key, v)
+            if result is _RETRY:
+                continue
+            if result is None or not self._host.index.fits(result[0].nbytes):
+                break
+            meta, data = result
+            self._count("nvme", hits=1, hit_bytes=meta.nbytes)
+            if self._host_store(digest, meta, v, data, promotion=True):
+                self._count("host", promotions=1)
+                with self._cond:
+                    self._counters["host"]["hits"] -= 1  # the retry's host hit is this NVMe hit
+                    self._counters["host"]["hit_bytes"] -= meta.nbytes
+                continue
+            break
+        self._count("cache", misses=1)
+        return None
+
+    def release(self, lease: "ReadLease") -> None:
+        """End an :meth:`acquire`: the entry may be evicted again."""
+        self._unpin(lease._slot)
+
+    @property
+    def host_arena_bytes(self) -> int:
+        """Size of the host arena in bytes (0 without a host tier)."""
+        return self._host.index.capacity_bytes if self._host is not None else 0
+
+    @property
+    def host_arena(self) -> torch.Tensor | None:
+        """The host arena as a flat ``uint8`` tensor (``None`` without a host tier)."""
+        return self._host.buffer if self._host is not None else None
 
     def contains(self, key: str, *, namespace: str | None = None) -> bool:
         """True if ``key`` is stored in some tier (answered from memory, no I/O).
@@ -341,6 +478,8 @@ class TieredCache:
             self._closed = True
             if self._nvme is not None:
                 self._nvme.close()
+            if self._host is not None:
+                self._host.close()
             self._host = None
 
     def __enter__(self) -> "TieredCache":
@@ -371,6 +510,19 @@ class TieredCache:
             parts.append(f"nvme.capacity_bytes={self.config.nvme.capacity_bytes}")
         return f"entry of {nbytes} bytes is larger than every tier's whole budget ({', '.join(parts)})"
 
+    @staticmethod
+    def _output_for(meta: EntryMeta, out: torch.Tensor | None) -> torch.Tensor:
+        dtype = torch_dtype(meta.dtype)
+        if out is None:
+            return torch.empty(meta.shape, dtype=dtype)
+        if not isinstance(out, torch.Tensor) or out.device.type != "cpu" or not out.is_contiguous():
+            raise InvalidTensorError("out: expected a contiguous CPU tensor")
+        if out.dtype != dtype or out.numel() * out.element_size() != meta.nbytes:
+            raise InvalidTensorError(
+                f"out: the entry is {meta.dtype} {meta.shape}, out is {dtype_name_of(out)} {tuple(out.shape)}"
+            )
+        return out.view(meta.shape) if tuple(out.shape) != meta.shape else out
+
     def _unpin(self, slot: Slot) -> None:
         with self._cond:
             if self._host is not None and self._host.index.unpin(slot):
@@ -396,6 +548,22 @@ class TieredCache:
         return self._host_admit(digest, meta, version, src, promotion=False)
 
     def _host_admit(self, digest: bytes, meta: EntryMeta, version: int, src: torch.Tensor, *, promotion: bool) -> bool:
+        slot = self._host_reserve(digest, meta, version, promotion=promotion)
+        if slot is None:
+            return False
+        try:
+            self._host.write(slot, src)
+        except BaseException:
+            self._host_abort(slot)
+            raise
+        return self._host_commit(slot, promotion=promotion)
+
+    def _host_reserve(self, digest: bytes, meta: EntryMeta, version: int, *, promotion: bool) -> Slot | None:
+        """Reserve host blocks for an entry, evicting (demoting) LRU victims as needed.
+
+        Returns the RESERVED slot, or ``None`` when no room could be made within
+        ``host.admit_wait_s`` (at once for a promotion) or a promotion became pointless.
+        """
         host = self._host
         assert host is not None
         idx = host.index
@@ -404,31 +572,37 @@ class TieredCache:
             victims: list[Slot] = []
             with self._cond:
                 if promotion and (self._current.get(digest) != version or idx.lookup(digest) is not None):
-                    return False
+                    return None
                 slot = idx.reserve(digest, meta, version)
-                if slot is None:
-                    found = idx.victims(idx.alloc_bytes(meta.nbytes) - idx.free_bytes)
-                    if found is None:
-                        remaining = deadline - time.monotonic()
-                        if remaining <= 0 or promotion:
-                            self._counters["host"]["admission_timeouts"] += 1
-                            return False
-                        self._cond.wait(timeout=min(remaining, 0.05))
-                        continue
-                    victims = found
-                    for v in victims:
-                        idx.pin(v)  # the demoter's pin: bytes stay valid until demoted
-            if slot is None:
-                self._evict(victims)
-                continue
-            break
-        try:
-            host.write(slot, src)
-        except BaseException:
-            with self._cond:
-                idx.abort(slot)
-                self._cond.notify_all()
-            raise
+                if slot is not None:
+                    return slot
+                # with host.promote_clean_only a promotion evicts only entries NVMe already holds,
+                # so a get never waits on demotion writes
+                found = idx.victims(idx.alloc_bytes(meta.nbytes) - idx.free_bytes,
+                                    clean_only=promotion and self.config.host.promote_clean_only)
+                if found is None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0 or promotion:
+                        self._counters["host"]["admission_timeouts"] += 1
+                        return None
+                    self._cond.wait(timeout=min(remaining, 0.05))
+                    continue
+                victims = found
+                for v in victims:
+                    idx.pin(v)  # the demoter's pin: bytes stay valid until demoted
+            self._evict(victims)
+
+    def _host_abort(self, slot: Slot) -> None:
+        with self._cond:
+            if self._host is not None:
+                self._host.index.abort(slot)
+            self._cond.notify_all()
+
+    def _host_commit(self, slot: Slot, *, promotion: bool) -> bool:
+        """Make a written slot visible (or drop it if a newer version won). True if this write
+        stands: committed, or a put ordered before a newer one."""
+        idx = self._host.index
+        digest, version = slot.digest, slot.version
         stale_nvme = None
         with self._cond:
             current = self._current.get(digest)
@@ -714,3 +888,29 @@ class TieredCache:
 
 
 _RETRY = object()
+
+
+def dtype_name_of(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True, eq=False)
+class WriteLease:
+    """A host-arena reservation from :meth:`TieredCache.reserve`.
+
+    Fields: ``meta`` (:class:`~ectier.entry.EntryMeta`), ``extents``: ``(arena byte offset,
+    length)`` runs whose concatenation is the entry's bytes in C order.
+    """
+
+    meta: EntryMeta
+    extents: tuple[tuple[int, int], ...]
+    _slot: Slot = field(repr=False)
+
+
+@dataclass(frozen=True, eq=False)
+class ReadLease:
+    """A pinned host-arena entry from :meth:`TieredCache.acquire`; fields as :class:`WriteLease`."""
+
+    meta: EntryMeta
+    extents: tuple[tuple[int, int], ...]
+    _slot: Slot = field(repr=False)

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import __version__
-from .config import format_bytes, parse_bytes
+from .config import CacheConfig, format_bytes, parse_bytes
 from .errors import ConfigError, EctierError
 from .sizing import DEFAULT_MODEL, MODELS, ImageTokens, ModelSpec, get_model, image_tokens, parse_size
 
@@ -88,8 +88,7 @@ def main() -> None:
     outputs, keyed by vLLM's mm_hash."""
 
 
-# Room for the commands later issues add, next to these: `serve` (the daemon owning the host and
-# NVMe tiers), `stats` (a running cache's counters), `bench` (throughput benchmarks).
+# Room for the commands later issues add: `bench` (throughput benchmarks).
 
 
 # ========================================================================================== size
@@ -278,6 +277,100 @@ def demo(ctx: click.Context, requests: int, zipf: float, seed: int, host_bytes: 
         demo_mod.print_summary(summary, console)
     if not summary["ok"]:
         ctx.exit(1)
+
+
+# ========================================================================================= serve
+
+
+def _load_config(path: Optional[str]) -> CacheConfig:
+    try:
+        if path is None:
+            return CacheConfig.from_env()
+        return CacheConfig.from_env(base=CacheConfig.load(path))
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--config") from None
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="YAML or JSON config (sections host, nvme, daemon); ECTIER_* variables override it.")
+@click.option("--socket", "socket_path", type=click.Path(), default=None,
+              help="Unix socket to listen on (overrides daemon.socket_path).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True)
+def serve(config_path: Optional[str], socket_path: Optional[str], log_level: str) -> None:
+    """Run the cache daemon in the foreground (stop with SIGTERM or Ctrl-C).
+
+    It owns the host tier (an arena in daemon.shm_dir that clients map) and the NVMe tier, and
+    serves engines over a Unix socket (msgpack; see docs/protocol.md).
+    """
+    import dataclasses
+    import logging
+
+    from .daemon.server import run_daemon
+
+    config = _load_config(config_path)
+    if socket_path is not None:
+        try:
+            config = config.replace(daemon=dataclasses.replace(config.daemon, socket_path=socket_path))
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc), param_hint="--socket") from None
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        sys.exit(run_daemon(config))
+    except EctierError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+# ========================================================================================= stats
+
+
+@main.command()
+@click.option("--socket", "socket_path", type=click.Path(), default=None,
+              help="The daemon's socket (default: daemon.socket_path of ECTIER_* / the per-user default).")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw stats as JSON.")
+def stats(socket_path: Optional[str], as_json: bool) -> None:
+    """Print a running daemon's tiers, bytes, hits/misses/evictions and clients."""
+    from .daemon.client import DaemonClient
+
+    if socket_path is None:
+        socket_path = _load_config(None).daemon.resolved_socket_path()
+    try:
+        with DaemonClient(socket_path, client_name="ectier-stats", connect_retry_s=0.5) as client:
+            data = client.stats()
+    except EctierError as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(data, indent=2, sort_keys=True))
+        return
+    console = _console()
+    lookups = data["hits"] + data["misses"]
+    console.print(f"[bold]ectier daemon[/] {data['daemon']['socket']} — namespace {data['namespace']!r}, "
+                  f"{data['entries']} entries, {data['hits']} hits / {data['misses']} misses"
+                  + (f" ({data['hits'] / lookups:.1%} hit rate)" if lookups else ""))
+    table = Table(title="tiers")
+    table.add_column("")
+    tiers = data["tiers"]
+    for name in tiers:
+        table.add_column(name, justify="right")
+    rows = [("used / capacity", lambda t: f"{format_bytes(t['used_bytes'])} / {format_bytes(t['capacity_bytes'])}"),
+            ("entries", lambda t: str(t["entries"])), ("hits", lambda t: str(t["hits"])),
+            ("hit bytes", lambda t: format_bytes(t["hit_bytes"])), ("puts", lambda t: str(t["puts"])),
+            ("evictions", lambda t: str(t["evictions"])),
+            ("demotions", lambda t: str(t.get("demotions", "—"))), ("promotions", lambda t: str(t.get("promotions", "—"))),
+            ("checksum failures", lambda t: str(t.get("checksum_failures", "—")))]
+    for label, fn in rows:
+        table.add_row(label, *(fn(t) for t in tiers.values()))
+    console.print(table)
+    daemon = data["daemon"]
+    clients = Table(title=f"clients ({len(daemon['clients'])}); open leases: put {daemon['leases']['put']}, "
+                          f"get {daemon['leases']['get']}; expired {daemon['leases_expired']}")
+    for col in ("id", "name", "pid", "uid", "connected", "requests", "leases"):
+        clients.add_column(col, justify="right" if col not in ("name",) else "left")
+    for c in daemon["clients"]:
+        clients.add_row(str(c["id"]), c["name"], str(c["pid"]), str(c["uid"]), f"{c['connected_s']:.0f} s",
+                        str(c["requests"]), str(c["leases"]))
+    console.print(clients)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -5,7 +5,7 @@
     CacheConfig
     ├── namespace: str                 model / encoder identity, part of every entry's identity
     ├── host: HostTierConfig           pinned (or ordinary) host memory arena
-    │     capacity_bytes, block_bytes, pin_memory, admit_wait_s
+    │     capacity_bytes, block_bytes, pin_memory, admit_wait_s, promote_clean_only
     ├── nvme: NvmeTierConfig           LMDB store under a directory (disabled when path is None)
     │     path, capacity_bytes, codec, zstd_level, sync, write_through, flush_on_close,
     │     map_initial_bytes, map_max_bytes
@@ -134,12 +134,16 @@ class HostTierConfig:
             (measured on an H200 host, background.md).
         admit_wait_s: how long a put may wait for readers to release pinned entries before it
             gives up on this tier (the entry then goes to the NVMe tier). Default 5 s.
+        promote_clean_only: when an NVMe hit is promoted, evict only host entries that NVMe already
+            holds (no demotion write on the get path); if they do not cover the entry, it is served
+            without promotion. Default ``False`` (LRU-faithful: promotion demotes what it must).
     """
 
     capacity_bytes: int = 1 * GiB
     block_bytes: int = 256 * KiB
     pin_memory: bool | None = None
     admit_wait_s: float = 5.0
+    promote_clean_only: bool = False
 
     def __post_init__(self) -> None:
         _check_int("host.capacity_bytes", self.capacity_bytes, minimum=0)
@@ -151,6 +155,7 @@ class HostTierConfig:
         if self.pin_memory is not None:
             _check_bool("host.pin_memory", self.pin_memory)
         _check_seconds("host.admit_wait_s", self.admit_wait_s)
+        _check_bool("host.promote_clean_only", self.promote_clean_only)
 
 
 @dataclass(frozen=True)

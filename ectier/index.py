@@ -170,12 +170,19 @@ class ArenaIndex:
             return True
         return False
 
-    def victims(self, need_bytes: int) -> list[Slot] | None:
+    def victims(self, need_bytes: int, *, clean_only: bool = False) -> list[Slot] | None:
         """Mark LRU victims covering ``need_bytes`` as LEAVING (all or nothing).
 
-        Pinned slots are skipped. Victims stay visible (readable) until :meth:`remove`.
+        Pinned slots are skipped; with ``clean_only`` so are slots whose bytes the next tier down
+        does not hold (``lower_copy`` false), so that evicting them costs no write. Victims stay
+        visible (readable) until :meth:`remove`.
         """
-        chosen = self.policy.victims(need_bytes, protected=lambda d: self._slots[d].pins > 0)
+        if clean_only:
+            chosen = self.policy.victims(
+                need_bytes, protected=lambda d: self._slots[d].pins > 0 or not self._slots[d].lower_copy
+            )
+        else:
+            chosen = self.policy.victims(need_bytes, protected=lambda d: self._slots[d].pins > 0)
         if chosen is None:
             return None
         out = []

@@ -7,10 +7,12 @@ which entries live here, and when they leave, is the cache's business.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from ..config import HostTierConfig
+from ..errors import StoreOpenError
 from ..index import ArenaIndex, Slot
 from ..tensors import cuda_available
 
@@ -24,6 +26,9 @@ class HostTier:
 
     Args:
         config: :class:`~ectier.config.HostTierConfig`.
+        shm_path: when given, the arena is this new file (created with mode 0600, e.g. under
+            ``/dev/shm``) mapped ``MAP_SHARED`` so other processes can map it too; on a CUDA machine
+            the mapping is page-locked with ``cudaHostRegister``. Removed by :meth:`close`.
 
     Attributes:
         index: the tier's :class:`~ectier.index.ArenaIndex`.
@@ -37,16 +42,63 @@ class HostTier:
 
     name = "host"
 
-    def __init__(self, config: HostTierConfig) -> None:
+    def __init__(self, config: HostTierConfig, *, shm_path: str | None = None) -> None:
         self.config = config
         self.index = ArenaIndex(config.capacity_bytes, config.block_bytes)
         want_pin = cuda_available() if config.pin_memory is None else config.pin_memory
-        self.pinned = bool(want_pin)
-        self.buffer = torch.empty(self.index.capacity_bytes, dtype=torch.uint8, pin_memory=self.pinned)
-        log.info(
-            "host tier: %d bytes in %d-byte blocks, pinned=%s",
-            self.index.capacity_bytes, config.block_bytes, self.pinned,
-        )
+        nbytes = self.index.capacity_bytes
+        self.shm_path = shm_path
+        self._registered = False
+        if shm_path is None:
+            self.pinned = bool(want_pin)
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        else:
+            self.buffer = self._map_shared(shm_path, nbytes)
+            # a shared mapping cannot come from the pinned allocator: register it with the driver
+            self.pinned = bool(want_pin) and self._register(self.buffer)
+        log.info("host tier: %d bytes in %d-byte blocks, pinned=%s, shared=%s",
+                 nbytes, config.block_bytes, self.pinned, shm_path or "no")
+
+    @staticmethod
+    def _map_shared(path: str, nbytes: int) -> torch.Tensor:
+        """Create ``path`` (mode 0600, must not exist) of ``nbytes`` and map it shared."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise StoreOpenError(f"host arena: cannot create {path!r}: {exc.strerror}") from None
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+    def _register(self, buffer: torch.Tensor) -> bool:
+        """Page-lock a shared mapping with ``cudaHostRegister`` (True on success)."""
+        if buffer.numel() == 0 or not cuda_available():
+            return False
+        rc = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
+        ok = int(rc) == 0 if not hasattr(rc, "value") else rc.value == 0
+        if not ok:
+            log.warning("host tier: cudaHostRegister of the shared arena failed (%s); copies stay pageable", rc)
+        self._registered = ok
+        return ok
+
+    def close(self) -> None:
+        """Unregister a registered mapping and remove the shared arena file (if any)."""
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self._registered = False
+        if self.shm_path is not None:
+            try:
+                os.unlink(self.shm_path)
+            except FileNotFoundError:
+                pass
+
+    def byte_extents(self, slot: Slot) -> list[tuple[int, int]]:
+        """``(arena byte offset, length)`` runs holding the slot's bytes, in entry order."""
+        return [(arena_off, length) for arena_off, _, length in self._runs(slot)]
 
     def _runs(self, slot: Slot):
         """Yield ``(arena_offset, entry_offset, length)`` byte runs of ``slot``."""
