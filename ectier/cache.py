@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -44,7 +45,7 @@ from .entry import (
     validate_key,
     validate_namespace,
 )
-from .errors import EctierError, EntryTooLargeError, InvalidTensorError, TierWriteError
+from .errors import ConfigError, EctierError, EntryTooLargeError, InvalidTensorError, TierWriteError
 from .index import Slot
 from .policy import LRUPolicy
 from .tensors import byte_view, meta_for, parse_device, torch_dtype
@@ -65,19 +66,32 @@ class TieredCache:
     """An in-process encoder cache keyed by ``mm_hash`` over a host tier and an NVMe tier.
 
     Args:
-        config: :class:`~ectier.config.CacheConfig` (default: 1 GiB host arena, no NVMe tier).
+        config: :class:`~ectier.config.CacheConfig` (default: 1 GiB host arena, no NVMe tier), or a
+            mapping (:meth:`CacheConfig.from_dict`) or a ``.json``/``.yaml`` path (:meth:`CacheConfig.load`).
         host_shm_path: put the host arena in this new file (e.g. under ``/dev/shm``) mapped shared,
             so that other processes can map it (the daemon does this); default: private memory.
 
     Thread-safe: any number of threads may call ``put``/``get``/``contains``/``delete`` at once.
 
     Raises:
+        ConfigError: an invalid config, or a host arena that cannot be allocated.
         StoreOpenError, StoreLockedError: the NVMe directory cannot be opened / is in use.
-        RuntimeError: from torch when the host arena cannot be allocated.
     """
 
-    def __init__(self, config: CacheConfig | None = None, *, host_shm_path: str | None = None) -> None:
-        self.config = config if config is not None else CacheConfig()
+    def __init__(
+        self, config: CacheConfig | Mapping[str, Any] | str | os.PathLike | None = None, *, host_shm_path: str | None = None
+    ) -> None:
+        if config is None:
+            config = CacheConfig()
+        elif isinstance(config, Mapping):
+            config = CacheConfig.from_dict(config)
+        elif isinstance(config, (str, os.PathLike)):
+            config = CacheConfig.load(config)
+        elif not isinstance(config, CacheConfig):
+            raise ConfigError(
+                f"config: expected a CacheConfig, a mapping or a .json/.yaml path, got {type(config).__name__}"
+            )
+        self.config = config
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
         self._host = (
@@ -435,6 +449,12 @@ class TieredCache:
                           entries=len(self._nvme), map_size_bytes=self._nvme.map_size_bytes)
                 out["tiers"]["nvme"] = nv
             return out
+
+    def quarantined(self) -> dict[bytes, dict[str, Any]]:
+        """NVMe records taken out of service after failing a check: digest -> ``{"reason", "time",
+        "header"}`` (kept across restarts for inspection). Empty without an NVMe tier."""
+        self._check_open()
+        return self._nvme.quarantined() if self._nvme is not None else {}
 
     def flush(self) -> int:
         """Write every host entry that NVMe does not hold yet to NVMe (host copies stay).

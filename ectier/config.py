@@ -115,9 +115,17 @@ def _check_bool(name: str, value: Any) -> None:
         raise ConfigError(f"{name}: expected true/false, got {type(value).__name__} {value!r}")
 
 
+def _coerce_bytes(obj: Any, section: str) -> None:
+    """Let ``*_bytes`` fields of a frozen config take strings such as ``"4GiB"`` too."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.name.endswith("_bytes") and isinstance(value, str):
+            object.__setattr__(obj, f.name, parse_bytes(value, field_name=f"{section}.{f.name}"))
+
+
 def _check_seconds(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:  # NaN too
-        raise ConfigError(f"{name}: expected a number of seconds >= 0, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ConfigError(f"{name}: expected a finite number of seconds >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -146,11 +154,17 @@ class HostTierConfig:
     promote_clean_only: bool = False
 
     def __post_init__(self) -> None:
+        _coerce_bytes(self, "host")
         _check_int("host.capacity_bytes", self.capacity_bytes, minimum=0)
         _check_int("host.block_bytes", self.block_bytes, minimum=4 * KiB)
         if self.block_bytes & (self.block_bytes - 1) or self.block_bytes > 64 * MiB:
             raise ConfigError(
                 f"host.block_bytes: must be a power of two between 4 KiB and 64 MiB, got {self.block_bytes}"
+            )
+        if 0 < self.capacity_bytes < self.block_bytes:
+            raise ConfigError(
+                f"host.capacity_bytes: {self.capacity_bytes} is less than one block "
+                f"(host.block_bytes={self.block_bytes}); use 0 to disable the host tier"
             )
         if self.pin_memory is not None:
             _check_bool("host.pin_memory", self.pin_memory)
@@ -194,6 +208,7 @@ class NvmeTierConfig:
     map_max_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        _coerce_bytes(self, "nvme")
         if self.path is not None:
             if isinstance(self.path, os.PathLike):
                 object.__setattr__(self, "path", os.fspath(self.path))
@@ -283,6 +298,7 @@ class DaemonConfig:
             raise ConfigError(f"daemon.allowed_group: expected a group name or null, got {self.allowed_group!r}")
         if not isinstance(self.shm_dir, str) or not self.shm_dir:
             raise ConfigError(f"daemon.shm_dir: expected a directory path, got {self.shm_dir!r}")
+        _coerce_bytes(self, "daemon")
         _check_seconds("daemon.lease_s", self.lease_s)
         if not self.lease_s > 0:
             raise ConfigError(f"daemon.lease_s: must be > 0, got {self.lease_s}")
@@ -342,6 +358,8 @@ class CacheConfig:
             raise ConfigError(
                 "host.capacity_bytes: is 0 and nvme.path is not set, so no tier could store anything"
             )
+        if self.host.capacity_bytes == 0 and self.nvme.capacity_bytes == 0:
+            raise ConfigError("host.capacity_bytes and nvme.capacity_bytes: both 0, so no tier could store anything")
 
     # ----------------------------------------------------------------------------------- loaders
 

@@ -10,6 +10,7 @@ import torch
 
 from ectier import (
     CacheConfig,
+    ConfigError,
     EctierError,
     EntryTooLargeError,
     HostTierConfig,
@@ -683,3 +684,21 @@ def test_failed_demotion_does_not_leak_host_blocks(make_cache, monkeypatch):
         cache.put(f"n{i}", filled(BLK, i))
         assert_same(cache.get(f"n{i}"), filled(BLK, i))
     check_quiescent(cache)
+
+
+def test_config_may_be_a_mapping_or_a_file(tmp_path):
+    with TieredCache({"host": {"capacity_bytes": "1MiB", "block_bytes": "64KiB"}}) as c:
+        assert c.stats()["tiers"]["host"]["capacity_bytes"] == 1 << 20
+    path = tmp_path / "c.yaml"
+    path.write_text("host: {capacity_bytes: 2MiB, block_bytes: 64KiB}\n")
+    with TieredCache(str(path)) as c:
+        assert c.stats()["tiers"]["host"]["capacity_bytes"] == 2 << 20
+    with pytest.raises(ConfigError, match="^config: expected a CacheConfig"):
+        TieredCache(42)
+    with pytest.raises(ConfigError, match="host.capcity_bytes"):
+        TieredCache({"host": {"capcity_bytes": 1}})
+
+
+def test_unallocatable_host_arena_names_the_knob():
+    with pytest.raises(ConfigError, match="^host.capacity_bytes: cannot allocate"):
+        TieredCache(CacheConfig(host=HostTierConfig(capacity_bytes=1 << 60)))

@@ -491,3 +491,25 @@ def test_from_env_result_is_validated_as_a_whole():
         CacheConfig.from_env({"ECTIER_HOST__CAPACITY_BYTES": "0"})
     c = CacheConfig.from_env({"ECTIER_HOST__CAPACITY_BYTES": "0", "ECTIER_NVME__PATH": "/nvme"})
     assert c.host.capacity_bytes == 0
+
+
+def test_byte_strings_accepted_by_the_constructors_too():
+    assert HostTierConfig(capacity_bytes="8MiB").capacity_bytes == 8 << 20
+    assert NvmeTierConfig(capacity_bytes="2GB").capacity_bytes == 2 * 10**9
+    with pytest.raises(ConfigError, match="^host.capacity_bytes: cannot read"):
+        HostTierConfig(capacity_bytes="8 gigs")
+
+
+def test_host_budget_below_one_block_is_refused():
+    with pytest.raises(ConfigError, match="^host.capacity_bytes: 100 is less than one block"):
+        HostTierConfig(capacity_bytes=100)
+
+
+def test_infinite_wait_is_refused():
+    with pytest.raises(ConfigError, match="^host.admit_wait_s"):
+        HostTierConfig(admit_wait_s=float("inf"))
+
+
+def test_all_budgets_zero_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="both 0"):
+        CacheConfig(host=HostTierConfig(capacity_bytes=0), nvme=NvmeTierConfig(path=str(tmp_path), capacity_bytes=0))

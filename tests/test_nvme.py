@@ -615,3 +615,33 @@ def test_overwrite_after_restart_with_the_clock_behind(make_cache, tmp_path, mon
     with TieredCache(cfg) as again:
         again.put("k", filled(4096, 2))
         assert_same(again.get("k"), filled(4096, 2))
+
+
+_TRUNCATE_SCRIPT = """
+import os, sys, torch
+from ectier import CacheConfig, HostTierConfig, NvmeTierConfig, StoreOpenError, TieredCache
+cfg = CacheConfig(host=HostTierConfig(capacity_bytes=0), nvme=NvmeTierConfig(path=sys.argv[1], sync=False))
+with TieredCache(cfg) as c:
+    for i in range(24):
+        c.put(f"k{i}", torch.full((64 * 1024,), i, dtype=torch.uint8))
+data = os.path.join(sys.argv[1], "lmdb", "data.mdb")
+os.truncate(data, os.path.getsize(data) // int(sys.argv[2]))
+try:
+    TieredCache(cfg)
+except StoreOpenError as exc:
+    assert "truncated" in str(exc) and "nvme.path" in str(exc), exc
+    print("REFUSED")
+else:
+    print("OPENED")
+"""
+
+
+@pytest.mark.parametrize("fraction", [2, 3])
+def test_truncated_data_file_is_refused_at_open_not_a_sigbus(tmp_path, fraction):
+    """A data.mdb shorter than LMDB's last page would SIGBUS on the first read through the map;
+    the tier must refuse it at open with a clear error (run in a child so a SIGBUS cannot take
+    pytest down)."""
+    proc = subprocess.run([sys.executable, "-c", _TRUNCATE_SCRIPT, str(tmp_path / "store"), str(fraction)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stdout.strip() == "REFUSED"

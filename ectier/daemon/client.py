@@ -97,8 +97,10 @@ class DaemonClient:
             self._drop()
             raise
         self.server_info = info
-        if info["arena"]["path"] != self._arena_path:
-            self._unmap()
+        # always map the arena afresh on a new connection: a restarted daemon may create its
+        # arena under the old name (same pid, e.g. PID 1 of a container), and the old mapping
+        # would then be an unlinked file the daemon no longer reads
+        self._unmap()
 
     def _drop(self) -> None:
         if self._sock is not None:
@@ -260,7 +262,12 @@ class DaemonClient:
                     out[off : off + length].copy_(arena[start : start + length])
                     off += length
             finally:
-                valid = self.call("release", retry=False, lease=reply["lease"])["valid"]
+                try:
+                    valid = self.call("release", retry=False, lease=reply["lease"])["valid"]
+                except DaemonUnavailableError:
+                    # the daemon closes the connection of a client whose lease expired (or went
+                    # away): either way the copy cannot be vouched for
+                    valid = False
             if not valid:
                 return None  # the lease expired while copying: the bytes may be foreign
             dtype = torch_dtype(reply["dtype"])

@@ -18,12 +18,15 @@ release reports the copy invalid) and its connection is closed. ``contains`` nev
 
 from __future__ import annotations
 
+import fcntl
 import grp
 import logging
 import os
 import pwd
+import re
 import signal
 import socket
+import stat
 import struct
 import threading
 import time
@@ -104,6 +107,8 @@ class DaemonServer:
         self._threads: list[threading.Thread] = []
         self._allowed_gid = self._resolve_group(config.daemon.allowed_group)
         self._metrics_server = None
+        self.metrics_address: tuple[str, int] | None = None  # (host, bound port) when metrics are on
+        self._arena_lock_fd: int | None = None
         self.counters = {"connections": 0, "refused": 0, "protocol_errors": 0, "leases_expired": 0}
 
     # --------------------------------------------------------------------------- lifecycle
@@ -120,7 +125,7 @@ class DaemonServer:
     def start(self) -> None:
         """Open the tiers, bind the socket, start the reaper (and metrics). Returns at once."""
         self._claim_socket_path()
-        self.cache = TieredCache(self.config, host_shm_path=self.arena_path)
+        self._open_arena()
         try:
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             old_umask = os.umask(0o177)
@@ -137,6 +142,9 @@ class DaemonServer:
             listener.settimeout(0.2)
         except OSError as exc:
             self.cache.close()
+            if self._arena_lock_fd is not None:
+                os.close(self._arena_lock_fd)
+                self._arena_lock_fd = None
             raise EctierError(f"daemon.socket_path: cannot listen on {self.socket_path!r}: {exc.strerror}") from None
         self._listener = listener
         reaper = threading.Thread(target=self._reap_loop, name="ectier-lease-reaper", daemon=True)
@@ -147,15 +155,80 @@ class DaemonServer:
 
             self._metrics_server = start_metrics_server(self, self.config.daemon.metrics_host,
                                                         self.config.daemon.metrics_port)
-        log.info("ectier daemon %s listening on %s (arena %s, %d bytes; nvme %s)", __version__,
+            # metrics_port 0 binds an ephemeral port: say which (log and stats)
+            self.metrics_address = (self.config.daemon.metrics_host, self._metrics_server.server_address[1])
+        log.info("ectier daemon %s listening on %s (arena %s, %d bytes; nvme %s; metrics %s)", __version__,
                  self.socket_path, self.arena_path, self.config.host.capacity_bytes,
-                 self.config.nvme.path or "off")
+                 self.config.nvme.path or "off",
+                 "http://%s:%d/metrics" % self.metrics_address if self.metrics_address else "off")
+
+    def _open_arena(self) -> None:
+        """Create the cache (and so the arena file) holding an flock on the arena for the daemon's
+        lifetime; first remove arena files of this user's daemons that died without cleaning up
+        (kill -9, OOM): each holds ``host.capacity_bytes`` of RAM in /dev/shm, and one carrying
+        this process's own name (a restarted daemon that is PID 1 of its container) would make
+        the arena creation fail. The shm directory is flock'ed meanwhile, so two daemons starting
+        at once never take each other's fresh arena for a stale one."""
+        shm_dir = self.config.daemon.shm_dir
+        try:
+            dir_fd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            raise EctierError(f"daemon.shm_dir: cannot open {shm_dir!r}: {exc.strerror}") from None
+        try:
+            fcntl.flock(dir_fd, fcntl.LOCK_EX)
+            self._reclaim_stale_arenas(shm_dir)
+            self.cache = TieredCache(self.config, host_shm_path=self.arena_path)
+            self._arena_lock_fd = os.open(self.arena_path, os.O_RDONLY)
+            fcntl.flock(self._arena_lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            fcntl.flock(dir_fd, fcntl.LOCK_UN)
+            os.close(dir_fd)
+
+    @staticmethod
+    def _reclaim_stale_arenas(shm_dir: str) -> None:
+        pattern = re.compile(rf"ectier-{os.getuid()}-(\d+)\.arena")
+        for name in os.listdir(shm_dir):
+            m = pattern.fullmatch(name)
+            if m is None:
+                continue
+            path = os.path.join(shm_dir, name)
+            pid = int(m.group(1))
+            if pid != os.getpid():
+                try:
+                    os.kill(pid, 0)
+                    continue  # that process lives (possibly a daemon without the arena lock)
+                except ProcessLookupError:
+                    pass
+                except PermissionError:
+                    continue
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:
+                continue
+            try:
+                if os.fstat(fd).st_uid != os.getuid():
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a live daemon holds it
+                os.unlink(path)
+                log.warning("removed the arena %s of a daemon that did not shut down cleanly", path)
+            except OSError as exc:
+                log.warning("could not remove the stale arena %s: %s", path, exc)
+            finally:
+                os.close(fd)
 
     def _claim_socket_path(self) -> None:
         path = self.socket_path
-        if not os.path.exists(path):
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             return
+        if not stat.S_ISSOCK(st.st_mode):  # never delete a file that is not a (stale) socket
+            raise EctierError(f"daemon.socket_path: {path!r} exists and is not a socket; remove it or "
+                              "choose another path")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(path)
@@ -205,6 +278,7 @@ class DaemonServer:
             self._end_lease(lease, commit=False)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
+            self._metrics_server.server_close()
         if self.cache is not None:
             self.cache.close()  # flushes host entries to NVMe when nvme.flush_on_close
         for path in (self.socket_path, self.arena_path):
@@ -212,6 +286,9 @@ class DaemonServer:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+        if self._arena_lock_fd is not None:
+            os.close(self._arena_lock_fd)
+            self._arena_lock_fd = None
         log.info("ectier daemon stopped")
 
     # ------------------------------------------------------------------------- connections
@@ -429,6 +506,8 @@ class DaemonServer:
             out["daemon"] = {
                 "socket": self.socket_path,
                 "arena": self.arena_path,
+                "metrics": ({"host": self.metrics_address[0], "port": self.metrics_address[1]}
+                            if self.metrics_address else None),
                 "leases": {"put": sum(1 for l in self._leases.values() if l.kind == "put"),
                            "get": sum(1 for l in self._leases.values() if l.kind == "get")},
                 "clients": [
@@ -471,13 +550,14 @@ class DaemonServer:
 def run_daemon(config: CacheConfig) -> int:
     """Run a daemon in the foreground until SIGTERM/SIGINT; returns the exit code (0)."""
     server = DaemonServer(config)
-    server.start()
 
     def _on_signal(signum: int, frame: object) -> None:
         log.info("received %s; finishing in-flight requests", signal.Signals(signum).name)
         server.stop()
 
+    # before start(): a SIGTERM that arrives once the socket exists must still clean up
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
+    server.start()
     server.serve_forever()
     return 0

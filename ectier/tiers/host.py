@@ -12,7 +12,7 @@ import os
 import torch
 
 from ..config import HostTierConfig
-from ..errors import StoreOpenError
+from ..errors import ConfigError, StoreOpenError
 from ..index import ArenaIndex, Slot
 from ..tensors import cuda_available
 
@@ -51,7 +51,13 @@ class HostTier:
         self._registered = False
         if shm_path is None:
             self.pinned = bool(want_pin)
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+            try:
+                self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+            except RuntimeError as exc:
+                raise ConfigError(
+                    f"host.capacity_bytes: cannot allocate a host arena of {nbytes} bytes "
+                    f"(pin_memory={self.pinned}): {str(exc).splitlines()[0]}"
+                ) from None
         else:
             self.buffer = self._map_shared(shm_path, nbytes)
             # a shared mapping cannot come from the pinned allocator: register it with the driver

@@ -214,6 +214,7 @@ class NvmeTier:
                 max_readers=1024,
                 lock=True,
             )
+            self._check_file_size()
             self._meta = self._env.open_db(b"meta")
             self._data = self._env.open_db(b"data")
             self._quarantine = self._env.open_db(b"quarantine")
@@ -222,10 +223,27 @@ class NvmeTier:
             self._scan()
         except lmdb.Error as exc:
             self.close()
-            raise StoreOpenError(f"nvme.path: cannot open LMDB store in {str(self.path)!r}: {exc}") from None
+            raise StoreOpenError(
+                f"nvme.path: cannot open LMDB store in {str(self.path)!r}: {exc}; the store is damaged: "
+                "move or delete the directory to start with an empty NVMe tier"
+            ) from None
         except BaseException:
             self.close()
             raise
+
+    def _check_file_size(self) -> None:
+        """Refuse a data file shorter than the pages LMDB says it holds: reading such a page
+        through the map would kill the process with SIGBUS instead of raising an error."""
+        assert self._env is not None
+        info = self._env.info()
+        needed = (info["last_pgno"] + 1) * self._env.stat()["psize"]
+        data_file = self.path / "lmdb" / "data.mdb"
+        size = data_file.stat().st_size
+        if size < needed:
+            raise StoreOpenError(
+                f"nvme.path: {str(data_file)!r} is truncated ({size} bytes, LMDB needs {needed}); the "
+                "store is damaged: move or delete the directory to start with an empty NVMe tier"
+            )
 
     def _check_settings(self) -> None:
         assert self._env is not None
