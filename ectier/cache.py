@@ -47,7 +47,7 @@ from .entry import (
 )
 from .errors import ConfigError, EctierError, EntryTooLargeError, InvalidTensorError, TierWriteError
 from .index import Slot
-from .policy import LRUPolicy
+from .policy import make_policy
 from .tensors import byte_view, meta_for, parse_device, torch_dtype
 from .tiers.host import HostTier
 from .tiers.nvme import NvmeTier
@@ -95,7 +95,9 @@ class TieredCache:
         self._cond = threading.Condition(threading.Lock())
         self._closed = False
         self._host = (
-            HostTier(self.config.host, shm_path=host_shm_path) if self.config.host.capacity_bytes > 0 else None
+            HostTier(self.config.host, shm_path=host_shm_path, policy=make_policy(self.config.host.policy))
+            if self.config.host.capacity_bytes > 0
+            else None
         )
         try:
             self._nvme = NvmeTier(self.config.nvme) if self.config.nvme.enabled else None
@@ -105,7 +107,9 @@ class TieredCache:
         self._counters: dict[str, Counter] = {"host": Counter(), "nvme": Counter(), "cache": Counter()}
         # digest -> write version of the key's current bytes, wherever they are
         self._current: dict[bytes, int] = {}
-        self._nvme_lru = LRUPolicy()
+        self._nvme_lru = make_policy(self.config.nvme.policy)  # named for history; any policy
+        # digest -> recompute seconds given to put(cost_s=...), handed to the tiers' policies
+        self._cost_s: dict[bytes, float] = {}
         self._nvme_reserved = 0
         # deletes of records already taken out of the NVMe LRU, still counted in nvme.used_bytes
         self._nvme_busy = 0
@@ -127,7 +131,9 @@ class TieredCache:
 
     # ================================================================================ public API
 
-    def put(self, key: str, tensor: torch.Tensor, *, namespace: str | None = None) -> None:
+    def put(
+        self, key: str, tensor: torch.Tensor, *, namespace: str | None = None, cost_s: float | None = None
+    ) -> None:
         """Store ``tensor`` under ``key`` (an ``mm_hash``), replacing any previous entry atomically.
 
         Any dtype torch has (bfloat16, float16, float32, int8, fp8, ...) and any shape, including
@@ -139,8 +145,12 @@ class TieredCache:
             key: non-empty ``str`` (up to 64 KiB of UTF-8).
             tensor: the encoder output, e.g. ``(N, 8192)`` bfloat16 for Qwen3-VL.
             namespace: override of ``config.namespace`` for this entry.
+            cost_s: seconds recomputing this entry would cost (encoder time), for cost-aware
+                eviction policies (``host.policy``/``nvme.policy`` = ``"gdsf"``); ignored by LRU.
+                ``None``: unknown.
 
         Raises:
+            ValueError: ``cost_s`` is negative or not finite.
             InvalidKeyError, InvalidTensorError: bad ``key``/``namespace``/``tensor``.
             EntryTooLargeError: larger than every enabled tier's whole budget (names the knobs).
             TierWriteError: no tier could store it (NVMe write failed, host held by pinned readers).
@@ -151,6 +161,16 @@ class TieredCache:
         meta = meta_for(ns, key, tensor)
         self._check_open()
         digest = entry_digest(ns, key)
+        if cost_s is not None:
+            if isinstance(cost_s, bool) or not isinstance(cost_s, (int, float)) or not 0 <= cost_s < math.inf:
+                raise ValueError(f"cost_s: expected a finite number of seconds >= 0, got {cost_s!r}")
+        with self._cond:
+            if cost_s is None:
+                self._cost_s.pop(digest, None)
+            else:
+                self._cost_s[digest] = float(cost_s)
+                if len(self._cost_s) > 2 * len(self._current) + 1024:  # forget keys no longer stored
+                    self._cost_s = {d: c for d, c in self._cost_s.items() if d in self._current or d == digest}
         version = next_version()
         src = byte_view(tensor)
         host_ok = self._host is not None and self._host.index.fits(meta.nbytes)
@@ -393,6 +413,7 @@ class TieredCache:
         digest = entry_digest(ns, key)
         with self._cond:
             existed = self._current.pop(digest, None) is not None
+            self._cost_s.pop(digest, None)
             if self._host is not None:
                 slot = self._host.index.lookup(digest)
                 if slot is not None:
@@ -595,6 +616,7 @@ class TieredCache:
                     return None
                 slot = idx.reserve(digest, meta, version)
                 if slot is not None:
+                    slot.cost_s = self._cost_s.get(digest)
                     return slot
                 # with host.promote_clean_only a promotion evicts only entries NVMe already holds,
                 # so a get never waits on demotion writes
@@ -840,7 +862,7 @@ class TieredCache:
                         self._cond.notify_all()
             if ours:
                 if current == version:
-                    self._nvme_lru.add(digest, rec.stored_bytes)
+                    self._nvme_lru.add(digest, rec.stored_bytes, self._cost_s.get(digest))
                     return True
                 stale = version
                 self._nvme_busy += 1

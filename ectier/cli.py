@@ -5,6 +5,7 @@
     ectier size 1920x1080 [1024x1024 ...] [--model qwen3-vl] [--json]   tokens, shape, bytes of images
     ectier models [--json]                                               registered models
     ectier demo [--requests 300 --zipf 1.1 --codec raw ...]              the main job (see ectier.demo)
+    ectier bench tiers | replay | baseline | crossover                     benchmarks (see ectier.bench.cli)
     ectier --version
 
 Bad arguments are usage errors (exit code 2, a message naming the argument, no traceback).
@@ -88,7 +89,13 @@ def main() -> None:
     outputs, keyed by vLLM's mm_hash."""
 
 
-# Room for the commands later issues add: `bench` (throughput benchmarks).
+def _register_bench() -> None:
+    from .bench.cli import bench  # click only at import; torch is imported when a bench command runs
+
+    main.add_command(bench)
+
+
+_register_bench()
 
 
 # ========================================================================================== size

@@ -5,10 +5,10 @@
     CacheConfig
     ├── namespace: str                 model / encoder identity, part of every entry's identity
     ├── host: HostTierConfig           pinned (or ordinary) host memory arena
-    │     capacity_bytes, block_bytes, pin_memory, admit_wait_s, promote_clean_only
+    │     capacity_bytes, block_bytes, pin_memory, admit_wait_s, promote_clean_only, policy
     ├── nvme: NvmeTierConfig           LMDB store under a directory (disabled when path is None)
     │     path, capacity_bytes, codec, zstd_level, sync, write_through, flush_on_close,
-    │     map_initial_bytes, map_max_bytes
+    │     map_initial_bytes, map_max_bytes, policy
     └── daemon: DaemonConfig           the standalone daemon (``ectier serve``) only
           socket_path, socket_mode, allowed_group, shm_dir, lease_s, max_frame_bytes,
           max_clients, metrics_port, metrics_host
@@ -128,6 +128,13 @@ def _check_seconds(name: str, value: Any) -> None:
         raise ConfigError(f"{name}: expected a finite number of seconds >= 0, got {value!r}")
 
 
+def _check_policy(name: str, value: Any) -> None:
+    from .policy import POLICY_NAMES  # pure Python, imports nothing of ours
+
+    if value not in POLICY_NAMES:
+        raise ConfigError(f"{name}: expected one of {', '.join(POLICY_NAMES)}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class HostTierConfig:
     """Host-memory tier: one arena allocated once at start-up, carved into fixed blocks.
@@ -145,6 +152,9 @@ class HostTierConfig:
         promote_clean_only: when an NVMe hit is promoted, evict only host entries that NVMe already
             holds (no demotion write on the get path); if they do not cover the entry, it is served
             without promotion. Default ``False`` (LRU-faithful: promotion demotes what it must).
+        policy: eviction policy of the tier, ``"lru"`` (default) or ``"gdsf"`` (Greedy-Dual-Size-
+            Frequency: keeps the entries that save the most recompute seconds per byte, using the
+            ``cost_s`` given to ``TieredCache.put``; see :mod:`ectier.policy`).
     """
 
     capacity_bytes: int = 1 * GiB
@@ -152,6 +162,7 @@ class HostTierConfig:
     pin_memory: bool | None = None
     admit_wait_s: float = 5.0
     promote_clean_only: bool = False
+    policy: str = "lru"
 
     def __post_init__(self) -> None:
         _coerce_bytes(self, "host")
@@ -170,6 +181,7 @@ class HostTierConfig:
             _check_bool("host.pin_memory", self.pin_memory)
         _check_seconds("host.admit_wait_s", self.admit_wait_s)
         _check_bool("host.promote_clean_only", self.promote_clean_only)
+        _check_policy("host.policy", self.policy)
 
 
 @dataclass(frozen=True)
@@ -195,6 +207,7 @@ class NvmeTierConfig:
             (LMDB stores large values in contiguous pages; the headroom absorbs its fragmentation).
             Set it below ``capacity_bytes`` and writes fail with ``TierWriteError`` once the map is
             full, before the budget evicts anything.
+        policy: eviction policy of the tier, ``"lru"`` (default) or ``"gdsf"`` (as ``host.policy``).
     """
 
     path: str | None = None
@@ -206,6 +219,7 @@ class NvmeTierConfig:
     flush_on_close: bool = True
     map_initial_bytes: int = 256 * MiB
     map_max_bytes: int | None = None
+    policy: str = "lru"
 
     def __post_init__(self) -> None:
         _coerce_bytes(self, "nvme")
@@ -227,6 +241,7 @@ class NvmeTierConfig:
             raise ConfigError(f"nvme.zstd_level: must be in -7..22, got {self.zstd_level}")
         for name in ("sync", "write_through", "flush_on_close"):
             _check_bool(f"nvme.{name}", getattr(self, name))
+        _check_policy("nvme.policy", self.policy)
         _check_int("nvme.map_initial_bytes", self.map_initial_bytes, minimum=1 * MiB)
         if self.map_max_bytes is not None:
             _check_int("nvme.map_max_bytes", self.map_max_bytes, minimum=1 * MiB)

@@ -43,6 +43,8 @@ class Slot:
         pins: readers (and demoters) currently copying from it.
         visible: True while the index maps ``digest`` to this slot.
         lower_copy: True when the next tier down holds this same version (eviction is then free).
+        cost_s: seconds a miss on this entry costs (recompute), given to the policy at commit;
+            ``None`` = unknown (the policy's default).
     """
 
     digest: bytes
@@ -54,6 +56,7 @@ class Slot:
     pins: int = 0
     visible: bool = False
     lower_copy: bool = False
+    cost_s: float | None = None
     freed: bool = field(default=False, repr=False)
 
 
@@ -142,7 +145,7 @@ class ArenaIndex:
         slot.state = EntryState.COMMITTED
         slot.visible = True
         self._slots[slot.digest] = slot
-        self.policy.add(slot.digest, slot.alloc_bytes)
+        self.policy.add(slot.digest, slot.alloc_bytes, slot.cost_s)
         return old
 
     def lookup(self, digest: bytes) -> Slot | None:

@@ -63,7 +63,8 @@ LAYERS: tuple[Layer, ...] = (
     Layer(
         "frontends",
         4,
-        ("ectier.cli", "ectier.demo", "ectier.__main__", "ectier.daemon", "ectier.daemon.*"),
+        ("ectier.cli", "ectier.demo", "ectier.__main__", "ectier.daemon", "ectier.daemon.*",
+         "ectier.bench", "ectier.bench.*"),
     ),
 )
 

@@ -14,6 +14,7 @@ import torch
 from ..config import HostTierConfig
 from ..errors import ConfigError, StoreOpenError
 from ..index import ArenaIndex, Slot
+from ..policy import EvictionPolicy
 from ..tensors import cuda_available
 
 __all__ = ["HostTier"]
@@ -29,6 +30,7 @@ class HostTier:
         shm_path: when given, the arena is this new file (created with mode 0600, e.g. under
             ``/dev/shm``) mapped ``MAP_SHARED`` so other processes can map it too; on a CUDA machine
             the mapping is page-locked with ``cudaHostRegister``. Removed by :meth:`close`.
+        policy: the eviction policy of the tier's index (default LRU).
 
     Attributes:
         index: the tier's :class:`~ectier.index.ArenaIndex`.
@@ -42,9 +44,10 @@ class HostTier:
 
     name = "host"
 
-    def __init__(self, config: HostTierConfig, *, shm_path: str | None = None) -> None:
+    def __init__(self, config: HostTierConfig, *, shm_path: str | None = None,
+                 policy: EvictionPolicy | None = None) -> None:
         self.config = config
-        self.index = ArenaIndex(config.capacity_bytes, config.block_bytes)
+        self.index = ArenaIndex(config.capacity_bytes, config.block_bytes, policy)
         want_pin = cuda_available() if config.pin_memory is None else config.pin_memory
         nbytes = self.index.capacity_bytes
         self.shm_path = shm_path

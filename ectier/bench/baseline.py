@@ -1,0 +1,96 @@
+"""The same stream through the demo's safetensors-file-per-item store and through pure recomputation.
+
+- **safetensors**: :class:`ectier.demo.SafetensorsPerItemStore` (vLLM's ``ECExampleConnector``
+  behaviour: one file per ``mm_hash``, synchronous, no eviction - its disk use is unbounded, so its
+  hit rate is the best any cache could reach on the stream).
+- **recompute**: no cache; every request costs the encoder time of the cost model.
+
+Per request the store's ``has``/``load`` (hit) or ``save`` (miss) is timed, as ectier's get/put are.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from typing import Any, Callable, Sequence
+
+from ..demo import SafetensorsPerItemStore
+from .costmodel import CostModel
+from .replay import EntryFactory, percentile
+from .workload import Request
+
+__all__ = ["replay_safetensors", "recompute_only"]
+
+
+def replay_safetensors(
+    stream: Sequence[Request],
+    cost: CostModel,
+    *,
+    width: int = 8192,
+    workdir: str | None = None,
+    advance: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Replay ``stream`` through a fresh SafetensorsPerItemStore in a temp dir (removed after).
+
+    Returns the same keys as :func:`ectier.bench.replay.replay_stream` where they apply (hits,
+    hit_rate, byte_hit_rate, encoder_saved_s, encoder_spent_s, get_s, put_s, latency
+    percentiles in seconds) plus ``disk_bytes`` (bytes written, never evicted).
+    """
+    max_tokens = max(r.num_tokens for r in stream)
+    factory = EntryFactory(max_tokens * width * 2, width)
+    tmp = tempfile.mkdtemp(prefix="ectier-st-", dir=workdir)
+    store = SafetensorsPerItemStore(tmp)
+    n = dict(hits=0, misses=0, mismatches=0)
+    b = dict(requested=0, hit=0, put=0)
+    enc = dict(total=0.0, saved=0.0, spent=0.0)
+    lat: dict[str, list[float]] = dict(hit=[], put=[], get=[])
+    t_start = time.perf_counter()
+    try:
+        for r in stream:
+            nb = r.num_tokens * width * 2
+            c = cost.seconds(r.num_tokens)
+            enc["total"] += c
+            b["requested"] += nb
+            t0 = time.perf_counter()
+            got = store.load(r.mm_hash) if store.has(r.mm_hash) else None
+            dt = time.perf_counter() - t0
+            lat["get"].append(dt)
+            if got is not None:
+                n["hits"] += 1
+                b["hit"] += nb
+                lat["hit"].append(dt)
+                enc["saved"] += c
+                n["mismatches"] += not factory.check(r.mm_hash, r.num_tokens, got)
+            else:
+                n["misses"] += 1
+                enc["spent"] += c
+                t0 = time.perf_counter()
+                store.save(r.mm_hash, factory.entry(r.mm_hash, r.num_tokens))
+                lat["put"].append(time.perf_counter() - t0)
+                b["put"] += nb
+            if advance is not None:
+                advance(1)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    reqs = len(stream)
+    return {
+        "policy": "safetensors-per-item (no eviction)",
+        "requests": reqs, **n,
+        "requested_bytes": b["requested"], "hit_bytes": b["hit"], "put_bytes": b["put"], "disk_bytes": b["put"],
+        "hit_rate": n["hits"] / reqs, "byte_hit_rate": b["hit"] / (b["requested"] or 1),
+        "encoder_total_s": enc["total"], "encoder_saved_s": enc["saved"], "encoder_spent_s": enc["spent"],
+        "saved_fraction": enc["saved"] / enc["total"] if enc["total"] else 0.0,
+        "get_s": sum(lat["get"]), "put_s": sum(lat["put"]),
+        "get_hit_p50_s": percentile(lat["hit"], 50), "get_hit_p99_s": percentile(lat["hit"], 99),
+        "put_p50_s": percentile(lat["put"], 50), "put_p99_s": percentile(lat["put"], 99),
+        "wall_s": time.perf_counter() - t_start,
+    }
+
+
+def recompute_only(stream: Sequence[Request], cost: CostModel) -> dict[str, Any]:
+    """No cache: every request runs the encoder. Seconds from ``cost``; nothing measured."""
+    total = sum(cost.seconds(r.num_tokens) for r in stream)
+    return {"policy": "recompute (no cache)", "requests": len(stream), "hits": 0, "misses": len(stream),
+            "hit_rate": 0.0, "byte_hit_rate": 0.0, "encoder_total_s": total, "encoder_saved_s": 0.0,
+            "encoder_spent_s": total, "saved_fraction": 0.0, "get_s": 0.0, "put_s": 0.0}

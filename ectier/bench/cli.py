@@ -1,0 +1,388 @@
+"""``ectier bench``: tiers | replay | baseline | crossover. Results go to ``--out DIR`` as JSON,
+markdown (``*.md``) and PNG plots; the main table is printed.
+
+::
+
+    ectier bench replay   [--requests 300 --policy lru,gdsf --host-bytes .. --nvme-bytes .. --trace t.csv]
+    ectier bench tiers    [--max-tokens 16384 --no-sync]
+    ectier bench baseline [workload options as replay]
+    ectier bench crossover [--tiers-json DIR/tiers.json | --max-tokens 16384]
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from typing import Any, Optional
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ..config import format_bytes, parse_bytes
+from ..errors import ConfigError
+from .report import fmt, markdown_table, print_table, write_json
+
+__all__ = ["bench"]
+
+
+def _bytes(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        return parse_bytes(value, field_name=param.name)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _progress(console: Console, quiet: bool) -> Progress:
+    return Progress(TextColumn("[bold]{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=console, disable=quiet, transient=True)
+
+
+def _console() -> Console:
+    c = Console(highlight=False)
+    return c if c.is_terminal else Console(highlight=False, width=160)
+
+
+def _machine() -> dict[str, Any]:
+    import torch
+
+    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpus": os.cpu_count(), "cuda": torch.cuda.is_available(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def _cost(choice: str):
+    from .costmodel import resolve_cost_model
+
+    try:
+        return resolve_cost_model(choice)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--cost-model") from None
+
+
+def _stream(trace, requests, items, zipf, seed, max_tokens):
+    from .workload import WorkloadSpec, generate, read_trace
+
+    try:
+        if trace:
+            s = read_trace(trace)
+            return (s if max_tokens is None else [r for r in s if r.num_tokens <= max_tokens]), {"trace": trace}
+        spec = WorkloadSpec(requests=requests, items=items, zipf_s=zipf, seed=seed, max_tokens=max_tokens)
+        return generate(spec), {"generator": {k: getattr(spec, k) for k in spec.__dataclass_fields__}}
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def _common(f):
+    f = click.option("--out", "out", default="bench-results", show_default=True, type=click.Path(file_okay=False),
+                     help="directory for JSON, markdown and PNG results")(f)
+    f = click.option("--cost-model", default="auto", show_default=True,
+                     type=click.Choice(["auto", "fitted", "measured"]),
+                     help="recompute cost: auto = measured with CUDA, else fitted to background.md")(f)
+    f = click.option("--workdir", default=None, type=click.Path(file_okay=False),
+                     help="where temporary NVMe stores go (default: system temp dir)")(f)
+    f = click.option("--quiet", "-q", is_flag=True, help="no progress bars")(f)
+    return f
+
+
+def _workload(f):
+    f = click.option("--trace", type=click.Path(dir_okay=False, exists=True), default=None,
+                     help="CSV: timestamp,mm_hash,width,height or timestamp,mm_hash,tokens")(f)
+    f = click.option("--requests", default=300, show_default=True, type=click.IntRange(1))(f)
+    f = click.option("--items", default=150, show_default=True, type=click.IntRange(1), help="catalogue size")(f)
+    f = click.option("--zipf", default=0.9, show_default=True, type=float, help="Zipf exponent s of item popularity")(f)
+    f = click.option("--seed", default=0, show_default=True, type=int)(f)
+    f = click.option("--max-tokens", default=None, type=click.IntRange(64), help="cap on N per image")(f)
+    return f
+
+
+@click.group("bench")
+def bench() -> None:
+    """Benchmarks: per-tier throughput, trace replay (LRU vs GDSF), baselines, load-vs-recompute crossover."""
+
+
+# ==================================================================================== replay
+
+
+def _replay_rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    headers = ["store", "host", "nvme", "hit %", "host hit %", "nvme hit %", "byte hit %", "enc. saved s",
+               "saved %", "moved GB", "get p50 ms", "get p99 ms", "put p50 ms"]
+    rows = []
+    for r in runs:
+        rows.append([r["policy"], format_bytes(r["host_bytes"]) if "host_bytes" in r else "-",
+                     format_bytes(r["nvme_bytes"]) if "nvme_bytes" in r else "-",
+                     fmt(r["hit_rate"], "pct"), fmt(r.get("host_hit_rate"), "pct"), fmt(r.get("nvme_hit_rate"), "pct"),
+                     fmt(r["byte_hit_rate"], "pct"), fmt(r["encoder_saved_s"], "s"), fmt(r["saved_fraction"], "pct"),
+                     fmt(r.get("bytes_moved", r.get("hit_bytes", 0) + r.get("put_bytes", 0)), "gb"),
+                     fmt(r.get("get_hit_p50_s"), "ms"), fmt(r.get("get_hit_p99_s"), "ms"), fmt(r.get("put_p50_s"), "ms")])
+    return headers, rows
+
+
+@bench.command("replay")
+@_common
+@_workload
+@click.option("--host-bytes", callback=_bytes, default=None, help="host budget (default: 5 % of the working set)")
+@click.option("--nvme-bytes", callback=_bytes, default=None, help="NVMe budget (default: 15 % of the working set)")
+@click.option("--policy", default="lru,gdsf", show_default=True, help="comma-separated: lru, gdsf")
+@click.option("--curve/--no-curve", default=True, show_default=True, help="hit rate vs capacity (5 budgets)")
+@click.option("--curve-scale", default=32, show_default=True, type=click.IntRange(1),
+              help="curve entries are (N, 8192/scale) with budgets / scale: same decisions, fewer bytes")
+@click.option("--width-scale", default=1, show_default=True, type=click.IntRange(1),
+              help="same for the main runs (1 = real (N, 8192) entries)")
+@click.option("--sync/--no-sync", default=False, show_default=True, help="nvme.sync (fsync per commit)")
+def replay_cmd(out, cost_model, workdir, quiet, trace, requests, items, zipf, seed, max_tokens, host_bytes,
+               nvme_bytes, policy, curve, curve_scale, width_scale, sync) -> None:
+    """Replay a request stream through TieredCache: hit rates by tier, encoder time saved, latency."""
+    from .replay import CURVE_FRACTIONS, default_budgets, replay_stream
+    from .report import plot_curve
+    from .workload import stream_summary
+
+    console = _console()
+    t_all = time.perf_counter()
+    policies = [p.strip() for p in policy.split(",") if p.strip()]
+    bad = [p for p in policies if p not in ("lru", "gdsf")]
+    if bad or not policies:
+        raise click.BadParameter(f"unknown policy {bad}; use lru, gdsf", param_hint="--policy")
+    if 8192 % width_scale or 8192 % curve_scale:
+        raise click.BadParameter("must divide 8192", param_hint="--width-scale/--curve-scale")
+    cost = _cost(cost_model)
+    stream, source = _stream(trace, requests, items, zipf, seed, max_tokens)
+    summ = stream_summary(stream)
+    dh, dn = default_budgets(summ["unique_bytes"])
+    host_bytes = dh if host_bytes is None else host_bytes
+    nvme_bytes = dn if nvme_bytes is None else nvme_bytes
+    runs, points = [], []
+    with _progress(console, quiet) as prog:
+        for p in policies:
+            task = prog.add_task(f"replay {p}", total=len(stream))
+            runs.append(replay_stream(stream, cost, policy=p, host_bytes=host_bytes, nvme_bytes=nvme_bytes,
+                                      width_scale=width_scale, sync=sync, workdir=workdir,
+                                      advance=lambda k, t=task: prog.advance(t, k)))
+        if curve:
+            for f in CURVE_FRACTIONS:
+                h, nv = default_budgets(summ["unique_bytes"], f)
+                for p in policies:
+                    task = prog.add_task(f"curve {p} {f:.0%}", total=len(stream))
+                    r = replay_stream(stream, cost, policy=p, host_bytes=h, nvme_bytes=nv, width_scale=curve_scale,
+                                      sync=sync, workdir=workdir, advance=lambda k, t=task: prog.advance(t, k))
+                    r["fraction_of_working_set"] = f
+                    points.append({k: r[k] for k in ("policy", "fraction_of_working_set", "host_bytes", "nvme_bytes",
+                                                     "hit_rate", "host_hit_rate", "nvme_hit_rate", "byte_hit_rate",
+                                                     "encoder_saved_s", "saved_fraction", "mismatches")})
+    comparison = _compare(runs, points)
+    result = {"command": "replay", "machine": _machine(), "cost_model": cost.to_dict(), "workload": {**source, **summ},
+              "runs": runs, "curve": points, "curve_scale": curve_scale, "comparison": comparison,
+              "elapsed_s": time.perf_counter() - t_all}
+    os.makedirs(out, exist_ok=True)
+    headers, rows = _replay_rows(runs)
+    title = (f"replay: {summ['requests']} requests, {summ['unique_items']} images, working set "
+             f"{format_bytes(summ['unique_bytes'])}; recompute cost: {cost.description}")
+    print_table(console, title, headers, rows)
+    md = [f"### replay\n\n{title}\n\n", markdown_table(headers, rows)]
+    if points:
+        ch = ["budget (% of working set)", "host", "nvme"] + [f"{p} hit %" for p in policies] + \
+             [f"{p} saved %" for p in policies]
+        crow = []
+        for f in CURVE_FRACTIONS:
+            sel = {q["policy"]: q for q in points if q["fraction_of_working_set"] == f}
+            any_q = next(iter(sel.values()))
+            crow.append([f"{f:.0%}", format_bytes(any_q["host_bytes"]), format_bytes(any_q["nvme_bytes"])]
+                        + [fmt(sel[p]["hit_rate"], "pct") for p in policies]
+                        + [fmt(sel[p]["saved_fraction"], "pct") for p in policies])
+        print_table(console, f"hit rate vs capacity (entries scaled 1/{curve_scale} in width, budgets alike)", ch, crow)
+        md += ["\n", markdown_table(ch, crow)]
+        plot_curve(points, os.path.join(out, "replay_curve.png"), f"({summ['requests']} requests)")
+    if comparison.get("text"):
+        console.print(comparison["text"])
+        md.append("\n" + comparison["text"] + "\n")
+    if any(r["mismatches"] for r in runs) or any(q["mismatches"] for q in points):
+        console.print("[red]byte mismatches on hits: see replay.json[/red]")
+    console.print(f"wrote {out}/replay.json, replay.md{', replay_curve.png' if points else ''} "
+                  f"in {result['elapsed_s']:.1f} s")
+    result["elapsed_s"] = time.perf_counter() - t_all
+    write_json(result, os.path.join(out, "replay.json"))
+    with open(os.path.join(out, "replay.md"), "w") as f:
+        f.write("".join(md))
+
+
+def _compare(runs: list[dict[str, Any]], points: list[dict[str, Any]]) -> dict[str, Any]:
+    by = {r["policy"]: r for r in runs}
+    if "lru" not in by or "gdsf" not in by:
+        return {}
+    lru, gd = by["lru"]["encoder_saved_s"], by["gdsf"]["encoder_saved_s"]
+    gain = (gd - lru) / lru if lru > 0 else None
+    curve_gains = []
+    for f in sorted({q["fraction_of_working_set"] for q in points}):
+        sel = {q["policy"]: q for q in points if q["fraction_of_working_set"] == f}
+        if sel.get("lru", {}).get("encoder_saved_s"):
+            curve_gains.append([f, (sel["gdsf"]["encoder_saved_s"] - sel["lru"]["encoder_saved_s"])
+                                / sel["lru"]["encoder_saved_s"]])
+    if gain is None:
+        text = "LRU saved no encoder time; no ratio."
+    else:
+        text = (f"GDSF vs LRU at equal bytes: encoder time saved {gd:.2f} s vs {lru:.2f} s = {gain:+.1%} "
+                f"(goal >= +15 %: {'met' if gain >= 0.15 else 'NOT met'}).")
+        if curve_gains:
+            text += " Across the capacity curve: " + ", ".join(f"{f:.0%}: {g:+.1%}" for f, g in curve_gains) + "."
+        if gain < 0.15:
+            text += (" GDSF keeps the entries with the most recompute seconds per byte; its margin over LRU is"
+                     " small when the budget already holds most of the re-used images, or when the popular"
+                     " images are the large ones (cost per byte then differs little).")
+    return {"gdsf_saved_s": gd, "lru_saved_s": lru, "gdsf_gain": gain, "curve_gains": curve_gains, "text": text}
+
+
+# ================================================================================== baseline
+
+
+@bench.command("baseline")
+@_common
+@_workload
+@click.option("--host-bytes", callback=_bytes, default=None, help="ectier host budget (default as replay)")
+@click.option("--nvme-bytes", callback=_bytes, default=None, help="ectier NVMe budget (default as replay)")
+def baseline_cmd(out, cost_model, workdir, quiet, trace, requests, items, zipf, seed, max_tokens, host_bytes,
+                 nvme_bytes) -> None:
+    """The same stream through the safetensors-per-item store, recomputation, and ectier (LRU, GDSF)."""
+    from .baseline import recompute_only, replay_safetensors
+    from .replay import default_budgets, replay_stream
+    from .workload import stream_summary
+
+    console = _console()
+    t_all = time.perf_counter()
+    cost = _cost(cost_model)
+    stream, source = _stream(trace, requests, items, zipf, seed, max_tokens)
+    summ = stream_summary(stream)
+    dh, dn = default_budgets(summ["unique_bytes"])
+    host_bytes = dh if host_bytes is None else host_bytes
+    nvme_bytes = dn if nvme_bytes is None else nvme_bytes
+    rows_out = [recompute_only(stream, cost)]
+    with _progress(console, quiet) as prog:
+        t = prog.add_task("safetensors per item", total=len(stream))
+        rows_out.append(replay_safetensors(stream, cost, workdir=workdir, advance=lambda k: prog.advance(t, k)))
+        for p in ("lru", "gdsf"):
+            t = prog.add_task(f"ectier {p}", total=len(stream))
+            rows_out.append(replay_stream(stream, cost, policy=p, host_bytes=host_bytes, nvme_bytes=nvme_bytes,
+                                          workdir=workdir, advance=lambda k, t=t: prog.advance(t, k)))
+    rec = rows_out[0]["encoder_total_s"]
+    headers = ["store", "hit %", "encoder s", "cache I/O s", "encoder + I/O s", "vs recompute", "get p50 ms",
+               "put p50 ms", "disk used"]
+    rows = []
+    for r in rows_out:
+        total = r["encoder_spent_s"] + r["get_s"] + r["put_s"]
+        r["encoder_plus_io_s"] = total
+        r["ratio_vs_recompute"] = total / rec if rec else None
+        disk = r.get("disk_bytes", r.get("nvme_bytes"))
+        rows.append([r["policy"] if "host_bytes" not in r else f"ectier {r['policy']}", fmt(r["hit_rate"], "pct"),
+                     fmt(r["encoder_spent_s"], "s"), fmt(r["get_s"] + r["put_s"], "s"), fmt(total, "s"),
+                     f"{r['ratio_vs_recompute']:.2f}x" if r["ratio_vs_recompute"] is not None else "-",
+                     fmt(r.get("get_hit_p50_s"), "ms"), fmt(r.get("put_p50_s"), "ms"),
+                     format_bytes(disk) + (" (budget)" if "host_bytes" in r else "") if disk is not None else "-"])
+    title = (f"baseline: {summ['requests']} requests, working set {format_bytes(summ['unique_bytes'])}; "
+             f"encoder seconds from {cost.description}; cache I/O measured on this machine")
+    print_table(console, title, headers, rows)
+    result = {"command": "baseline", "machine": _machine(), "cost_model": cost.to_dict(),
+              "workload": {**source, **summ}, "stores": rows_out, "elapsed_s": time.perf_counter() - t_all}
+    os.makedirs(out, exist_ok=True)
+    write_json(result, os.path.join(out, "baseline.json"))
+    with open(os.path.join(out, "baseline.md"), "w") as f:
+        f.write(f"### baseline\n\n{title}\n\n" + markdown_table(headers, rows))
+    console.print(f"wrote {out}/baseline.json, baseline.md in {result['elapsed_s']:.1f} s")
+
+
+# ===================================================================================== tiers
+
+
+def _tiers_rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    headers = ["tier", "op", "impl", "N", "entry", "GB/s", "p50 ms", "p99 ms", "reps"]
+    rows = [[r["tier"], r["op"], r["impl"], str(r["num_tokens"]), format_bytes(r["nbytes"]), fmt(r["gbps"], "gbps"),
+             fmt(r["p50_s"], "ms"), fmt(r["p99_s"], "ms"), str(r["reps"])] for r in data["rows"]]
+    return headers, rows
+
+
+def _run_tiers(console, quiet, max_tokens, tokens, sync, workdir, budget):
+    from .tiers import DEFAULT_TOKENS, FULL_TOKENS, measure_tiers
+
+    if tokens:
+        ns = tuple(int(x) for x in tokens.split(","))
+    else:
+        ns = tuple(n for n in (FULL_TOKENS if max_tokens and max_tokens > 4096 else DEFAULT_TOKENS)
+                   if n <= (max_tokens or 4096))
+    with _progress(console, quiet) as prog:
+        t = prog.add_task("tiers", total=2 * len(ns))
+        return measure_tiers(ns, sync=sync, workdir=workdir, budget_bytes=budget, advance=lambda k: prog.advance(t, k))
+
+
+@bench.command("tiers")
+@click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False))
+@click.option("--workdir", default=None, type=click.Path(file_okay=False), help="directory on the disk to measure")
+@click.option("--quiet", "-q", is_flag=True)
+@click.option("--max-tokens", default=None, type=click.IntRange(64), help="16384 for the full range (64..16384)")
+@click.option("--tokens", default=None, help="explicit comma-separated N list (overrides --max-tokens)")
+@click.option("--sync/--no-sync", default=True, show_default=True, help="fsync NVMe writes (LMDB and raw)")
+@click.option("--budget-bytes", callback=_bytes, default="512MiB", show_default=True,
+              help="about how many bytes each measurement moves")
+def tiers_cmd(out, workdir, quiet, max_tokens, tokens, sync, budget_bytes) -> None:
+    """put/get GB/s and p50/p99 per tier vs its physical reference (memcpy, raw file I/O, O_DIRECT, pinned copies)."""
+    from .report import plot_tiers
+
+    console = _console()
+    t0 = time.perf_counter()
+    data = _run_tiers(console, quiet, max_tokens, tokens, sync, workdir, budget_bytes)
+    headers, rows = _tiers_rows(data)
+    print_table(console, f"tiers (sync={sync})", headers, rows)
+    for s in data["skipped"]:
+        console.print(f"skipped {s['what']}: {s['reason']}")
+    data.update(command="tiers", machine=_machine(), elapsed_s=time.perf_counter() - t0)
+    os.makedirs(out, exist_ok=True)
+    write_json(data, os.path.join(out, "tiers.json"))
+    plot_tiers(data["rows"], os.path.join(out, "tiers.png"))
+    with open(os.path.join(out, "tiers.md"), "w") as f:
+        f.write("### tiers\n\n" + markdown_table(headers, rows)
+                + "".join(f"\nskipped {s['what']}: {s['reason']}\n" for s in data["skipped"]))
+    console.print(f"wrote {out}/tiers.json, tiers.md, tiers.png in {data['elapsed_s']:.1f} s")
+
+
+# ================================================================================= crossover
+
+
+@bench.command("crossover")
+@_common
+@click.option("--tiers-json", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="reuse a `bench tiers` result instead of measuring")
+@click.option("--max-tokens", default=16384, show_default=True, type=click.IntRange(64))
+@click.option("--tokens", default=None, help="N list to measure (default 64,1024,4096 up to --max-tokens)")
+@click.option("--budget-bytes", callback=_bytes, default="256MiB", show_default=True)
+def crossover_cmd(out, cost_model, workdir, quiet, tiers_json, max_tokens, tokens, budget_bytes) -> None:
+    """Per tier, the entry size N at which loading stops beating recomputing."""
+    import json
+
+    from .crossover import crossover
+    from .report import plot_crossover
+
+    console = _console()
+    t0 = time.perf_counter()
+    cost = _cost(cost_model)
+    if tiers_json:
+        with open(tiers_json) as f:
+            data = json.load(f)
+    else:
+        data = _run_tiers(console, quiet, min(max_tokens, 4096), tokens, True, workdir, budget_bytes)
+    cross = crossover(data["rows"], cost, max_tokens=max_tokens)
+    headers = ["tier", "measured N", "load p50 ms at largest N", "recompute ms there", "crossover"]
+    rows = [[t, ",".join(str(p[0]) for p in d["points"]), fmt(d["points"][-1][1], "ms"), fmt(d["points"][-1][2], "ms"),
+             d["verdict"]] for t, d in cross.items()]
+    title = f"crossover (recompute: {cost.description}; load: measured on this machine, sync writes irrelevant)"
+    print_table(console, title, headers, rows)
+    result = {"command": "crossover", "machine": _machine(), "cost_model": cost.to_dict(), "tiers": cross,
+              "skipped": data.get("skipped", []), "elapsed_s": time.perf_counter() - t0}
+    os.makedirs(out, exist_ok=True)
+    write_json(result, os.path.join(out, "crossover.json"))
+    grid = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+    plot_crossover(cross, [(n, cost.seconds(n)) for n in grid if n <= max_tokens], os.path.join(out, "crossover.png"),
+                   cost.source)
+    with open(os.path.join(out, "crossover.md"), "w") as f:
+        f.write(f"### crossover\n\n{title}\n\n" + markdown_table(headers, rows))
+    console.print(f"wrote {out}/crossover.json, crossover.md, crossover.png in {result['elapsed_s']:.1f} s")
