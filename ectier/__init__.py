@@ -10,7 +10,6 @@ Public API::
 See ``docs/architecture.md`` for the layers.
 """
 
-from .cache import TieredCache
 from .config import CacheConfig, HostTierConfig, NvmeTierConfig, parse_bytes
 from .errors import (
     ConfigError,
@@ -28,6 +27,16 @@ from .errors import (
 from .sizing import image_tokens, smart_resize
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # TieredCache imports torch (~2 s); load it on first use so that control-only users (the daemon
+    # client's contains/stats, `ectier stats`, `ectier size`) do not pay for it.
+    if name == "TieredCache":
+        from .cache import TieredCache
+
+        return TieredCache
+    raise AttributeError(f"module 'ectier' has no attribute {name!r}")
 
 __all__ = [
     "TieredCache",

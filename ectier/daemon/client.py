@@ -136,7 +136,11 @@ class DaemonClient:
         assert self._sock is not None
         rid = self._next_id
         self._next_id += 1
-        self._sock.sendall(encode_frame({"id": rid, **request}))
+        try:
+            frame = encode_frame({"id": rid, **request})
+        except UnicodeEncodeError as exc:  # a lone surrogate: the cache refuses such keys too
+            raise errors.InvalidKeyError(f"{request.get('op')}: strings must be valid UTF-8: {exc}") from None
+        self._sock.sendall(frame)
         while True:
             data = self._sock.recv(65536)
             if not data:

@@ -223,8 +223,12 @@ class DaemonServer:
         path = self.socket_path
         try:
             st = os.lstat(path)
-        except FileNotFoundError:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        except OSError:
+            try:
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            except OSError as exc:
+                raise EctierError(f"daemon.socket_path: cannot create the directory of {path!r}: "
+                                  f"{exc.strerror}") from None
             return
         if not stat.S_ISSOCK(st.st_mode):  # never delete a file that is not a (stale) socket
             raise EctierError(f"daemon.socket_path: {path!r} exists and is not a socket; remove it or "
@@ -556,8 +560,11 @@ def run_daemon(config: CacheConfig) -> int:
         server.stop()
 
     # before start(): a SIGTERM that arrives once the socket exists must still clean up
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
-    server.start()
-    server.serve_forever()
+    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.start()
+        server.serve_forever()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0

@@ -1,0 +1,403 @@
+"""Helpers of the daemon tests: daemon processes, raw protocol connections, spawn-safe child jobs.
+
+Every daemon runs as a real process (``ectier serve`` or ``python -m ectier.daemon``) on a socket
+in a short temporary directory under ``/tmp`` (AF_UNIX paths are limited to 107 bytes), with its
+host arena (``daemon.shm_dir``) and NVMe store in the same directory, so nothing is left in
+``/dev/shm``. :class:`DaemonProcess` objects are registered and killed at interpreter exit if a
+test forgot them; fixtures stop them in ``finally`` blocks.
+
+The child jobs (:func:`producer`, :func:`consumer`, :func:`die_holding_reservation`,
+:func:`die_holding_get_lease`) are module-level functions so that a ``spawn`` multiprocessing
+context can import them; they take seeds and specs, never tensors, and import torch lazily.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import math
+import mmap
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from ectier.daemon.protocol import FrameDecoder, ProtocolError, encode_frame
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+PYTHON = sys.executable
+ECTIER_SCRIPT = str(Path(sys.executable).with_name("ectier"))
+
+_LIVE: list["DaemonProcess"] = []
+
+
+def short_tmpdir() -> str:
+    """A fresh directory like ``/tmp/ectXXXXXX`` (short enough for socket paths)."""
+    return tempfile.mkdtemp(prefix="ect", dir="/tmp")
+
+
+def clean_env() -> dict[str, str]:
+    """The environment minus ECTIER_* overrides (a developer's shell must not change the tests)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ECTIER_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def daemon_config(directory: str, *, host_bytes: int = 16 * MiB, block_bytes: int = 64 * KiB,
+                  nvme: bool = True, nvme_bytes: int = 64 * MiB, write_through: bool = False,
+                  flush_on_close: bool = True, namespace: str = "test", **daemon: Any) -> dict[str, Any]:
+    """A config mapping for a daemon living in ``directory`` (socket ``d.sock``, arena, NVMe)."""
+    daemon.setdefault("socket_path", os.path.join(directory, "d.sock"))
+    daemon.setdefault("shm_dir", directory)
+    cfg: dict[str, Any] = {
+        "namespace": namespace,
+        "host": {"capacity_bytes": host_bytes, "block_bytes": block_bytes, "pin_memory": False,
+                 "admit_wait_s": 0.5},
+        "daemon": daemon,
+    }
+    if nvme:
+        cfg["nvme"] = {"path": os.path.join(directory, "nvme"), "capacity_bytes": nvme_bytes, "sync": False,
+                       "write_through": write_through, "flush_on_close": flush_on_close,
+                       "map_initial_bytes": 4 * MiB}
+    return cfg
+
+
+def write_config(path: str, cfg: dict[str, Any]) -> str:
+    """Write ``cfg`` as YAML or JSON (by suffix); returns ``path``."""
+    with open(path, "w") as f:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            yaml.safe_dump(cfg, f)
+        else:
+            json.dump(cfg, f)
+    return path
+
+
+class DaemonProcess:
+    """One daemon process. ``via``: ``"module"`` (``python -m ectier.daemon``) or ``"script"``
+    (the ``ectier serve`` console script)."""
+
+    def __init__(self, config_path: str, socket_path: str, *, via: str = "module") -> None:
+        self.config_path = config_path
+        self.socket_path = socket_path
+        self.via = via
+        self.log_path = os.path.join(os.path.dirname(config_path), f"daemon-{len(_LIVE)}-{time.monotonic_ns()}.log")
+        self.proc: subprocess.Popen | None = None
+
+    def launch(self) -> "DaemonProcess":
+        """Start the process (returns at once; see :meth:`wait_ready`)."""
+        if self.via == "script":
+            cmd = [ECTIER_SCRIPT, "serve", "--config", self.config_path]
+        else:
+            cmd = [PYTHON, "-m", "ectier.daemon", "--config", self.config_path]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=clean_env(),
+                                     stdin=subprocess.DEVNULL)
+        _LIVE.append(self)
+        return self
+
+    def wait_ready(self, timeout: float = 30.0) -> "DaemonProcess":
+        """Wait until the daemon answers a ping on its socket (fails fast, with the log, if it dies)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with RawConn(self.socket_path, timeout=2.0) as c:
+                    if c.request({"id": 1, "op": "ping"}).get("ok"):
+                        return self
+            except (OSError, ConnectionError, ProtocolError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"daemon not ready after {timeout} s:\n{self.log()}")
+            time.sleep(0.02)
+
+    def start(self, timeout: float = 30.0) -> "DaemonProcess":
+        return self.launch().wait_ready(timeout)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        try:
+            return Path(self.log_path).read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def terminate(self, timeout: float = 15.0) -> int:
+        """SIGTERM and wait; returns the exit code (SIGKILL if it does not stop in ``timeout``)."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill9()
+            raise AssertionError(f"daemon ignored SIGTERM for {timeout} s:\n{self.log()}") from None
+
+    def kill9(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        """Make sure the process is gone: SIGTERM, then SIGKILL after a few seconds."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill9()
+        try:
+            self._log.close()
+        except Exception:
+            pass
+        if self in _LIVE:
+            _LIVE.remove(self)
+
+
+@atexit.register
+def _kill_leftovers() -> None:  # a last resort if a fixture could not run its finally block
+    for d in list(_LIVE):
+        try:
+            if d.proc is not None and d.proc.poll() is None:
+                d.proc.kill()
+        except Exception:
+            pass
+
+
+def remove_dir(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------ raw protocol
+
+
+class RawConn:
+    """A bare protocol connection: send any bytes, read replies (no handshake, no retries)."""
+
+    def __init__(self, path: str, *, timeout: float = 5.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(path)
+        except BaseException:
+            self.sock.close()
+            raise
+        self.decoder = FrameDecoder(1 << 30)
+        self.pending: list[dict[str, Any]] = []
+        self.eof = False
+
+    def __enter__(self) -> "RawConn":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def send_msg(self, msg: Any) -> None:
+        body = msgpack.packb(msg, use_bin_type=True)
+        self.send(len(body).to_bytes(4, "big") + body)
+
+    def reply(self) -> dict[str, Any] | None:
+        """The next reply, or ``None`` when the daemon closed the connection."""
+        while not self.pending:
+            if self.eof:
+                return None
+            try:
+                data = self.sock.recv(65536)
+            except ConnectionResetError:
+                data = b""
+            if not data:
+                self.eof = True
+                return None
+            for m in self.decoder.feed(data):
+                assert not isinstance(m, ProtocolError), f"daemon sent an undecodable reply: {m}"
+                self.pending.append(m)
+        return self.pending.pop(0)
+
+    def request(self, msg: dict[str, Any]) -> dict[str, Any]:
+        self.send(encode_frame(msg))
+        r = self.reply()
+        if r is None:
+            raise ConnectionResetError("daemon closed the connection")
+        return r
+
+    def replies_until_eof(self) -> list[dict[str, Any]]:
+        """Every reply until the daemon closes the connection (socket timeout -> raises)."""
+        out = []
+        while True:
+            r = self.reply()
+            if r is None:
+                return out
+            out.append(r)
+
+
+def daemon_stats(socket_path: str) -> dict[str, Any]:
+    """``stats`` over a fresh raw connection (does not use DaemonClient)."""
+    with RawConn(socket_path) as c:
+        r = c.request({"id": 1, "op": "stats"})
+    assert r["ok"], r
+    return r["stats"]
+
+
+def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02, what: str = "condition"):
+    """Poll ``predicate()`` until truthy; returns its value or fails naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def idle(socket_path: str, *, absent: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Wait until the daemon holds no leases and no client named in ``absent`` is connected;
+    returns those stats."""
+    def check():
+        s = daemon_stats(socket_path)
+        d = s["daemon"]
+        names = {c["name"] for c in d["clients"]}
+        return s if d["leases"] == {"put": 0, "get": 0} and not names & set(absent) else None
+    return wait_for(check, what="the daemon to hold no leases")
+
+
+def write_arena(arena_path: str, extents: list[list[int]], data: bytes) -> None:
+    """Copy ``data`` into the arena file at ``extents`` (no torch)."""
+    with open(arena_path, "r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        m = mmap.mmap(f.fileno(), size)
+        try:
+            off = 0
+            for start, length in extents:
+                n = min(length, len(data) - off)
+                if n <= 0:
+                    break
+                m[start:start + n] = data[off:off + n]
+                off += n
+        finally:
+            m.close()
+
+
+# ------------------------------------------------------------------------------ tensors
+
+
+def make_tensor(seed: int, dtype: str, shape: tuple[int, ...]):
+    """A deterministic tensor with random bytes (every bit pattern; bool is 0/1)."""
+    import torch
+
+    tdtype = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(seed)
+    n = math.prod(shape)
+    if tdtype is torch.bool:
+        return torch.randint(0, 2, shape, generator=g, dtype=torch.uint8).bool()
+    itemsize = torch.empty((), dtype=tdtype).element_size()
+    b = torch.randint(0, 256, (n * itemsize,), generator=g, dtype=torch.uint8)
+    return b.view(tdtype).reshape(shape)
+
+
+def raw_bytes(t) -> bytes:
+    """A tensor's logical C-order content as bytes (independent of strides)."""
+    import torch
+
+    flat = torch.empty(t.shape, dtype=t.dtype)
+    flat.copy_(t)
+    return flat.reshape(-1).view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def tensor_digest(t) -> str:
+    """dtype, shape and a hash of the bytes: equal digests = byte-identical tensors."""
+    return f"{str(t.dtype).removeprefix('torch.')}{tuple(t.shape)}:{hashlib.sha256(raw_bytes(t)).hexdigest()}"
+
+
+def spec_digest(spec: tuple[str, int, str, tuple[int, ...]]) -> str:
+    _key, seed, dtype, shape = spec
+    return tensor_digest(make_tensor(seed, dtype, tuple(shape)))
+
+
+# ------------------------------------------------------------------------ spawn child jobs
+
+
+def producer(socket_path: str, specs: list, done, hot: list | None = None, stop=None) -> None:
+    """Put every ``(key, seed, dtype, shape)`` spec, then set ``done``. With ``hot`` (two specs of
+    one key), keep overwriting that key with one then the other until ``stop`` is set."""
+    from ectier.daemon.client import DaemonClient
+
+    with DaemonClient(socket_path, client_name="producer") as c:
+        for key, seed, dtype, shape in specs:
+            c.put(key, make_tensor(seed, dtype, tuple(shape)))
+        if hot:
+            versions = [(k, make_tensor(seed, dtype, tuple(shape))) for k, seed, dtype, shape in hot]
+            c.put(*versions[0])
+        done.set()
+        i = 1
+        deadline = time.monotonic() + 60
+        while hot and not stop.is_set() and time.monotonic() < deadline:
+            c.put(*versions[i % 2])
+            i += 1
+
+
+def consumer(socket_path: str, keys: list[str], rounds: int, done, barrier, results) -> None:
+    """After the producer is done, meet the other consumer at ``barrier``, then get every key
+    ``rounds`` times; report ``{key: sorted set of digests seen}`` (a miss is ``"miss"``)."""
+    from ectier.daemon.client import DaemonClient
+
+    seen: dict[str, set[str]] = {k: set() for k in keys}
+    with DaemonClient(socket_path, client_name=f"consumer:{os.getpid()}") as c:
+        c.connect()
+        if not done.wait(60):
+            results.put(("error", "producer did not finish"))
+            return
+        barrier.wait(60)
+        for r in range(rounds):
+            order = keys if r % 2 == 0 else list(reversed(keys))
+            for key in order:
+                t = c.get(key)
+                seen[key].add("miss" if t is None else tensor_digest(t))
+    results.put(("ok", {k: sorted(v) for k, v in seen.items()}))
+
+
+def die_holding_reservation(socket_path: str, key: str, nbytes: int, ready) -> None:
+    """Reserve ``nbytes`` under ``key`` (low level), write half of them, then SIGKILL itself."""
+    from ectier.daemon.client import DaemonClient
+
+    c = DaemonClient(socket_path, client_name="doomed-put")
+    r = c.call("reserve", key=key, dtype="uint8", shape=[nbytes])
+    write_arena(c.server_info["arena"]["path"], r["extents"], b"\xab" * (nbytes // 2))
+    ready.set()
+    time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_holding_get_lease(socket_path: str, key: str, ready) -> None:
+    """Take a get lease on ``key`` (low level), then SIGKILL itself without releasing it."""
+    from ectier.daemon.client import DaemonClient
+
+    c = DaemonClient(socket_path, client_name="doomed-get")
+    r = c.call("get", key=key)
+    assert r["hit"], r
+    ready.set()
+    time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGKILL)
