@@ -128,3 +128,21 @@ def test_crossover_logic():
     assert c["host"]["crossover_tokens"] is None and "never" in c["host"]["verdict"]
     n = c["nvme"]["crossover_tokens"]
     assert n is not None and n * 2e-5 >= m.seconds(n) * 0.95
+
+
+def test_bench_bad_inputs_fail_cleanly_before_running(tmp_path):
+    from click.testing import CliRunner
+
+    from ectier.cli import main as cli_main
+
+    runner = CliRunner()
+    r = runner.invoke(cli_main, ["bench", "replay", "-q", "--no-curve", "--requests", "5",
+                                 "--host-bytes", "0", "--nvme-bytes", "0", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 1 and "no tier could store anything" in r.output and r.exception is not None
+    assert isinstance(r.exception, SystemExit)  # a clean CLI error, not a traceback
+    r = runner.invoke(cli_main, ["bench", "replay", "-q", "--no-curve", "--requests", "5", "--out", "/dev/null/x"])
+    assert r.exit_code == 2 and "--out" in r.output
+    bogus = tmp_path / "bogus.json"
+    bogus.write_text('{"x": 1}')
+    r = runner.invoke(cli_main, ["bench", "crossover", "--tiers-json", str(bogus), "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "--tiers-json" in r.output

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import os
 import platform
+import signal
+import sys
+import threading
 import time
 from typing import Any, Optional
 
@@ -21,7 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..config import format_bytes, parse_bytes
-from ..errors import ConfigError
+from ..errors import ConfigError, EctierError
 from .report import fmt, markdown_table, print_table, write_json
 
 __all__ = ["bench"]
@@ -77,14 +80,25 @@ def _stream(trace, requests, items, zipf, seed, max_tokens):
         raise click.UsageError(str(exc)) from None
 
 
+def _out_dir(ctx, param, value):
+    """Create the results directory up front, so a bad --out fails before the run, not after."""
+    try:
+        os.makedirs(value, exist_ok=True)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot create {value!r}: {exc.strerror}") from None
+    if not os.access(value, os.W_OK):
+        raise click.BadParameter(f"{value!r} is not writable")
+    return value
+
+
 def _common(f):
     f = click.option("--out", "out", default="bench-results", show_default=True, type=click.Path(file_okay=False),
-                     help="directory for JSON, markdown and PNG results")(f)
+                     callback=_out_dir, help="directory for JSON, markdown and PNG results")(f)
     f = click.option("--cost-model", default="auto", show_default=True,
                      type=click.Choice(["auto", "fitted", "measured"]),
                      help="recompute cost: auto = measured with CUDA, else fitted to background.md")(f)
-    f = click.option("--workdir", default=None, type=click.Path(file_okay=False),
-                     help="where temporary NVMe stores go (default: system temp dir)")(f)
+    f = click.option("--workdir", default=None, type=click.Path(file_okay=False, exists=True, writable=True),
+                     help="existing directory where temporary NVMe stores go (default: system temp dir)")(f)
     f = click.option("--quiet", "-q", is_flag=True, help="no progress bars")(f)
     return f
 
@@ -100,7 +114,24 @@ def _workload(f):
     return f
 
 
-@click.group("bench")
+class _BenchGroup(click.Group):
+    """Runs a bench command with SIGTERM turned into a normal exit (so temporary stores are removed)
+    and ectier's own errors (e.g. budgets no tier can use) reported as clean CLI errors."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        previous = signal.getsignal(signal.SIGTERM)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        try:
+            return super().invoke(ctx)
+        except EctierError as exc:
+            raise click.ClickException(str(exc)) from None
+        finally:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, previous)
+
+
+@click.group("bench", cls=_BenchGroup)
 def bench() -> None:
     """Benchmarks: per-tier throughput, trace replay (LRU vs GDSF), baselines, load-vs-recompute crossover."""
 
@@ -316,8 +347,9 @@ def _run_tiers(console, quiet, max_tokens, tokens, sync, workdir, budget):
 
 
 @bench.command("tiers")
-@click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False))
-@click.option("--workdir", default=None, type=click.Path(file_okay=False), help="directory on the disk to measure")
+@click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False), callback=_out_dir)
+@click.option("--workdir", default=None, type=click.Path(file_okay=False, exists=True, writable=True),
+              help="existing directory on the disk to measure")
 @click.option("--quiet", "-q", is_flag=True)
 @click.option("--max-tokens", default=None, type=click.IntRange(64), help="16384 for the full range (64..16384)")
 @click.option("--tokens", default=None, help="explicit comma-separated N list (overrides --max-tokens)")
@@ -366,8 +398,13 @@ def crossover_cmd(out, cost_model, workdir, quiet, tiers_json, max_tokens, token
     t0 = time.perf_counter()
     cost = _cost(cost_model)
     if tiers_json:
-        with open(tiers_json) as f:
-            data = json.load(f)
+        try:
+            with open(tiers_json) as f:
+                data = json.load(f)
+            if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+                raise ValueError("no 'rows' list")
+        except (OSError, ValueError) as exc:
+            raise click.BadParameter(f"not a `ectier bench tiers` result ({exc})", param_hint="--tiers-json") from None
     else:
         data = _run_tiers(console, quiet, min(max_tokens, 4096), tokens, True, workdir, budget_bytes)
     cross = crossover(data["rows"], cost, max_tokens=max_tokens)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import dataclasses
 import tempfile
 import time
 from typing import Any, Callable, Sequence
@@ -166,18 +167,25 @@ def replay_stream(
     block = _host_block(width_scale)
     hb = (host_bytes // width_scale) // block * block
     nb = nvme_bytes // width_scale
-    tmp = tempfile.mkdtemp(prefix="ectier-bench-", dir=workdir)
+    # validate the budgets before anything is created on disk
     cfg = CacheConfig(
         host=HostTierConfig(capacity_bytes=hb, block_bytes=block, policy=policy, admit_wait_s=0.0),
-        nvme=NvmeTierConfig(path=tmp if nb > 0 else None, capacity_bytes=max(nb, 0), codec=codec, sync=sync,
-                            flush_on_close=False, policy=policy, map_initial_bytes=64 * MiB),
+        nvme=NvmeTierConfig(path="/nonexistent" if nb > 0 else None, capacity_bytes=max(nb, 0), codec=codec,
+                            sync=sync, flush_on_close=False, policy=policy, map_initial_bytes=64 * MiB),
     )
+    tmp = tempfile.mkdtemp(prefix="ectier-bench-", dir=workdir)
+    if nb > 0:
+        cfg = cfg.replace(nvme=dataclasses.replace(cfg.nvme, path=tmp))
     n = dict(hits=0, host_hits=0, nvme_hits=0, misses=0, mismatches=0, put_refused=0)
     b = dict(requested=0, hit=0, host_hit=0, nvme_hit=0, put=0)
     enc = dict(total=0.0, saved=0.0, spent=0.0)
     lat: dict[str, list[float]] = dict(get=[], hit=[], host=[], nvme=[], put=[])
     t_start = time.perf_counter()
-    cache = TieredCache(cfg)
+    try:
+        cache = TieredCache(cfg)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         for r in stream:
             full = r.num_tokens * width * 2

@@ -20,6 +20,7 @@ from typing import Any
 
 from .. import errors
 from ..config import DaemonConfig
+from ..entry import validate_key, validate_namespace
 from .protocol import PROTOCOL_VERSION, FrameDecoder, ProtocolError, encode_frame
 
 __all__ = ["DaemonClient", "DaemonUnavailableError"]
@@ -159,6 +160,10 @@ class DaemonClient:
     def call(self, op: str, *, retry: bool = True, **args: Any) -> dict[str, Any]:
         """Send one request and return its results; reconnects (and retries once) if the daemon
         went away. Raises the daemon's typed error on an error reply."""
+        if "key" in args:
+            validate_key(args["key"])
+        if "namespace" in args:
+            validate_namespace(args["namespace"])
         with self._lock:
             for attempt in (0, 1):
                 try:
