@@ -1123,3 +1123,35 @@ def test_metrics_endpoint(main_daemon, client):
     assert m['ectier_leases{kind="get"}'] == 0
     assert "ectier_leases_expired_total" in m
     assert _listening_addresses(port) == ["0100007F"]  # 127.0.0.1 only
+
+
+def test_client_registers_its_arena_mapping_with_cuda_when_present(tmp_path, monkeypatch):
+    """On a GPU machine the client page-locks its mapping of the arena (cudaHostRegister) and
+    unregisters it when it unmaps; emulated here with a fake cudart, since CI has no GPU."""
+    import torch
+
+    from ectier.daemon.client import DaemonClient
+
+    calls = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, size, flags))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    arena = tmp_path / "arena"
+    arena.write_bytes(b"\0" * 65536)
+    client = DaemonClient(str(tmp_path / "no.sock"))
+    client.server_info = {"arena": {"path": str(arena), "nbytes": 65536, "block_bytes": 4096}}
+    view = client._arena_tensor()
+    assert calls == [("register", view.data_ptr(), 65536, 0)]
+    ptr = view.data_ptr()
+    del view
+    client.close()
+    assert calls[-1] == ("unregister", ptr)

@@ -11,6 +11,7 @@ be shared by threads (calls are serialised on its connection); give busy threads
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import socket
@@ -24,6 +25,8 @@ from ..entry import validate_key, validate_namespace
 from .protocol import PROTOCOL_VERSION, FrameDecoder, ProtocolError, encode_frame
 
 __all__ = ["DaemonClient", "DaemonUnavailableError"]
+
+log = logging.getLogger(__name__)
 
 
 class DaemonUnavailableError(errors.EctierError):
@@ -112,6 +115,11 @@ class DaemonClient:
         self._sock = None
 
     def _unmap(self) -> None:
+        if getattr(self, "_arena_registered", False) and self._arena is not None:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self._arena.data_ptr())
+            self._arena_registered = False
         self._arena = None
         if self._arena_mmap is not None:
             try:
@@ -212,7 +220,21 @@ class DaemonClient:
                 os.close(fd)
             self._arena = torch.frombuffer(self._arena_mmap, dtype=torch.uint8) if arena["nbytes"] else torch.empty(0, dtype=torch.uint8)
             self._arena_path = arena["path"]
+            self._register_arena(torch)
         return self._arena
+
+    def _register_arena(self, torch) -> None:
+        """On a CUDA machine, page-lock this process's mapping of the arena (``cudaHostRegister``)
+        so that copies between the GPU and the arena are pinned DMA with no staging copy.
+        Failure only costs speed: it is logged and the mapping stays pageable."""
+        self._arena_registered = False
+        if self._arena is None or self._arena.numel() == 0 or not torch.cuda.is_available():
+            return
+        rc = torch.cuda.cudart().cudaHostRegister(self._arena.data_ptr(), self._arena.numel(), 0)
+        ok = (rc.value if hasattr(rc, "value") else int(rc)) == 0
+        if not ok:
+            log.warning("cudaHostRegister of the daemon's arena failed (%s); GPU copies stay pageable", rc)
+        self._arena_registered = ok
 
     def put(self, key: str, tensor, *, namespace: str | None = None) -> None:
         """Store ``tensor`` under ``key``: reserve arena space, copy into it, commit.
