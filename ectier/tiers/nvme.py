@@ -17,9 +17,10 @@ Contract (``design.md``, "NVMe tier contract"):
 - **Checked reads.** Every read checks the header (magic, format, its own checksum), the identity
   (namespace and key), the payload length and its xxh3-64 checksum, and the decoded length. Any
   failure quarantines the record (moved out of ``meta``/``data``), counts it, and reads as a miss.
-- **Restart.** Opening the directory again scans ``meta`` (headers only, no payload reads) and
-  serves every committed record; headers that fail to parse are quarantined, payloads without a
-  header (and headers without a payload) are reclaimed as orphans.
+- **Restart.** Opening the directory again scans ``meta`` (headers) and the payload keys, never
+  the payload bytes, and serves every committed record; headers that fail to parse or lack a
+  payload are quarantined, payloads without a header are reclaimed as orphans; a damaged payload
+  is caught by the checks of its first read.
 - **Map growth.** The map starts at ``nvme.map_initial_bytes`` and doubles when LMDB reports it full,
   up to ``nvme.map_ceiling_bytes``; beyond that a write fails with :class:`TierWriteError`.
 - **Disk full / I/O errors** fail that one write with :class:`TierWriteError`; reads and the other
@@ -209,7 +210,7 @@ class NvmeTier:
                 sync=self.config.sync,
                 metasync=self.config.sync,
                 writemap=False,  # with writemap a full disk is SIGBUS; without it, ENOSPC
-                readahead=False,
+                readahead=True,  # payloads are read whole and in order: let the kernel read ahead
                 meminit=False,
                 max_readers=1024,
                 lock=True,
@@ -264,23 +265,23 @@ class NvmeTier:
         bad: list[tuple[bytes, bytes, str]] = []
         orphans: list[bytes] = []
         with self._env.begin(buffers=True) as txn:
+            # keys only: fetching a payload would touch every one of its pages (a full read of the
+            # store at open); its length and checksum are checked on every read instead
+            payload_keys = {bytes(k) for k in txn.cursor(db=self._data).iternext(keys=True, values=False)}
             for digest, raw in txn.cursor(db=self._meta):
                 digest = bytes(digest)
                 try:
                     header = unpack_header(raw)
                     if entry_digest(header.namespace, header.key) != digest:
                         raise CorruptRecordError("header identity does not match its digest")
-                    payload = txn.get(digest, db=self._data)
-                    if payload is None or len(payload) != header.payload_nbytes:
-                        raise CorruptRecordError("payload missing or of the wrong length")
+                    if digest not in payload_keys:
+                        raise CorruptRecordError("payload missing")
                 except CorruptRecordError as exc:
                     bad.append((digest, bytes(raw), str(exc)))
                     continue
                 self._records[digest] = NvmeRecord(header, len(raw) + header.payload_nbytes)
-            for digest in txn.cursor(db=self._data).iternext(keys=True, values=False):
-                digest = bytes(digest)
-                if digest not in self._records and all(digest != b[0] for b in bad):
-                    orphans.append(digest)
+            bad_digests = {b[0] for b in bad}
+            orphans = [d for d in payload_keys if d not in self._records and d not in bad_digests]
         self.used_bytes = sum(r.stored_bytes for r in self._records.values())
         if bad or orphans:
             with self._env.begin(write=True) as txn:
