@@ -37,7 +37,6 @@ import torch
 from .config import CacheConfig
 from .entry import (
     EntryMeta,
-    EntryState,
     advance_version,
     dtype_itemsize,
     entry_digest,
@@ -343,14 +342,16 @@ class TieredCache:
         if self._host is None:
             return None
         digest = entry_digest(ns, key)
+        promoted = False  # an NVMe hit already counted, now looked up again in the host arena
         for _ in range(3):
             with self._cond:
                 slot = self._host.index.lookup(digest)
                 if slot is not None:
                     self._host.index.pin(slot)
                     self._host.index.touch(slot)
-                    self._counters["host"]["hits"] += 1
-                    self._counters["host"]["hit_bytes"] += slot.meta.nbytes
+                    if not promoted:
+                        self._counters["host"]["hits"] += 1
+                        self._counters["host"]["hit_bytes"] += slot.meta.nbytes
                     self._counters["cache"]["hits"] += 1
                     return ReadLease(slot.meta, tuple(self._host.byte_extents(slot)), slot)
                 v = self._current.get(digest)
@@ -367,9 +368,7 @@ class TieredCache:
             self._count("nvme", hits=1, hit_bytes=meta.nbytes)
             if self._host_store(digest, meta, v, data, promotion=True):
                 self._count("host", promotions=1)
-                with self._cond:
-                    self._counters["host"]["hits"] -= 1  # the retry's host hit is this NVMe hit
-                    self._counters["host"]["hit_bytes"] -= meta.nbytes
+                promoted = True
                 continue
             break
         self._count("cache", misses=1)

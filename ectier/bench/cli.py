@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 import click
 from rich.console import Console
