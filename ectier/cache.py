@@ -354,9 +354,9 @@ class TieredCache:
         dev = parse_device(device)
         self._check_open()
         digest = entry_digest(ns, key)
-        self._wait_inflight(digest)
         want_gpu = self._gpu is not None and dev == self._gpu.device
         for _ in range(3):  # a concurrent overwrite between lookup and read → look again
+            self._wait_inflight(digest)
             if self._gpu is not None:
                 got = self._gpu_get(digest, dev, out)
                 if got is not _MISS:
@@ -374,8 +374,8 @@ class TieredCache:
                     v = self._current.get(digest)
                     rec = self._nvme.record(digest) if self._nvme is not None and v is not None else None
                     if rec is None or rec.version != v:
-                        if v is not None and self._gpu is not None and self._gpu_holds_locked(digest, v):
-                            continue  # put on the GPU meanwhile
+                        if v is not None and (self._gpu_holds_locked(digest, v) or self._inflight.get(digest)):
+                            continue  # put on the GPU, or a demotion to host started, meanwhile
                         self._counters["cache"]["misses"] += 1
                         return None
                     nvme_version = v
