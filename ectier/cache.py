@@ -82,11 +82,22 @@ class TieredCache:
             mapping (:meth:`CacheConfig.from_dict`) or a ``.json``/``.yaml`` path (:meth:`CacheConfig.load`).
         host_shm_path: put the host arena in this new file (e.g. under ``/dev/shm``) mapped shared,
             so that other processes can map it (the daemon does this); default: private memory.
+        _copy_engine, _gpu_device: test hooks only. ``_copy_engine`` routes every copy through the
+            given :class:`~ectier.copy.CopyEngine` (CPU tensors then take the asynchronous path);
+            ``_gpu_device="cpu"`` (needs ``_copy_engine``) puts the GPU tier's arena in CPU memory
+            so that the GPU tier's logic runs without CUDA.
+
+    With ``gpu.capacity_bytes > 0`` the cache holds a device arena on ``gpu.device`` and moves
+    bytes on dedicated CUDA streams (:mod:`ectier.copy`); ``put`` of a CUDA tensor returns a
+    :class:`PutHandle` after enqueueing, ``get(device=)`` returns a tensor ready on the caller's
+    current stream, ``prefetch`` returns :class:`LoadHandle` s. Never fork a process after it used
+    the cache on CUDA (design rule 5).
 
     Thread-safe: any number of threads may call ``put``/``get``/``contains``/``delete`` at once.
 
     Raises:
-        ConfigError: an invalid config, or a host arena that cannot be allocated.
+        ConfigError: an invalid config, a host or device arena that cannot be allocated, a GPU
+            tier on a machine without CUDA or on a device index it lacks (names ``gpu.*``).
         StoreOpenError, StoreLockedError: the NVMe directory cannot be opened / is in use.
     """
 
@@ -348,6 +359,8 @@ class TieredCache:
             InvalidKeyError: bad ``key``/``namespace``. InvalidDeviceError: bad ``device`` (bare
                 ``"cuda"``, an index this machine lacks, no CUDA).
             InvalidTensorError: ``out`` is not contiguous, not on the CPU, or does not match the entry.
+            torch.cuda.OutOfMemoryError: no device memory for the result tensor (nothing stored
+                changes; a failed *promotion* is not an error: the entry is served from below).
             EctierError: the cache is closed.
         """
         ns, key = self._identity(key, namespace)

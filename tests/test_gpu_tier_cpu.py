@@ -584,3 +584,81 @@ def test_gpu_suite_exits_cleanly_without_cuda():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "no CUDA" in r.stdout
+
+
+# ------------------------------------------------------------------------- threads at once
+
+
+def test_threads_with_copies_completing_asynchronously_stay_consistent(open_cache, tmp_path):
+    """Four threads put/get/delete/prefetch overlapping keys while a pump thread completes the
+    copies late and in order (a live GPU): every hit is bytes of some put of that key, nothing
+    deadlocks, and the idle cache is consistent."""
+    e = DeferredCopyEngine()
+    c = open_cache(cfg(tmp_path, gpu_blocks=3, host_blocks=4, nvme_bytes=4 * MiB), e)
+    written: dict[str, set[bytes]] = {f"k{i}": set() for i in range(6)}
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for step in range(60):
+                k = f"k{rng.randrange(6)}"
+                op = rng.random()
+                if op < 0.4:
+                    t = filled(rng.choice([100, BLOCK, BLOCK + 9]), seed * 1000 + step)
+                    with lock:
+                        written[k].add(raw_bytes(t))
+                    c.put(k, t)
+                elif op < 0.8:
+                    got = c.get(k)
+                    if got is not None:
+                        with lock:
+                            assert raw_bytes(got) in written[k], (seed, step, k)
+                elif op < 0.9:
+                    c.prefetch([k], device="cpu")[0].wait(10)
+                else:
+                    c.delete(k)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+            errors.append(exc)
+
+    with pumping(e):
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads), "deadlock"
+        c._completer.drain(10)
+        if c._prefetch_pool is not None:
+            c._prefetch_pool.shutdown(wait=True)
+            c._prefetch_pool = None
+    assert not errors, errors[0]
+    check_quiescent(c)
+
+
+def test_a_read_queued_behind_a_failing_gpu_write_is_a_miss_not_garbage(open_cache):
+    e = DeferredCopyEngine()
+    c = open_cache(cfg(gpu_blocks=2, host_blocks=4), e)
+    h = c.put("k", filled(BLOCK, 1))
+    got = []
+    reader = threading.Thread(target=lambda: got.append(c.get("k")))
+    reader.start()
+    reader.join(0.1)
+    assert reader.is_alive() and e.pending == 2  # the write, then the read behind it
+    e.fail_with = RuntimeError("injected")  # the write fails and poisons its destination
+    e.complete()
+    reader.join(5)
+    assert got == [None] and not h.wait(5)
+    check_quiescent(c)
+
+
+def test_a_newer_version_stored_below_drops_the_older_gpu_copy(open_cache):
+    c = open_cache(cfg(gpu_blocks=2, host_blocks=8))
+    c.put("k", filled(BLOCK, 1))
+    assert where(c, "k") == {"gpu"}
+    big = filled(3 * BLOCK, 2)  # larger than the GPU budget: goes to the host
+    c.put("k", big)
+    assert where(c, "k") == {"host"}
+    assert raw_bytes(c.get("k")) == raw_bytes(big)
+    check_quiescent(c)
