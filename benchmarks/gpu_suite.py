@@ -83,10 +83,10 @@ def bench(device: str, sizes_mib: list[int], total_mib: int, reps: int) -> dict:
         fn()
         return time.perf_counter() - t0
 
-    host_bytes = max(sizes_mib) * MiB * max(2, total_mib // min(sizes_mib)) + 64 * MiB
-    host_bytes = min(host_bytes, 4 << 30)
     for size in sizes_mib:
-        n = max(2, min(total_mib // size, (host_bytes // (size * MiB)) - 1))
+        n = max(2, total_mib // size)
+        # twice one round of puts: the last round's keys stay resident (LRU) for the loads
+        host_bytes = 2 * n * size * MiB + 64 * MiB
         nbytes = size * MiB
         srcs = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev) for _ in range(n)]
         pinned = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(n)]
@@ -117,7 +117,7 @@ def bench(device: str, sizes_mib: list[int], total_mib: int, reps: int) -> dict:
         row["raw_load_GBps"] = max(total / wall(raw_h2d) for _ in range(reps)) / 1e9
 
         # ---- ectier host tier (no GPU tier): async D2H puts, H2D gets
-        cfg = CacheConfig(namespace="bench", host=HostTierConfig(capacity_bytes=host_bytes, block_bytes=4 * MiB,
+        cfg = CacheConfig(namespace="bench", host=HostTierConfig(capacity_bytes=host_bytes, block_bytes=MiB,
                                                                   pin_memory=True))
         cache = TieredCache(cfg)
         try:
@@ -181,7 +181,7 @@ def bench(device: str, sizes_mib: list[int], total_mib: int, reps: int) -> dict:
         row["save_pct_of_raw"] = 100 * row["save_GBps"] / row["raw_save_GBps"]
         row["load_pct_of_raw"] = 100 * row["load_GBps"] / row["raw_load_GBps"]
         results["sizes"][f"{size}MiB"] = row
-        del srcs, pinned, dsts
+        srcs = pinned = dsts = None  # free before the next size
         torch.cuda.empty_cache()
         print(f"  {size} MiB x {n}: save {row['save_GBps']:.1f} GB/s (raw {row['raw_save_GBps']:.1f}), "
               f"load {row['load_GBps']:.1f} GB/s (raw {row['raw_load_GBps']:.1f}), "

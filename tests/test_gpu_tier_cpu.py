@@ -35,7 +35,7 @@ from ectier import (
     PutHandle,
     TieredCache,
 )
-from ectier.copy import Completer, CopyHandle, CudaCopyEngine, DeferredCopyEngine, InlineCopyEngine
+from ectier.copy import Completer, CudaCopyEngine, DeferredCopyEngine, InlineCopyEngine
 from ectier.entry import entry_digest
 
 BLOCK = 64 * KiB
