@@ -662,3 +662,11 @@ def test_a_newer_version_stored_below_drops_the_older_gpu_copy(open_cache):
     assert where(c, "k") == {"host"}
     assert raw_bytes(c.get("k")) == raw_bytes(big)
     check_quiescent(c)
+
+
+def test_the_daemon_refuses_a_gpu_tier():
+    from ectier import EctierError
+    from ectier.daemon.server import DaemonServer
+
+    with pytest.raises(EctierError, match=r"gpu\.capacity_bytes: the daemon has no GPU tier"):
+        DaemonServer(CacheConfig(gpu=GpuTierConfig(capacity_bytes=MiB), host=HostTierConfig(capacity_bytes=MiB)))
