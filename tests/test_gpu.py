@@ -253,3 +253,18 @@ def test_engine_refuses_to_run_in_a_child_forked_after_cuda_init():
     code = os.read(r, 1)
     os.waitpid(pid, 0)
     assert code == b"\x00"
+
+
+def test_bf16_encoder_output_views_round_trip_through_every_tier():
+    cache = host_cache(capacity_bytes=16 * MiB)
+    try:
+        full = torch.randn(1024, 8192, device=DEV).to(torch.bfloat16)  # 16 MiB, Qwen3-VL N=1024
+        view = full[:, ::2]  # non-contiguous: stored in C order
+        cache.put("view", view).wait()
+        cache.put("full", full).wait()  # evicts "view" from the 16 MiB GPU tier into host
+        for key, t in (("view", view), ("full", full)):
+            got = cache.get(key, device=DEV)
+            assert got.dtype == torch.bfloat16 and got.shape == t.shape
+            assert torch.equal(got.view(torch.int16), t.contiguous().view(torch.int16)), key
+    finally:
+        cache.close()
