@@ -1250,6 +1250,9 @@ class TieredCache:
                     if rec is None or rec.version != v:
                         return digest in self._current
                     self._nvme_lru.touch(digest)
+                    host_fits = self._host is not None and self._host.index.fits(rec.header.raw_nbytes)
+                    if not want_gpu and not host_fits:
+                        return True  # it stays where it is: NVMe is the highest tier it fits
             if hslot is not None:
                 try:
                     g = self._gpu_promote(digest, hslot.meta, v, hslot=hslot)

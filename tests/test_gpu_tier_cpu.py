@@ -670,3 +670,11 @@ def test_the_daemon_refuses_a_gpu_tier():
 
     with pytest.raises(EctierError, match=r"gpu\.capacity_bytes: the daemon has no GPU tier"):
         DaemonServer(CacheConfig(gpu=GpuTierConfig(capacity_bytes=MiB), host=HostTierConfig(capacity_bytes=MiB)))
+
+
+def test_prefetch_of_an_entry_too_large_for_the_host_reads_nothing(make_cache):
+    cache, _ = make_cache(host_bytes=2 * 64 * KiB, nvme_bytes=2 * MiB)
+    cache.put("big", filled(3 * 64 * KiB, 1))
+    (h,) = cache.prefetch(["big"])
+    assert h.wait(5)
+    assert cache.stats()["tiers"]["nvme"]["hits"] == 0  # nothing to promote into: not read
