@@ -1190,15 +1190,17 @@ class TieredCache:
                 self._unpin(slot)
                 raise
             if g is not None:
-                self._unpin(slot)  # the promotion holds its own pin until its copy completes
                 try:
                     result = self._read_gpu_slot(g, dev, None)
+                except BaseException:
+                    self._unpin(slot)
+                    raise
                 finally:
                     self._gpu_unpin(g)
                 if result is not _MISS:
+                    self._unpin(slot)  # the promotion holds its own pin until its copy completes
                     return result
-                with self._cond:
-                    self._host.index.pin(slot)  # the host copy is still visible: serve it
+                # the GPU copy failed: serve the host copy (still pinned by us)
         if dev.type != "cuda":
             try:
                 out = self._output_for(meta, None)

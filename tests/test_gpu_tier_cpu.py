@@ -35,7 +35,7 @@ from ectier import (
     PutHandle,
     TieredCache,
 )
-from ectier.copy import Completer, CudaCopyEngine, DeferredCopyEngine, InlineCopyEngine
+from ectier.copy import Completer, CopyHandle, CudaCopyEngine, DeferredCopyEngine, InlineCopyEngine
 from ectier.entry import entry_digest
 
 BLOCK = 64 * KiB
@@ -678,3 +678,32 @@ def test_prefetch_of_an_entry_too_large_for_the_host_reads_nothing(make_cache):
     (h,) = cache.prefetch(["big"])
     assert h.wait(5)
     assert cache.stats()["tiers"]["nvme"]["hits"] == 0  # nothing to promote into: not read
+
+
+def test_a_failed_promotion_copy_is_served_from_the_host_copy(open_cache):
+    class FailArenaWrites(InlineCopyEngine):
+        armed = False
+        gpu_arena = -1
+
+        def copy(self, pairs, *, lane):
+            into_gpu = bool(pairs) and pairs[0][0].untyped_storage().data_ptr() == self.gpu_arena
+            if self.armed and into_gpu:
+                self.armed = False
+                for dst, _ in pairs:
+                    dst.fill_(0xA5)  # what a failed copy may leave behind
+                h = CopyHandle()
+                h._finish(RuntimeError("injected copy failure"))
+                return h
+            return super().copy(pairs, lane=lane)
+
+    e = FailArenaWrites()
+    c = open_cache(cfg(gpu_blocks=1, host_blocks=4), e)
+    a = filled(BLOCK, 1)
+    c.put("a", a)
+    c.put("b", filled(BLOCK, 2))  # a -> host
+    assert where(c, "a") == {"host"}
+    e.gpu_arena = c._gpu.buffer.untyped_storage().data_ptr()
+    e.armed = True  # the promotion's host -> arena copy fails (not the demotion it causes)
+    assert raw_bytes(c.get("a")) == raw_bytes(a)
+    assert c.stats()["tiers"]["gpu"]["copy_failures"] >= 1 and "host" in where(c, "a")
+    check_quiescent(c)
