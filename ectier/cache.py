@@ -1176,7 +1176,7 @@ class TieredCache:
                     self._cond.notify_all()
                 self._forget_if_unheld_locked(slot.digest, slot.version)
             return _MISS
-        return result if dev.type == "cpu" or dev == gpu.device else result.to(dev)
+        return result if result.device == dev else result.to(dev)
 
     def _serve_host_hit(self, slot: Slot, dev: torch.device, want_gpu: bool) -> torch.Tensor:
         """Serve a host hit (pinned by the caller; unpinned here, at once or when the copy that
