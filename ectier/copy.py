@@ -337,7 +337,10 @@ class Completer:
                 return
             handle, callback = item
             try:
-                handle.wait()
+                try:
+                    handle.wait()
+                except Exception as exc:  # noqa: BLE001 - e.g. a CUDA error surfacing at synchronize
+                    handle._finish(exc)  # a copy whose completion cannot be observed has failed
                 callback()
             except Exception:  # noqa: BLE001 - a failing callback must not stop the others; logged
                 log.exception("copy completion callback failed")

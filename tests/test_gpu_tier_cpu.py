@@ -707,3 +707,15 @@ def test_a_failed_promotion_copy_is_served_from_the_host_copy(open_cache):
     assert raw_bytes(c.get("a")) == raw_bytes(a)
     assert c.stats()["tiers"]["gpu"]["copy_failures"] >= 1 and "host" in where(c, "a")
     check_quiescent(c)
+
+
+def test_completer_turns_a_failing_wait_into_a_failed_copy():
+    class Broken(CopyHandle):
+        def wait(self, timeout_s=None):
+            raise RuntimeError("CUDA error: an illegal memory access (injected)")
+
+    comp, seen = Completer(), []
+    h = Broken()
+    comp.submit(h, lambda: seen.append(h.error))
+    assert comp.close(5)
+    assert len(seen) == 1 and isinstance(seen[0], RuntimeError) and h.done()
