@@ -1696,19 +1696,8 @@ def _run_pairs(dst_buf: torch.Tensor, dst_runs, src_buf: torch.Tensor, src_runs)
     return pairs
 
 
-class PutHandle:
-    """Completion of one :meth:`TieredCache.put`.
-
-    Attributes:
-        key: the key put.
-        error: the exception of a failed copy, else ``None``.
-
-    ``done()`` is True once the put has finished (at once for CPU tensors). ``wait(timeout_s=None)``
-    blocks until then and returns True if the entry was stored (also when a later put or delete of
-    the same key has already replaced it: this put is ordered before that call), False if the copy
-    failed, or if ``timeout_s`` passed first (``done()`` then still False). Once done, the source
-    tensor is no longer referenced by the cache.
-    """
+class _Handle:
+    """Shared mechanics of :class:`PutHandle` and :class:`LoadHandle` (a result set once)."""
 
     __slots__ = ("key", "error", "_ok", "_event")
 
@@ -1731,17 +1720,35 @@ class PutHandle:
         self.error = error
         self._event.set()
 
+
+class PutHandle(_Handle):
+    """Completion of one :meth:`TieredCache.put`.
+
+    Attributes:
+        key: the key put.
+        error: the exception of a failed copy, else ``None``.
+
+    ``done()`` is True once the put has finished (at once for CPU tensors). ``wait(timeout_s=None)``
+    blocks until then and returns True if the entry was stored (also when a later put or delete of
+    the same key has already replaced it: this put is ordered before that call), False if the copy
+    failed, or if ``timeout_s`` passed first (``done()`` then still False). Once done, the source
+    tensor is no longer referenced by the cache.
+    """
+
+    __slots__ = ()
+
     def __repr__(self) -> str:
         state = "pending" if not self.done() else ("stored" if self._ok else f"failed: {self.error!r}")
         return f"<PutHandle {self.key!r} {state}>"
 
 
-class LoadHandle(PutHandle):
+class LoadHandle(_Handle):
     """Completion of one key of :meth:`TieredCache.prefetch`.
 
-    ``wait(timeout_s=None)`` is True when the key is present where it was asked for (the GPU tier
-    for ``device=gpu.device``, else the host tier or, when it does not fit there, NVMe): a
-    following ``get`` serves it from there. False on a miss (or a timeout: ``done()`` still False).
+    ``wait(timeout_s=None)`` is True when the key is present and was promoted as far towards the
+    asked device as room allowed (the GPU tier for ``device=gpu.device``, else the host tier; an
+    entry that fits no higher tier stays where it is): a following ``get`` serves it from there.
+    False on a miss (or a timeout: ``done()`` still False).
     ``error`` holds an unexpected exception of the promotion, if one happened.
     """
 
