@@ -719,3 +719,94 @@ def test_completer_turns_a_failing_wait_into_a_failed_copy():
     comp.submit(h, lambda: seen.append(h.error))
     assert comp.close(5)
     assert len(seen) == 1 and isinstance(seen[0], RuntimeError) and h.done()
+
+
+# ------------------------------------------- the CUDA engine's call order, with a fake torch.cuda
+
+
+class _FakeCuda:
+    """Records the order of the stream/event calls CudaCopyEngine makes (copies run on CPU)."""
+
+    def __init__(self, log):
+        self.log = log
+        fake = self
+
+        class Event:
+            n = 0
+
+            def __init__(self, enable_timing=False, blocking=False):
+                Event.n += 1
+                self.name, self.blocking, self.recorded = f"E{Event.n}", blocking, False
+
+            def record(self, stream=None):
+                fake.log.append(("record", self.name, (stream or fake.current).name))
+                self.recorded = True
+
+            def query(self):
+                return self.recorded
+
+            def synchronize(self):
+                fake.log.append(("synchronize", self.name))
+
+        class Stream:
+            n = 0
+
+            def __init__(self, device=None, priority=0):
+                Stream.n += 1
+                self.name = f"S{Stream.n}"
+
+            def wait_event(self, ev):
+                fake.log.append(("wait_event", self.name, ev.name))
+
+        class _Ctx:
+            def __init__(self, stream=None):
+                self.stream, self.prev = stream, None
+
+            def __enter__(self):
+                if self.stream is not None:
+                    self.prev, fake.current = fake.current, self.stream
+                return self
+
+            def __exit__(self, *exc):
+                if self.stream is not None:
+                    fake.current = self.prev
+
+        self.Event, self.Stream = Event, Stream
+        self.current = Stream()
+        self.current.name = "producer"
+        self.stream = _Ctx
+        self.device = lambda dev: _Ctx()
+        self.current_stream = lambda dev=None: fake.current
+
+
+def test_cuda_engine_orders_copies_after_the_producer_and_before_the_consumer(monkeypatch):
+    log: list = []
+    fake = _FakeCuda(log)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for name in ("Event", "Stream", "stream", "device", "current_stream"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    orig_copy = torch.Tensor.copy_
+
+    def spy_copy(dst, src, non_blocking=False):
+        log.append(("copy", fake.current.name, non_blocking))
+        return orig_copy(dst, src)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spy_copy)
+    engine = CudaCopyEngine("cuda:0", streams_per_direction=2)
+    d2h = [s.name for s in engine._lanes["d2h"]]
+    dst, src = torch.zeros(8, dtype=torch.uint8), torch.arange(8, dtype=torch.uint8)
+    log.clear()
+    h = engine.copy([(dst, src)], lane="d2h")
+    ready, lane = log[0][1], log[1][1]
+    assert log[0] == ("record", ready, "producer")  # rule 1: an event on the producer's stream ...
+    assert log[1] == ("wait_event", lane, ready) and lane in d2h  # ... waited on by the lane
+    assert log[2] == ("copy", lane, True)  # the copy runs on the lane, asynchronously
+    assert log[3][0] == "record" and log[3][2] == lane  # completion event on the lane
+    done_event = log[3][1]
+    h.wait_stream(torch.device("cuda:0"))
+    assert log[4] == ("wait_event", "producer", done_event)  # rule 4: consumer waits, no host sync
+    assert h.done() and dst.tolist() == list(range(8))
+    engine.copy([(dst, src)], lane="d2h")
+    assert log[6][1] != lane  # round robin over the lane's streams
+    assert ("synchronize", done_event) not in log
