@@ -4,13 +4,14 @@ Public API::
 
     from ectier import TieredCache, CacheConfig, HostTierConfig, NvmeTierConfig
     cache = TieredCache(CacheConfig(nvme=NvmeTierConfig(path="/nvme/ectier")))
-    cache.put(mm_hash, encoder_output)          # (N, 8192) bfloat16 for Qwen3-VL
+    cache.put(mm_hash, encoder_output)          # (N, 8192) bfloat16 for Qwen3-VL -> PutHandle
+    cache.prefetch([mm_hash], device="cuda:0")  # -> [LoadHandle]: promotions start early
     tensor = cache.get(mm_hash)                 # byte-identical copy, or None
 
 See ``docs/architecture.md`` for the layers.
 """
 
-from .config import CacheConfig, HostTierConfig, NvmeTierConfig, parse_bytes
+from .config import CacheConfig, GpuTierConfig, HostTierConfig, NvmeTierConfig, parse_bytes
 from .errors import (
     ConfigError,
     CorruptRecordError,
@@ -32,15 +33,18 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # TieredCache imports torch (~2 s); load it on first use so that control-only users (the daemon
     # client's contains/stats, `ectier stats`, `ectier size`) do not pay for it.
-    if name == "TieredCache":
-        from .cache import TieredCache
+    if name in ("TieredCache", "PutHandle", "LoadHandle"):
+        from . import cache
 
-        return TieredCache
+        return getattr(cache, name)
     raise AttributeError(f"module 'ectier' has no attribute {name!r}")
 
 __all__ = [
     "TieredCache",
+    "PutHandle",
+    "LoadHandle",
     "CacheConfig",
+    "GpuTierConfig",
     "HostTierConfig",
     "NvmeTierConfig",
     "parse_bytes",

@@ -4,6 +4,8 @@
 
     CacheConfig
     ├── namespace: str                 model / encoder identity, part of every entry's identity
+    ├── gpu: GpuTierConfig             device-memory arena on one explicit CUDA device (off by default)
+    │     device, capacity_bytes, block_bytes, policy, copy_streams
     ├── host: HostTierConfig           pinned (or ordinary) host memory arena
     │     capacity_bytes, block_bytes, pin_memory, admit_wait_s, promote_clean_only, policy
     ├── nvme: NvmeTierConfig           LMDB store under a directory (disabled when path is None)
@@ -43,6 +45,7 @@ from .errors import ConfigError
 
 __all__ = [
     "CacheConfig",
+    "GpuTierConfig",
     "HostTierConfig",
     "NvmeTierConfig",
     "DaemonConfig",
@@ -182,6 +185,65 @@ class HostTierConfig:
         _check_seconds("host.admit_wait_s", self.admit_wait_s)
         _check_bool("host.promote_clean_only", self.promote_clean_only)
         _check_policy("host.policy", self.policy)
+
+
+_CUDA_DEVICE_RE = re.compile(r"^cuda:(0|[1-9][0-9]{0,3})$")
+
+
+@dataclass(frozen=True)
+class GpuTierConfig:
+    """GPU tier: one arena of device memory on one explicit CUDA device, allocated once.
+
+    Fields:
+        device: ``"cuda:<index>"`` of the worker that owns the cache (design rule 6: never a bare
+            ``"cuda"``). Whether the index exists is checked when the cache opens. Default ``"cuda:0"``.
+        capacity_bytes: byte budget of the device arena; 0 (default) disables the tier. Checked
+            against the device's free memory when the cache opens (``ConfigError`` naming this field).
+        block_bytes: allocation unit, a power of two between 64 KiB and 64 MiB. Default 1 MiB
+            (the smallest Qwen3-VL entry, N=64 tokens x 8192 x bf16).
+        policy: eviction policy, ``"lru"`` (default) or ``"gdsf"`` (as ``host.policy``). Victims
+            demote to the host tier by an asynchronous device-to-host copy.
+        copy_streams: dedicated CUDA streams per direction (device-to-host, host-to-device) of the
+            copy engine, 1..8. Default 2.
+    """
+
+    device: str = "cuda:0"
+    capacity_bytes: int = 0
+    block_bytes: int = 1 * MiB
+    policy: str = "lru"
+    copy_streams: int = 2
+
+    def __post_init__(self) -> None:
+        _coerce_bytes(self, "gpu")
+        if not isinstance(self.device, str) or not _CUDA_DEVICE_RE.match(self.device):
+            raise ConfigError(
+                f"gpu.device: expected an explicit 'cuda:<index>' (the worker's device), got {self.device!r}"
+            )
+        _check_int("gpu.capacity_bytes", self.capacity_bytes, minimum=0)
+        _check_int("gpu.block_bytes", self.block_bytes, minimum=64 * KiB)
+        if self.block_bytes & (self.block_bytes - 1) or self.block_bytes > 64 * MiB:
+            raise ConfigError(
+                f"gpu.block_bytes: must be a power of two between 64 KiB and 64 MiB, got {self.block_bytes}"
+            )
+        if 0 < self.capacity_bytes < self.block_bytes:
+            raise ConfigError(
+                f"gpu.capacity_bytes: {self.capacity_bytes} is less than one block "
+                f"(gpu.block_bytes={self.block_bytes}); use 0 to disable the GPU tier"
+            )
+        _check_policy("gpu.policy", self.policy)
+        _check_int("gpu.copy_streams", self.copy_streams, minimum=1)
+        if self.copy_streams > 8:
+            raise ConfigError(f"gpu.copy_streams: must be <= 8, got {self.copy_streams}")
+
+    @property
+    def enabled(self) -> bool:
+        """True when the tier has a budget."""
+        return self.capacity_bytes > 0
+
+    @property
+    def device_index(self) -> int:
+        """The ``<index>`` of ``device``."""
+        return int(self.device.split(":")[1])
 
 
 @dataclass(frozen=True)
@@ -350,6 +412,7 @@ class CacheConfig:
             Part of every entry's identity: the same key under two namespaces is two entries.
         host: :class:`HostTierConfig`.
         nvme: :class:`NvmeTierConfig`.
+        gpu: :class:`GpuTierConfig` (disabled by default).
         daemon: :class:`DaemonConfig` (used only by ``ectier serve`` and its clients).
     """
 
@@ -357,6 +420,7 @@ class CacheConfig:
     host: HostTierConfig = field(default_factory=HostTierConfig)
     nvme: NvmeTierConfig = field(default_factory=NvmeTierConfig)
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    gpu: GpuTierConfig = field(default_factory=GpuTierConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, str) or not self.namespace:
@@ -369,6 +433,10 @@ class CacheConfig:
             raise ConfigError(f"nvme: expected NvmeTierConfig, got {type(self.nvme).__name__}")
         if not isinstance(self.daemon, DaemonConfig):
             raise ConfigError(f"daemon: expected DaemonConfig, got {type(self.daemon).__name__}")
+        if not isinstance(self.gpu, GpuTierConfig):
+            raise ConfigError(f"gpu: expected GpuTierConfig, got {type(self.gpu).__name__}")
+        if self.gpu.enabled:
+            return  # a GPU-only cache is valid (victims are then dropped)
         if self.host.capacity_bytes == 0 and not self.nvme.enabled:
             raise ConfigError(
                 "host.capacity_bytes: is 0 and nvme.path is not set, so no tier could store anything"

@@ -45,6 +45,8 @@ class Slot:
         lower_copy: True when the next tier down holds this same version (eviction is then free).
         cost_s: seconds a miss on this entry costs (recompute), given to the policy at commit;
             ``None`` = unknown (the policy's default).
+        pending_write: the tier's copy handle of the write that filled the slot, while the tier
+            tracks it (the GPU tier: readers check it for a failed copy); ``None`` otherwise.
     """
 
     digest: bytes
@@ -58,6 +60,7 @@ class Slot:
     lower_copy: bool = False
     cost_s: float | None = None
     freed: bool = field(default=False, repr=False)
+    pending_write: object = field(default=None, repr=False)
 
 
 class ArenaIndex:

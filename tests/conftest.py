@@ -125,6 +125,16 @@ def check_quiescent(cache: TieredCache) -> None:
     """Internal consistency of an idle cache: no pins or reservations, byte counts add up, and the
     NVMe tier's in-memory records match what LMDB holds."""
     with cache._cond:
+        assert not cache._inflight, "copies still in flight"
+        gpu = getattr(cache, "_gpu", None)
+        if gpu is not None:
+            gidx = gpu.index
+            gslots = list(gidx._slots.values())
+            assert gidx.reserved_bytes == 0
+            assert all(s.pins == 0 for s in gslots)
+            assert gidx.used_bytes == sum(s.alloc_bytes for s in gslots)
+            for s in gslots:
+                assert cache._current.get(s.digest) == s.version, "stale GPU entry left behind"
         if cache._host is not None:
             idx = cache._host.index
             slots = list(idx._slots.values())
@@ -150,4 +160,6 @@ def check_quiescent(cache: TieredCache) -> None:
         for d, v in cache._current.items():
             slot = cache._host.index.lookup(d) if cache._host is not None else None
             rec = cache._nvme.record(d) if cache._nvme is not None else None
-            assert (slot is not None and slot.version == v) or (rec is not None and rec.version == v)
+            gslot = gpu.index.lookup(d) if gpu is not None else None
+            assert ((slot is not None and slot.version == v) or (rec is not None and rec.version == v)
+                    or (gslot is not None and gslot.version == v))

@@ -92,6 +92,11 @@ class DaemonServer:
     def __init__(self, config: CacheConfig) -> None:
         if config.host.capacity_bytes == 0:
             raise EctierError("host.capacity_bytes: the daemon moves bytes through the host arena; it must be > 0")
+        if config.gpu.enabled:
+            raise EctierError(
+                "gpu.capacity_bytes: the daemon has no GPU tier (a GPU tier lives in the worker process that "
+                "owns the device); set it to 0 in the daemon's config"
+            )
         self.config = config
         self.socket_path = config.daemon.resolved_socket_path()
         self.arena_path = os.path.join(

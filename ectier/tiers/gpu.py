@@ -1,0 +1,97 @@
+"""GPU tier: one arena of device memory on one explicit CUDA device, allocated once.
+
+Like :class:`~ectier.tiers.host.HostTier`, the tier only stores and fetches bytes at extents handed
+out by its :class:`~ectier.index.ArenaIndex`; which entries live here, and when they leave, is the
+cache's business. Every read and write of the arena is enqueued on the copy engine's ``"arena"``
+lane, so the GPU runs them in submission order: a block freed after its demotion copy was enqueued
+can be rewritten at once (the rewrite runs after the demotion), and a reader enqueued after a
+writer sees the writer's bytes, with no host wait.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..config import GpuTierConfig
+from ..copy import CopyEngine, CopyHandle
+from ..errors import ConfigError
+from ..index import ArenaIndex, Slot
+from ..policy import EvictionPolicy
+
+__all__ = ["GpuTier"]
+
+log = logging.getLogger(__name__)
+
+
+class GpuTier:
+    """A ``capacity_bytes`` arena of device memory in ``block_bytes`` blocks.
+
+    Args:
+        config: :class:`~ectier.config.GpuTierConfig`.
+        device: the validated ``torch.device`` of the arena (``cuda:<i>``; the cache passes
+            ``cpu`` only through its test hook).
+        engine: the :class:`~ectier.copy.CopyEngine` of ``device``.
+        policy: eviction policy of the tier's index (default LRU).
+
+    Attributes:
+        index: the tier's :class:`~ectier.index.ArenaIndex`.
+        buffer: the arena, a flat ``uint8`` tensor of ``index.capacity_bytes`` bytes on ``device``.
+
+    Raises:
+        ConfigError: naming ``gpu.capacity_bytes`` when the budget exceeds the device's free
+            memory or cannot be allocated.
+    """
+
+    name = "gpu"
+
+    def __init__(self, config: GpuTierConfig, *, device: torch.device, engine: CopyEngine,
+                 policy: EvictionPolicy | None = None) -> None:
+        self.config = config
+        self.device = device
+        self.engine = engine
+        self.index = ArenaIndex(config.capacity_bytes, config.block_bytes, policy)
+        nbytes = self.index.capacity_bytes
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            if nbytes > free:
+                raise ConfigError(
+                    f"gpu.capacity_bytes: {nbytes} bytes asked on {device}, which has {free} of {total} bytes "
+                    "free; lower gpu.capacity_bytes (leave room for the model and vLLM's KV cache)"
+                )
+        try:
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is a RuntimeError
+            raise ConfigError(
+                f"gpu.capacity_bytes: cannot allocate a device arena of {nbytes} bytes on {device}: "
+                f"{str(exc).splitlines()[0]}"
+            ) from None
+        log.info("gpu tier: %d bytes on %s in %d-byte blocks", nbytes, device, config.block_bytes)
+
+    def runs(self, slot: Slot):
+        """Yield ``(arena_offset, entry_offset, length)`` byte runs of ``slot``."""
+        done = 0
+        block = self.index.block_bytes
+        total = slot.meta.nbytes
+        for first, count in slot.extents:
+            length = min(count * block, total - done)
+            if length <= 0:
+                break
+            yield first * block, done, length
+            done += length
+
+    def write(self, slot: Slot, src: torch.Tensor) -> CopyHandle:
+        """Enqueue ``src`` (flat ``uint8``, ``slot.meta.nbytes`` long, on the device or pinned host)
+        into the slot's blocks on the arena lane."""
+        pairs = [(self.buffer[a : a + n], src[o : o + n]) for a, o, n in self.runs(slot)]
+        return self.engine.copy(pairs, lane="arena")
+
+    def read_into(self, slot: Slot, dst: torch.Tensor) -> CopyHandle:
+        """Enqueue a copy of the slot's bytes into ``dst`` (flat ``uint8``) on the arena lane."""
+        pairs = [(dst[o : o + n], self.buffer[a : a + n]) for a, o, n in self.runs(slot)]
+        return self.engine.copy(pairs, lane="arena")
+
+    def close(self) -> None:
+        """Drop the arena (its memory returns to torch's caching allocator)."""
+        self.buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
