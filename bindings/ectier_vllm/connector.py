@@ -180,6 +180,11 @@ class ECTierConnector(ECConnectorBase):
     def ensure_cache_available(self, request: "Request", num_computed_tokens: int) -> bool:
         if not self.is_consumer or self._closed:
             return True
+        if request.request_id in self._unavailable:
+            # a worker load failed: vLLM 0.33 calls take_unavailable_requests before
+            # update_connector_output in update_from_output, so the request is failed at the end of
+            # this step; it must not run again meanwhile
+            return False
         ready = True
         for index, feature in enumerate(request.mm_features):
             pos = feature.mm_position

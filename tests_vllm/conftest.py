@@ -1,0 +1,44 @@
+"""Fixtures of the vLLM suite: a tiny local model dir, scheduler/worker factories, clean registry."""
+
+from __future__ import annotations
+
+import pytest
+
+import harness as H
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    return H.write_tiny_model(str(tmp_path / "model"))
+
+
+@pytest.fixture
+def engine(model_dir, monkeypatch):
+    """``engine(role, extra)`` -> (scheduler, worker): one vLLM engine's two EC connectors."""
+    made = []
+
+    def make(role, extra):
+        cfg = H.make_vllm_config(model_dir, role, extra)
+        sched = H.make_scheduler(cfg, monkeypatch)
+        worker = H.Worker(cfg)
+        made.append((sched, worker))
+        return sched, worker
+
+    yield make
+    for sched, worker in made:
+        worker.connector.shutdown()
+        sched.ec_connector.shutdown()
+    from vllm.distributed.ec_transfer import ec_transfer_state
+
+    ec_transfer_state.ensure_ec_transfer_shutdown()
+    from ectier_vllm.store import open_stores
+
+    assert open_stores() == 0, "an in-process store outlived every connector"
+
+
+def run_step(sched, worker):
+    """One engine step: schedule, execute on the worker, update the scheduler. Returns both outputs."""
+    so = sched.schedule()
+    out = worker.execute(so)
+    engine_out = sched.update_from_output(so, out)
+    return so, engine_out

@@ -1,0 +1,290 @@
+"""ECTierConnector driven by vLLM 0.33's real Scheduler and model-runner EC mixin (CPU tensors).
+
+Each scenario is a sequence of engine steps: ``Scheduler.schedule()`` (which calls the connector's
+``ensure_cache_available``, ``has_cache_item``, ``update_state_after_alloc``,
+``build_connector_meta``), the worker (``ECConnectorModelRunnerMixin``: ``start_load_caches``,
+``save_caches``, ``build_connector_worker_meta``), ``Scheduler.update_from_output`` (which calls
+``take_unavailable_requests`` and ``update_connector_output``).
+"""
+
+from __future__ import annotations
+
+import lmdb
+import pytest
+import torch
+
+import harness as H
+from conftest import run_step
+
+NS = "test-ns"
+
+
+def inproc(tmp_path, **host):
+    return {
+        "namespace": NS,
+        "host": {"capacity_bytes": "8MiB", "block_bytes": "64KiB", "pin_memory": False, **host},
+        "nvme": {"path": str(tmp_path / "nvme"), "capacity_bytes": "64MiB", "sync": False,
+                 "map_initial_bytes": "4MiB"},
+    }
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def errors_of(engine_out):
+    return {o.request_id: o for outs in engine_out.values() for o in outs.outputs if o.finish_reason is not None}
+
+
+def produce(engine, extra, items):
+    """An encoder instance (ec_producer) encodes ``items`` and saves them; then shuts down."""
+    sched, worker = engine("ec_producer", extra)
+    sched.add_request(H.make_request("p", items))
+    so, _ = run_step(sched, worker)
+    assert sorted(so.scheduled_encoder_inputs["p"]) == list(range(len(items)))  # the producer encodes
+    assert sorted(worker.encoded) == sorted(i.mm_hash for i in items)
+    produced = {h: t.clone() for h, t in worker.encoder_cache.items()}
+    # the encoder instance stops: its connectors wait for the saves and flush to NVMe
+    worker.connector.shutdown()
+    sched.ec_connector.shutdown()
+    return produced
+
+
+def test_factory_loads_connector_through_module_path(engine, tmp_path):
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+    from ectier_vllm.connector import ECTierConnector
+
+    sched, worker = engine("ec_both", inproc(tmp_path))
+    assert "ECTierConnector" not in ECConnectorFactory._registry  # not a built-in name
+    assert type(sched.ec_connector) is ECTierConnector
+    assert type(worker.connector) is ECTierConnector
+    assert sched.ec_connector.settings.namespace == NS
+
+
+def test_producer_then_fresh_consumer_loads_byte_identical(engine, tmp_path):
+    items = [H.Item("a" * 64, 10, 100), H.Item("lora:" + "b" * 64, 200, 37)]
+    produced = produce(engine, inproc(tmp_path), items)
+    from ectier_vllm import store
+
+    assert store.open_stores() == 0  # the producer's store is closed; the consumer reopens NVMe
+    sched, worker = engine("ec_consumer", inproc(tmp_path, admit_wait_s=0.25))
+    sched.add_request(H.make_request("c", items))
+    so, out = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs == {}  # no encoder work: both items come from ectier
+    assert [it.mm_hash for it in so.ec_connector_metadata.loads] == [i.mm_hash for i in items]
+    assert worker.encoded == []
+    for h, t in produced.items():
+        assert same_bytes(worker.encoder_cache[h], t)
+        assert worker.encoder_cache[h].device.type == "cpu"
+    assert errors_of(out) == {}
+    stats = out[0].scheduler_stats.ec_connector_stats
+    assert stats["hits"] == 2 and stats["loads"] == 2 and stats["load_bytes"] == (100 + 37) * H.WIDTH * 2
+    assert not sched.ec_connector._pins  # pins dropped once the worker reported the loads
+    assert store.open_stores() == 1
+
+
+def test_ec_both_shares_one_store_between_scheduler_and_worker(engine, tmp_path):
+    sched, worker = engine("ec_both", inproc(tmp_path))
+    assert sched.ec_connector._store.cache is worker.connector._store.cache
+    item = H.Item("c" * 64, 0, 64)
+    sched.add_request(H.make_request("r1", [item], max_tokens=1))
+    so, _ = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs == {"r1": [0]}
+    first = worker.encoder_cache[item.mm_hash].clone()
+    # the worker's encoder cache forgets it (as after vLLM frees it); a new request loads it back
+    worker.encoder_cache.clear()
+    sched.encoder_cache_manager.reset()
+    sched.add_request(H.make_request("r2", [item], max_tokens=1))
+    so, out = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs == {}
+    assert worker.encoded == [item.mm_hash]  # encoded once, in the first step only
+    assert same_bytes(worker.encoder_cache[item.mm_hash], first)
+
+
+def test_missing_item_is_encoded(engine, tmp_path):
+    produce(engine, inproc(tmp_path), [H.Item("d" * 64, 0, 50)])
+    sched, worker = engine("ec_consumer", inproc(tmp_path, admit_wait_s=0.25))
+    sched.add_request(H.make_request("c", [H.Item("d" * 64, 0, 50), H.Item("never-stored", 100, 20)]))
+    so, out = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs == {"c": [1]}  # only the missing one is encoded
+    assert worker.encoded == ["never-stored"]
+    assert errors_of(out) == {}
+
+
+def test_corrupted_item_fails_checksum_and_is_encoded(engine, tmp_path, monkeypatch):
+    from ectier.entry import entry_digest
+
+    item = H.Item("e" * 64, 0, 80)
+    produce(engine, inproc(tmp_path), [item])
+    # the producer flushed to NVMe on shutdown: flip a bit of the stored payload
+    env = lmdb.open(str(tmp_path / "nvme" / "lmdb"), subdir=True, max_dbs=4, map_size=1 << 30)
+    try:
+        data = env.open_db(b"data")
+        with env.begin(write=True) as txn:
+            key = entry_digest(NS, item.mm_hash)
+            v = bytearray(txn.get(key, db=data))
+            v[len(v) // 2] ^= 0x10
+            txn.put(key, bytes(v), db=data)
+    finally:
+        env.close()
+    sched, worker = engine("ec_consumer", inproc(tmp_path, admit_wait_s=0.25, capacity_bytes="4MiB"))
+    sched.add_request(H.make_request("c", [item]))
+    so, out = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs == {"c": [0]}  # corrupt => miss => re-encoded
+    assert worker.encoded == [item.mm_hash]
+    assert errors_of(out) == {}
+    assert not sched.ec_connector._store.contains(item.mm_hash)  # quarantined
+
+
+def test_wrong_shape_in_store_is_rejected_and_encoded(engine, tmp_path):
+    sched, worker = engine("ec_both", inproc(tmp_path))
+    sched.ec_connector._store.put("f" * 64, torch.zeros(10, H.WIDTH, dtype=H.DTYPE))  # request wants 30
+    sched.ec_connector._store.put("g" * 64, torch.zeros(30, H.WIDTH, dtype=torch.float16))  # wrong dtype
+    sched.add_request(H.make_request("c", [H.Item("f" * 64, 0, 30), H.Item("g" * 64, 40, 30)]))
+    so, out = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs == {"c": [0, 1]}
+    assert out[0].scheduler_stats.ec_connector_stats["rejected"] == 2
+    assert worker.encoder_cache["f" * 64].shape == (30, H.WIDTH)
+
+
+def test_pinned_item_survives_delete_before_the_load(engine, tmp_path):
+    item = H.Item("h" * 64, 0, 40)
+    sched, worker = engine("ec_both", inproc(tmp_path))
+    ref = H.encoder_output(item.mm_hash, 40)
+    sched.ec_connector._store.put(item.mm_hash, ref)
+    sched.add_request(H.make_request("c", [item]))
+    so = sched.schedule()  # pins it
+    assert so.scheduled_encoder_inputs == {}
+    sched.ec_connector._store.cache.delete(item.mm_hash)  # evicted/deleted between schedule and load
+    out = worker.execute(so)
+    sched.update_from_output(so, out)
+    assert same_bytes(worker.encoder_cache[item.mm_hash], ref)
+
+
+def test_failed_load_fails_request_then_retry_reencodes(engine, tmp_path, monkeypatch):
+    """A load that fails at the worker (here: the store answers with a wrong tensor) fails the
+    request through take_unavailable_requests, without crashing the step and without leaving the
+    wrong tensor in encoder_cache; re-issuing the request re-runs the encoder."""
+    from vllm.v1.request import RequestStatus
+
+    item = H.Item("i" * 64, 0, 40)
+    sched, worker = engine("ec_both", inproc(tmp_path))
+    sched.ec_connector._store.put(item.mm_hash, H.encoder_output(item.mm_hash, 40))
+    real_get = worker.connector._store.get
+    monkeypatch.setattr(worker.connector._store, "get", lambda key, device: real_get(key, device)[:-1])
+    sched.add_request(H.make_request("c", [item]))
+    so, out = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs == {}
+    assert item.mm_hash not in worker.encoder_cache  # the placeholder is gone after the step
+    assert out[0].scheduler_stats.ec_connector_stats["load_failures"] == 1
+    # vLLM 0.33 asks take_unavailable_requests before update_connector_output: the request is
+    # held back (not scheduled) in the next step and failed at its end
+    so, out = run_step(sched, worker)
+    assert "c" not in so.num_scheduled_tokens
+    assert errors_of(out)["c"].finish_reason is not None
+    assert "c" not in sched.requests or sched.requests["c"].status == RequestStatus.FINISHED_ERROR
+    # retry: the item is gone from the store too (e.g. evicted) -> the encoder runs
+    monkeypatch.undo()
+    sched.ec_connector._store.cache.delete(item.mm_hash)
+    sched.encoder_cache_manager.reset()
+    sched.add_request(H.make_request("c-retry", [item]))
+    so, out = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs == {"c-retry": [0]}
+    assert errors_of(out) == {}
+    assert same_bytes(worker.encoder_cache[item.mm_hash], H.encoder_output(item.mm_hash, 40))
+
+
+class FakeHandle:
+    def __init__(self):
+        self.ready = False
+        self.error = None
+
+    def done(self):
+        return self.ready
+
+    def wait(self, timeout_s=None):
+        self.ready = True
+        return True
+
+
+def test_request_waits_for_prefetch_then_loads(engine, tmp_path, monkeypatch):
+    """With ectier's async prefetch, ensure_cache_available defers the request until it is done."""
+    item = H.Item("j" * 64, 0, 40)
+    sched, worker = engine("ec_both", inproc(tmp_path))
+    store = sched.ec_connector._store
+    store.put(item.mm_hash, H.encoder_output(item.mm_hash, 40))
+    handle = FakeHandle()
+    calls = []
+    monkeypatch.setattr(store, "prefetch", lambda keys: calls.append(list(keys)) or [handle])
+    sched.add_request(H.make_request("c", [item]))
+    so, out = run_step(sched, worker)
+    assert calls == [[item.mm_hash]]
+    assert so.num_scheduled_tokens == {}  # deferred: nothing scheduled
+    assert out[0].scheduler_stats.ec_connector_stats["deferrals"] == 1
+    handle.ready = True
+    so, out = run_step(sched, worker)
+    assert so.num_scheduled_tokens.get("c") and so.scheduled_encoder_inputs == {}
+    assert same_bytes(worker.encoder_cache[item.mm_hash], H.encoder_output(item.mm_hash, 40))
+
+
+def test_async_put_completion_reported_and_shutdown_waits(engine, tmp_path, monkeypatch):
+    sched, worker = engine("ec_producer", inproc(tmp_path))
+    handles = []
+    real_put = worker.connector._store.put
+
+    def put(key, t):
+        real_put(key, t)
+        handles.append(FakeHandle())
+        return handles[-1]
+
+    monkeypatch.setattr(worker.connector._store, "put", put)
+    sched.add_request(H.make_request("p", [H.Item("k" * 64, 0, 30)]))
+    so = sched.schedule()
+    out = worker.execute(so)
+    assert out.ec_connector_output.ec_connector_worker_meta is None  # save still in flight
+    assert len(worker.connector._pending_saves) == 1
+    handles[0].ready = True
+    meta = worker.connector.build_connector_worker_meta()
+    assert meta.saved == ["k" * 64] and meta.stats["saves"] == 1
+    # shutdown waits for puts still in flight
+    worker.connector.save_caches({"x": torch.zeros(2, H.WIDTH, dtype=H.DTYPE)}, "x")
+    assert not handles[1].ready
+    worker.connector.shutdown()
+    assert handles[1].ready
+
+
+def test_request_finished_returns_no_delay_and_releases_pins(engine, tmp_path):
+    item = H.Item("l" * 64, 0, 40)
+    sched, worker = engine("ec_both", inproc(tmp_path))
+    sched.ec_connector._store.put(item.mm_hash, H.encoder_output(item.mm_hash, 40))
+    req = H.make_request("c", [item])
+    assert sched.ec_connector.ensure_cache_available(req, 0) is True
+    assert item.mm_hash in sched.ec_connector._pins
+    assert sched.ec_connector.request_finished(req) == (False, None)
+    assert sched.ec_connector._pins == {}
+    assert sched.ec_connector._store.cache.stats()["tiers"]["host"]["pinned"] == 0
+
+
+def test_prometheus_metrics_from_stats(engine, tmp_path):
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from ectier_vllm.connector import ECTierConnector
+
+    reg = CollectorRegistry()
+
+    def bound(cls):
+        return type(cls.__name__, (cls,), {"__init__": lambda self, *a, **k: cls.__init__(self, *a, registry=reg, **k)})
+
+    sched, _ = engine("ec_both", inproc(tmp_path))
+    prom = ECTierConnector.build_prom_metrics(
+        sched.vllm_config, {Gauge: bound(Gauge), Counter: bound(Counter), Histogram: bound(Histogram)},
+        ["model_name", "engine"], {0: ["m", "0"]})
+    stats = ECTierConnector.build_ec_connector_stats(
+        {"lookups": 4, "hits": 3, "misses": 1, "loads": 3, "load_bytes": 300, "load_seconds": [0.001, 0.002, 0.004]})
+    assert stats.reduce()["hit_rate"] == 0.75 and not stats.is_empty()
+    prom.observe(stats.data, 0)
+    labels = {"model_name": "m", "engine": "0"}
+    assert reg.get_sample_value("vllm:ectier_hits_total", labels) == 3
+    assert reg.get_sample_value("vllm:ectier_load_bytes_total", labels) == 300
+    assert reg.get_sample_value("vllm:ectier_load_seconds_count", labels) == 3
