@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vllm is imported (no GPU in CI)
+
 import pytest
 
 import harness as H
