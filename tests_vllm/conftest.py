@@ -16,15 +16,16 @@ def model_dir(tmp_path):
     return H.write_tiny_model(str(tmp_path / "model"))
 
 
-@pytest.fixture
-def engine(model_dir, monkeypatch):
-    """``engine(role, extra)`` -> (scheduler, worker): one vLLM engine's two EC connectors."""
+@pytest.fixture(params=["v1", "v2"], ids=["runner-v1", "runner-v2"])
+def engine(model_dir, monkeypatch, request):
+    """``engine(role, extra)`` -> (scheduler, worker): one vLLM engine's two EC connectors, with
+    the worker driven as the V1 and (second run of each test) the V2 model runner drives it."""
     made = []
 
-    def make(role, extra):
-        cfg = H.make_vllm_config(model_dir, role, extra)
+    def make(role, extra, **config):
+        cfg = H.make_vllm_config(model_dir, role, extra, **config)
         sched = H.make_scheduler(cfg, monkeypatch)
-        worker = H.Worker(cfg)
+        worker = H.Worker(cfg, runner=request.param)
         made.append((sched, worker))
         return sched, worker
 

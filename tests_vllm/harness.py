@@ -43,12 +43,13 @@ def write_tiny_model(directory: str) -> str:
     return directory
 
 
-def make_vllm_config(model_dir: str, role: str, extra: dict, *, connector: str = "ECTierConnector"):
+def make_vllm_config(model_dir: str, role: str, extra: dict, *, connector: str = "ECTierConnector",
+                     max_num_batched_tokens: int = 2048):
     from vllm.config import CacheConfig, ECTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 
     model_config = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16",
                                max_model_len=2048, seed=0)
-    scheduler_config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=2048,
+    scheduler_config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens, max_model_len=2048,
                                        is_encoder_decoder=False, enable_chunked_prefill=True)
     cache_config = CacheConfig(block_size=16, gpu_memory_utilization=0.9, cache_dtype="auto",
                                enable_prefix_caching=False)
@@ -113,44 +114,61 @@ def encoder_output(mm_hash: str, n: int) -> torch.Tensor:
 
 
 class Worker:
-    """The worker side as vLLM 0.33's GPU model runner drives it, on CPU.
+    """The worker side as vLLM 0.33's model runners drive it, on CPU.
 
-    Uses the real ``ECConnectorModelRunnerMixin`` (the context manager around the encoder run and
-    the embedding gather in ``execute_model``) and the real process-global connector made by
-    ``ensure_ec_transfer_initialized``. ``encode`` is the encoder: it writes ``encoder_cache``
-    and calls ``maybe_save_ec_to_connector`` exactly like ``_cache_encoder_output``; ``gather``
-    does what ``_gather_mm_embeddings`` does with a missing entry (raises).
+    ``runner="v1"``: the real ``ECConnectorModelRunnerMixin`` (GPU model runner V1): the context
+    manager around the encoder run and the embedding gather, and ``maybe_save_ec_to_connector``
+    right after each item is encoded (as ``_cache_encoder_output`` does).
+    ``runner="v2"``: the real ``ActiveECConnector`` of the V2 model runner
+    (``vllm.v1.worker.gpu.ec_connector``): ``start_save_caches``, ``start_load_caches``, then
+    ``save_caches`` for every item new in the encoder cache after the step's encoder run.
+    Both use the process-global connector made by ``ensure_ec_transfer_initialized``. ``gather``
+    does what ``_gather_mm_embeddings`` does with a missing entry: it raises.
     """
 
-    def __init__(self, vllm_config):
+    def __init__(self, vllm_config, runner: str = "v1"):
         from vllm.distributed.ec_transfer import ec_transfer_state
 
         ec_transfer_state.ensure_ec_transfer_shutdown()
         ec_transfer_state.ensure_ec_transfer_initialized(vllm_config)
         self.connector = ec_transfer_state.get_ec_transfer()
+        self.runner = runner
         self.encoder_cache: dict[str, torch.Tensor] = {}
+        if runner == "v2":
+            from vllm.v1.worker.gpu.ec_connector import ActiveECConnector
+
+            self.v2 = ActiveECConnector(vllm_config, self.encoder_cache)
         self.encoded: list[str] = []
         self.gathered: dict[str, torch.Tensor] = {}
+
+    def _encode_and_gather(self, scheduler_output, save_each: bool):
+        from vllm.v1.worker.ec_connector_model_runner_mixin import ECConnectorModelRunnerMixin as M
+
+        for req in scheduler_output.scheduled_new_reqs:
+            for i in scheduler_output.scheduled_encoder_inputs.get(req.req_id, []):
+                f = req.mm_features[i]
+                self.encoder_cache[f.identifier] = encoder_output(f.identifier, f.mm_position.get_num_embeds())
+                self.encoded.append(f.identifier)
+                if save_each:
+                    M.maybe_save_ec_to_connector(self.encoder_cache, f.identifier)
+        for req in scheduler_output.scheduled_new_reqs:
+            for f in req.mm_features:
+                t = self.encoder_cache.get(f.identifier)
+                if t is None:
+                    raise RuntimeError(f"Encoder cache miss for {f.identifier}.")
+                self.gathered[f.identifier] = t.clone()
 
     def execute(self, scheduler_output):
         """One execute_model: encode what was scheduled, gather, and return a ModelRunnerOutput."""
         from vllm.v1.outputs import ModelRunnerOutput
         from vllm.v1.worker.ec_connector_model_runner_mixin import ECConnectorModelRunnerMixin as M
 
-        with M.maybe_get_ec_connector_output(scheduler_output, encoder_cache=self.encoder_cache) as ec_out:
-            for req in scheduler_output.scheduled_new_reqs:
-                ids = scheduler_output.scheduled_encoder_inputs.get(req.req_id, [])
-                for i in ids:
-                    f = req.mm_features[i]
-                    self.encoder_cache[f.identifier] = encoder_output(f.identifier, f.mm_position.get_num_embeds())
-                    self.encoded.append(f.identifier)
-                    M.maybe_save_ec_to_connector(self.encoder_cache, f.identifier)
-            for req in scheduler_output.scheduled_new_reqs:
-                for f in req.mm_features:
-                    t = self.encoder_cache.get(f.identifier)
-                    if t is None:
-                        raise RuntimeError(f"Encoder cache miss for {f.identifier}.")
-                    self.gathered[f.identifier] = t.clone()
+        if self.runner == "v2":
+            with self.v2.maybe_get_output(scheduler_output) as ec_out:
+                self._encode_and_gather(scheduler_output, save_each=False)
+        else:
+            with M.maybe_get_ec_connector_output(scheduler_output, encoder_cache=self.encoder_cache) as ec_out:
+                self._encode_and_gather(scheduler_output, save_each=True)
         req_ids = [r.req_id for r in scheduler_output.scheduled_new_reqs] + list(
             scheduler_output.scheduled_cached_reqs.req_ids)
         return ModelRunnerOutput(
@@ -158,8 +176,3 @@ class Worker:
             sampled_token_ids=[[5] for _ in req_ids], logprobs=None, prompt_logprobs_dict={},
             pooler_output=[], ec_connector_output=ec_out,
         )
-
-    def close(self):
-        from vllm.distributed.ec_transfer import ec_transfer_state
-
-        ec_transfer_state.ensure_ec_transfer_shutdown()

@@ -288,3 +288,23 @@ def test_prometheus_metrics_from_stats(engine, tmp_path):
     assert reg.get_sample_value("vllm:ectier_hits_total", labels) == 3
     assert reg.get_sample_value("vllm:ectier_load_bytes_total", labels) == 300
     assert reg.get_sample_value("vllm:ectier_load_seconds_count", labels) == 3
+
+
+def test_chunked_prefill_loads_once_and_pins_nothing_afterwards(engine, tmp_path):
+    """An item whose placeholder spans several prefill chunks is loaded in the first chunk's step;
+    the later chunks neither pin nor load it again."""
+    item = H.Item("q" * 64, 10, 200)
+    sched, worker = engine("ec_both", inproc(tmp_path), max_num_batched_tokens=128)
+    ref = H.encoder_output(item.mm_hash, 200)
+    sched.ec_connector._store.put(item.mm_hash, ref)
+    sched.add_request(H.make_request("c", [item], prompt_len=400))
+    loads = []
+    for _ in range(4):  # 400 prompt tokens in chunks of 128
+        so, out = run_step(sched, worker)
+        loads += [it.mm_hash for it in so.ec_connector_metadata.loads]
+        assert so.scheduled_encoder_inputs == {}
+        assert sched.ec_connector._pins == {}  # released after the load, never taken again
+    assert loads == [item.mm_hash]
+    assert worker.encoded == []
+    assert same_bytes(worker.encoder_cache[item.mm_hash], ref)
+    assert sched.ec_connector._store.cache.stats()["tiers"]["host"]["pinned"] == 0

@@ -121,6 +121,9 @@ class ECTierConnector(ECConnectorBase):
         self._prefetching: dict[str, _Prefetch] = {}
         self._to_load: dict[str, LoadItem] = {}
         self._unavailable: set[str] = set()
+        # req_id -> mm_hashes already placed in the worker's encoder_cache for it (not pinned again
+        # in later steps, e.g. the next chunks of a chunked prefill)
+        self._delivered: dict[str, set[str]] = {}
         # worker side
         self._pending_saves: list[_PendingSave] = []
         self._saved: list[str] = []
@@ -191,6 +194,8 @@ class ECTierConnector(ECConnectorBase):
             if pos.offset + pos.length <= num_computed_tokens:
                 continue  # already consumed by the prompt's computed part
             mm_hash = feature.identifier
+            if mm_hash in self._delivered.get(request.request_id, ()):
+                continue
             state = self._pins.get(mm_hash)
             if state is not None:
                 state.req_ids.add(request.request_id)
@@ -274,6 +279,9 @@ class ECTierConnector(ECConnectorBase):
             return
         for mm_hash in meta.loaded:
             if mm_hash not in meta.failed:
+                state = self._pins.get(mm_hash)
+                for req_id in state.req_ids if state is not None else ():
+                    self._delivered.setdefault(req_id, set()).add(mm_hash)
                 self._release_pin(mm_hash)
         for mm_hash, req_ids in meta.failed.items():
             self._unavailable.update(req_ids)
@@ -286,6 +294,7 @@ class ECTierConnector(ECConnectorBase):
         return out
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+        self._delivered.pop(request.request_id, None)
         for feature in request.mm_features:
             state = self._pins.get(feature.identifier)
             if state is not None:
