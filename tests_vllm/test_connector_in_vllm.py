@@ -308,3 +308,22 @@ def test_chunked_prefill_loads_once_and_pins_nothing_afterwards(engine, tmp_path
     assert worker.encoded == []
     assert same_bytes(worker.encoder_cache[item.mm_hash], ref)
     assert sched.ec_connector._store.cache.stats()["tiers"]["host"]["pinned"] == 0
+
+
+def test_stats_reach_vllms_ec_connector_logging(engine, tmp_path):
+    """The scheduler's stats dict (SchedulerStats.ec_connector_stats) is what vLLM's logger process
+    feeds to ECConnectorLogging, which rebuilds our stats class through the connector factory."""
+    from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorLogging
+
+    item = H.Item("r" * 64, 0, 40)
+    sched, worker = engine("ec_both", inproc(tmp_path))
+    sched.ec_connector._store.put(item.mm_hash, H.encoder_output(item.mm_hash, 40))
+    sched.add_request(H.make_request("c", [item, H.Item("s" * 64, 50, 10)]))
+    _, out = run_step(sched, worker)
+    logging = ECConnectorLogging(sched.vllm_config.ec_transfer_config)
+    logging.observe(out[0].scheduler_stats.ec_connector_stats)
+    lines = []
+    logging.log(lambda fmt, *args: lines.append(fmt % args))
+    assert len(lines) == 1
+    assert "hits=1" in lines[0] and "misses=1" in lines[0] and "loads=1" in lines[0]
+    assert f"load_bytes={40 * H.WIDTH * 2}" in lines[0] and "hit_rate=0.5" in lines[0]

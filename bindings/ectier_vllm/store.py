@@ -84,21 +84,22 @@ class InProcessStore:
         """Read ``key`` onto ``device``: from the scheduler's pin when there is one (same process)."""
         pin = self.take_staged(key)
         if pin is not None:
-            from ectier.tensors import torch_dtype
-
             import torch
+
+            from ectier.tensors import torch_dtype
 
             lease = pin.lease
             arena = self.cache.host_arena
             nbytes = lease.meta.nbytes
-            out = torch.empty(nbytes, dtype=torch.uint8)
+            # straight from the pinned host arena to the destination (one copy, synchronous: the
+            # scheduler releases the pin once the worker has reported the load)
+            out = torch.empty(nbytes, dtype=torch.uint8, device=device)
             off = 0
             for start, length in lease.extents:
                 out[off : off + length].copy_(arena[start : start + length])
                 off += length
             dtype = torch_dtype(pin.dtype)
-            t = out.view(dtype).view(pin.shape) if nbytes else torch.empty(pin.shape, dtype=dtype)
-            return t if device == "cpu" else t.to(device, non_blocking=False)
+            return out.view(dtype).view(pin.shape) if nbytes else torch.empty(pin.shape, dtype=dtype, device=device)
         return self.cache.get(key, device=None if device == "cpu" else device)
 
     def flush(self) -> None:
