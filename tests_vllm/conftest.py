@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vllm is imported (no GPU in CI)
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing may be downloaded at test time
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 import pytest
 

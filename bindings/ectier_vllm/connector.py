@@ -446,9 +446,13 @@ class ECTierConnector(ECConnectorBase):
 
 
 def _put_is_async(store: Any) -> bool:
-    """Whether the store's ``put`` returns a handle (ectier's async put) instead of copying inline."""
-    cache = getattr(store, "cache", None)
-    return cache is not None and hasattr(cache, "prefetch")
+    """Whether the store's ``put`` enqueues device copies and returns a handle (ectier with
+    ``PutHandle``, in-process mode) instead of copying inline."""
+    if getattr(store, "mode", None) != "inprocess":
+        return False  # DaemonClient.put copies to the CPU inline
+    import ectier.cache
+
+    return hasattr(ectier.cache, "PutHandle")
 
 
 def _start_d2h(mm_hash: str, tensor: torch.Tensor, nbytes: int) -> _PendingSave:

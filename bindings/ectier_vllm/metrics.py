@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import Counter, Gauge, Histogram
 from vllm.distributed.ec_transfer.ec_connector.metrics import (
     ECConnectorPromMetrics,
     ECConnectorStats,
@@ -147,7 +146,4 @@ __all__ = [
     "ECTierConnectorStats",
     "ECTierPromMetrics",
     "merge_stats_data",
-    "Counter",
-    "Gauge",
-    "Histogram",
 ]
