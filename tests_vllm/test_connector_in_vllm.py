@@ -327,3 +327,25 @@ def test_stats_reach_vllms_ec_connector_logging(engine, tmp_path):
     assert len(lines) == 1
     assert "hits=1" in lines[0] and "misses=1" in lines[0] and "loads=1" in lines[0]
     assert f"load_bytes={40 * H.WIDTH * 2}" in lines[0] and "hit_rate=0.5" in lines[0]
+
+
+def test_promotion_past_load_timeout_is_reencoded(engine, tmp_path, monkeypatch):
+    """A promotion that never completes stops deferring the request after load_timeout_s: the
+    item is re-encoded (no synchronous read on the scheduler's path)."""
+    item = H.Item("t" * 64, 0, 40)
+    sched, worker = engine("ec_both", {**inproc(tmp_path), "load_timeout_s": 0.05})
+    store = sched.ec_connector._store
+    store.put(item.mm_hash, H.encoder_output(item.mm_hash, 40))
+    monkeypatch.setattr(store, "prefetch", lambda keys: [FakeHandle()])  # never done
+    acquired = []
+    monkeypatch.setattr(store, "acquire", lambda key: acquired.append(key))
+    sched.add_request(H.make_request("c", [item]))
+    so, _ = run_step(sched, worker)
+    assert so.num_scheduled_tokens == {}  # waiting for the promotion
+    import time
+
+    time.sleep(0.1)
+    so, out = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs == {"c": [0]}
+    assert acquired == []
+    assert out[0].scheduler_stats.ec_connector_stats["rejected"] == 1

@@ -121,9 +121,10 @@ class ECTierConnector(ECConnectorBase):
         self._prefetching: dict[str, _Prefetch] = {}
         self._to_load: dict[str, LoadItem] = {}
         self._unavailable: set[str] = set()
-        # req_id -> mm_hashes already placed in the worker's encoder_cache for it (not pinned again
-        # in later steps, e.g. the next chunks of a chunked prefill)
-        self._delivered: dict[str, set[str]] = {}
+        # req_id -> mm_hashes settled for it: already placed in the worker's encoder_cache, or
+        # refused (wrong shape/dtype, promotion timed out): not looked up again in later steps
+        # (e.g. the next chunks of a chunked prefill)
+        self._settled: dict[str, set[str]] = {}
         # worker side
         self._pending_saves: list[_PendingSave] = []
         self._saved: list[str] = []
@@ -194,43 +195,48 @@ class ECTierConnector(ECConnectorBase):
             if pos.offset + pos.length <= num_computed_tokens:
                 continue  # already consumed by the prompt's computed part
             mm_hash = feature.identifier
-            if mm_hash in self._delivered.get(request.request_id, ()):
+            if mm_hash in self._settled.get(request.request_id, ()):
                 continue
             state = self._pins.get(mm_hash)
             if state is not None:
                 state.req_ids.add(request.request_id)
                 continue
-            if not self._item_ready(mm_hash):
+            status = self._promotion(mm_hash)
+            if status == "wait":
                 ready = False
-                continue
-            self._try_pin(request, index, mm_hash)
+            elif status == "timeout":
+                self._settled.setdefault(request.request_id, set()).add(mm_hash)
+            elif status == "pin":
+                self._try_pin(request, index, mm_hash)
         if not ready:
             self._count(deferrals=1)
         return ready
 
-    def _item_ready(self, mm_hash: str) -> bool:
-        """False while a promotion of ``mm_hash`` is in flight (the request waits)."""
+    def _promotion(self, mm_hash: str) -> str:
+        """Where ``mm_hash`` stands: ``"miss"`` (not stored), ``"wait"`` (a promotion is in
+        flight: the request waits), ``"timeout"`` (it ran past ``load_timeout_s``: re-encode), or
+        ``"pin"`` (ready to pin; without ``prefetch``, ``acquire`` promotes synchronously)."""
         pf = self._prefetching.get(mm_hash)
         if pf is None:
             try:
                 if not self._store.contains(mm_hash):
-                    return True  # a miss: nothing to wait for
+                    return "miss"
                 handles = self._store.prefetch([mm_hash])
             except STORE_ERRORS as exc:
                 self._miss("lookup", mm_hash, exc)
-                return True
+                return "miss"
             if not handles:
-                return True  # this ectier has no prefetch: acquire promotes synchronously
+                return "pin"
             pf = self._prefetching[mm_hash] = _Prefetch(handles, time.monotonic())
         if all(h.done() for h in pf.handles):
             del self._prefetching[mm_hash]
-            return True
+            return "pin"
         if time.monotonic() - pf.started > self.settings.load_timeout_s:
             del self._prefetching[mm_hash]
             self._count(rejected=1)
             self._miss(f"promotion still running after load_timeout_s={self.settings.load_timeout_s}", mm_hash)
-            return True  # _try_pin decides: acquire serves it if it landed meanwhile
-        return False
+            return "timeout"
+        return "wait"
 
     def _try_pin(self, request: "Request", index: int, mm_hash: str) -> None:
         try:
@@ -248,6 +254,7 @@ class ECTierConnector(ECConnectorBase):
                 "ectier: %s is stored as %s %s but request %s expects (%d, *) %s; re-encoding",
                 mm_hash, pin.shape, pin.dtype, request.request_id, expected[0], expected[1],
             )
+            self._settled.setdefault(request.request_id, set()).add(mm_hash)
             try:
                 self._store.release(pin)
             except STORE_ERRORS as exc:
@@ -281,7 +288,7 @@ class ECTierConnector(ECConnectorBase):
             if mm_hash not in meta.failed:
                 state = self._pins.get(mm_hash)
                 for req_id in state.req_ids if state is not None else ():
-                    self._delivered.setdefault(req_id, set()).add(mm_hash)
+                    self._settled.setdefault(req_id, set()).add(mm_hash)
                 self._release_pin(mm_hash)
         for mm_hash, req_ids in meta.failed.items():
             self._unavailable.update(req_ids)
@@ -294,7 +301,7 @@ class ECTierConnector(ECConnectorBase):
         return out
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
-        self._delivered.pop(request.request_id, None)
+        self._settled.pop(request.request_id, None)
         for feature in request.mm_features:
             state = self._pins.get(feature.identifier)
             if state is not None:
