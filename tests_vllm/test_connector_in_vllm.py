@@ -266,8 +266,11 @@ def test_request_finished_returns_no_delay_and_releases_pins(engine, tmp_path):
     assert sched.ec_connector._store.cache.stats()["tiers"]["host"]["pinned"] == 0
 
 
-def test_prometheus_metrics_from_stats(engine, tmp_path):
+def test_prometheus_metrics_through_vllms_ec_connector_prom(engine, tmp_path):
+    """vLLM's ECConnectorProm finds the connector class through the factory and calls
+    build_prom_metrics; observe() of a stats dict moves the counters and the histogram."""
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorProm
 
     from ectier_vllm.connector import ECTierConnector
 
@@ -276,18 +279,52 @@ def test_prometheus_metrics_from_stats(engine, tmp_path):
     def bound(cls):
         return type(cls.__name__, (cls,), {"__init__": lambda self, *a, **k: cls.__init__(self, *a, registry=reg, **k)})
 
+    class Prom(ECConnectorProm):  # vLLM's class, with metrics in a registry of this test
+        _gauge_cls, _counter_cls, _histogram_cls = bound(Gauge), bound(Counter), bound(Histogram)
+
     sched, _ = engine("ec_both", inproc(tmp_path))
-    prom = ECTierConnector.build_prom_metrics(
-        sched.vllm_config, {Gauge: bound(Gauge), Counter: bound(Counter), Histogram: bound(Histogram)},
-        ["model_name", "engine"], {0: ["m", "0"]})
+    prom = Prom(sched.vllm_config, ["model_name", "engine"], {0: ["m", "0"]})
     stats = ECTierConnector.build_ec_connector_stats(
         {"lookups": 4, "hits": 3, "misses": 1, "loads": 3, "load_bytes": 300, "load_seconds": [0.001, 0.002, 0.004]})
     assert stats.reduce()["hit_rate"] == 0.75 and not stats.is_empty()
     prom.observe(stats.data, 0)
     labels = {"model_name": "m", "engine": "0"}
     assert reg.get_sample_value("vllm:ectier_hits_total", labels) == 3
+    assert reg.get_sample_value("vllm:ectier_misses_total", labels) == 1
     assert reg.get_sample_value("vllm:ectier_load_bytes_total", labels) == 300
     assert reg.get_sample_value("vllm:ectier_load_seconds_count", labels) == 3
+    assert reg.get_sample_value("vllm:ectier_load_seconds_bucket", {**labels, "le": "0.002"}) == 2
+
+
+def test_worker_reports_aggregate_across_workers():
+    """vLLM aggregates the worker metadata of all workers (tensor parallel) before the scheduler
+    sees it: a failure on any worker fails the request; counters add up."""
+    from ectier_vllm.metadata import ECTierWorkerMetadata
+
+    a = ECTierWorkerMetadata(loaded=["x", "y"], stats={"loads": 2, "load_seconds": [0.1, 0.2]})
+    b = ECTierWorkerMetadata(loaded=["x"], failed={"y": ["r1", "r2"]}, saved=["z"],
+                             stats={"loads": 1, "load_failures": 1, "load_seconds": [0.3]})
+    m = a.aggregate(b)
+    assert m.loaded == ["x", "y"] and m.failed == {"y": ["r1", "r2"]} and m.saved == ["z"]
+    assert m.stats["loads"] == 3 and m.stats["load_failures"] == 1
+    assert sorted(m.stats["load_seconds"]) == [0.1, 0.2, 0.3]
+
+
+def test_two_requests_sharing_an_item_in_one_step_load_it_once(engine, tmp_path):
+    item = H.Item("u" * 64, 0, 40)
+    sched, worker = engine("ec_both", inproc(tmp_path))
+    ref = H.encoder_output(item.mm_hash, 40)
+    sched.ec_connector._store.put(item.mm_hash, ref)
+    sched.add_request(H.make_request("c1", [item]))
+    sched.add_request(H.make_request("c2", [item]))
+    so, out = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs == {}
+    assert set(so.num_scheduled_tokens) == {"c1", "c2"}
+    assert [it.mm_hash for it in so.ec_connector_metadata.loads] == [item.mm_hash]
+    assert errors_of(out) == {}
+    assert same_bytes(worker.encoder_cache[item.mm_hash], ref)
+    assert sched.ec_connector._pins == {}
+    assert sched.ec_connector._store.cache.stats()["tiers"]["host"]["pinned"] == 0
 
 
 def test_chunked_prefill_loads_once_and_pins_nothing_afterwards(engine, tmp_path):
