@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vllm is imported (no GPU in CI)
+# scheduler and worker in one process, as vLLM's uniproc executor runs them on a one-GPU engine
+# (vLLM's CPU platform would otherwise switch the executor to "mp")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing may be downloaded at test time
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 

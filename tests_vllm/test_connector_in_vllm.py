@@ -386,3 +386,27 @@ def test_promotion_past_load_timeout_is_reencoded(engine, tmp_path, monkeypatch)
     assert so.scheduled_encoder_inputs == {"c": [0]}
     assert acquired == []
     assert out[0].scheduler_stats.ec_connector_stats["rejected"] == 1
+
+
+def test_inprocess_mode_is_refused_when_workers_are_other_processes(model_dir, tmp_path):
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+    from ectier.errors import ConfigError
+    from ectier_vllm.connector import ECTierConnector
+
+    cfg = H.make_vllm_config(model_dir, "ec_consumer", inproc(tmp_path))
+    assert cfg.parallel_config.distributed_executor_backend == "uni"
+    cfg.parallel_config.distributed_executor_backend = "mp"  # as with --tensor-parallel-size 2
+    with pytest.raises(ConfigError, match=r'ec_connector_extra_config\.mode: "inprocess" needs .* "mode": "daemon"'):
+        ECTierConnector(cfg, ECConnectorRole.SCHEDULER)
+    from ectier_vllm.store import open_stores
+
+    assert open_stores() == 0
+
+
+def test_bad_extra_config_stops_the_engine_with_the_key_named(model_dir, monkeypatch):
+    from ectier.errors import ConfigError
+
+    cfg = H.make_vllm_config(model_dir, "ec_consumer", {"mode": "daemon", "host": {"capacity_bytes": "1GiB"}})
+    with pytest.raises(ConfigError, match=r"ec_connector_extra_config\.host: not used in daemon mode"):
+        H.make_scheduler(cfg, monkeypatch)

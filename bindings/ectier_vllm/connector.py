@@ -54,7 +54,7 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ECConnectorOutput
 
-from ectier.errors import EctierError
+from ectier.errors import ConfigError, EctierError
 
 from .config import ConnectorSettings, default_namespace, settings_from_extra_config
 from .metadata import ECTierConnectorMetadata, ECTierWorkerMetadata, LoadItem
@@ -111,6 +111,15 @@ class ECTierConnector(ECConnectorBase):
             ec_config.ec_connector_extra_config,
             default_ns=default_namespace(model_config.model, model_config.revision, model_config.dtype),
         )
+        backend = vllm_config.parallel_config.distributed_executor_backend
+        if self.settings.mode == "inprocess" and backend not in ("uni", "external_launcher"):
+            # only these run the scheduler and the worker in one process; elsewhere each process
+            # would get its own, different in-process store
+            raise ConfigError(
+                f"ec_connector_extra_config.mode: \"inprocess\" needs the scheduler and the worker in "
+                f"one process (distributed_executor_backend \"uni\", i.e. one GPU per engine); this "
+                f"engine uses {backend!r}: run `ectier serve` and set \"mode\": \"daemon\""
+            )
         if self.settings.mode == "daemon":
             self._store = DaemonStore(self.settings.socket_path, self.settings.namespace, self.settings.daemon_timeout_s)
         else:
