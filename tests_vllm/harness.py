@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
