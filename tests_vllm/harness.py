@@ -62,9 +62,12 @@ def make_vllm_config(model_dir: str, role: str, extra: dict, *, connector: str =
 class FixedBudget:
     """Stands in for vllm.multimodal.encoder_budget.MultiModalBudget (see module docstring)."""
 
+    compute_budget = 2048
+    cache_size = 4096  # embeddings the scheduler's EncoderCacheManager may hold
+
     def __init__(self, vllm_config, mm_registry, *args, **kwargs):
-        self.encoder_compute_budget = 2048
-        self.encoder_cache_size = 4096
+        self.encoder_compute_budget = self.compute_budget
+        self.encoder_cache_size = self.cache_size
         self.mm_max_toks_per_item = {"audio": 512}
         self.mm_limits = {"audio": 4}
 

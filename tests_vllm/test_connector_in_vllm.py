@@ -162,19 +162,17 @@ def test_pinned_item_survives_delete_before_the_load(engine, tmp_path):
     assert same_bytes(worker.encoder_cache[item.mm_hash], ref)
 
 
-def test_failed_load_fails_request_then_retry_reencodes(engine, tmp_path, monkeypatch):
-    """A load that fails at the worker (here: the store answers with a wrong tensor) fails the
-    request through take_unavailable_requests, without crashing the step and without leaving the
-    wrong tensor in encoder_cache; re-issuing the request re-runs the encoder."""
+def _fail_first_load(engine, tmp_path, monkeypatch, item, **config):
+    """An ec_both engine whose first load of ``item`` fails at the worker (the store answers with
+    a tensor one row short), run until vLLM has failed the request. Returns (sched, worker)."""
     from vllm.v1.request import RequestStatus
 
-    item = H.Item("i" * 64, 0, 40)
-    sched, worker = engine("ec_both", inproc(tmp_path))
-    sched.ec_connector._store.put(item.mm_hash, H.encoder_output(item.mm_hash, 40))
+    sched, worker = engine("ec_both", inproc(tmp_path), **config)
+    sched.ec_connector._store.put(item.mm_hash, H.encoder_output(item.mm_hash, item.length))
     real_get = worker.connector._store.get
     monkeypatch.setattr(worker.connector._store, "get", lambda key, device: real_get(key, device)[:-1])
     sched.add_request(H.make_request("c", [item]))
-    so, out = run_step(sched, worker)
+    so, out = run_step(sched, worker)  # the step runs (no crash) on a zero placeholder
     assert so.scheduled_encoder_inputs == {}
     assert item.mm_hash not in worker.encoder_cache  # the placeholder is gone after the step
     assert out[0].scheduler_stats.ec_connector_stats["load_failures"] == 1
@@ -184,14 +182,48 @@ def test_failed_load_fails_request_then_retry_reencodes(engine, tmp_path, monkey
     assert "c" not in so.num_scheduled_tokens
     assert errors_of(out)["c"].finish_reason is not None
     assert "c" not in sched.requests or sched.requests["c"].status == RequestStatus.FINISHED_ERROR
-    # retry: the item is gone from the store too (e.g. evicted) -> the encoder runs
     monkeypatch.undo()
-    sched.ec_connector._store.cache.delete(item.mm_hash)
-    sched.encoder_cache_manager.reset()
+    # vLLM's encoder-cache manager still lists the item (freeable): it would neither encode nor
+    # load it for a new request; the worker has no copy
+    assert item.mm_hash in sched.encoder_cache_manager.cached
+    return sched, worker
+
+
+def test_failed_load_fails_request_then_retry_loads_from_store(engine, tmp_path, monkeypatch):
+    item = H.Item("i" * 64, 0, 40)
+    sched, worker = _fail_first_load(engine, tmp_path, monkeypatch, item)
     sched.add_request(H.make_request("c-retry", [item]))
     so, out = run_step(sched, worker)
-    assert so.scheduled_encoder_inputs == {"c-retry": [0]}
+    assert so.scheduled_encoder_inputs == {}  # vLLM thinks it is cached...
+    assert [it.mm_hash for it in so.ec_connector_metadata.loads] == [item.mm_hash]  # ...we reload it
     assert errors_of(out) == {}
+    assert worker.encoded == []
+    assert same_bytes(worker.encoder_cache[item.mm_hash], H.encoder_output(item.mm_hash, 40))
+    assert sched.ec_connector._poisoned == set()
+
+
+def test_failed_load_of_a_vanished_item_fails_retries_until_vllm_drops_it(engine, tmp_path, monkeypatch):
+    """Worst case: the load failed and the store lost the item too. Retries fail cleanly
+    (retryable errors, no worker crash) until vLLM's encoder-cache manager evicts the entry; then
+    the retry is encoded."""
+    monkeypatch.setattr(H.FixedBudget, "cache_size", 100)
+    item = H.Item("v" * 64, 0, 40)
+    sched, worker = _fail_first_load(engine, tmp_path, monkeypatch, item)
+    sched.ec_connector._store.cache.delete(item.mm_hash)
+    sched.add_request(H.make_request("c-retry", [item]))
+    so, out = run_step(sched, worker)
+    assert "c-retry" not in so.num_scheduled_tokens
+    assert errors_of(out)["c-retry"].finish_reason is not None
+    # another image fills the encoder cache: vLLM evicts the stale entry (free_encoder_mm_hashes)
+    sched.add_request(H.make_request("other", [H.Item("w" * 64, 0, 80)]))
+    so, out = run_step(sched, worker)
+    assert item.mm_hash in so.free_encoder_mm_hashes
+    assert sched.ec_connector._poisoned == set()
+    sched.add_request(H.make_request("c-retry-2", [item], prompt_len=100))
+    so, out = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs.get("c-retry-2") == [0]  # encoded again, as vLLM would
+    assert "c-retry-2" not in errors_of(out)
+    assert item.mm_hash in worker.encoded
     assert same_bytes(worker.encoder_cache[item.mm_hash], H.encoder_output(item.mm_hash, 40))
 
 

@@ -134,6 +134,11 @@ class ECTierConnector(ECConnectorBase):
         # refused (wrong shape/dtype, promotion timed out): not looked up again in later steps
         # (e.g. the next chunks of a chunked prefill)
         self._settled: dict[str, set[str]] = {}
+        # mm_hashes whose load failed at a worker after vLLM's encoder-cache manager had counted
+        # them as present: until the manager evicts them (free_encoder_mm_hashes) vLLM would
+        # neither encode nor load them again, so this connector reloads them from the store itself,
+        # or fails the requests that need them (never a worker crash)
+        self._poisoned: set[str] = set()
         # worker side
         self._pending_saves: list[_PendingSave] = []
         self._saved: list[str] = []
@@ -206,6 +211,11 @@ class ECTierConnector(ECConnectorBase):
             mm_hash = feature.identifier
             if mm_hash in self._settled.get(request.request_id, ()):
                 continue
+            if mm_hash in self._poisoned:
+                if not self._repair(request, index, mm_hash):
+                    self._unavailable.add(request.request_id)
+                    return False
+                continue
             state = self._pins.get(mm_hash)
             if state is not None:
                 state.req_ids.add(request.request_id)
@@ -247,6 +257,34 @@ class ECTierConnector(ECConnectorBase):
             return "timeout"
         return "wait"
 
+    def _repair(self, request: "Request", index: int, mm_hash: str) -> bool:
+        """Load a poisoned item for ``request`` from the store (pinned; True), or give up (False)."""
+        if mm_hash not in self._pins:
+            try:
+                present = self._store.contains(mm_hash)
+            except STORE_ERRORS as exc:
+                self._miss("lookup", mm_hash, exc)
+                present = False
+            if present:
+                self._try_pin(request, index, mm_hash)
+        state = self._pins.get(mm_hash)
+        if state is None:
+            logger.warning(
+                "ectier: %s failed to load earlier and is no longer in the store; failing request %s "
+                "(retryable) until vLLM's encoder cache drops it", mm_hash, request.request_id,
+            )
+            return False
+        state.req_ids.add(request.request_id)
+        self._add_load(mm_hash, state, request.request_id)
+        return True
+
+    def _add_load(self, mm_hash: str, state: _PinState, req_id: str) -> None:
+        item = self._to_load.get(mm_hash)
+        if item is None:
+            self._to_load[mm_hash] = LoadItem(mm_hash, tuple(state.pin.shape), state.pin.dtype, [req_id])
+        elif req_id not in item.req_ids:
+            item.req_ids.append(req_id)
+
     def _try_pin(self, request: "Request", index: int, mm_hash: str) -> None:
         try:
             pin = self._store.acquire(mm_hash)
@@ -278,13 +316,11 @@ class ECTierConnector(ECConnectorBase):
         if not self.is_consumer or state is None:
             return
         state.req_ids.add(request.request_id)
-        item = self._to_load.get(mm_hash)
-        if item is None:
-            self._to_load[mm_hash] = LoadItem(mm_hash, tuple(state.pin.shape), state.pin.dtype, [request.request_id])
-        elif request.request_id not in item.req_ids:
-            item.req_ids.append(request.request_id)
+        self._add_load(mm_hash, state, request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
+        # items vLLM's encoder-cache manager evicted this step: it will encode or load them again
+        self._poisoned.difference_update(scheduler_output.free_encoder_mm_hashes)
         meta = ECTierConnectorMetadata(loads=list(self._to_load.values()))
         self._to_load = {}
         return meta
@@ -299,8 +335,10 @@ class ECTierConnector(ECConnectorBase):
                 for req_id in state.req_ids if state is not None else ():
                     self._settled.setdefault(req_id, set()).add(mm_hash)
                 self._release_pin(mm_hash)
+        self._poisoned.difference_update(h for h in meta.loaded if h not in meta.failed)
         for mm_hash, req_ids in meta.failed.items():
             self._unavailable.update(req_ids)
+            self._poisoned.add(mm_hash)
             self._release_pin(mm_hash)
         if meta.stats:
             self._stats = merge_stats_data(self._stats, meta.stats)
