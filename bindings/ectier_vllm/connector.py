@@ -26,6 +26,8 @@ How a stored item reaches a consumer's ``encoder_cache`` (one step = one ``sched
    ``encoder_cache``. A load that still fails (daemon restarted, ...) puts a zero placeholder of
    the pinned shape so the step does not crash, removes it right after the step's embeddings are
    gathered, and reports the requests: ``take_unavailable_requests`` fails them (retryable).
+   vLLM's encoder-cache manager still lists such an item, so later requests get it reloaded by
+   this connector from the store, or are failed (retryable) until vLLM evicts it.
 5. ``update_connector_output``: the worker's report drops the pins and feeds the metrics.
 
 Producer: ``save_caches`` stores each freshly encoded item without waiting for the copy: ectier's
