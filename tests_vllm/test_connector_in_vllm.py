@@ -442,3 +442,17 @@ def test_bad_extra_config_stops_the_engine_with_the_key_named(model_dir, monkeyp
     cfg = H.make_vllm_config(model_dir, "ec_consumer", {"mode": "daemon", "host": {"capacity_bytes": "1GiB"}})
     with pytest.raises(ConfigError, match=r"ec_connector_extra_config\.host: not used in daemon mode"):
         H.make_scheduler(cfg, monkeypatch)
+
+
+def test_failed_async_put_is_reported_not_raised(engine, tmp_path, monkeypatch):
+    from ectier.errors import TierWriteError
+
+    sched, worker = engine("ec_producer", inproc(tmp_path))
+    handle = FakeHandle()
+    handle.ready, handle.error = True, TierWriteError("disk full")
+    monkeypatch.setattr(worker.connector._store, "put", lambda key, t: handle)
+    sched.add_request(H.make_request("p", [H.Item("x" * 64, 0, 30)]))
+    so, out = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs == {"p": [0]}
+    assert out[0].scheduler_stats.ec_connector_stats["save_failures"] == 1
+    assert "saves" not in out[0].scheduler_stats.ec_connector_stats

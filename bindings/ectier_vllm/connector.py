@@ -373,11 +373,14 @@ class ECTierConnector(ECConnectorBase):
             else:
                 handle = self._store.put(mm_hash, tensor)
                 self._pending_saves.append(_PendingSave(mm_hash, nbytes, handle=handle))
-        except STORE_ERRORS as exc:
-            self._count(save_failures=1)
-            self._save_failed.append(mm_hash)
-            logger.warning("ectier: saving %s failed (%s: %s); it is not shared", mm_hash, type(exc).__name__, exc)
+        except (*STORE_ERRORS, torch.OutOfMemoryError) as exc:  # no room for a pinned staging copy
+            self._save_failure(mm_hash, exc)
         self._poll_saves(wait=False)
+
+    def _save_failure(self, mm_hash: str, exc: BaseException) -> None:
+        self._count(save_failures=1)
+        self._save_failed.append(mm_hash)
+        logger.warning("ectier: saving %s failed (%s: %s); it is not shared", mm_hash, type(exc).__name__, exc)
 
     def start_save_caches(self, **kwargs: Any) -> None:
         self._poll_saves(wait=False)
@@ -401,12 +404,12 @@ class ECTierConnector(ECConnectorBase):
                     elif not h.done():
                         still.append(ps)
                         continue
-                    if getattr(h, "error", None) is not None:
-                        raise h.error
+                    error = getattr(h, "error", None)
+                    if error is not None:  # the async put failed (reported, not raised, by ectier)
+                        self._save_failure(ps.mm_hash, error)
+                        continue
             except STORE_ERRORS as exc:
-                self._count(save_failures=1)
-                self._save_failed.append(ps.mm_hash)
-                logger.warning("ectier: saving %s failed (%s: %s); it is not shared", ps.mm_hash, type(exc).__name__, exc)
+                self._save_failure(ps.mm_hash, exc)
                 continue
             self._count(saves=1, save_bytes=ps.nbytes)
             self._saved.append(ps.mm_hash)
