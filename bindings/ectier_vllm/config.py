@@ -1,0 +1,161 @@
+"""``ec_connector_extra_config`` → ectier settings. Pure Python: imports neither vLLM nor torch.
+
+Every key of ``--ec-transfer-config '{"ec_connector_extra_config": {...}}'`` the connector reads is
+listed in :data:`KEYS`; an unknown key, a wrong type or a bad value raises
+:class:`ectier.errors.ConfigError` naming ``ec_connector_extra_config.<key>``. Validation happens
+once, when the connector is built (engine start-up), never on the request path.
+
+Keys (see docs/vllm.md for the full table)::
+
+    mode            "inprocess" (default) | "daemon"
+    namespace       default: "<model>@<revision>:<dtype>" of the engine
+    host, nvme, gpu  in-process mode: ectier tier sub-configs (CacheConfig.host / .nvme / .gpu)
+    config_path     in-process mode: an ectier .yaml/.json config file (instead of host/nvme/gpu)
+    socket_path     daemon mode: the socket of `ectier serve` (default: DaemonConfig's default)
+    daemon_timeout_s  daemon mode: seconds per daemon call (default 30)
+    load_timeout_s  how long a request may wait for a promotion before the item counts as a miss
+                    and is re-encoded (default 10)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ectier.config import CacheConfig
+from ectier.errors import ConfigError
+
+PREFIX = "ec_connector_extra_config"
+
+KEYS = (
+    "mode",
+    "namespace",
+    "host",
+    "nvme",
+    "gpu",
+    "config_path",
+    "socket_path",
+    "daemon_timeout_s",
+    "load_timeout_s",
+)
+MODES = ("inprocess", "daemon")
+TIER_KEYS = ("host", "nvme", "gpu")
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """The connector's validated settings.
+
+    Fields:
+        mode: ``"inprocess"`` (a :class:`~ectier.cache.TieredCache` shared by every connector of the
+            process) or ``"daemon"`` (a :class:`~ectier.daemon.client.DaemonClient` per connector).
+        namespace: stored identity of every entry (model, revision, dtype).
+        cache: in-process mode: the store's :class:`~ectier.config.CacheConfig` (its namespace is
+            ``namespace``); ``None`` in daemon mode (the daemon owns its tiers).
+        socket_path: daemon mode: the daemon's socket (``None``: DaemonConfig's default).
+        daemon_timeout_s: daemon mode: socket timeout per call.
+        load_timeout_s: seconds a request may stay deferred waiting for a promotion.
+    """
+
+    mode: str = "inprocess"
+    namespace: str = "default"
+    cache: CacheConfig | None = field(default_factory=CacheConfig)
+    socket_path: str | None = None
+    daemon_timeout_s: float = 30.0
+    load_timeout_s: float = 10.0
+
+
+def default_namespace(model: str, revision: str | None, dtype: Any) -> str:
+    """``"<model>@<revision>:<dtype>"``, e.g. ``"Qwen/Qwen3-VL-30B-A3B-Instruct@main:bfloat16"``.
+
+    ``dtype`` may be a ``torch.dtype`` (``torch.bfloat16`` → ``"bfloat16"``) or a string.
+    """
+    name = str(dtype)
+    if name.startswith("torch."):
+        name = name[len("torch.") :]
+    return f"{model}@{revision or 'main'}:{name}"
+
+
+def _seconds(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+        raise ConfigError(f"{PREFIX}.{key}: expected a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def settings_from_extra_config(extra: Mapping[str, Any] | None, *, default_ns: str) -> ConnectorSettings:
+    """Validate ``ec_connector_extra_config`` and build :class:`ConnectorSettings`.
+
+    Args:
+        extra: the mapping from vLLM's ``ECTransferConfig.ec_connector_extra_config`` (``None``: {}).
+        default_ns: the namespace used when ``namespace`` is not given (:func:`default_namespace`).
+
+    Raises:
+        ConfigError: the message names ``ec_connector_extra_config.<key>`` (or the nested ectier
+            field, e.g. ``ec_connector_extra_config.host.capacity_bytes``).
+    """
+    extra = {} if extra is None else extra
+    if not isinstance(extra, Mapping):
+        raise ConfigError(f"{PREFIX}: expected a mapping, got {type(extra).__name__}")
+    for key in extra:
+        if key not in KEYS:
+            import difflib
+
+            close = difflib.get_close_matches(str(key), KEYS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{PREFIX}.{key}: unknown key{hint}; known keys: {', '.join(KEYS)}")
+
+    mode = extra.get("mode", "inprocess")
+    if mode not in MODES:
+        raise ConfigError(f"{PREFIX}.mode: expected one of {', '.join(MODES)}, got {mode!r}")
+
+    namespace = extra.get("namespace", default_ns)
+    if not isinstance(namespace, str) or not namespace:
+        raise ConfigError(f"{PREFIX}.namespace: expected a non-empty string, got {namespace!r}")
+
+    load_timeout_s = _seconds("load_timeout_s", extra.get("load_timeout_s", 10.0))
+    daemon_timeout_s = _seconds("daemon_timeout_s", extra.get("daemon_timeout_s", 30.0))
+
+    socket_path = extra.get("socket_path")
+    if socket_path is not None and (not isinstance(socket_path, str) or not socket_path):
+        raise ConfigError(f"{PREFIX}.socket_path: expected a non-empty path string, got {socket_path!r}")
+
+    tiers = {k: extra[k] for k in TIER_KEYS if k in extra}
+    config_path = extra.get("config_path")
+
+    if mode == "daemon":
+        for key in (*tiers, *(["config_path"] if config_path is not None else [])):
+            raise ConfigError(
+                f"{PREFIX}.{key}: not used in daemon mode (the daemon owns the tiers: set them in the "
+                f"config of `ectier serve --config ...`)"
+            )
+        return ConnectorSettings(
+            mode=mode, namespace=namespace, cache=None, socket_path=socket_path,
+            daemon_timeout_s=daemon_timeout_s, load_timeout_s=load_timeout_s,
+        )
+
+    if socket_path is not None:
+        raise ConfigError(f"{PREFIX}.socket_path: only used in daemon mode (set \"mode\": \"daemon\")")
+    if config_path is not None and tiers:
+        raise ConfigError(
+            f"{PREFIX}.config_path: give either config_path or {'/'.join(tiers)} sub-configs, not both"
+        )
+    for key, value in tiers.items():
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{PREFIX}.{key}: expected a mapping of ectier {key} tier fields, got {type(value).__name__}")
+    if "gpu" in tiers and "gpu" not in CacheConfig.__dataclass_fields__:
+        raise ConfigError(f"{PREFIX}.gpu: this ectier build has no GPU tier (CacheConfig has no 'gpu' field)")
+    try:
+        if config_path is not None:
+            if not isinstance(config_path, str) or not config_path:
+                raise ConfigError(f"config_path: expected a path string, got {config_path!r}")
+            base = CacheConfig.load(config_path)
+            cache = base.replace(namespace=namespace)
+        else:
+            cache = CacheConfig.from_dict({"namespace": namespace, **tiers})
+    except ConfigError as exc:
+        raise ConfigError(f"{PREFIX}.{exc}") from exc
+    return ConnectorSettings(
+        mode=mode, namespace=namespace, cache=cache, socket_path=None,
+        daemon_timeout_s=daemon_timeout_s, load_timeout_s=load_timeout_s,
+    )

@@ -1,0 +1,528 @@
+"""``ECTierConnector``: vLLM 0.33's EC connector over ectier.
+
+Enable with::
+
+    --ec-transfer-config '{"ec_connector": "ECTierConnector",
+                           "ec_connector_module_path": "ectier_vllm.connector",
+                           "ec_role": "ec_producer" | "ec_consumer" | "ec_both",
+                           "ec_connector_extra_config": {"mode": "daemon", "socket_path": "..."}}'
+
+How a stored item reaches a consumer's ``encoder_cache`` (one step = one ``schedule()``):
+
+1. ``ensure_cache_available(request)`` (scheduler, before the request is scheduled): for each of
+   the request's items still ahead of ``num_computed_tokens`` that ectier holds, start a
+   promotion (``prefetch`` when ectier has it) and defer the request (``False``) until it is done,
+   then *pin* the entry (``acquire``: NVMe → host, checksum checked) and check its shape and dtype
+   against what the request expects (``num_embeds`` rows of the model dtype). A pinned entry can be
+   neither evicted nor deleted until the worker has copied it. Anything wrong (vanished, corrupt,
+   wrong shape/dtype, promotion timed out, store error) releases the item: it counts as a miss and
+   the encoder recomputes it.
+2. ``has_cache_item(mm_hash)`` (after a local encoder-cache miss): True only for a pinned item,
+   so vLLM never schedules a load this connector could not serve.
+3. ``update_state_after_alloc`` / ``build_connector_meta``: the pinned items become
+   :class:`~ectier_vllm.metadata.LoadItem` s of this step's metadata.
+4. ``start_load_caches`` (worker): copies each item onto the worker's own device
+   (``cuda:<index>``; CPU without CUDA), checks shape and dtype again, and stores it in
+   ``encoder_cache``. A load that still fails (daemon restarted, ...) puts a zero placeholder of
+   the pinned shape so the step does not crash, removes it right after the step's embeddings are
+   gathered, and reports the requests: ``take_unavailable_requests`` fails them (retryable).
+   vLLM's encoder-cache manager still lists such an item, so later requests get it reloaded by
+   this connector from the store, or are failed (retryable) until vLLM evicts it.
+5. ``update_connector_output``: the worker's report drops the pins and feeds the metrics.
+
+Producer: ``save_caches`` stores each freshly encoded item without waiting for the copy: ectier's
+``put`` returns a handle for CUDA tensors (asynchronous device-to-host copy); with an ectier
+whose ``put`` is synchronous, the connector starts the device-to-host copy itself on the current
+stream (pinned buffer, event, source tensor kept alive) and stores the host copy once the event
+has completed. Completions are reported in the worker metadata; ``shutdown`` waits for all of them
+and flushes.
+
+This module is the only place where ectier errors become misses (each one logged).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.ec_transfer.ec_connector.base import (
+    ECConnectorBase,
+    ECConnectorMetadata,
+    ECConnectorRole,
+)
+from vllm.logger import init_logger
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import ECConnectorOutput
+
+from ectier.errors import ConfigError, EctierError
+
+from .config import ConnectorSettings, default_namespace, settings_from_extra_config
+from .metadata import ECTierConnectorMetadata, ECTierWorkerMetadata, LoadItem
+from .metrics import ECTierConnectorStats, ECTierPromMetrics, merge_stats_data
+from .store import DaemonStore, Pin, open_inprocess
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+#: errors that become misses: ectier's own, and OS-level trouble talking to the daemon
+STORE_ERRORS = (EctierError, OSError)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class _PinState:
+    pin: Pin
+    req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Prefetch:
+    handles: list[Any]
+    started: float
+
+
+@dataclass
+class _PendingSave:
+    """A save in flight: an ectier ``PutHandle``, or our own D2H copy awaiting its event."""
+
+    mm_hash: str
+    nbytes: int
+    handle: Any = None  # PutHandle (ectier with async put)
+    host: torch.Tensor | None = None  # fallback: pinned host copy ...
+    event: Any = None  # ... valid once this CUDA event completed
+    source: torch.Tensor | None = None  # kept alive until the copy completed
+
+
+class ECTierConnector(ECConnectorBase):
+    """vLLM ECConnector backed by ectier (in-process :class:`TieredCache` or ``ectier serve``)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: ECConnectorRole):
+        super().__init__(vllm_config=vllm_config, role=role)
+        model_config = vllm_config.model_config
+        self._model_dtype: torch.dtype = model_config.dtype
+        ec_config = vllm_config.ec_transfer_config
+        self.settings: ConnectorSettings = settings_from_extra_config(
+            ec_config.ec_connector_extra_config,
+            default_ns=default_namespace(model_config.model, model_config.revision, model_config.dtype),
+        )
+        backend = vllm_config.parallel_config.distributed_executor_backend
+        if self.settings.mode == "inprocess" and backend not in ("uni", "external_launcher"):
+            # only these run the scheduler and the worker in one process; elsewhere each process
+            # would get its own, different in-process store
+            raise ConfigError(
+                f"ec_connector_extra_config.mode: \"inprocess\" needs the scheduler and the worker in "
+                f"one process (distributed_executor_backend \"uni\", i.e. one GPU per engine); this "
+                f"engine uses {backend!r}: run `ectier serve` and set \"mode\": \"daemon\""
+            )
+        if self.settings.mode == "daemon":
+            self._store = DaemonStore(self.settings.socket_path, self.settings.namespace, self.settings.daemon_timeout_s)
+        else:
+            self._store = open_inprocess(self.settings.cache)
+        self._stats: dict[str, Any] = {}
+        # scheduler side
+        self._pins: dict[str, _PinState] = {}
+        self._prefetching: dict[str, _Prefetch] = {}
+        self._to_load: dict[str, LoadItem] = {}
+        self._unavailable: set[str] = set()
+        # req_id -> mm_hashes settled for it: already placed in the worker's encoder_cache, or
+        # refused (wrong shape/dtype, promotion timed out): not looked up again in later steps
+        # (e.g. the next chunks of a chunked prefill)
+        self._settled: dict[str, set[str]] = {}
+        # mm_hashes whose load failed at a worker after vLLM's encoder-cache manager had counted
+        # them as present: until the manager evicts them (free_encoder_mm_hashes) vLLM would
+        # neither encode nor load them again, so this connector reloads them from the store itself,
+        # or fails the requests that need them (never a worker crash)
+        self._poisoned: set[str] = set()
+        # worker side
+        self._pending_saves: list[_PendingSave] = []
+        self._saved: list[str] = []
+        self._save_failed: list[str] = []
+        self._loaded: list[str] = []
+        self._failed: dict[str, list[str]] = {}
+        self._placeholders: list[tuple[dict, str]] = []
+        self._device: str | None = None
+        self._closed = False
+        logger.info(
+            "ECTierConnector (%s, %s): namespace %r, mode %s",
+            role.name.lower(), ec_config.ec_role, self.settings.namespace, self.settings.mode,
+        )
+
+    # ================================================================== helpers
+    def _count(self, **kw: float) -> None:
+        for k, v in kw.items():
+            self._stats[k] = self._stats.get(k, 0) + v
+
+    def _miss(self, what: str, mm_hash: str, exc: BaseException | None = None) -> None:
+        if exc is None:
+            logger.warning("ectier: %s for %s; treated as a miss", what, mm_hash)
+        else:
+            logger.warning("ectier: %s for %s failed (%s: %s); treated as a miss", what, mm_hash, type(exc).__name__, exc)
+
+    def _release_pin(self, mm_hash: str) -> None:
+        state = self._pins.pop(mm_hash, None)
+        if state is None:
+            return
+        self._store.unstage(mm_hash)
+        try:
+            self._store.release(state.pin)
+        except STORE_ERRORS as exc:
+            logger.warning("ectier: releasing the pin of %s failed (%s: %s)", mm_hash, type(exc).__name__, exc)
+
+    def worker_device(self) -> str:
+        """This worker's device: ``cuda:<current index>`` under CUDA, else ``cpu``; never bare ``cuda``."""
+        if self._device is None:
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cuda_alike() and torch.cuda.is_available():
+                self._device = f"cuda:{torch.cuda.current_device()}"
+            else:
+                self._device = "cpu"
+        return self._device
+
+    # ================================================================== scheduler side
+    def has_cache_item(self, identifier: str) -> bool:
+        """True iff the item is pinned in ectier for a load (see module docstring, step 2)."""
+        self._count(lookups=1)
+        if identifier in self._pins:
+            self._count(hits=1)
+            return True
+        self._count(misses=1)
+        return False
+
+    def ensure_cache_available(self, request: "Request", num_computed_tokens: int) -> bool:
+        if not self.is_consumer or self._closed:
+            return True
+        if request.request_id in self._unavailable:
+            # a worker load failed: vLLM 0.33 calls take_unavailable_requests before
+            # update_connector_output in update_from_output, so the request is failed at the end of
+            # this step; it must not run again meanwhile
+            return False
+        ready = True
+        for index, feature in enumerate(request.mm_features):
+            pos = feature.mm_position
+            if pos.offset + pos.length <= num_computed_tokens:
+                continue  # already consumed by the prompt's computed part
+            mm_hash = feature.identifier
+            if mm_hash in self._settled.get(request.request_id, ()):
+                continue
+            if mm_hash in self._poisoned:
+                if not self._repair(request, index, mm_hash):
+                    self._unavailable.add(request.request_id)
+                    return False
+                continue
+            state = self._pins.get(mm_hash)
+            if state is not None:
+                state.req_ids.add(request.request_id)
+                continue
+            status = self._promotion(mm_hash)
+            if status == "wait":
+                ready = False
+            elif status == "timeout":
+                self._settled.setdefault(request.request_id, set()).add(mm_hash)
+            elif status == "pin":
+                self._try_pin(request, index, mm_hash)
+        if not ready:
+            self._count(deferrals=1)
+        return ready
+
+    def _promotion(self, mm_hash: str) -> str:
+        """Where ``mm_hash`` stands: ``"miss"`` (not stored), ``"wait"`` (a promotion is in
+        flight: the request waits), ``"timeout"`` (it ran past ``load_timeout_s``: re-encode), or
+        ``"pin"`` (ready to pin; without ``prefetch``, ``acquire`` promotes synchronously)."""
+        pf = self._prefetching.get(mm_hash)
+        if pf is None:
+            try:
+                if not self._store.contains(mm_hash):
+                    return "miss"
+                handles = self._store.prefetch([mm_hash])
+            except STORE_ERRORS as exc:
+                self._miss("lookup", mm_hash, exc)
+                return "miss"
+            if not handles:
+                return "pin"
+            pf = self._prefetching[mm_hash] = _Prefetch(handles, time.monotonic())
+        if all(h.done() for h in pf.handles):
+            del self._prefetching[mm_hash]
+            return "pin"
+        if time.monotonic() - pf.started > self.settings.load_timeout_s:
+            del self._prefetching[mm_hash]
+            self._count(rejected=1)
+            self._miss(f"promotion still running after load_timeout_s={self.settings.load_timeout_s}", mm_hash)
+            return "timeout"
+        return "wait"
+
+    def _repair(self, request: "Request", index: int, mm_hash: str) -> bool:
+        """Load a poisoned item for ``request`` from the store (pinned; True), or give up (False)."""
+        if mm_hash not in self._pins:
+            try:
+                present = self._store.contains(mm_hash)
+            except STORE_ERRORS as exc:
+                self._miss("lookup", mm_hash, exc)
+                present = False
+            if present:
+                self._try_pin(request, index, mm_hash)
+        state = self._pins.get(mm_hash)
+        if state is None:
+            logger.warning(
+                "ectier: %s failed to load earlier and is no longer in the store; failing request %s "
+                "(retryable) until vLLM's encoder cache drops it", mm_hash, request.request_id,
+            )
+            return False
+        state.req_ids.add(request.request_id)
+        self._add_load(mm_hash, state, request.request_id)
+        return True
+
+    def _add_load(self, mm_hash: str, state: _PinState, req_id: str) -> None:
+        item = self._to_load.get(mm_hash)
+        if item is None:
+            self._to_load[mm_hash] = LoadItem(mm_hash, tuple(state.pin.shape), state.pin.dtype, [req_id])
+        elif req_id not in item.req_ids:
+            item.req_ids.append(req_id)
+
+    def _try_pin(self, request: "Request", index: int, mm_hash: str) -> None:
+        try:
+            pin = self._store.acquire(mm_hash)
+        except STORE_ERRORS as exc:
+            self._count(rejected=1)
+            self._miss("pin", mm_hash, exc)
+            return
+        if pin is None:
+            return  # a miss (never stored, evicted, or quarantined by its checksum)
+        expected = (request.get_num_encoder_embeds(index), dtype_name(self._model_dtype))
+        if len(pin.shape) != 2 or pin.shape[0] != expected[0] or pin.dtype != expected[1]:
+            self._count(rejected=1)
+            logger.warning(
+                "ectier: %s is stored as %s %s but request %s expects (%d, *) %s; re-encoding",
+                mm_hash, pin.shape, pin.dtype, request.request_id, expected[0], expected[1],
+            )
+            self._settled.setdefault(request.request_id, set()).add(mm_hash)
+            try:
+                self._store.release(pin)
+            except STORE_ERRORS as exc:
+                logger.warning("ectier: releasing %s failed (%s)", mm_hash, exc)
+            return
+        self._pins[mm_hash] = _PinState(pin, {request.request_id})
+        self._store.stage(mm_hash, pin)
+
+    def update_state_after_alloc(self, request: "Request", index: int) -> None:
+        mm_hash = request.mm_features[index].identifier
+        state = self._pins.get(mm_hash)
+        if not self.is_consumer or state is None:
+            return
+        state.req_ids.add(request.request_id)
+        self._add_load(mm_hash, state, request.request_id)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
+        # items vLLM's encoder-cache manager evicted this step: it will encode or load them again
+        self._poisoned.difference_update(scheduler_output.free_encoder_mm_hashes)
+        meta = ECTierConnectorMetadata(loads=list(self._to_load.values()))
+        self._to_load = {}
+        return meta
+
+    def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
+        meta = connector_output.ec_connector_worker_meta
+        if not isinstance(meta, ECTierWorkerMetadata):
+            return
+        for mm_hash in meta.loaded:
+            if mm_hash not in meta.failed:
+                state = self._pins.get(mm_hash)
+                for req_id in state.req_ids if state is not None else ():
+                    self._settled.setdefault(req_id, set()).add(mm_hash)
+                self._release_pin(mm_hash)
+        self._poisoned.difference_update(h for h in meta.loaded if h not in meta.failed)
+        for mm_hash, req_ids in meta.failed.items():
+            self._unavailable.update(req_ids)
+            self._poisoned.add(mm_hash)
+            self._release_pin(mm_hash)
+        if meta.stats:
+            self._stats = merge_stats_data(self._stats, meta.stats)
+
+    def take_unavailable_requests(self) -> set[str]:
+        out, self._unavailable = self._unavailable, set()
+        return out
+
+    def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+        self._settled.pop(request.request_id, None)
+        for feature in request.mm_features:
+            state = self._pins.get(feature.identifier)
+            if state is not None:
+                state.req_ids.discard(request.request_id)
+                if not state.req_ids and feature.identifier not in self._to_load:
+                    self._release_pin(feature.identifier)
+        return False, None
+
+    # ================================================================== worker side
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
+        if not self.is_producer or self._closed:
+            return
+        tensor = encoder_cache.get(mm_hash)
+        if tensor is None:
+            return
+        nbytes = tensor.numel() * tensor.element_size()
+        try:
+            if tensor.device.type == "cuda" and not _put_is_async(self._store):
+                self._pending_saves.append(_start_d2h(mm_hash, tensor, nbytes))
+            else:
+                handle = self._store.put(mm_hash, tensor)
+                self._pending_saves.append(_PendingSave(mm_hash, nbytes, handle=handle))
+        except (*STORE_ERRORS, torch.OutOfMemoryError) as exc:  # no room for a pinned staging copy
+            self._save_failure(mm_hash, exc)
+        self._poll_saves(wait=False)
+
+    def _save_failure(self, mm_hash: str, exc: BaseException) -> None:
+        self._count(save_failures=1)
+        self._save_failed.append(mm_hash)
+        logger.warning("ectier: saving %s failed (%s: %s); it is not shared", mm_hash, type(exc).__name__, exc)
+
+    def start_save_caches(self, **kwargs: Any) -> None:
+        self._poll_saves(wait=False)
+
+    def _poll_saves(self, *, wait: bool) -> None:
+        still: list[_PendingSave] = []
+        for ps in self._pending_saves:
+            try:
+                if ps.event is not None:  # our own D2H copy
+                    if wait:
+                        ps.event.synchronize()
+                    elif not ps.event.query():
+                        still.append(ps)
+                        continue
+                    handle = self._store.put(ps.mm_hash, ps.host)
+                    ps.event, ps.source, ps.handle = None, None, handle
+                h = ps.handle
+                if h is not None:
+                    if wait:
+                        h.wait()
+                    elif not h.done():
+                        still.append(ps)
+                        continue
+                    error = getattr(h, "error", None)
+                    if error is not None:  # the async put failed (reported, not raised, by ectier)
+                        self._save_failure(ps.mm_hash, error)
+                        continue
+            except STORE_ERRORS as exc:
+                self._save_failure(ps.mm_hash, exc)
+                continue
+            self._count(saves=1, save_bytes=ps.nbytes)
+            self._saved.append(ps.mm_hash)
+        self._pending_saves = still
+
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, ECTierConnectorMetadata):
+            return
+        device = self.worker_device()
+        for item in meta.loads:
+            if item.mm_hash in encoder_cache:
+                self._loaded.append(item.mm_hash)
+                continue
+            t0 = time.perf_counter()
+            problem = None
+            tensor = None
+            try:
+                tensor = self._store.get(item.mm_hash, device)
+            except STORE_ERRORS as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            if problem is None:
+                if tensor is None:
+                    problem = "no longer stored"
+                elif tuple(tensor.shape) != tuple(item.shape) or dtype_name(tensor.dtype) != item.dtype:
+                    problem = f"read {tuple(tensor.shape)} {dtype_name(tensor.dtype)}, expected {item.shape} {item.dtype}"
+            if problem is not None:
+                logger.warning(
+                    "ectier: loading %s failed (%s); failing requests %s (retryable)",
+                    item.mm_hash, problem, item.req_ids,
+                )
+                self._count(load_failures=1)
+                self._failed[item.mm_hash] = list(item.req_ids)
+                # a placeholder keeps this step from crashing in the embedding gather; it is
+                # removed in build_connector_worker_meta, right after the gather
+                from ectier.tensors import torch_dtype
+
+                encoder_cache[item.mm_hash] = torch.zeros(item.shape, dtype=torch_dtype(item.dtype), device=device)
+                self._placeholders.append((encoder_cache, item.mm_hash))
+                continue
+            encoder_cache[item.mm_hash] = tensor
+            self._loaded.append(item.mm_hash)
+            seconds = time.perf_counter() - t0
+            self._count(loads=1, load_bytes=tensor.numel() * tensor.element_size())
+            self._stats.setdefault("load_seconds", []).append(seconds)
+
+    def build_connector_worker_meta(self) -> ECTierWorkerMetadata | None:
+        for cache, mm_hash in self._placeholders:
+            cache.pop(mm_hash, None)
+        self._placeholders = []
+        self._poll_saves(wait=False)
+        meta = ECTierWorkerMetadata(
+            loaded=self._loaded, failed=self._failed, saved=self._saved,
+            save_failed=self._save_failed, stats=self._stats,
+        )
+        self._loaded, self._failed, self._saved, self._save_failed, self._stats = [], {}, [], [], {}
+        if not (meta.loaded or meta.failed or meta.saved or meta.save_failed or meta.stats):
+            return None
+        return meta
+
+    # ================================================================== both
+    def get_ec_connector_stats(self) -> ECTierConnectorStats | None:
+        if self.role != ECConnectorRole.SCHEDULER or not self._stats:
+            return None  # worker counters travel in the worker metadata
+        stats = ECTierConnectorStats(data=self._stats)
+        self._stats = {}
+        return stats
+
+    @classmethod
+    def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> ECTierConnectorStats | None:
+        return ECTierConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> ECTierPromMetrics:
+        return ECTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._poll_saves(wait=True)
+            for mm_hash in list(self._pins):
+                self._release_pin(mm_hash)
+            self._store.flush()
+        except STORE_ERRORS as exc:
+            logger.warning("ectier: shutdown flush failed (%s: %s)", type(exc).__name__, exc)
+        finally:
+            try:
+                self._store.close()
+            except STORE_ERRORS as exc:
+                logger.warning("ectier: closing the store failed (%s: %s)", type(exc).__name__, exc)
+
+
+def _put_is_async(store: Any) -> bool:
+    """Whether the store's ``put`` enqueues device copies and returns a handle (ectier with
+    ``PutHandle``, in-process mode) instead of copying inline."""
+    if getattr(store, "mode", None) != "inprocess":
+        return False  # DaemonClient.put copies to the CPU inline
+    import ectier.cache
+
+    return hasattr(ectier.cache, "PutHandle")
+
+
+def _start_d2h(mm_hash: str, tensor: torch.Tensor, nbytes: int) -> _PendingSave:
+    """Fallback for a synchronous ectier ``put``: D2H on the current stream into pinned memory.
+
+    The copy is queued after the encoder's kernels on the same stream (rule 1 holds without a side
+    stream); ``source`` keeps the (possibly view-of-a-batch) tensor alive until the event completes
+    (rule 2); the host copy is read only after the event completed (rule 3).
+    """
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensor.device))
+    return _PendingSave(mm_hash, nbytes, host=host, event=event, source=tensor)

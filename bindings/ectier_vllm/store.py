@@ -1,0 +1,206 @@
+"""The two stores the connector talks to, behind one small interface.
+
+- :class:`InProcessStore`: a :class:`~ectier.cache.TieredCache` shared by every connector of the
+  process (vLLM 0.33 with the uniproc executor runs the scheduler and the worker in the same
+  engine-core process: both connectors must see one store, and an NVMe directory can be opened
+  once per process). :func:`open_inprocess` hands out reference-counted handles from a per-process
+  registry keyed by the resolved config; the last ``close`` flushes and closes the cache.
+  Pins taken by the scheduler (``acquire``) are handed to the worker through the same object
+  (:meth:`InProcessStore.stage` / :meth:`take_staged`), so the worker copies exactly the bytes the
+  scheduler verified, and nothing can evict or delete them in between.
+- :class:`DaemonStore`: a :class:`~ectier.daemon.client.DaemonClient` per connector; the scheduler
+  pins with a daemon ``get`` lease (released when the worker reports the load), the worker reads
+  with its own ``get``. For scheduler and workers in different processes (multiprocess executor,
+  several engines on one node).
+
+Both speak ectier's newer asynchronous API when the installed ectier has it (``put`` returning a
+``PutHandle``, ``prefetch`` returning ``LoadHandle`` s) and fall back to the synchronous calls
+otherwise. Errors are ectier's (``EctierError``); the connector turns them into misses.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from ectier.config import CacheConfig
+
+
+@dataclass(frozen=True)
+class Pin:
+    """An entry pinned for a coming load: its stored shape and dtype, and the store's lease."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    lease: Any
+
+
+class InProcessStore:
+    """A handle on a process-wide :class:`TieredCache` (see module docstring)."""
+
+    mode = "inprocess"
+
+    def __init__(self, entry: "_Shared") -> None:
+        self._entry = entry
+        self.cache = entry.cache
+        self._closed = False
+
+    # --------------------------------------------------------------------- index / pins
+    def contains(self, key: str) -> bool:
+        return self.cache.contains(key)
+
+    def prefetch(self, keys: list[str]) -> list[Any] | None:
+        fn = getattr(self.cache, "prefetch", None)
+        return None if fn is None else list(fn(keys))
+
+    def acquire(self, key: str) -> Pin | None:
+        lease = self.cache.acquire(key)
+        if lease is None:
+            return None
+        return Pin(tuple(lease.meta.shape), str(lease.meta.dtype), lease)
+
+    def release(self, pin: Pin) -> None:
+        self.cache.release(pin.lease)
+
+    def stage(self, key: str, pin: Pin) -> None:
+        with self._entry.lock:
+            self._entry.staged[key] = pin
+
+    def unstage(self, key: str) -> None:
+        with self._entry.lock:
+            self._entry.staged.pop(key, None)
+
+    def take_staged(self, key: str) -> Pin | None:
+        with self._entry.lock:
+            return self._entry.staged.get(key)
+
+    # --------------------------------------------------------------------- data
+    def put(self, key: str, tensor: Any) -> Any:
+        return self.cache.put(key, tensor)
+
+    def get(self, key: str, device: str) -> Any:
+        """Read ``key`` onto ``device``: from the scheduler's pin when there is one (same process)."""
+        pin = self.take_staged(key)
+        if pin is not None:
+            import torch
+
+            from ectier.tensors import torch_dtype
+
+            lease = pin.lease
+            arena = self.cache.host_arena
+            nbytes = lease.meta.nbytes
+            # straight from the pinned host arena to the destination (one copy, synchronous: the
+            # scheduler releases the pin once the worker has reported the load)
+            out = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            off = 0
+            for start, length in lease.extents:
+                out[off : off + length].copy_(arena[start : start + length])
+                off += length
+            dtype = torch_dtype(pin.dtype)
+            return out.view(dtype).view(pin.shape) if nbytes else torch.empty(pin.shape, dtype=dtype, device=device)
+        return self.cache.get(key, device=None if device == "cpu" else device)
+
+    def flush(self) -> None:
+        self.cache.flush()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        _release(self._entry)
+
+
+class DaemonStore:
+    """A :class:`DaemonClient` of one connector, with the namespace on every call."""
+
+    mode = "daemon"
+
+    def __init__(self, socket_path: str | None, namespace: str, timeout_s: float) -> None:
+        from ectier.daemon.client import DaemonClient
+
+        self.client = DaemonClient(socket_path, timeout_s=timeout_s)
+        self.namespace = namespace
+
+    def contains(self, key: str) -> bool:
+        return self.client.contains(key, namespace=self.namespace)
+
+    def prefetch(self, keys: list[str]) -> list[Any] | None:
+        fn = getattr(self.client, "prefetch", None)
+        return None if fn is None else list(fn(keys, namespace=self.namespace))
+
+    def acquire(self, key: str) -> Pin | None:
+        reply = self.client.call("get", key=key, namespace=self.namespace)
+        if not reply.get("hit"):
+            return None
+        return Pin(tuple(reply["shape"]), str(reply["dtype"]), reply["lease"])
+
+    def release(self, pin: Pin) -> None:
+        self.client.call("release", retry=False, lease=pin.lease)
+
+    def stage(self, key: str, pin: Pin) -> None:  # the worker is another client: nothing to share
+        return None
+
+    def unstage(self, key: str) -> None:
+        return None
+
+    def put(self, key: str, tensor: Any) -> Any:
+        return self.client.put(key, tensor, namespace=self.namespace)
+
+    def get(self, key: str, device: str) -> Any:
+        return self.client.get(key, namespace=self.namespace, device=None if device == "cpu" else device)
+
+    def flush(self) -> None:
+        return None  # the daemon flushes on its own shutdown
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# ------------------------------------------------------------------ per-process registry
+
+
+@dataclass
+class _Shared:
+    key: str
+    cache: Any
+    refs: int
+    lock: threading.Lock
+    staged: dict
+
+
+_REGISTRY: dict[str, _Shared] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def open_inprocess(config: CacheConfig) -> InProcessStore:
+    """A handle on this process's :class:`TieredCache` for ``config`` (created on first use)."""
+    from ectier.cache import TieredCache
+
+    key = json.dumps(config.to_dict(), sort_keys=True, default=str)
+    with _REGISTRY_LOCK:
+        entry = _REGISTRY.get(key)
+        if entry is None:
+            entry = _Shared(key=key, cache=TieredCache(config), refs=0, lock=threading.Lock(), staged={})
+            _REGISTRY[key] = entry
+        entry.refs += 1
+    return InProcessStore(entry)
+
+
+def _release(entry: _Shared) -> None:
+    with _REGISTRY_LOCK:
+        entry.refs -= 1
+        if entry.refs > 0:
+            return
+        _REGISTRY.pop(entry.key, None)
+    try:
+        entry.cache.flush()
+    finally:
+        entry.cache.close()
+
+
+def open_stores() -> int:
+    """Number of in-process caches currently open in this process (for tests and diagnostics)."""
+    with _REGISTRY_LOCK:
+        return len(_REGISTRY)

@@ -1,0 +1,101 @@
+"""ec_connector_extra_config → ectier settings (bindings/ectier_vllm/config.py), without vLLM.
+
+The mapping module imports neither vLLM nor torch, so the core suite tests it; the connector itself
+is tested inside vLLM by tests_vllm/ (scripts/test_vllm.sh).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ectier.errors import ConfigError
+from ectier_vllm.config import ConnectorSettings, default_namespace, settings_from_extra_config
+
+NS = "Qwen/Qwen3-VL-30B-A3B-Instruct@main:bfloat16"
+
+
+def test_default_namespace_names_model_revision_dtype():
+    import torch
+
+    assert default_namespace("Qwen/Qwen3-VL-30B-A3B-Instruct", None, torch.bfloat16) == NS
+    assert default_namespace("m", "abc123", "float16") == "m@abc123:float16"
+
+
+def test_defaults_are_inprocess_with_the_engine_namespace():
+    s = settings_from_extra_config(None, default_ns=NS)
+    assert isinstance(s, ConnectorSettings)
+    assert s.mode == "inprocess" and s.namespace == NS and s.cache.namespace == NS
+    assert s.load_timeout_s == 10.0
+
+
+def test_tier_sub_dicts_map_onto_cache_config():
+    s = settings_from_extra_config(
+        {"host": {"capacity_bytes": "2GiB", "pin_memory": False},
+         "nvme": {"path": "/nvme/ectier", "capacity_bytes": "100GiB", "codec": "zstd-planes"},
+         "namespace": "custom", "load_timeout_s": 2},
+        default_ns=NS,
+    )
+    assert s.cache.host.capacity_bytes == 2 << 30 and s.cache.host.pin_memory is False
+    assert s.cache.nvme.path == "/nvme/ectier" and s.cache.nvme.codec == "zstd-planes"
+    assert s.namespace == "custom" == s.cache.namespace and s.load_timeout_s == 2.0
+
+
+def test_daemon_mode():
+    s = settings_from_extra_config({"mode": "daemon", "socket_path": "/run/ectier/ectier.sock",
+                                    "daemon_timeout_s": 5}, default_ns=NS)
+    assert s.mode == "daemon" and s.cache is None and s.socket_path == "/run/ectier/ectier.sock"
+    assert s.daemon_timeout_s == 5.0
+
+
+def test_config_path(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("host:\n  capacity_bytes: 64MiB\n")
+    s = settings_from_extra_config({"config_path": str(p)}, default_ns=NS)
+    assert s.cache.host.capacity_bytes == 64 << 20 and s.cache.namespace == NS
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        ({"hosts": {}}, "ec_connector_extra_config.hosts: unknown key (did you mean 'host'?)"),
+        ({"mode": "remote"}, "ec_connector_extra_config.mode: expected one of inprocess, daemon"),
+        ({"namespace": ""}, "ec_connector_extra_config.namespace"),
+        ({"load_timeout_s": 0}, "ec_connector_extra_config.load_timeout_s"),
+        ({"load_timeout_s": True}, "ec_connector_extra_config.load_timeout_s"),
+        ({"daemon_timeout_s": float("inf")}, "ec_connector_extra_config.daemon_timeout_s"),
+        ({"host": {"capacity_bytes": "lots"}}, "ec_connector_extra_config.host.capacity_bytes"),
+        ({"host": {"capacty_bytes": 1}}, "ec_connector_extra_config.host.capacty_bytes"),
+        ({"host": 5}, "ec_connector_extra_config.host: expected a mapping"),
+        ({"mode": "daemon", "host": {}}, "ec_connector_extra_config.host: not used in daemon mode"),
+        ({"mode": "daemon", "config_path": "x.yaml"}, "ec_connector_extra_config.config_path: not used in daemon mode"),
+        ({"socket_path": "/x.sock"}, "ec_connector_extra_config.socket_path: only used in daemon mode"),
+        ({"mode": "daemon", "socket_path": ""}, "ec_connector_extra_config.socket_path"),
+        ({"config_path": "x.yaml", "host": {}}, "ec_connector_extra_config.config_path: give either"),
+        ({"config_path": "/does/not/exist.yaml"}, "ec_connector_extra_config.config"),
+        ([1, 2], "ec_connector_extra_config: expected a mapping"),
+    ],
+)
+def test_invalid_extra_config_names_the_key(extra, needle):
+    with pytest.raises(ConfigError) as info:
+        settings_from_extra_config(extra, default_ns=NS)
+    assert needle in str(info.value)
+
+
+def test_gpu_key_is_refused_clearly_without_a_gpu_tier():
+    from ectier.config import CacheConfig
+
+    if "gpu" in CacheConfig.__dataclass_fields__:
+        s = settings_from_extra_config({"gpu": {}}, default_ns=NS)
+        assert s.cache.gpu is not None
+    else:
+        with pytest.raises(ConfigError, match=r"ec_connector_extra_config\.gpu: this ectier build has no GPU tier"):
+            settings_from_extra_config({"gpu": {}}, default_ns=NS)
+
+
+def test_mapping_module_imports_neither_vllm_nor_torch():
+    code = ("import sys, ectier_vllm.config; "
+            "bad = [m for m in ('vllm', 'torch') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,54 @@
+"""Fixtures of the vLLM suite: a tiny local model dir, scheduler/worker factories, clean registry."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vllm is imported (no GPU in CI)
+# scheduler and worker in one process, as vLLM's uniproc executor runs them on a one-GPU engine
+# (vLLM's CPU platform would otherwise switch the executor to "mp")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing may be downloaded at test time
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import pytest
+
+import harness as H
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    return H.write_tiny_model(str(tmp_path / "model"))
+
+
+@pytest.fixture(params=["v1", "v2"], ids=["runner-v1", "runner-v2"])
+def engine(model_dir, monkeypatch, request):
+    """``engine(role, extra)`` -> (scheduler, worker): one vLLM engine's two EC connectors, with
+    the worker driven as the V1 and (second run of each test) the V2 model runner drives it."""
+    made = []
+
+    def make(role, extra, **config):
+        cfg = H.make_vllm_config(model_dir, role, extra, **config)
+        sched = H.make_scheduler(cfg, monkeypatch)
+        worker = H.Worker(cfg, runner=request.param)
+        made.append((sched, worker))
+        return sched, worker
+
+    yield make
+    for sched, worker in made:
+        worker.connector.shutdown()
+        sched.ec_connector.shutdown()
+    from vllm.distributed.ec_transfer import ec_transfer_state
+
+    ec_transfer_state.ensure_ec_transfer_shutdown()
+    from ectier_vllm.store import open_stores
+
+    assert open_stores() == 0, "an in-process store outlived every connector"
+
+
+def run_step(sched, worker):
+    """One engine step: schedule, execute on the worker, update the scheduler. Returns both outputs."""
+    so = sched.schedule()
+    out = worker.execute(so)
+    engine_out = sched.update_from_output(so, out)
+    return so, engine_out

@@ -1,0 +1,458 @@
+"""ECTierConnector driven by vLLM 0.33's real Scheduler and model-runner EC mixin (CPU tensors).
+
+Each scenario is a sequence of engine steps: ``Scheduler.schedule()`` (which calls the connector's
+``ensure_cache_available``, ``has_cache_item``, ``update_state_after_alloc``,
+``build_connector_meta``), the worker (``ECConnectorModelRunnerMixin``: ``start_load_caches``,
+``save_caches``, ``build_connector_worker_meta``), ``Scheduler.update_from_output`` (which calls
+``take_unavailable_requests`` and ``update_connector_output``).
+"""
+
+from __future__ import annotations
+
+import lmdb
+import pytest
+import torch
+
+import harness as H
+from conftest import run_step
+
+NS = "test-ns"
+
+
+def inproc(tmp_path, **host):
+    return {
+        "namespace": NS,
+        "host": {"capacity_bytes": "8MiB", "block_bytes": "64KiB", "pin_memory": False, **host},
+        "nvme": {"path": str(tmp_path / "nvme"), "capacity_bytes": "64MiB", "sync": False,
+                 "map_initial_bytes": "4MiB"},
+    }
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def errors_of(engine_out):
+    return {o.request_id: o for outs in engine_out.values() for o in outs.outputs if o.finish_reason is not None}
+
+
+def produce(engine, extra, items):
+    """An encoder instance (ec_producer) encodes ``items`` and saves them; then shuts down."""
+    sched, worker = engine("ec_producer", extra)
+    sched.add_request(H.make_request("p", items))
+    so, _ = run_step(sched, worker)
+    assert sorted(so.scheduled_encoder_inputs["p"]) == list(range(len(items)))  # the producer encodes
+    assert sorted(worker.encoded) == sorted(i.mm_hash for i in items)
+    produced = {h: t.clone() for h, t in worker.encoder_cache.items()}
+    # the encoder instance stops: its connectors wait for the saves and flush to NVMe
+    worker.connector.shutdown()
+    sched.ec_connector.shutdown()
+    return produced
+
+
+def test_factory_loads_connector_through_module_path(engine, tmp_path):
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+    from ectier_vllm.connector import ECTierConnector
+
+    sched, worker = engine("ec_both", inproc(tmp_path))
+    assert "ECTierConnector" not in ECConnectorFactory._registry  # not a built-in name
+    assert type(sched.ec_connector) is ECTierConnector
+    assert type(worker.connector) is ECTierConnector
+    assert sched.ec_connector.settings.namespace == NS
+
+
+def test_producer_then_fresh_consumer_loads_byte_identical(engine, tmp_path):
+    items = [H.Item("a" * 64, 10, 100), H.Item("lora:" + "b" * 64, 200, 37)]
+    produced = produce(engine, inproc(tmp_path), items)
+    from ectier_vllm import store
+
+    assert store.open_stores() == 0  # the producer's store is closed; the consumer reopens NVMe
+    sched, worker = engine("ec_consumer", inproc(tmp_path, admit_wait_s=0.25))
+    sched.add_request(H.make_request("c", items))
+    so, out = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs == {}  # no encoder work: both items come from ectier
+    assert [it.mm_hash for it in so.ec_connector_metadata.loads] == [i.mm_hash for i in items]
+    assert worker.encoded == []
+    for h, t in produced.items():
+        assert same_bytes(worker.encoder_cache[h], t)
+        assert worker.encoder_cache[h].device.type == "cpu"
+    assert errors_of(out) == {}
+    stats = out[0].scheduler_stats.ec_connector_stats
+    assert stats["hits"] == 2 and stats["loads"] == 2 and stats["load_bytes"] == (100 + 37) * H.WIDTH * 2
+    assert not sched.ec_connector._pins  # pins dropped once the worker reported the loads
+    assert store.open_stores() == 1
+
+
+def test_ec_both_shares_one_store_between_scheduler_and_worker(engine, tmp_path):
+    sched, worker = engine("ec_both", inproc(tmp_path))
+    assert sched.ec_connector._store.cache is worker.connector._store.cache
+    item = H.Item("c" * 64, 0, 64)
+    sched.add_request(H.make_request("r1", [item], max_tokens=1))
+    so, _ = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs == {"r1": [0]}
+    first = worker.encoder_cache[item.mm_hash].clone()
+    # the worker's encoder cache forgets it (as after vLLM frees it); a new request loads it back
+    worker.encoder_cache.clear()
+    sched.encoder_cache_manager.reset()
+    sched.add_request(H.make_request("r2", [item], max_tokens=1))
+    so, out = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs == {}
+    assert worker.encoded == [item.mm_hash]  # encoded once, in the first step only
+    assert same_bytes(worker.encoder_cache[item.mm_hash], first)
+
+
+def test_missing_item_is_encoded(engine, tmp_path):
+    produce(engine, inproc(tmp_path), [H.Item("d" * 64, 0, 50)])
+    sched, worker = engine("ec_consumer", inproc(tmp_path, admit_wait_s=0.25))
+    sched.add_request(H.make_request("c", [H.Item("d" * 64, 0, 50), H.Item("never-stored", 100, 20)]))
+    so, out = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs == {"c": [1]}  # only the missing one is encoded
+    assert worker.encoded == ["never-stored"]
+    assert errors_of(out) == {}
+
+
+def test_corrupted_item_fails_checksum_and_is_encoded(engine, tmp_path, monkeypatch):
+    from ectier.entry import entry_digest
+
+    item = H.Item("e" * 64, 0, 80)
+    produce(engine, inproc(tmp_path), [item])
+    # the producer flushed to NVMe on shutdown: flip a bit of the stored payload
+    env = lmdb.open(str(tmp_path / "nvme" / "lmdb"), subdir=True, max_dbs=4, map_size=1 << 30)
+    try:
+        data = env.open_db(b"data")
+        with env.begin(write=True) as txn:
+            key = entry_digest(NS, item.mm_hash)
+            v = bytearray(txn.get(key, db=data))
+            v[len(v) // 2] ^= 0x10
+            txn.put(key, bytes(v), db=data)
+    finally:
+        env.close()
+    sched, worker = engine("ec_consumer", inproc(tmp_path, admit_wait_s=0.25, capacity_bytes="4MiB"))
+    sched.add_request(H.make_request("c", [item]))
+    so, out = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs == {"c": [0]}  # corrupt => miss => re-encoded
+    assert worker.encoded == [item.mm_hash]
+    assert errors_of(out) == {}
+    assert not sched.ec_connector._store.contains(item.mm_hash)  # quarantined
+
+
+def test_wrong_shape_in_store_is_rejected_and_encoded(engine, tmp_path):
+    sched, worker = engine("ec_both", inproc(tmp_path))
+    sched.ec_connector._store.put("f" * 64, torch.zeros(10, H.WIDTH, dtype=H.DTYPE))  # request wants 30
+    sched.ec_connector._store.put("g" * 64, torch.zeros(30, H.WIDTH, dtype=torch.float16))  # wrong dtype
+    sched.add_request(H.make_request("c", [H.Item("f" * 64, 0, 30), H.Item("g" * 64, 40, 30)]))
+    so, out = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs == {"c": [0, 1]}
+    assert out[0].scheduler_stats.ec_connector_stats["rejected"] == 2
+    assert worker.encoder_cache["f" * 64].shape == (30, H.WIDTH)
+
+
+def test_pinned_item_survives_delete_before_the_load(engine, tmp_path):
+    item = H.Item("h" * 64, 0, 40)
+    sched, worker = engine("ec_both", inproc(tmp_path))
+    ref = H.encoder_output(item.mm_hash, 40)
+    sched.ec_connector._store.put(item.mm_hash, ref)
+    sched.add_request(H.make_request("c", [item]))
+    so = sched.schedule()  # pins it
+    assert so.scheduled_encoder_inputs == {}
+    sched.ec_connector._store.cache.delete(item.mm_hash)  # evicted/deleted between schedule and load
+    out = worker.execute(so)
+    sched.update_from_output(so, out)
+    assert same_bytes(worker.encoder_cache[item.mm_hash], ref)
+
+
+def _fail_first_load(engine, tmp_path, monkeypatch, item, **config):
+    """An ec_both engine whose first load of ``item`` fails at the worker (the store answers with
+    a tensor one row short), run until vLLM has failed the request. Returns (sched, worker)."""
+    from vllm.v1.request import RequestStatus
+
+    sched, worker = engine("ec_both", inproc(tmp_path), **config)
+    sched.ec_connector._store.put(item.mm_hash, H.encoder_output(item.mm_hash, item.length))
+    real_get = worker.connector._store.get
+    monkeypatch.setattr(worker.connector._store, "get", lambda key, device: real_get(key, device)[:-1])
+    sched.add_request(H.make_request("c", [item]))
+    so, out = run_step(sched, worker)  # the step runs (no crash) on a zero placeholder
+    assert so.scheduled_encoder_inputs == {}
+    assert item.mm_hash not in worker.encoder_cache  # the placeholder is gone after the step
+    assert out[0].scheduler_stats.ec_connector_stats["load_failures"] == 1
+    # vLLM 0.33 asks take_unavailable_requests before update_connector_output: the request is
+    # held back (not scheduled) in the next step and failed at its end
+    so, out = run_step(sched, worker)
+    assert "c" not in so.num_scheduled_tokens
+    assert errors_of(out)["c"].finish_reason is not None
+    assert "c" not in sched.requests or sched.requests["c"].status == RequestStatus.FINISHED_ERROR
+    monkeypatch.undo()
+    # vLLM's encoder-cache manager still lists the item (freeable): it would neither encode nor
+    # load it for a new request; the worker has no copy
+    assert item.mm_hash in sched.encoder_cache_manager.cached
+    return sched, worker
+
+
+def test_failed_load_fails_request_then_retry_loads_from_store(engine, tmp_path, monkeypatch):
+    item = H.Item("i" * 64, 0, 40)
+    sched, worker = _fail_first_load(engine, tmp_path, monkeypatch, item)
+    sched.add_request(H.make_request("c-retry", [item]))
+    so, out = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs == {}  # vLLM thinks it is cached...
+    assert [it.mm_hash for it in so.ec_connector_metadata.loads] == [item.mm_hash]  # ...we reload it
+    assert errors_of(out) == {}
+    assert worker.encoded == []
+    assert same_bytes(worker.encoder_cache[item.mm_hash], H.encoder_output(item.mm_hash, 40))
+    assert sched.ec_connector._poisoned == set()
+
+
+def test_failed_load_of_a_vanished_item_fails_retries_until_vllm_drops_it(engine, tmp_path, monkeypatch):
+    """Worst case: the load failed and the store lost the item too. Retries fail cleanly
+    (retryable errors, no worker crash) until vLLM's encoder-cache manager evicts the entry; then
+    the retry is encoded."""
+    monkeypatch.setattr(H.FixedBudget, "cache_size", 100)
+    item = H.Item("v" * 64, 0, 40)
+    sched, worker = _fail_first_load(engine, tmp_path, monkeypatch, item)
+    sched.ec_connector._store.cache.delete(item.mm_hash)
+    sched.add_request(H.make_request("c-retry", [item]))
+    so, out = run_step(sched, worker)
+    assert "c-retry" not in so.num_scheduled_tokens
+    assert errors_of(out)["c-retry"].finish_reason is not None
+    # another image fills the encoder cache: vLLM evicts the stale entry (free_encoder_mm_hashes)
+    sched.add_request(H.make_request("other", [H.Item("w" * 64, 0, 80)]))
+    so, out = run_step(sched, worker)
+    assert item.mm_hash in so.free_encoder_mm_hashes
+    assert sched.ec_connector._poisoned == set()
+    sched.add_request(H.make_request("c-retry-2", [item], prompt_len=100))
+    so, out = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs.get("c-retry-2") == [0]  # encoded again, as vLLM would
+    assert "c-retry-2" not in errors_of(out)
+    assert item.mm_hash in worker.encoded
+    assert same_bytes(worker.encoder_cache[item.mm_hash], H.encoder_output(item.mm_hash, 40))
+
+
+class FakeHandle:
+    def __init__(self):
+        self.ready = False
+        self.error = None
+
+    def done(self):
+        return self.ready
+
+    def wait(self, timeout_s=None):
+        self.ready = True
+        return True
+
+
+def test_request_waits_for_prefetch_then_loads(engine, tmp_path, monkeypatch):
+    """With ectier's async prefetch, ensure_cache_available defers the request until it is done."""
+    item = H.Item("j" * 64, 0, 40)
+    sched, worker = engine("ec_both", inproc(tmp_path))
+    store = sched.ec_connector._store
+    store.put(item.mm_hash, H.encoder_output(item.mm_hash, 40))
+    handle = FakeHandle()
+    calls = []
+    monkeypatch.setattr(store, "prefetch", lambda keys: calls.append(list(keys)) or [handle])
+    sched.add_request(H.make_request("c", [item]))
+    so, out = run_step(sched, worker)
+    assert calls == [[item.mm_hash]]
+    assert so.num_scheduled_tokens == {}  # deferred: nothing scheduled
+    assert out[0].scheduler_stats.ec_connector_stats["deferrals"] == 1
+    handle.ready = True
+    so, out = run_step(sched, worker)
+    assert so.num_scheduled_tokens.get("c") and so.scheduled_encoder_inputs == {}
+    assert same_bytes(worker.encoder_cache[item.mm_hash], H.encoder_output(item.mm_hash, 40))
+
+
+def test_async_put_completion_reported_and_shutdown_waits(engine, tmp_path, monkeypatch):
+    sched, worker = engine("ec_producer", inproc(tmp_path))
+    handles = []
+    real_put = worker.connector._store.put
+
+    def put(key, t):
+        real_put(key, t)
+        handles.append(FakeHandle())
+        return handles[-1]
+
+    monkeypatch.setattr(worker.connector._store, "put", put)
+    sched.add_request(H.make_request("p", [H.Item("k" * 64, 0, 30)]))
+    so = sched.schedule()
+    out = worker.execute(so)
+    assert out.ec_connector_output.ec_connector_worker_meta is None  # save still in flight
+    assert len(worker.connector._pending_saves) == 1
+    handles[0].ready = True
+    meta = worker.connector.build_connector_worker_meta()
+    assert meta.saved == ["k" * 64] and meta.stats["saves"] == 1
+    # shutdown waits for puts still in flight
+    worker.connector.save_caches({"x": torch.zeros(2, H.WIDTH, dtype=H.DTYPE)}, "x")
+    assert not handles[1].ready
+    worker.connector.shutdown()
+    assert handles[1].ready
+
+
+def test_request_finished_returns_no_delay_and_releases_pins(engine, tmp_path):
+    item = H.Item("l" * 64, 0, 40)
+    sched, worker = engine("ec_both", inproc(tmp_path))
+    sched.ec_connector._store.put(item.mm_hash, H.encoder_output(item.mm_hash, 40))
+    req = H.make_request("c", [item])
+    assert sched.ec_connector.ensure_cache_available(req, 0) is True
+    assert item.mm_hash in sched.ec_connector._pins
+    assert sched.ec_connector.request_finished(req) == (False, None)
+    assert sched.ec_connector._pins == {}
+    assert sched.ec_connector._store.cache.stats()["tiers"]["host"]["pinned"] == 0
+
+
+def test_prometheus_metrics_through_vllms_ec_connector_prom(engine, tmp_path):
+    """vLLM's ECConnectorProm finds the connector class through the factory and calls
+    build_prom_metrics; observe() of a stats dict moves the counters and the histogram."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorProm
+
+    from ectier_vllm.connector import ECTierConnector
+
+    reg = CollectorRegistry()
+
+    def bound(cls):
+        return type(cls.__name__, (cls,), {"__init__": lambda self, *a, **k: cls.__init__(self, *a, registry=reg, **k)})
+
+    class Prom(ECConnectorProm):  # vLLM's class, with metrics in a registry of this test
+        _gauge_cls, _counter_cls, _histogram_cls = bound(Gauge), bound(Counter), bound(Histogram)
+
+    sched, _ = engine("ec_both", inproc(tmp_path))
+    prom = Prom(sched.vllm_config, ["model_name", "engine"], {0: ["m", "0"]})
+    stats = ECTierConnector.build_ec_connector_stats(
+        {"lookups": 4, "hits": 3, "misses": 1, "loads": 3, "load_bytes": 300, "load_seconds": [0.001, 0.002, 0.004]})
+    assert stats.reduce()["hit_rate"] == 0.75 and not stats.is_empty()
+    prom.observe(stats.data, 0)
+    labels = {"model_name": "m", "engine": "0"}
+    assert reg.get_sample_value("vllm:ectier_hits_total", labels) == 3
+    assert reg.get_sample_value("vllm:ectier_misses_total", labels) == 1
+    assert reg.get_sample_value("vllm:ectier_load_bytes_total", labels) == 300
+    assert reg.get_sample_value("vllm:ectier_load_seconds_count", labels) == 3
+    assert reg.get_sample_value("vllm:ectier_load_seconds_bucket", {**labels, "le": "0.002"}) == 2
+
+
+def test_worker_reports_aggregate_across_workers():
+    """vLLM aggregates the worker metadata of all workers (tensor parallel) before the scheduler
+    sees it: a failure on any worker fails the request; counters add up."""
+    from ectier_vllm.metadata import ECTierWorkerMetadata
+
+    a = ECTierWorkerMetadata(loaded=["x", "y"], stats={"loads": 2, "load_seconds": [0.1, 0.2]})
+    b = ECTierWorkerMetadata(loaded=["x"], failed={"y": ["r1", "r2"]}, saved=["z"],
+                             stats={"loads": 1, "load_failures": 1, "load_seconds": [0.3]})
+    m = a.aggregate(b)
+    assert m.loaded == ["x", "y"] and m.failed == {"y": ["r1", "r2"]} and m.saved == ["z"]
+    assert m.stats["loads"] == 3 and m.stats["load_failures"] == 1
+    assert sorted(m.stats["load_seconds"]) == [0.1, 0.2, 0.3]
+
+
+def test_two_requests_sharing_an_item_in_one_step_load_it_once(engine, tmp_path):
+    item = H.Item("u" * 64, 0, 40)
+    sched, worker = engine("ec_both", inproc(tmp_path))
+    ref = H.encoder_output(item.mm_hash, 40)
+    sched.ec_connector._store.put(item.mm_hash, ref)
+    sched.add_request(H.make_request("c1", [item]))
+    sched.add_request(H.make_request("c2", [item]))
+    so, out = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs == {}
+    assert set(so.num_scheduled_tokens) == {"c1", "c2"}
+    assert [it.mm_hash for it in so.ec_connector_metadata.loads] == [item.mm_hash]
+    assert errors_of(out) == {}
+    assert same_bytes(worker.encoder_cache[item.mm_hash], ref)
+    assert sched.ec_connector._pins == {}
+    assert sched.ec_connector._store.cache.stats()["tiers"]["host"]["pinned"] == 0
+
+
+def test_chunked_prefill_loads_once_and_pins_nothing_afterwards(engine, tmp_path):
+    """An item whose placeholder spans several prefill chunks is loaded in the first chunk's step;
+    the later chunks neither pin nor load it again."""
+    item = H.Item("q" * 64, 10, 200)
+    sched, worker = engine("ec_both", inproc(tmp_path), max_num_batched_tokens=128)
+    ref = H.encoder_output(item.mm_hash, 200)
+    sched.ec_connector._store.put(item.mm_hash, ref)
+    sched.add_request(H.make_request("c", [item], prompt_len=400))
+    loads = []
+    for _ in range(4):  # 400 prompt tokens in chunks of 128
+        so, out = run_step(sched, worker)
+        loads += [it.mm_hash for it in so.ec_connector_metadata.loads]
+        assert so.scheduled_encoder_inputs == {}
+        assert sched.ec_connector._pins == {}  # released after the load, never taken again
+    assert loads == [item.mm_hash]
+    assert worker.encoded == []
+    assert same_bytes(worker.encoder_cache[item.mm_hash], ref)
+    assert sched.ec_connector._store.cache.stats()["tiers"]["host"]["pinned"] == 0
+
+
+def test_stats_reach_vllms_ec_connector_logging(engine, tmp_path):
+    """The scheduler's stats dict (SchedulerStats.ec_connector_stats) is what vLLM's logger process
+    feeds to ECConnectorLogging, which rebuilds our stats class through the connector factory."""
+    from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorLogging
+
+    item = H.Item("r" * 64, 0, 40)
+    sched, worker = engine("ec_both", inproc(tmp_path))
+    sched.ec_connector._store.put(item.mm_hash, H.encoder_output(item.mm_hash, 40))
+    sched.add_request(H.make_request("c", [item, H.Item("s" * 64, 50, 10)]))
+    _, out = run_step(sched, worker)
+    logging = ECConnectorLogging(sched.vllm_config.ec_transfer_config)
+    logging.observe(out[0].scheduler_stats.ec_connector_stats)
+    lines = []
+    logging.log(lambda fmt, *args: lines.append(fmt % args))
+    assert len(lines) == 1
+    assert "hits=1" in lines[0] and "misses=1" in lines[0] and "loads=1" in lines[0]
+    assert f"load_bytes={40 * H.WIDTH * 2}" in lines[0] and "hit_rate=0.5" in lines[0]
+
+
+def test_promotion_past_load_timeout_is_reencoded(engine, tmp_path, monkeypatch):
+    """A promotion that never completes stops deferring the request after load_timeout_s: the
+    item is re-encoded (no synchronous read on the scheduler's path)."""
+    item = H.Item("t" * 64, 0, 40)
+    sched, worker = engine("ec_both", {**inproc(tmp_path), "load_timeout_s": 0.05})
+    store = sched.ec_connector._store
+    store.put(item.mm_hash, H.encoder_output(item.mm_hash, 40))
+    monkeypatch.setattr(store, "prefetch", lambda keys: [FakeHandle()])  # never done
+    acquired = []
+    monkeypatch.setattr(store, "acquire", lambda key: acquired.append(key))
+    sched.add_request(H.make_request("c", [item]))
+    so, _ = run_step(sched, worker)
+    assert so.num_scheduled_tokens == {}  # waiting for the promotion
+    import time
+
+    time.sleep(0.1)
+    so, out = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs == {"c": [0]}
+    assert acquired == []
+    assert out[0].scheduler_stats.ec_connector_stats["rejected"] == 1
+
+
+def test_inprocess_mode_is_refused_when_workers_are_other_processes(model_dir, tmp_path):
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+    from ectier.errors import ConfigError
+    from ectier_vllm.connector import ECTierConnector
+
+    cfg = H.make_vllm_config(model_dir, "ec_consumer", inproc(tmp_path))
+    assert cfg.parallel_config.distributed_executor_backend == "uni"
+    cfg.parallel_config.distributed_executor_backend = "mp"  # as with --tensor-parallel-size 2
+    with pytest.raises(ConfigError, match=r'ec_connector_extra_config\.mode: "inprocess" needs .* "mode": "daemon"'):
+        ECTierConnector(cfg, ECConnectorRole.SCHEDULER)
+    from ectier_vllm.store import open_stores
+
+    assert open_stores() == 0
+
+
+def test_bad_extra_config_stops_the_engine_with_the_key_named(model_dir, monkeypatch):
+    from ectier.errors import ConfigError
+
+    cfg = H.make_vllm_config(model_dir, "ec_consumer", {"mode": "daemon", "host": {"capacity_bytes": "1GiB"}})
+    with pytest.raises(ConfigError, match=r"ec_connector_extra_config\.host: not used in daemon mode"):
+        H.make_scheduler(cfg, monkeypatch)
+
+
+def test_failed_async_put_is_reported_not_raised(engine, tmp_path, monkeypatch):
+    from ectier.errors import TierWriteError
+
+    sched, worker = engine("ec_producer", inproc(tmp_path))
+    handle = FakeHandle()
+    handle.ready, handle.error = True, TierWriteError("disk full")
+    monkeypatch.setattr(worker.connector._store, "put", lambda key, t: handle)
+    sched.add_request(H.make_request("p", [H.Item("x" * 64, 0, 30)]))
+    so, out = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs == {"p": [0]}
+    assert out[0].scheduler_stats.ec_connector_stats["save_failures"] == 1
+    assert "saves" not in out[0].scheduler_stats.ec_connector_stats
