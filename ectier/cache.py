@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import os
 import threading
 import time
@@ -290,8 +291,10 @@ class TieredCache:
             TierWriteError: no room could be made within ``host.admit_wait_s``.
         """
         ns, key = self._identity(key, namespace)
-        try:
-            dims = tuple(int(d) for d in shape)
+        try:  # ints (numpy's too); a float or a bool is refused, never truncated
+            if any(isinstance(d, bool) for d in shape):
+                raise TypeError
+            dims = tuple(operator.index(d) for d in shape)
         except (TypeError, ValueError):
             raise InvalidTensorError(f"shape: expected a sequence of ints, got {shape!r}") from None
         meta = EntryMeta(ns, key, dtype, dims, math.prod(dims) * dtype_itemsize(dtype))
