@@ -102,6 +102,8 @@ class TieredCache:
         try:
             self._nvme = NvmeTier(self.config.nvme) if self.config.nvme.enabled else None
         except BaseException:
+            if self._host is not None:
+                self._host.close()  # removes a shared arena file (the daemon's): it would leak otherwise
             self._host = None
             raise
         self._counters: dict[str, Counter] = {"host": Counter(), "nvme": Counter(), "cache": Counter()}
