@@ -3,7 +3,8 @@
 ::
 
     pip install atheris                                   # not needed by CI; only for this mode
-    python tools/fuzz_protocol.py -atheris_runs=200000    # coverage-guided (libFuzzer options pass through)
+    python tools/fuzz_protocol.py --random 500 --write-corpus corpus/   # a seed corpus of valid + mutated frames
+    python tools/fuzz_protocol.py corpus/ -atheris_runs=200000          # coverage-guided (libFuzzer options pass through)
     python tools/fuzz_protocol.py --random 20000 --seed 3 # no atheris: seeded random + mutated frames
 
 Each input is cut into chunks (its first byte picks the chunk size) and fed to a
@@ -184,10 +185,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="fuzz_protocol", description=__doc__.split("\n\n")[0])
     p.add_argument("--random", type=int, default=None, metavar="N", help="N seeded random inputs, no atheris")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--write-corpus", type=Path, default=None, metavar="DIR",
+                   help="with --random N: write the N inputs to DIR (a seed corpus for atheris) instead of running them")
     known, rest = p.parse_known_args(argv)
     if known.random is not None:
         if known.random < 1:
             p.error("--random: expected a positive number of inputs")
+        if known.write_corpus is not None:
+            known.write_corpus.mkdir(parents=True, exist_ok=True)
+            rng = random.Random(known.seed)
+            for i in range(known.random):
+                (known.write_corpus / f"seed-{i:06d}").write_bytes(random_input(rng))
+            print(f"{known.random} inputs written to {known.write_corpus}")
+            return 0
         run_random(known.random, known.seed)
         print(f"{known.random} inputs, no finding")
         return 0
@@ -196,7 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("atheris is not installed: `pip install atheris`, or run without it: --random N", file=sys.stderr)
         return 2
-    with atheris.instrument_imports():
+    import torch  # noqa: F401 - imported before instrumenting: coverage of torch is noise (and slow)
+
+    import ectier.cache  # noqa: F401
+
+    with atheris.instrument_imports(include=["ectier"]):
         import ectier.daemon.protocol  # noqa: F401
         import ectier.daemon.server  # noqa: F401
     atheris.Setup([sys.argv[0], *rest], one_input)
