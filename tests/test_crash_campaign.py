@@ -196,3 +196,83 @@ def test_write_back_misses_are_allowed_but_old_bytes_are_not(tmp_path):
         j.line(f"C 1 {time.monotonic_ns()} 0")  # host only: not durable
     t = _verify(state, strict=False)
     assert t.lost_committed == 0 and t.allowed_misses_write_back == 1
+
+
+# ============================================================================ daemon killed mid-commit
+
+_STALLING_DAEMON = """
+import os, sys, time
+from ectier.tiers.nvme import NvmeTier
+from ectier.entry import entry_digest
+target, marker = entry_digest("test", "K"), sys.argv[2]
+original = NvmeTier.write
+def write(self, digest, record):
+    if digest == target and os.path.exists(marker + ".armed"):
+        open(marker, "w").close()  # the commit of K is now inside its write-through
+        time.sleep(3600)
+    return original(self, digest, record)
+NvmeTier.write = write
+from ectier.cli import main
+main(["serve", "--config", sys.argv[1]], prog_name="stalling-daemon")
+"""
+
+
+def test_daemon_killed_mid_commit_keeps_acknowledged_entries():
+    """The daemon is SIGKILLed while it executes a client's commit of K v2 (host commit done, the
+    older NVMe record of K removed, the write-through of v2 not done): after a restart every
+    acknowledged entry is served, K is its old value or a miss (its commit was never acknowledged),
+    and the client got a clean DaemonUnavailableError, not a hang."""
+    from daemon_helpers import (DaemonProcess, daemon_config, make_tensor, remove_dir, short_tmpdir,
+                                tensor_digest, wait_for, write_config)
+    from ectier.daemon.client import DaemonClient, DaemonUnavailableError
+
+    d = short_tmpdir()
+    proc = restarted = c = None
+    try:
+        cfg = daemon_config(d, write_through=True)
+        path = write_config(os.path.join(d, "cfg.json"), cfg)
+        sock = cfg["daemon"]["socket_path"]
+        marker = os.path.join(d, "in-commit")
+        env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        proc = subprocess.Popen([sys.executable, "-c", _STALLING_DAEMON, path, marker], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        c = DaemonClient(sock, connect_retry_s=30, timeout_s=60)
+        v1, other = make_tensor(1, "uint8", (300000,)), make_tensor(2, "float16", (100, 77))
+        c.put("K", v1)
+        c.put("other", other)
+        open(marker + ".armed", "w").close()
+        r = c.call("reserve", key="K", dtype="float32", shape=[5000])
+        box = {}
+
+        def commit():
+            try:
+                box["reply"] = c.call("commit", retry=False, lease=r["lease"])
+            except Exception as exc:  # noqa: BLE001 - checked below
+                box["error"] = exc
+
+        import threading
+
+        t = threading.Thread(target=commit)
+        t.start()
+        wait_for(lambda: os.path.exists(marker), timeout=30, what="the daemon to stall inside the commit")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        t.join(30)
+        assert not t.is_alive() and isinstance(box.get("error"), DaemonUnavailableError), box
+        c.close()
+        restarted = DaemonProcess(path, sock).start()
+        with DaemonClient(sock) as fresh:
+            assert tensor_digest(fresh.get("other")) == tensor_digest(other)
+            got = fresh.get("K")
+            assert got is None or tensor_digest(got) == tensor_digest(v1)
+            st = fresh.stats()["tiers"]["nvme"]
+            assert st["quarantined"] == 0 and st["checksum_failures"] == 0
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        if c is not None:
+            c.close()
+        if restarted is not None:
+            restarted.stop()
+        remove_dir(d)
