@@ -286,7 +286,8 @@ def _daemon_contents(proc):
     with DaemonClient(proc.socket_path) as c:
         got = {k: (None if (t := c.get(k)) is None else tensor_digest(t)) for k in proc.specs}
     st_ = daemon_stats(proc.socket_path)
-    return got, st_["entries"], st_["tiers"]["host"]["used_bytes"], st_["tiers"]["nvme"]["entries"]
+    # (not host used_bytes: a mutated reserve may evict to make room; evicted entries stay on NVMe)
+    return got, st_["entries"], st_["tiers"]["nvme"]["entries"], st_["tiers"]["nvme"]["used_bytes"]
 
 
 BASE_REQUESTS = [

@@ -110,7 +110,7 @@ def test_small_crash_campaign(tmp_path):
     assert r["wrong_bytes"] == 0 and r["lost_committed"] == 0
     assert r["accounting_mismatches"] == 0 and r["quarantined_or_corrupt"] == 0 and r["writer_errors"] == 0
     assert r["ops_cut_by_kill"] > 0  # kills did land in the middle of operations
-    assert r["puts_completed"] > 100 and r["hits"] > 0
+    assert r["puts_completed"] > 30 and r["hits"] > 0
     assert r["reopen_s"]["max"] < 5
 
 
