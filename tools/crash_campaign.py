@@ -250,6 +250,7 @@ class VariantState:
     journals: dict[Path, int] = field(default_factory=dict)  # journal -> bytes parsed
     ops: dict[str, list[Op]] = field(default_factory=dict)  # key -> still-possible ops
     pending: dict[int, Op] = field(default_factory=dict)  # seq -> op without an end
+    just_cut: set[int] = field(default_factory=set)  # seqs cut by the latest kill
 
 
 def parse_journals(state: VariantState) -> None:
@@ -283,6 +284,7 @@ def end_pending(state: VariantState, t_kill: int) -> int:
     n = len(state.pending)
     for op in state.pending.values():
         op.end = t_kill
+    state.just_cut = set(state.pending)
     state.pending.clear()
     return n
 
@@ -365,6 +367,8 @@ def verify(state: VariantState, seed: int, tally: Tally, where: str, strict_over
                 tally.accounting_mismatches += 1
                 tally.fail(f"{where}: {key}: contains()={present} but get() {'hit' if got is not None else 'missed'}")
             cut_put = next((x for x in possible if x.kind == "put" and not x.completed), None)
+            # outcomes are counted once, at the check right after the kill that cut the put
+            counted_cut = cut_put if cut_put is not None and cut_put.seq in state.just_cut else None
             if got is None:
                 tally.misses += 1
                 any_done = any(x.completed for x in ops)
@@ -377,7 +381,7 @@ def verify(state: VariantState, seed: int, tally: Tally, where: str, strict_over
                     tally.fail(f"{where}: {key}: miss, but put/delete seq {last.seq} completed and is durable")
                 elif any(x.kind == "put" and x.completed and not x.durable for x in possible):
                     tally.allowed_misses_write_back += 1
-                if cut_put is not None:
+                if counted_cut is not None:
                     tally.cut_outcomes["miss"] += 1
                 continue
             tally.hits += 1
@@ -394,7 +398,7 @@ def verify(state: VariantState, seed: int, tally: Tally, where: str, strict_over
                 tally.wrong_bytes += 1
                 tally.fail(f"{where}: {key}: {got.dtype} {tuple(got.shape)} matches none of the possible puts "
                            f"{[x.seq for x in possible if x.kind == 'put']}")
-            elif cut_put is not None:
+            elif counted_cut is not None:
                 tally.cut_outcomes["new" if match is cut_put else "old"] += 1
             # keep only the ops that may still matter
             state.ops[key] = possible
