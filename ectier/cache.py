@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import os
 import threading
 import time
@@ -139,6 +140,8 @@ class TieredCache:
         try:
             self._nvme = NvmeTier(self.config.nvme) if self.config.nvme.enabled else None
         except BaseException:
+            if self._host is not None:
+                self._host.close()  # removes a shared arena file (the daemon's): it would leak otherwise
             self._host = None
             self._gpu = None
             raise
@@ -498,8 +501,10 @@ class TieredCache:
             TierWriteError: no room could be made within ``host.admit_wait_s``.
         """
         ns, key = self._identity(key, namespace)
-        try:
-            dims = tuple(int(d) for d in shape)
+        try:  # ints (numpy's too); a float or a bool is refused, never truncated
+            if any(isinstance(d, bool) for d in shape):
+                raise TypeError
+            dims = tuple(operator.index(d) for d in shape)
         except (TypeError, ValueError):
             raise InvalidTensorError(f"shape: expected a sequence of ints, got {shape!r}") from None
         meta = EntryMeta(ns, key, dtype, dims, math.prod(dims) * dtype_itemsize(dtype))

@@ -613,6 +613,8 @@ def _read_text(source: str | os.PathLike, kind: str) -> str:
         return Path(source).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"config: cannot read {kind} file {os.fspath(source)!r}: {exc.strerror}") from exc
+    except ValueError as exc:  # a NUL in the path; a file that is not UTF-8 (UnicodeDecodeError)
+        raise ConfigError(f"config: cannot read {kind} file {os.fspath(source)!r}: {exc}") from exc
 
 
 def _describe(source: str | os.PathLike) -> str:

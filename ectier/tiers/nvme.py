@@ -38,6 +38,7 @@ import errno
 import fcntl
 import json
 import logging
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -363,18 +364,30 @@ class NvmeTier:
                     pass  # grow below, outside the write lock
                 except lmdb.Error as exc:
                     self.counters["write_errors"] += 1
-                    raise TierWriteError(self._write_error_text(exc)) from None
+                    raise TierWriteError(self._write_error_text(exc, record.stored_bytes)) from None
                 else:
                     self._set_record(digest, NvmeRecord(record.header, record.stored_bytes))
                     return True
             self._grow(record.stored_bytes)
         raise TierWriteError("nvme tier: map still full after growing")  # pragma: no cover
 
-    def _write_error_text(self, exc: lmdb.Error) -> str:
+    def _write_error_text(self, exc: lmdb.Error, need_bytes: int) -> str:
         text = str(exc)
-        if "No space" in text or getattr(exc, "errno", None) == errno.ENOSPC:
-            return f"nvme tier: disk full under {str(self.path)!r} ({text}); free space or lower nvme.capacity_bytes"
+        free = self._free_disk_bytes()
+        # LMDB reports a short write of its pages (a file system filling up mid-commit, as tmpfs
+        # and most file systems do) as EIO, not ENOSPC: look at the free space to tell them apart
+        if ("No space" in text or getattr(exc, "errno", None) == errno.ENOSPC
+                or (free is not None and free < need_bytes + (1 << 20))):
+            return (f"nvme tier: disk full under {str(self.path)!r} ({text}; {free} bytes free, the record "
+                    f"needs {need_bytes}); free space on that file system or lower nvme.capacity_bytes")
         return f"nvme tier: write failed under {str(self.path)!r}: {text}"
+
+    def _free_disk_bytes(self) -> int | None:
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
 
     def _grow(self, need_bytes: int) -> None:
         ceiling = self.config.map_ceiling_bytes

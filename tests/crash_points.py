@@ -1,0 +1,132 @@
+"""Child process of ``test_crash_campaign.py``: stop at one chosen point of a write and wait to be SIGKILLed.
+
+``python tests/crash_points.py POINT STORE_DIR``
+
+1. opens a TieredCache on ``STORE_DIR`` (variant by point), puts ``k`` = v1 (committed; prints
+   ``COMMITTED``) and ``other`` = v3;
+2. arms a hook at ``POINT`` and starts the operation under test (put ``k`` = v2, or delete ``k``);
+3. at the hook prints ``AT <POINT>`` and sleeps until killed.
+
+Points (the LMDB write transaction is reached through a proxy of the tier's environment, since an
+``lmdb.Environment`` cannot be monkeypatched):
+
+- ``mid-txn-payload``: inside the transaction of v2, after its payload ``put``, before its header;
+- ``after-commit``: after the v2 transaction committed, before the tier's in-memory bookkeeping;
+- ``mid-delete-txn``: inside the delete transaction of ``k``, after the header was deleted;
+- ``wt-between-delete-and-write``: write-through overwrite, after the stale NVMe record of ``k`` was
+  deleted and before v2 is written to NVMe;
+- ``wt-mid-txn``: write-through overwrite, inside the v2 NVMe transaction;
+- ``wt-returned``: write-through + sync, right after ``put`` of v2 returned (kill before anything else).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ectier import CacheConfig, HostTierConfig, NvmeTierConfig, TieredCache  # noqa: E402
+from ectier.tiers.nvme import NvmeTier  # noqa: E402
+
+KiB = 1 << 10
+POINTS = ("mid-txn-payload", "after-commit", "mid-delete-txn", "wt-between-delete-and-write", "wt-mid-txn",
+          "wt-returned")
+
+
+def value(n: int, seed: int, dtype=torch.float16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).view(dtype)
+
+
+V1 = lambda: value(48 * KiB, 1)  # noqa: E731
+V2 = lambda: value(80 * KiB, 2, torch.float32)  # noqa: E731 - another size and dtype
+V3 = lambda: value(16 * KiB, 3)  # noqa: E731
+
+
+def config(point: str, store: str) -> CacheConfig:
+    wt = point.startswith("wt-")
+    return CacheConfig(
+        namespace="test",
+        host=HostTierConfig(capacity_bytes=1 << 20 if wt else 0, block_bytes=16 * KiB, pin_memory=False),
+        nvme=NvmeTierConfig(path=store, capacity_bytes=8 << 20, sync=True, write_through=wt, flush_on_close=False,
+                            map_initial_bytes=4 << 20),
+    )
+
+
+def stop(point: str) -> None:
+    print(f"AT {point}", flush=True)
+    while True:
+        time.sleep(60)
+
+
+class _Txn:
+    def __init__(self, txn, env) -> None:
+        self._txn, self._env = txn, env
+
+    def __enter__(self):
+        self._txn.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._txn.__exit__(*exc)
+
+    def put(self, key, value, db=None, **kw):
+        r = self._txn.put(key, value, db=db, **kw)
+        if self._env.armed in ("mid-txn-payload", "wt-mid-txn") and db is self._env.data_db:
+            stop(self._env.armed)
+        return r
+
+    def delete(self, key, value=b"", db=None):
+        r = self._txn.delete(key, value, db=db)
+        if self._env.armed == "mid-delete-txn" and db is self._env.meta_db:
+            stop(self._env.armed)
+        return r
+
+    def __getattr__(self, name):
+        return getattr(self._txn, name)
+
+
+class _Env:
+    def __init__(self, env, tier: NvmeTier) -> None:
+        self._env = env
+        self.data_db, self.meta_db = tier._data, tier._meta
+        self.armed: str | None = None
+
+    def begin(self, *args, **kwargs):
+        txn = self._env.begin(*args, **kwargs)
+        return _Txn(txn, self) if kwargs.get("write") and self.armed else txn
+
+    def __getattr__(self, name):
+        return getattr(self._env, name)
+
+
+def main(point: str, store: str) -> None:
+    cache = TieredCache(config(point, store))
+    cache.put("k", V1())
+    cache.put("other", V3())
+    print("COMMITTED", flush=True)
+    tier = cache._nvme
+    env = _Env(tier._env, tier)
+    tier._env = env
+    if point == "after-commit":
+        original = NvmeTier._set_record
+        NvmeTier._set_record = lambda self, d, rec: stop(point) if rec is not None else original(self, d, rec)
+    elif point == "wt-between-delete-and-write":
+        NvmeTier.write = lambda self, d, rec: stop(point)
+    elif point != "wt-returned":
+        env.armed = point
+    if point == "mid-delete-txn":
+        cache.delete("k")
+    else:
+        cache.put("k", V2())
+    if point == "wt-returned":
+        stop(point)
+    raise SystemExit(f"{point}: the hook was never reached")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,1 @@
+"""Developer tools: the crash campaign, the protocol fuzzer (run on demand, not imported by ectier)."""
