@@ -104,6 +104,11 @@ def test_demo_verification_catches_altered_bytes(runner, tmp_path, monkeypatch):
     assert s["mismatches"] == s["ectier"]["mismatches"] == s["ectier"]["hits"] > 0
     assert s["ectier"]["mismatch_examples"][0]["mm_hash"] in {im["mm_hash"] for im in s["images"]}
     assert s["baseline"] is None
+    # the one-line (--quiet) verdict says which store disagreed with the recomputation
+    result, s = _run(runner, tmp_path, *SMALL, "--no-baseline", "--quiet")
+    assert result.exit_code == 1
+    n = s["ectier"]["mismatches"]
+    assert result.output.startswith("FAIL:") and f"{n} mismatches (ectier {n}, baseline -)" in result.output
 
 
 def test_demo_gemma3_fixed_tokens(runner, tmp_path):
