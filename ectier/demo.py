@@ -286,8 +286,8 @@ class StandInEncoder:
     addition and one exactly rounded division per element. (The former ``tanh(features @ P)`` on
     float features was not: MKL's AVX2 and AVX-512 sgemm kernels, or a vectorised vs scalar
     ``tanh``, gave different bytes for the same pixels, so a hit could be reported as a mismatch.)
-    Not thread-safe: one instance keeps a float32 scratch buffer of the largest output seen
-    (``N * embed_dim * 4`` bytes).
+    Not thread-safe: one instance keeps two float32 scratch buffers of the largest output seen
+    (``2 * N * embed_dim * 4`` bytes).
 
     Args:
         model: model name/alias or :class:`~ectier.sizing.ModelSpec` (default ``"qwen3-vl"``).
@@ -360,7 +360,11 @@ class StandInEncoder:
         if self._work.shape[0] < n:  # float32 scratch reused across calls: no fresh pages per image
             self._work = torch.empty(n, self.spec.embed_dim, dtype=torch.float32)
             self._den = torch.empty(n, self.spec.embed_dim, dtype=torch.float32)
-        out = torch.matmul(feats.to(torch.float32), self._proj, out=self._work[:n])  # exact integers
+        out = self._work[:n]
+        if torch.get_float32_matmul_precision() == "highest":
+            torch.matmul(feats.to(torch.float32), self._proj, out=out)  # exact integers
+        else:  # float32 matmuls may run in bf16/tf32: float64 never does (same exact integers)
+            out.copy_(torch.matmul(feats.to(torch.float64), self._proj.to(torch.float64)))
         den = torch.abs(out, out=self._den[:n]).add_(float(1 << 19))  # exact: an integer < 2**24
         out.div_(den)  # one correctly rounded division per element
         return out.to(self.dtype, copy=True)
