@@ -274,10 +274,14 @@ def demo(ctx: click.Context, requests: int, zipf: float, seed: int, host_bytes: 
         ect = summary["ectier"]
         sp = summary["speedup"] or {}
         load = f", load {sp['load']:.1f}x vs safetensors" if sp.get("load") else ""
+        split = ""
+        if summary["mismatches"]:  # which store disagreed with the recomputation tells a cache bug from an oracle bug
+            base = summary["baseline"]
+            split = f" (ectier {ect['mismatches']}, baseline {base['mismatches'] if base else '-'})"
         click.echo(
             f"{'OK' if summary['ok'] else 'FAIL'}: {ect['hits']}/{ect['requests']} hits "
             f"({ect['hit_rate']:.1%} items, {ect['byte_hit_rate']:.1%} bytes), "
-            f"{summary['mismatches']} mismatches{load}, {summary['wall_s']:.1f} s"
+            f"{summary['mismatches']} mismatches{split}{load}, {summary['wall_s']:.1f} s"
             + (" (synthetic pixels: scikit-image is not installed)" if summary["image_source"] == "synthetic" else "")
         )
     else:

@@ -104,6 +104,11 @@ def test_demo_verification_catches_altered_bytes(runner, tmp_path, monkeypatch):
     assert s["mismatches"] == s["ectier"]["mismatches"] == s["ectier"]["hits"] > 0
     assert s["ectier"]["mismatch_examples"][0]["mm_hash"] in {im["mm_hash"] for im in s["images"]}
     assert s["baseline"] is None
+    # the one-line (--quiet) verdict says which store disagreed with the recomputation
+    result, s = _run(runner, tmp_path, *SMALL, "--no-baseline", "--quiet")
+    assert result.exit_code == 1
+    n = s["ectier"]["mismatches"]
+    assert result.output.startswith("FAIL:") and f"{n} mismatches (ectier {n}, baseline -)" in result.output
 
 
 def test_demo_gemma3_fixed_tokens(runner, tmp_path):
@@ -222,6 +227,58 @@ def test_stand_in_encoder_shapes_and_determinism():
     assert tuple(g.shape) == (256, 5376) and g.dtype == torch.bfloat16
     with pytest.raises(ConfigError, match="pixels"):
         enc.encode(grey.astype(np.float32))
+
+
+_ENCODE_DIGESTS = """
+import hashlib, sys
+import numpy as np
+import ectier.demo as demo
+rng = np.random.default_rng(5)
+h = hashlib.blake2b(digest_size=16)
+for w, hgt, ch in ((640, 427, 3), (384, 303, 0), (600, 400, 3), (512, 512, 4)):
+    shape = (hgt, w, ch) if ch else (hgt, w)
+    h.update(demo.StandInEncoder().encode(rng.integers(0, 256, shape, dtype=np.uint8)).view(-1).view(
+        __import__("torch").uint8).numpy().tobytes())
+print(h.hexdigest())
+"""
+
+
+def test_stand_in_encoder_bytes_do_not_depend_on_the_cpu_kernels():
+    """The demo verifies every hit against a recomputation, so the encoder must give the same bytes
+    whatever kernels compute it: here torch's scalar (non-vectorised) kernels and MKL restricted to
+    AVX2. The former float ``tanh(features @ P)`` gave other bytes under both (a vectorised vs
+    scalar ``tanh``; MKL's AVX2 vs AVX-512 sgemm), so the demo could report a correct hit as a
+    mismatch (once: 12 mismatches = every later hit of one entry, in ectier and the baseline alike).
+    """
+    import subprocess
+    import sys
+
+    def digest(**env):
+        full = {**os.environ, **env}
+        r = subprocess.run([sys.executable, "-c", _ENCODE_DIGESTS], env=full, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+
+    base = digest()
+    assert digest(ATEN_CPU_CAPABILITY="default") == base
+    assert digest(MKL_ENABLE_INSTRUCTIONS="AVX2", OMP_NUM_THREADS="1") == base
+
+
+def test_stand_in_encoder_arithmetic_is_exact():
+    enc = demo.StandInEncoder()
+    proj = enc._proj
+    assert torch.equal(proj, proj.round()) and proj.abs().max() <= 255
+    # features are integers 0..1020 over 51 terms: every partial sum of features @ P is exact in float32
+    assert proj.shape[0] * 1020 * 255 < 2**24
+    px = np.random.default_rng(1).integers(0, 256, (427, 640, 3), dtype=np.uint8)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = enc.encode(px)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one.view(torch.int16), demo.StandInEncoder().encode(px).view(torch.int16))
 
 
 def test_zipf_stream():
