@@ -1004,6 +1004,9 @@ class TieredCache:
                     self._forget_nvme_locked(digest)
                     self._nvme_busy += 1
         if stale is not None:
+            # a put into the GPU tier is not written through (it reaches NVMe when demoted, or at
+            # flush): write-back semantics even with nvme.write_through, so the older NVMe record
+            # goes before put returns and a restart never serves bytes older than this put
             self._nvme_delete_pending(digest, stale)
         self._when_done(h, lambda: self._after_gpu_write(slot, h, handle))
         return True
@@ -1384,10 +1387,14 @@ class TieredCache:
             self._current[digest] = version
             if rec is not None and rec.version == version:
                 slot.lower_copy = True
-            elif rec is not None:
+            elif rec is not None and (promotion or not self.config.nvme.write_through):
                 stale_nvme = rec.version
                 self._forget_nvme_locked(digest)
                 self._nvme_busy += 1
+            # with nvme.write_through a put's older NVMe record stays (it is the last durable
+            # value) until the write-through replaces it in one LMDB transaction; _write_through
+            # deletes it before put returns if that write does not land. It is never served
+            # meanwhile: _current names the new version.
         if stale_nvme is not None:
             # the NVMe copy is an older version of this key: remove it before put returns, so a
             # restart never serves it
@@ -1459,8 +1466,9 @@ class TieredCache:
                 self._gpu_unpin(s)
         return written
 
-    def _demote_one(self, slot: Slot) -> bool:
-        """Write a pinned host slot to NVMe. True if NVMe now holds this version."""
+    def _demote_one(self, slot: Slot, *, write_through: bool = False) -> bool:
+        """Write a pinned host slot to NVMe (a demotion, or a put's ``write_through``). True if
+        NVMe now holds this version."""
         assert self._host is not None and self._nvme is not None
         if not self._nvme_fits(slot.meta.nbytes):
             self._count("nvme", skipped_too_large=1)
@@ -1472,7 +1480,11 @@ class TieredCache:
         try:
             ok = self._nvme_store(slot.digest, slot.meta, slot.version, view, register=False)
         except TierWriteError as exc:
-            log.warning("demotion of an entry to NVMe failed (%s); entry dropped", exc)
+            if write_through:
+                log.warning("write-through of an entry to NVMe failed (%s); the entry stays in host "
+                            "memory only (not durable)", exc)
+            else:
+                log.warning("demotion of an entry to NVMe failed (%s); entry dropped", exc)
             return False
         if ok:
             with self._cond:
@@ -1480,16 +1492,37 @@ class TieredCache:
         return ok
 
     def _write_through(self, digest: bytes, meta: EntryMeta, version: int) -> None:
+        """Write the host entry ``version`` of ``digest`` (just committed by a put) to NVMe.
+
+        Its write replaces the key's older NVMe record, if any, in one LMDB transaction (so a crash
+        leaves the old record or the new one, never neither). On every path where that write does
+        not land (write failure, disk full, too large for NVMe, the slot already evicted or
+        replaced, an exception), the older record is deleted before this returns, so no bytes older
+        than this put are ever served, in-process or after a restart.
+        """
         assert self._host is not None
-        with self._cond:
-            slot = self._host.index.lookup(digest)
-            if slot is None or slot.version != version:
-                return
-            self._host.index.pin(slot)
         try:
-            self._demote_one(slot)
+            with self._cond:
+                slot = self._host.index.lookup(digest)
+                if slot is None or slot.version != version:
+                    return
+                self._host.index.pin(slot)
+            try:
+                self._demote_one(slot, write_through=True)
+            finally:
+                self._unpin(slot)
         finally:
-            self._unpin(slot)
+            self._drop_older_nvme(digest, version)
+
+    def _drop_older_nvme(self, digest: bytes, version: int) -> None:
+        """Delete the NVMe record of ``digest`` if it is older than ``version`` (a committed write)."""
+        with self._cond:
+            rec = self._nvme.record(digest) if self._nvme is not None else None
+            if rec is None or rec.version >= version:
+                return
+            self._forget_nvme_locked(digest)
+            self._nvme_busy += 1
+        self._nvme_delete_pending(digest, rec.version)
 
     # ---------------------------------------------------------------------------- NVMe tier
 
@@ -1613,6 +1646,9 @@ class TieredCache:
                 if current == version:
                     self._nvme_lru.add(digest, rec.stored_bytes, self._cost_s.get(digest))
                     return True
+                # a newer version was committed (or the key deleted) while this write ran: this
+                # record is stale, and goes even with nvme.write_through (the newer put's own
+                # write-through may already have finished its check for older records)
                 stale = version
                 self._nvme_busy += 1
                 # our write replaced whatever record the LRU entry of this digest stood for

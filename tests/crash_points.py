@@ -13,10 +13,12 @@ Points (the LMDB write transaction is reached through a proxy of the tier's envi
 - ``mid-txn-payload``: inside the transaction of v2, after its payload ``put``, before its header;
 - ``after-commit``: after the v2 transaction committed, before the tier's in-memory bookkeeping;
 - ``mid-delete-txn``: inside the delete transaction of ``k``, after the header was deleted;
-- ``wt-between-delete-and-write``: write-through overwrite, after the stale NVMe record of ``k`` was
-  deleted and before v2 is written to NVMe;
+- ``wt-between-commit-and-write``: write-through overwrite, after v2 committed in the host tier and
+  before v2 is written to NVMe (the v1 record must still be there);
 - ``wt-mid-txn``: write-through overwrite, inside the v2 NVMe transaction;
-- ``wt-returned``: write-through + sync, right after ``put`` of v2 returned (kill before anything else).
+- ``wt-returned``: write-through + sync, right after ``put`` of v2 returned (kill before anything else);
+- ``wt-failed-returned``: write-through overwrite whose NVMe write fails (``TierWriteError``), right
+  after ``put`` of v2 returned: the v1 record must be gone (v2 lives in host memory only).
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ectier import CacheConfig, HostTierConfig, NvmeTierConfig, TieredCache  # noqa: E402
+from ectier.errors import TierWriteError  # noqa: E402
 from ectier.tiers.nvme import NvmeTier  # noqa: E402
 
 KiB = 1 << 10
-POINTS = ("mid-txn-payload", "after-commit", "mid-delete-txn", "wt-between-delete-and-write", "wt-mid-txn",
-          "wt-returned")
+POINTS = ("mid-txn-payload", "after-commit", "mid-delete-txn", "wt-between-commit-and-write", "wt-mid-txn",
+          "wt-returned", "wt-failed-returned")
 
 
 def value(n: int, seed: int, dtype=torch.float16) -> torch.Tensor:
@@ -115,15 +118,19 @@ def main(point: str, store: str) -> None:
     if point == "after-commit":
         original = NvmeTier._set_record
         NvmeTier._set_record = lambda self, d, rec: stop(point) if rec is not None else original(self, d, rec)
-    elif point == "wt-between-delete-and-write":
+    elif point == "wt-between-commit-and-write":
         NvmeTier.write = lambda self, d, rec: stop(point)
-    elif point != "wt-returned":
+    elif point == "wt-failed-returned":
+        def fail(self, d, rec):
+            raise TierWriteError("nvme tier: injected write failure")
+        NvmeTier.write = fail
+    elif point not in ("wt-returned", "wt-failed-returned"):
         env.armed = point
     if point == "mid-delete-txn":
         cache.delete("k")
     else:
         cache.put("k", V2())
-    if point == "wt-returned":
+    if point in ("wt-returned", "wt-failed-returned"):
         stop(point)
     raise SystemExit(f"{point}: the hook was never reached")
 

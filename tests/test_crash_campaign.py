@@ -5,8 +5,10 @@ damaged accounting.
 
 Promises under test (``docs/operations.md``, "Crash"): a record is written in one LMDB transaction,
 so after a kill it is wholly there or absent; a put that returned with ``nvme.write_through`` (or
-that went to NVMe directly) is served after a restart; an overwrite deletes the older record before
-it returns, so older bytes never come back.
+that went to NVMe directly) is served after a restart; older bytes never come back: in write-back
+mode an overwrite deletes the older record before it returns, with ``nvme.write_through`` the new
+record replaces it in one transaction (a cut overwrite leaves the old value or the new, never a
+miss), and a write-through that does not land deletes it before the put returns.
 """
 
 from __future__ import annotations
@@ -63,9 +65,12 @@ EXPECTED = {
     "mid-txn-payload": ["v1"],  # the transaction never committed: exactly the old record
     "after-commit": ["v2"],  # committed in LMDB: the new record, bookkeeping or not
     "mid-delete-txn": ["v1"],  # the delete never committed
-    "wt-between-delete-and-write": [None, "v1"],  # the stale record went before the new one was written
-    "wt-mid-txn": [None, "v1"],
+    # write-through: the old record stays until the new one replaces it in one transaction
+    "wt-between-commit-and-write": ["v1"],
+    "wt-mid-txn": ["v1"],
     "wt-returned": ["v2"],  # write_through + sync: a put that returned survives SIGKILL
+    # the write-through failed: v2 lived in host memory only, and v1 was deleted before put returned
+    "wt-failed-returned": [None],
 }
 
 
@@ -153,9 +158,10 @@ def test_checker_passes_an_honest_store(tmp_path):
 
 
 @pytest.mark.parametrize("fault", ["foreign-bytes", "old-value-back", "committed-lost", "never-put-served",
-                                   "cut-overwrite-lost-strict", "header-without-payload"])
+                                   "cut-overwrite-lost-strict", "cut-overwrite-lost-write-through",
+                                   "header-without-payload"])
 def test_checker_catches_each_kind_of_failure(tmp_path, fault):
-    state, j = _state(tmp_path)
+    state, j = _state(tmp_path, "write-through" if fault == "cut-overwrite-lost-write-through" else "nvme-only")
     with TieredCache(cc.cache_config(state.name, state.store)) as cache:
         _put(cache, j, 1, "k00")
         _put(cache, j, 2, "k01")
@@ -168,9 +174,9 @@ def test_checker_catches_each_kind_of_failure(tmp_path, fault):
             cache.delete("k00")  # behind the journal's back
         elif fault == "never-put-served":
             cache.put("k05", cc.value_for(1, 5))
-        elif fault == "cut-overwrite-lost-strict":
+        elif fault in ("cut-overwrite-lost-strict", "cut-overwrite-lost-write-through"):
             j.line(f"I 4 k00 {time.monotonic_ns()}")  # an overwrite cut by the kill...
-            cache.delete("k00")  # ...that left neither the old nor the new value (nvme-only is strict)
+            cache.delete("k00")  # ...that left neither the old nor the new value (both variants are strict)
     if fault == "header-without-payload":
         env, meta, data, _, _ = __import__("conftest").open_lmdb(state.store)
         from ectier.entry import entry_digest
@@ -178,7 +184,7 @@ def test_checker_catches_each_kind_of_failure(tmp_path, fault):
         with env.begin(write=True) as txn:
             txn.delete(entry_digest(cc.NAMESPACE, "k00"), db=data)
         env.close()
-    t = _verify(state)
+    t = _verify(state, strict=state.name in cc.STRICT_OVERWRITE)
     if fault in ("foreign-bytes", "old-value-back", "never-put-served"):
         assert t.wrong_bytes == 1, t.failures
     elif fault == "header-without-payload":
@@ -219,9 +225,9 @@ main(["serve", "--config", sys.argv[1]], prog_name="stalling-daemon")
 
 def test_daemon_killed_mid_commit_keeps_acknowledged_entries():
     """The daemon is SIGKILLed while it executes a client's commit of K v2 (host commit done, the
-    older NVMe record of K removed, the write-through of v2 not done): after a restart every
-    acknowledged entry is served, K is its old value or a miss (its commit was never acknowledged),
-    and the client got a clean DaemonUnavailableError, not a hang."""
+    write-through of v2 not done): after a restart every acknowledged entry is served, K is its old
+    value (its commit was never acknowledged; the older NVMe record stays until the write-through
+    replaces it), and the client got a clean DaemonUnavailableError, not a hang."""
     from daemon_helpers import (DaemonProcess, daemon_config, make_tensor, remove_dir, short_tmpdir,
                                 tensor_digest, wait_for, write_config)
     from ectier.daemon.client import DaemonClient, DaemonUnavailableError
@@ -264,7 +270,7 @@ def test_daemon_killed_mid_commit_keeps_acknowledged_entries():
         with DaemonClient(sock) as fresh:
             assert tensor_digest(fresh.get("other")) == tensor_digest(other)
             got = fresh.get("K")
-            assert got is None or tensor_digest(got) == tensor_digest(v1)
+            assert got is not None and tensor_digest(got) == tensor_digest(v1)
             st = fresh.stats()["tiers"]["nvme"]
             assert st["quarantined"] == 0 and st["checksum_failures"] == 0
     finally:

@@ -130,6 +130,96 @@ def test_write_through_in_process(make_cache):
         assert_same(cache.get(f"k{i}"), filled(64 * KiB, i))
 
 
+def test_write_through_overwrite_keeps_the_old_record_until_the_new_one_replaces_it(make_cache, monkeypatch):
+    """With write_through the older NVMe record of an overwritten key is the last durable value: it
+    stays until the new record replaces it in one LMDB transaction (a crash in between leaves the
+    old value, never a miss), and is never served meanwhile."""
+    from ectier.tiers.nvme import NvmeTier
+
+    cache, _ = make_cache(host_bytes=4 * 64 * KiB, write_through=True)
+    old, new = filled(64 * KiB, 1), random_tensor((5, 7), torch.float16, 3)
+    cache.put("k", old)
+    v_old = cache._nvme.record(digest("k")).version
+    seen = []
+    original = NvmeTier.write
+
+    def write(self, d, record):
+        if d == digest("k"):
+            rec = self.record(d)
+            seen.append((rec.version if rec is not None else None, record.header.version))
+            with cache._cond:
+                assert cache._current[d] == record.header.version != rec.version
+            assert_same(cache.get("k"), new)  # the old record is not served meanwhile
+        return original(self, d, record)
+
+    monkeypatch.setattr(NvmeTier, "write", write)
+    cache.put("k", new)
+    assert len(seen) == 1 and seen[0][0] == v_old and seen[0][1] > v_old  # old record still there
+    assert cache._nvme.record(digest("k")).version == seen[0][1]
+    assert cache._nvme.record(digest("k")).header.dtype == "float16"
+    assert_same(cache.get("k"), new)
+    st = cache.stats()["tiers"]["nvme"]
+    assert st["puts"] == 2 and st["entries"] == 1 and st["write_failures"] == 0
+    assert cache._nvme_busy == 0 and cache._nvme_reserved == 0
+    check_quiescent(cache)
+
+
+@pytest.mark.parametrize("failure", ["write-error", "too-large-for-nvme", "exception", "slot-evicted"])
+def test_failed_write_through_of_an_overwrite_leaves_no_old_record(make_cache, monkeypatch, failure):
+    """Every path where the write-through of an overwrite does not land deletes the older NVMe
+    record before put returns: in-process the key is its new value (host) or a miss, after a
+    restart a miss — never the old value."""
+    from ectier.tiers.nvme import NvmeTier
+
+    nvme_bytes = 256 * KiB if failure == "too-large-for-nvme" else 1 * MiB
+    cache, cfg = make_cache(host_bytes=1 * MiB, nvme_bytes=nvme_bytes, write_through=True, flush_on_close=False)
+    old = filled(16 * KiB, 1)
+    new = filled(320 * KiB, 2) if failure == "too-large-for-nvme" else random_tensor((5, 7), torch.float16, 3)
+    cache.put("k", old)
+    cache.put("other", filled(16 * KiB, 4))
+    assert nvme_holds(cache, "k")
+    if failure == "write-error":
+        def fail(self, d, record):
+            raise TierWriteError("nvme tier: injected write failure")
+        monkeypatch.setattr(NvmeTier, "write", fail)
+    elif failure == "exception":
+        def boom(slot, **kw):
+            raise RuntimeError("injected")
+        monkeypatch.setattr(cache, "_demote_one", boom)
+    elif failure == "slot-evicted":
+        original = cache._write_through
+
+        def evicted_first(d, meta, version):  # the slot is gone (evicted, its demotion failed)
+            with cache._cond:
+                slot = cache._host.index.lookup(d)
+                cache._host.index.remove(slot)
+            return original(d, meta, version)
+        monkeypatch.setattr(cache, "_write_through", evicted_first)
+    if failure == "exception":
+        with pytest.raises(RuntimeError):
+            cache.put("k", new)
+    else:
+        cache.put("k", new)
+    monkeypatch.undo()
+    assert not nvme_holds(cache, "k")  # the old record went before put returned
+    got = cache.get("k")
+    assert got is None or torch.equal(got.view(torch.uint8).flatten(), new.view(torch.uint8).flatten())
+    if failure == "slot-evicted":
+        with cache._cond:
+            cache._current.pop(digest("k"), None)  # what the eviction's bookkeeping does
+    else:
+        assert_same(got, new)  # served from host memory (not durable)
+    st = cache.stats()["tiers"]["nvme"]
+    assert st["write_failures"] == (1 if failure == "write-error" else 0)
+    assert st["entries"] == 1 and cache._nvme_busy == 0 and cache._nvme_reserved == 0
+    check_quiescent(cache)
+    cache.close()
+    with TieredCache(cfg) as reopened:  # no flush on close: a restart must not find the old value
+        assert reopened.get("k") is None
+        assert_same(reopened.get("other"), filled(16 * KiB, 4))
+        check_quiescent(reopened)
+
+
 CHILD_PUT_AND_DIE = """
 import os, sys, torch
 from ectier import CacheConfig, HostTierConfig, NvmeTierConfig, TieredCache
