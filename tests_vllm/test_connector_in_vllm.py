@@ -600,3 +600,19 @@ def test_consumer_entries_in_the_gpu_tier_are_pinned_and_loaded(engine, tmp_path
     assert stats["hits"] == 2 and stats["loads"] == 2
     assert cache.stats()["tiers"]["gpu"]["hits"] == 2  # read out of the GPU tier
     assert sched.ec_connector._pins == {}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_gpu_tier_without_cuda_stops_the_engine_naming_the_key(model_dir, tmp_path):
+    """The gpu key reaches TieredCache: on a machine without CUDA the store refuses to open, and
+    the error names the extra-config key (nothing is left open)."""
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+    from ectier.errors import ConfigError
+    from ectier_vllm.connector import ECTierConnector
+    from ectier_vllm.store import open_stores
+
+    cfg = H.make_vllm_config(model_dir, "ec_consumer", {**inproc(tmp_path), "gpu": GPU})
+    with pytest.raises(ConfigError, match=r"ec_connector_extra_config\.gpu\.capacity_bytes: .*CUDA is not available"):
+        ECTierConnector(cfg, ECConnectorRole.SCHEDULER)
+    assert open_stores() == 0
