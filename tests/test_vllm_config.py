@@ -84,15 +84,40 @@ def test_invalid_extra_config_names_the_key(extra, needle):
     assert needle in str(info.value)
 
 
-def test_gpu_key_is_refused_clearly_without_a_gpu_tier():
-    from ectier.config import CacheConfig
+def test_gpu_key_maps_onto_cache_config_gpu():
+    s = settings_from_extra_config(
+        {"gpu": {"device": "cuda:1", "capacity_bytes": "2GiB", "block_bytes": "2MiB", "policy": "gdsf",
+                 "copy_streams": 4}, "host": {"capacity_bytes": "1GiB"}},
+        default_ns=NS,
+    )
+    gpu = s.cache.gpu
+    assert gpu.enabled and gpu.device == "cuda:1" and gpu.capacity_bytes == 2 << 30
+    assert gpu.block_bytes == 2 << 20 and gpu.policy == "gdsf" and gpu.copy_streams == 4
+    assert s.cache.host.capacity_bytes == 1 << 30
+    assert not settings_from_extra_config({}, default_ns=NS).cache.gpu.enabled  # off unless asked
 
-    if "gpu" in CacheConfig.__dataclass_fields__:
-        s = settings_from_extra_config({"gpu": {}}, default_ns=NS)
-        assert s.cache.gpu is not None
-    else:
-        with pytest.raises(ConfigError, match=r"ec_connector_extra_config\.gpu: this ectier build has no GPU tier"):
-            settings_from_extra_config({"gpu": {}}, default_ns=NS)
+
+@pytest.mark.parametrize(
+    "gpu, needle",
+    [
+        ({"device": "cuda"}, "ec_connector_extra_config.gpu.device: expected an explicit 'cuda:<index>'"),
+        ({"block_bytes": 1000}, "ec_connector_extra_config.gpu.block_bytes"),
+        ({"capacity_bytes": "lots"}, "ec_connector_extra_config.gpu.capacity_bytes"),
+        ({"copy_streams": 9}, "ec_connector_extra_config.gpu.copy_streams"),
+        ({"policy": "fifo"}, "ec_connector_extra_config.gpu.policy"),
+        ({"capacty_bytes": 1}, "ec_connector_extra_config.gpu.capacty_bytes: unknown setting"),
+        (3, "ec_connector_extra_config.gpu: expected a mapping"),
+    ],
+)
+def test_invalid_gpu_sub_config_names_the_field(gpu, needle):
+    with pytest.raises(ConfigError) as info:
+        settings_from_extra_config({"gpu": gpu}, default_ns=NS)
+    assert needle in str(info.value)
+
+
+def test_gpu_key_is_refused_in_daemon_mode():
+    with pytest.raises(ConfigError, match=r"ec_connector_extra_config\.gpu: not used in daemon mode"):
+        settings_from_extra_config({"mode": "daemon", "gpu": {"capacity_bytes": "1GiB"}}, default_ns=NS)
 
 
 def test_mapping_module_imports_neither_vllm_nor_torch():

@@ -9,14 +9,82 @@ Each scenario is a sequence of engine steps: ``Scheduler.schedule()`` (which cal
 
 from __future__ import annotations
 
+import threading
+
 import lmdb
 import pytest
 import torch
 
 import harness as H
 from conftest import run_step
+from ectier.cache import LoadHandle, PutHandle
+from ectier.copy import DeferredCopyEngine, InlineCopyEngine
 
 NS = "test-ns"
+GPU = {"capacity_bytes": "2MiB", "block_bytes": "64KiB"}  # the GPU tier, CPU-faked (cache_hooks)
+
+
+class Engine(DeferredCopyEngine):
+    """ectier's DeferredCopyEngine (copies run at ``complete()``), which the fixture switches to
+    completing every copy at once (``auto``) before the connectors shut down."""
+
+    auto = False
+
+    def copy(self, pairs, *, lane):
+        handle = super().copy(pairs, lane=lane)
+        if self.auto:
+            self.complete()
+        return handle
+
+
+@pytest.fixture
+def cache_hooks(monkeypatch):
+    """``cache_hooks(engine, gpu=False)``: every in-process TieredCache opened afterwards routes its
+    copies through ``engine`` (TieredCache's ``_copy_engine`` test hook); ``gpu=True`` also puts
+    the GPU tier's arena in CPU memory (``_gpu_device="cpu"``), so the worker's device ("cpu" here)
+    is the GPU tier's device. Request this fixture after ``engine``: it completes deferred copies
+    before the connectors shut down (shutdown waits for them)."""
+    from ectier_vllm import store
+
+    engines = []
+
+    def set_hooks(copy_engine, gpu=False):
+        engines.append(copy_engine)
+        hooks = {"_copy_engine": copy_engine, **({"_gpu_device": "cpu"} if gpu else {})}
+        monkeypatch.setattr(store, "_CACHE_TEST_HOOKS", hooks)
+        return copy_engine
+
+    yield set_hooks
+    for e in engines:
+        if isinstance(e, Engine):
+            e.auto = True
+            e.complete()
+
+
+def host_pins(cache) -> int:
+    """Readers' pins on host-arena entries (scheduler pins not yet released)."""
+    return sum(s.pins for s in cache._host.index.slots())
+
+
+def wait_prefetches(conn):
+    """Let the promotions the connector started finish (its real TieredCache LoadHandles)."""
+    for pf in list(conn._prefetching.values()):
+        for h in pf.handles:
+            assert isinstance(h, LoadHandle)
+            h.wait(10)
+            assert h.done()
+
+
+def run_step_loading(sched, worker):
+    """Engine steps until the new requests are scheduled: a request whose stored items must be
+    promoted first (NVMe → host, TieredCache.prefetch in its own threads) is deferred by
+    ensure_cache_available until the LoadHandles are done. Returns (so, out) of the scheduling step."""
+    for _ in range(5):
+        so, out = run_step(sched, worker)
+        if so.num_scheduled_tokens or not sched.ec_connector._prefetching:
+            return so, out
+        wait_prefetches(sched.ec_connector)
+    raise AssertionError("requests still deferred after 5 steps")
 
 
 def inproc(tmp_path, **host):
@@ -70,6 +138,10 @@ def test_producer_then_fresh_consumer_loads_byte_identical(engine, tmp_path):
     assert store.open_stores() == 0  # the producer's store is closed; the consumer reopens NVMe
     sched, worker = engine("ec_consumer", inproc(tmp_path, admit_wait_s=0.25))
     sched.add_request(H.make_request("c", items))
+    so, out = run_step(sched, worker)  # the items are on NVMe only: the connector prefetches them
+    assert so.num_scheduled_tokens == {}  # the request waits for the NVMe → host promotion
+    assert out[0].scheduler_stats.ec_connector_stats["deferrals"] == 1
+    wait_prefetches(sched.ec_connector)
     so, out = run_step(sched, worker)
     assert so.scheduled_encoder_inputs == {}  # no encoder work: both items come from ectier
     assert [it.mm_hash for it in so.ec_connector_metadata.loads] == [i.mm_hash for i in items]
@@ -106,7 +178,7 @@ def test_missing_item_is_encoded(engine, tmp_path):
     produce(engine, inproc(tmp_path), [H.Item("d" * 64, 0, 50)])
     sched, worker = engine("ec_consumer", inproc(tmp_path, admit_wait_s=0.25))
     sched.add_request(H.make_request("c", [H.Item("d" * 64, 0, 50), H.Item("never-stored", 100, 20)]))
-    so, out = run_step(sched, worker)
+    so, out = run_step_loading(sched, worker)
     assert so.scheduled_encoder_inputs == {"c": [1]}  # only the missing one is encoded
     assert worker.encoded == ["never-stored"]
     assert errors_of(out) == {}
@@ -130,7 +202,7 @@ def test_corrupted_item_fails_checksum_and_is_encoded(engine, tmp_path, monkeypa
         env.close()
     sched, worker = engine("ec_consumer", inproc(tmp_path, admit_wait_s=0.25, capacity_bytes="4MiB"))
     sched.add_request(H.make_request("c", [item]))
-    so, out = run_step(sched, worker)
+    so, out = run_step_loading(sched, worker)  # the prefetch reads the record: checksum fails
     assert so.scheduled_encoder_inputs == {"c": [0]}  # corrupt => miss => re-encoded
     assert worker.encoded == [item.mm_hash]
     assert errors_of(out) == {}
@@ -227,65 +299,6 @@ def test_failed_load_of_a_vanished_item_fails_retries_until_vllm_drops_it(engine
     assert same_bytes(worker.encoder_cache[item.mm_hash], H.encoder_output(item.mm_hash, 40))
 
 
-class FakeHandle:
-    def __init__(self):
-        self.ready = False
-        self.error = None
-
-    def done(self):
-        return self.ready
-
-    def wait(self, timeout_s=None):
-        self.ready = True
-        return True
-
-
-def test_request_waits_for_prefetch_then_loads(engine, tmp_path, monkeypatch):
-    """With ectier's async prefetch, ensure_cache_available defers the request until it is done."""
-    item = H.Item("j" * 64, 0, 40)
-    sched, worker = engine("ec_both", inproc(tmp_path))
-    store = sched.ec_connector._store
-    store.put(item.mm_hash, H.encoder_output(item.mm_hash, 40))
-    handle = FakeHandle()
-    calls = []
-    monkeypatch.setattr(store, "prefetch", lambda keys: calls.append(list(keys)) or [handle])
-    sched.add_request(H.make_request("c", [item]))
-    so, out = run_step(sched, worker)
-    assert calls == [[item.mm_hash]]
-    assert so.num_scheduled_tokens == {}  # deferred: nothing scheduled
-    assert out[0].scheduler_stats.ec_connector_stats["deferrals"] == 1
-    handle.ready = True
-    so, out = run_step(sched, worker)
-    assert so.num_scheduled_tokens.get("c") and so.scheduled_encoder_inputs == {}
-    assert same_bytes(worker.encoder_cache[item.mm_hash], H.encoder_output(item.mm_hash, 40))
-
-
-def test_async_put_completion_reported_and_shutdown_waits(engine, tmp_path, monkeypatch):
-    sched, worker = engine("ec_producer", inproc(tmp_path))
-    handles = []
-    real_put = worker.connector._store.put
-
-    def put(key, t):
-        real_put(key, t)
-        handles.append(FakeHandle())
-        return handles[-1]
-
-    monkeypatch.setattr(worker.connector._store, "put", put)
-    sched.add_request(H.make_request("p", [H.Item("k" * 64, 0, 30)]))
-    so = sched.schedule()
-    out = worker.execute(so)
-    assert out.ec_connector_output.ec_connector_worker_meta is None  # save still in flight
-    assert len(worker.connector._pending_saves) == 1
-    handles[0].ready = True
-    meta = worker.connector.build_connector_worker_meta()
-    assert meta.saved == ["k" * 64] and meta.stats["saves"] == 1
-    # shutdown waits for puts still in flight
-    worker.connector.save_caches({"x": torch.zeros(2, H.WIDTH, dtype=H.DTYPE)}, "x")
-    assert not handles[1].ready
-    worker.connector.shutdown()
-    assert handles[1].ready
-
-
 def test_request_finished_returns_no_delay_and_releases_pins(engine, tmp_path):
     item = H.Item("l" * 64, 0, 40)
     sched, worker = engine("ec_both", inproc(tmp_path))
@@ -293,9 +306,10 @@ def test_request_finished_returns_no_delay_and_releases_pins(engine, tmp_path):
     req = H.make_request("c", [item])
     assert sched.ec_connector.ensure_cache_available(req, 0) is True
     assert item.mm_hash in sched.ec_connector._pins
+    assert host_pins(sched.ec_connector._store.cache) == 1
     assert sched.ec_connector.request_finished(req) == (False, None)
     assert sched.ec_connector._pins == {}
-    assert sched.ec_connector._store.cache.stats()["tiers"]["host"]["pinned"] == 0
+    assert host_pins(sched.ec_connector._store.cache) == 0
 
 
 def test_prometheus_metrics_through_vllms_ec_connector_prom(engine, tmp_path):
@@ -356,7 +370,7 @@ def test_two_requests_sharing_an_item_in_one_step_load_it_once(engine, tmp_path)
     assert errors_of(out) == {}
     assert same_bytes(worker.encoder_cache[item.mm_hash], ref)
     assert sched.ec_connector._pins == {}
-    assert sched.ec_connector._store.cache.stats()["tiers"]["host"]["pinned"] == 0
+    assert host_pins(sched.ec_connector._store.cache) == 0
 
 
 def test_chunked_prefill_loads_once_and_pins_nothing_afterwards(engine, tmp_path):
@@ -376,7 +390,7 @@ def test_chunked_prefill_loads_once_and_pins_nothing_afterwards(engine, tmp_path
     assert loads == [item.mm_hash]
     assert worker.encoded == []
     assert same_bytes(worker.encoder_cache[item.mm_hash], ref)
-    assert sched.ec_connector._store.cache.stats()["tiers"]["host"]["pinned"] == 0
+    assert host_pins(sched.ec_connector._store.cache) == 0
 
 
 def test_stats_reach_vllms_ec_connector_logging(engine, tmp_path):
@@ -396,28 +410,6 @@ def test_stats_reach_vllms_ec_connector_logging(engine, tmp_path):
     assert len(lines) == 1
     assert "hits=1" in lines[0] and "misses=1" in lines[0] and "loads=1" in lines[0]
     assert f"load_bytes={40 * H.WIDTH * 2}" in lines[0] and "hit_rate=0.5" in lines[0]
-
-
-def test_promotion_past_load_timeout_is_reencoded(engine, tmp_path, monkeypatch):
-    """A promotion that never completes stops deferring the request after load_timeout_s: the
-    item is re-encoded (no synchronous read on the scheduler's path)."""
-    item = H.Item("t" * 64, 0, 40)
-    sched, worker = engine("ec_both", {**inproc(tmp_path), "load_timeout_s": 0.05})
-    store = sched.ec_connector._store
-    store.put(item.mm_hash, H.encoder_output(item.mm_hash, 40))
-    monkeypatch.setattr(store, "prefetch", lambda keys: [FakeHandle()])  # never done
-    acquired = []
-    monkeypatch.setattr(store, "acquire", lambda key: acquired.append(key))
-    sched.add_request(H.make_request("c", [item]))
-    so, _ = run_step(sched, worker)
-    assert so.num_scheduled_tokens == {}  # waiting for the promotion
-    import time
-
-    time.sleep(0.1)
-    so, out = run_step(sched, worker)
-    assert so.scheduled_encoder_inputs == {"c": [0]}
-    assert acquired == []
-    assert out[0].scheduler_stats.ec_connector_stats["rejected"] == 1
 
 
 def test_inprocess_mode_is_refused_when_workers_are_other_processes(model_dir, tmp_path):
@@ -444,15 +436,183 @@ def test_bad_extra_config_stops_the_engine_with_the_key_named(model_dir, monkeyp
         H.make_scheduler(cfg, monkeypatch)
 
 
-def test_failed_async_put_is_reported_not_raised(engine, tmp_path, monkeypatch):
-    from ectier.errors import TierWriteError
+def test_request_waits_for_a_real_prefetch_then_loads(engine, tmp_path, cache_hooks):
+    """ensure_cache_available defers the request while TieredCache.prefetch's LoadHandle is not
+    done (here: the item's put is still in flight in the copy engine), then pins and loads it."""
+    copies = cache_hooks(Engine())
+    item = H.Item("j" * 64, 0, 40)
+    sched, worker = engine("ec_both", inproc(tmp_path))
+    ref = H.encoder_output(item.mm_hash, 40)
+    put = sched.ec_connector._store.put(item.mm_hash, ref)
+    assert isinstance(put, PutHandle) and not put.done() and copies.pending == 1
+    sched.add_request(H.make_request("c", [item]))
+    for _ in range(2):  # deferred as long as the copy has not run
+        so, out = run_step(sched, worker)
+        assert so.num_scheduled_tokens == {}
+        assert out[0].scheduler_stats.ec_connector_stats["deferrals"] == 1
+    [pf] = sched.ec_connector._prefetching.values()
+    [handle] = pf.handles
+    assert isinstance(handle, LoadHandle) and not handle.done()
+    copies.complete()
+    assert handle.wait(10) is True
+    so, out = run_step(sched, worker)
+    assert so.num_scheduled_tokens.get("c") and so.scheduled_encoder_inputs == {}
+    assert [it.mm_hash for it in so.ec_connector_metadata.loads] == [item.mm_hash]
+    assert worker.encoded == []
+    assert same_bytes(worker.encoder_cache[item.mm_hash], ref)
+    assert errors_of(out) == {}
 
-    sched, worker = engine("ec_producer", inproc(tmp_path))
-    handle = FakeHandle()
-    handle.ready, handle.error = True, TierWriteError("disk full")
-    monkeypatch.setattr(worker.connector._store, "put", lambda key, t: handle)
-    sched.add_request(H.make_request("p", [H.Item("x" * 64, 0, 30)]))
+
+def test_promotion_past_load_timeout_is_reencoded(engine, tmp_path, cache_hooks, monkeypatch):
+    """A promotion that does not complete stops deferring the request after load_timeout_s: the
+    item is re-encoded (no synchronous read on the scheduler's path)."""
+    copies = cache_hooks(Engine())
+    item = H.Item("t" * 64, 0, 40)
+    sched, worker = engine("ec_both", {**inproc(tmp_path), "load_timeout_s": 0.05})
+    store = sched.ec_connector._store
+    store.put(item.mm_hash, H.encoder_output(item.mm_hash, 40))  # its copy never runs in this test
+    acquired = []
+    real_acquire = store.acquire
+    monkeypatch.setattr(store, "acquire", lambda key, device: acquired.append(key) or real_acquire(key, device))
+    sched.add_request(H.make_request("c", [item]))
+    so, _ = run_step(sched, worker)
+    assert so.num_scheduled_tokens == {}  # waiting for the promotion
+    [pf] = sched.ec_connector._prefetching.values()
+    assert not pf.handles[0].done()
+    import time
+
+    time.sleep(0.1)
+    so, out = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs == {"c": [0]}
+    assert acquired == []
+    assert out[0].scheduler_stats.ec_connector_stats["rejected"] == 1
+    assert copies.pending >= 1  # still in flight: the timeout, not the copy, ended the wait
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["host-tier", "gpu-tier"])
+def test_async_put_is_reported_once_its_copy_completed(engine, tmp_path, cache_hooks, gpu):
+    """save_caches hands the tensor to TieredCache.put and keeps its PutHandle: the save is not
+    reported while the copy engine has not run the copy (into the pinned host arena, or into the
+    GPU tier), and is once it has; shutdown waits for a put still in flight."""
+    copies = cache_hooks(Engine(), gpu=gpu)
+    extra = {**inproc(tmp_path), **({"gpu": GPU} if gpu else {})}
+    sched, worker = engine("ec_producer", extra)
+    cache = worker.connector._store.cache
+    item = H.Item("k" * 64, 0, 30)
+    sched.add_request(H.make_request("p", [item]))
+    so = sched.schedule()
+    out = worker.execute(so)
+    assert worker.encoded == [item.mm_hash]
+    assert out.ec_connector_output.ec_connector_worker_meta is None  # save still in flight
+    [ps] = worker.connector._pending_saves
+    assert isinstance(ps.handle, PutHandle) and not ps.handle.done()
+    assert copies.pending == 1
+    assert worker.connector.build_connector_worker_meta() is None  # polled again: still in flight
+    copies.complete()
+    assert ps.handle.wait(10) is True
+    meta = worker.connector.build_connector_worker_meta()
+    assert meta.saved == [item.mm_hash] and meta.save_failed == []
+    assert meta.stats["saves"] == 1 and meta.stats["save_bytes"] == 30 * H.WIDTH * 2
+    tiers = cache.stats()["tiers"]
+    assert (tiers.get("gpu", {}).get("puts", 0), tiers["host"]["puts"]) == ((1, 0) if gpu else (0, 1))
+    copies.auto = True  # reads out of the GPU tier go through the engine too
+    assert same_bytes(cache.get(item.mm_hash), worker.encoder_cache[item.mm_hash])
+    copies.auto = False
+    # shutdown waits for puts still in flight
+    late = torch.randn(2, H.WIDTH).to(H.DTYPE)
+    worker.connector.save_caches({"x" * 64: late}, "x" * 64)
+    [ps] = worker.connector._pending_saves
+    assert not ps.handle.done()
+
+    def finish():
+        copies.auto = True  # the flush after the wait reads the GPU tier through the engine
+        copies.complete()
+
+    timer = threading.Timer(0.2, finish)
+    timer.start()
+    worker.connector.shutdown()  # returns only after the timer ran the copy
+    timer.join()
+    assert ps.handle.done() and ps.handle.wait(0) is True
+    assert same_bytes(sched.ec_connector._store.cache.get("x" * 64), late)
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["host-tier", "gpu-tier"])
+def test_failed_put_copy_is_a_logged_save_failure_then_a_miss(engine, tmp_path, cache_hooks, monkeypatch, gpu):
+    """A copy that fails in the engine (e.g. a CUDA error) finishes the PutHandle with an error:
+    the connector logs and reports a save failure (never raises into the step), the store does not
+    hold the item, and the next request that needs it encodes it again."""
+    import ectier_vllm.connector as conn_mod
+
+    copies = cache_hooks(Engine(), gpu=gpu)
+    warnings = []
+    monkeypatch.setattr(conn_mod.logger, "warning", lambda fmt, *a: warnings.append(fmt % a))
+    extra = {**inproc(tmp_path), **({"gpu": GPU} if gpu else {})}
+    sched, worker = engine("ec_both", extra)
+    item = H.Item("x" * 64, 0, 30)
+    sched.add_request(H.make_request("p", [item], max_tokens=1))
     so, out = run_step(sched, worker)
     assert so.scheduled_encoder_inputs == {"p": [0]}
-    assert out[0].scheduler_stats.ec_connector_stats["save_failures"] == 1
-    assert "saves" not in out[0].scheduler_stats.ec_connector_stats
+    [ps] = worker.connector._pending_saves
+    copies.fail_with = RuntimeError("CUDA error: an illegal memory access was encountered")
+    copies.complete()
+    assert ps.handle.wait(10) is False and isinstance(ps.handle.error, RuntimeError)
+    meta = worker.connector.build_connector_worker_meta()
+    assert meta.save_failed == [item.mm_hash] and meta.saved == []
+    assert meta.stats["save_failures"] == 1 and "saves" not in meta.stats
+    assert any(f"saving {item.mm_hash} failed (RuntimeError" in w for w in warnings)
+    assert not sched.ec_connector._store.contains(item.mm_hash)
+    # vLLM forgets its copy; a new request needs the item: a miss, encoded again
+    worker.encoder_cache.clear()
+    sched.encoder_cache_manager.reset()
+    sched.add_request(H.make_request("c", [item]))
+    so, out = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs == {"c": [0]}
+    assert worker.encoded == [item.mm_hash, item.mm_hash]
+    assert errors_of(out) == {}
+
+
+def test_consumer_entries_in_the_gpu_tier_are_pinned_and_loaded(engine, tmp_path, cache_hooks):
+    """ec_both with a GPU tier (CPU-faked): what the worker put lives only in the GPU tier, where a
+    host-arena lease cannot pin it. prefetch(device=worker device) finds it there at once, the
+    scheduler pins it by reading it from the GPU tier onto the worker's device, and the worker
+    places that copy; a delete between schedule and load changes nothing."""
+    cache_hooks(InlineCopyEngine(), gpu=True)
+    sched, worker = engine("ec_both", {**inproc(tmp_path), "gpu": GPU})
+    cache = sched.ec_connector._store.cache
+    items = [H.Item("y" * 64, 0, 40), H.Item("z" * 64, 100, 24)]
+    refs = {it.mm_hash: H.encoder_output(it.mm_hash, it.length) for it in items}
+    for h, ref in refs.items():
+        assert cache.put(h, ref).wait(10) is True
+    tiers = cache.stats()["tiers"]
+    assert tiers["gpu"]["entries"] == 2 and tiers["host"]["entries"] == 0
+    assert cache.acquire(items[0].mm_hash) is None  # no host copy to lease
+    sched.add_request(H.make_request("c", items))
+    so = sched.schedule()
+    assert so.scheduled_encoder_inputs == {}  # both pinned: nothing to encode, no deferral
+    assert [it.mm_hash for it in so.ec_connector_metadata.loads] == [it.mm_hash for it in items]
+    cache.delete(items[1].mm_hash)  # deleted between schedule and load: the pin still serves it
+    out = sched.update_from_output(so, worker.execute(so))
+    assert worker.encoded == []
+    for h, ref in refs.items():
+        assert same_bytes(worker.encoder_cache[h], ref)
+    assert errors_of(out) == {}
+    stats = out[0].scheduler_stats.ec_connector_stats
+    assert stats["hits"] == 2 and stats["loads"] == 2
+    assert cache.stats()["tiers"]["gpu"]["hits"] == 2  # read out of the GPU tier
+    assert sched.ec_connector._pins == {}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_gpu_tier_without_cuda_stops_the_engine_naming_the_key(model_dir, tmp_path):
+    """The gpu key reaches TieredCache: on a machine without CUDA the store refuses to open, and
+    the error names the extra-config key (nothing is left open)."""
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+    from ectier.errors import ConfigError
+    from ectier_vllm.connector import ECTierConnector
+    from ectier_vllm.store import open_stores
+
+    cfg = H.make_vllm_config(model_dir, "ec_consumer", {**inproc(tmp_path), "gpu": GPU})
+    with pytest.raises(ConfigError, match=r"ec_connector_extra_config\.gpu\.capacity_bytes: .*CUDA is not available"):
+        ECTierConnector(cfg, ECConnectorRole.SCHEDULER)
+    assert open_stores() == 0

@@ -9,7 +9,8 @@ Keys (see docs/vllm.md for the full table)::
 
     mode            "inprocess" (default) | "daemon"
     namespace       default: "<model>@<revision>:<dtype>" of the engine
-    host, nvme, gpu  in-process mode: ectier tier sub-configs (CacheConfig.host / .nvme / .gpu)
+    host, nvme, gpu  in-process mode: ectier tier sub-configs (CacheConfig.host / .nvme / .gpu);
+                    gpu.device must be the worker's own device (checked when the store opens)
     config_path     in-process mode: an ectier .yaml/.json config file (instead of host/nvme/gpu)
     socket_path     daemon mode: the socket of `ectier serve` (default: DaemonConfig's default)
     daemon_timeout_s  daemon mode: seconds per daemon call (default 30)
@@ -56,6 +57,7 @@ class ConnectorSettings:
         socket_path: daemon mode: the daemon's socket (``None``: DaemonConfig's default).
         daemon_timeout_s: daemon mode: socket timeout per call.
         load_timeout_s: seconds a request may stay deferred waiting for a promotion.
+        config_path: in-process mode: the ectier config file ``cache`` was read from, if any.
     """
 
     mode: str = "inprocess"
@@ -64,6 +66,7 @@ class ConnectorSettings:
     socket_path: str | None = None
     daemon_timeout_s: float = 30.0
     load_timeout_s: float = 10.0
+    config_path: str | None = None
 
 
 def default_namespace(model: str, revision: str | None, dtype: Any) -> str:
@@ -143,8 +146,6 @@ def settings_from_extra_config(extra: Mapping[str, Any] | None, *, default_ns: s
     for key, value in tiers.items():
         if not isinstance(value, Mapping):
             raise ConfigError(f"{PREFIX}.{key}: expected a mapping of ectier {key} tier fields, got {type(value).__name__}")
-    if "gpu" in tiers and "gpu" not in CacheConfig.__dataclass_fields__:
-        raise ConfigError(f"{PREFIX}.gpu: this ectier build has no GPU tier (CacheConfig has no 'gpu' field)")
     try:
         if config_path is not None:
             if not isinstance(config_path, str) or not config_path:
@@ -157,5 +158,5 @@ def settings_from_extra_config(extra: Mapping[str, Any] | None, *, default_ns: s
         raise ConfigError(f"{PREFIX}.{exc}") from exc
     return ConnectorSettings(
         mode=mode, namespace=namespace, cache=cache, socket_path=None,
-        daemon_timeout_s=daemon_timeout_s, load_timeout_s=load_timeout_s,
+        daemon_timeout_s=daemon_timeout_s, load_timeout_s=load_timeout_s, config_path=config_path,
     )

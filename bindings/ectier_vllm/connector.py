@@ -11,12 +11,16 @@ How a stored item reaches a consumer's ``encoder_cache`` (one step = one ``sched
 
 1. ``ensure_cache_available(request)`` (scheduler, before the request is scheduled): for each of
    the request's items still ahead of ``num_computed_tokens`` that ectier holds, start a
-   promotion (``prefetch`` when ectier has it) and defer the request (``False``) until it is done,
-   then *pin* the entry (``acquire``: NVMe → host, checksum checked) and check its shape and dtype
-   against what the request expects (``num_embeds`` rows of the model dtype). A pinned entry can be
-   neither evicted nor deleted until the worker has copied it. Anything wrong (vanished, corrupt,
-   wrong shape/dtype, promotion timed out, store error) releases the item: it counts as a miss and
-   the encoder recomputes it.
+   promotion towards the worker's device (in-process: ``TieredCache.prefetch(keys, device=)``,
+   whose ``LoadHandle`` s the connector polls; NVMe → host, and host → GPU tier when the device is
+   ``gpu.device``) and defer the request (``False``) until it is done, then *pin* the entry
+   (``acquire``: a host-arena lease, checksum checked; an entry only the GPU tier holds is read
+   from it onto the worker's device instead; daemon mode: a ``get`` lease, which promotes
+   synchronously since the daemon has no prefetch) and check its shape and dtype against what the
+   request expects (``num_embeds`` rows of the model dtype). A pinned entry can be neither evicted
+   nor deleted until the worker has copied it. Anything wrong (vanished, corrupt, wrong
+   shape/dtype, promotion missed or timed out, store error) releases the item: it counts as a miss
+   and the encoder recomputes it.
 2. ``has_cache_item(mm_hash)`` (after a local encoder-cache miss): True only for a pinned item,
    so vLLM never schedules a load this connector could not serve.
 3. ``update_state_after_alloc`` / ``build_connector_meta``: the pinned items become
@@ -30,12 +34,16 @@ How a stored item reaches a consumer's ``encoder_cache`` (one step = one ``sched
    this connector from the store, or are failed (retryable) until vLLM evicts it.
 5. ``update_connector_output``: the worker's report drops the pins and feeds the metrics.
 
-Producer: ``save_caches`` stores each freshly encoded item without waiting for the copy: ectier's
-``put`` returns a handle for CUDA tensors (asynchronous device-to-host copy); with an ectier
-whose ``put`` is synchronous, the connector starts the device-to-host copy itself on the current
-stream (pinned buffer, event, source tensor kept alive) and stores the host copy once the event
-has completed. Completions are reported in the worker metadata; ``shutdown`` waits for all of them
-and flushes.
+Producer: ``save_caches`` stores each freshly encoded item without waiting for the copy. In-process,
+``TieredCache.put`` returns a ``PutHandle`` after enqueueing: the cache's copy engine copies a CUDA
+tensor into the GPU tier (on ``gpu.device``) or device-to-host into the pinned host arena, on its
+own stream, which first waits for an event recorded on the current stream (after the encoder's
+kernels). A save is reported only once ``handle.done()``; a handle with an ``error`` (the copy
+failed: the item is then a miss and will be re-encoded) is a logged save failure. In daemon mode
+(``DaemonClient.put`` copies to the CPU inline), the connector starts the device-to-host copy
+itself on the current stream (pinned buffer, event, source tensor kept alive) and hands the host
+copy to the daemon once the event has completed. Completions are reported in the worker
+metadata; ``shutdown`` waits for all of them and flushes.
 
 This module is the only place where ectier errors become misses (each one logged).
 """
@@ -91,12 +99,13 @@ class _Prefetch:
 
 @dataclass
 class _PendingSave:
-    """A save in flight: an ectier ``PutHandle``, or our own D2H copy awaiting its event."""
+    """A save in flight: a ``TieredCache.put`` ``PutHandle`` (in-process), or, in daemon mode, our
+    own D2H copy awaiting its event."""
 
     mm_hash: str
     nbytes: int
-    handle: Any = None  # PutHandle (ectier with async put)
-    host: torch.Tensor | None = None  # fallback: pinned host copy ...
+    handle: Any = None  # PutHandle (in-process); None once a daemon put returned
+    host: torch.Tensor | None = None  # daemon mode: pinned host copy ...
     event: Any = None  # ... valid once this CUDA event completed
     source: torch.Tensor | None = None  # kept alive until the copy completed
 
@@ -122,10 +131,16 @@ class ECTierConnector(ECConnectorBase):
                 f"one process (distributed_executor_backend \"uni\", i.e. one GPU per engine); this "
                 f"engine uses {backend!r}: run `ectier serve` and set \"mode\": \"daemon\""
             )
+        self._device: str | None = None
         if self.settings.mode == "daemon":
             self._store = DaemonStore(self.settings.socket_path, self.settings.namespace, self.settings.daemon_timeout_s)
         else:
-            self._store = open_inprocess(self.settings.cache)
+            self._check_gpu_device()
+            try:
+                self._store = open_inprocess(self.settings.cache)
+            except ConfigError as exc:  # the machine refuses the tiers (e.g. gpu.* without CUDA)
+                where = "config_path: " if self.settings.config_path is not None else ""
+                raise ConfigError(f"ec_connector_extra_config.{where}{exc}") from exc
         self._stats: dict[str, Any] = {}
         # scheduler side
         self._pins: dict[str, _PinState] = {}
@@ -148,7 +163,6 @@ class ECTierConnector(ECConnectorBase):
         self._loaded: list[str] = []
         self._failed: dict[str, list[str]] = {}
         self._placeholders: list[tuple[dict, str]] = []
-        self._device: str | None = None
         self._closed = False
         logger.info(
             "ECTierConnector (%s, %s): namespace %r, mode %s",
@@ -175,6 +189,22 @@ class ECTierConnector(ECConnectorBase):
             self._store.release(state.pin)
         except STORE_ERRORS as exc:
             logger.warning("ectier: releasing the pin of %s failed (%s: %s)", mm_hash, type(exc).__name__, exc)
+
+    def _check_gpu_device(self) -> None:
+        """A GPU tier must sit on the worker's own device: ``put`` refuses tensors of another device
+        and ``prefetch`` would never promote into it."""
+        gpu = self.settings.cache.gpu
+        device = self.worker_device()
+        if gpu.enabled and device.startswith("cuda") and device != gpu.device:
+            raise ConfigError(
+                f"ec_connector_extra_config.gpu.device: is {gpu.device!r}, but this engine's worker "
+                f"runs on {device!r}; set gpu.device to the worker's device"
+            )
+
+    def _target_device(self) -> str:
+        """Where the scheduler promotes and pins for: in-process mode, the worker's device (same
+        process); daemon mode ignores it (and the scheduler process must not touch CUDA)."""
+        return self.worker_device() if self._store.mode == "inprocess" else "cpu"
 
     def worker_device(self) -> str:
         """This worker's device: ``cuda:<current index>`` under CUDA, else ``cpu``; never bare ``cuda``."""
@@ -236,21 +266,28 @@ class ECTierConnector(ECConnectorBase):
     def _promotion(self, mm_hash: str) -> str:
         """Where ``mm_hash`` stands: ``"miss"`` (not stored), ``"wait"`` (a promotion is in
         flight: the request waits), ``"timeout"`` (it ran past ``load_timeout_s``: re-encode), or
-        ``"pin"`` (ready to pin; without ``prefetch``, ``acquire`` promotes synchronously)."""
+        ``"pin"`` (ready to pin). In-process, ``TieredCache.prefetch`` towards the worker's device
+        gives ``LoadHandle`` s; the daemon has no prefetch (``None``): ``acquire`` promotes there,
+        synchronously."""
         pf = self._prefetching.get(mm_hash)
         if pf is None:
             try:
                 if not self._store.contains(mm_hash):
                     return "miss"
-                handles = self._store.prefetch([mm_hash])
+                handles = self._store.prefetch([mm_hash], self._target_device())
             except STORE_ERRORS as exc:
                 self._miss("lookup", mm_hash, exc)
                 return "miss"
-            if not handles:
+            if handles is None:
                 return "pin"
             pf = self._prefetching[mm_hash] = _Prefetch(handles, time.monotonic())
         if all(h.done() for h in pf.handles):
             del self._prefetching[mm_hash]
+            for h in pf.handles:
+                if not h.wait(0):  # done: False = gone meanwhile (evicted, deleted, failed copy)
+                    if h.error is not None:
+                        self._miss("prefetch", mm_hash, h.error)
+                    return "miss"
             return "pin"
         if time.monotonic() - pf.started > self.settings.load_timeout_s:
             del self._prefetching[mm_hash]
@@ -289,7 +326,7 @@ class ECTierConnector(ECConnectorBase):
 
     def _try_pin(self, request: "Request", index: int, mm_hash: str) -> None:
         try:
-            pin = self._store.acquire(mm_hash)
+            pin = self._store.acquire(mm_hash, self._target_device())
         except STORE_ERRORS as exc:
             self._count(rejected=1)
             self._miss("pin", mm_hash, exc)
@@ -368,7 +405,7 @@ class ECTierConnector(ECConnectorBase):
             return
         nbytes = tensor.numel() * tensor.element_size()
         try:
-            if tensor.device.type == "cuda" and not _put_is_async(self._store):
+            if tensor.device.type == "cuda" and not self._store.async_put:  # daemon mode
                 self._pending_saves.append(_start_d2h(mm_hash, tensor, nbytes))
             else:
                 handle = self._store.put(mm_hash, tensor)
@@ -389,7 +426,7 @@ class ECTierConnector(ECConnectorBase):
         still: list[_PendingSave] = []
         for ps in self._pending_saves:
             try:
-                if ps.event is not None:  # our own D2H copy
+                if ps.event is not None:  # our own D2H copy (daemon mode)
                     if wait:
                         ps.event.synchronize()
                     elif not ps.event.query():
@@ -404,9 +441,8 @@ class ECTierConnector(ECConnectorBase):
                     elif not h.done():
                         still.append(ps)
                         continue
-                    error = getattr(h, "error", None)
-                    if error is not None:  # the async put failed (reported, not raised, by ectier)
-                        self._save_failure(ps.mm_hash, error)
+                    if not h.wait(0):  # the copy failed (reported, not raised, by ectier)
+                        self._save_failure(ps.mm_hash, h.error or EctierError("put reported failure"))
                         continue
             except STORE_ERRORS as exc:
                 self._save_failure(ps.mm_hash, exc)
@@ -504,18 +540,8 @@ class ECTierConnector(ECConnectorBase):
                 logger.warning("ectier: closing the store failed (%s: %s)", type(exc).__name__, exc)
 
 
-def _put_is_async(store: Any) -> bool:
-    """Whether the store's ``put`` enqueues device copies and returns a handle (ectier with
-    ``PutHandle``, in-process mode) instead of copying inline."""
-    if getattr(store, "mode", None) != "inprocess":
-        return False  # DaemonClient.put copies to the CPU inline
-    import ectier.cache
-
-    return hasattr(ectier.cache, "PutHandle")
-
-
 def _start_d2h(mm_hash: str, tensor: torch.Tensor, nbytes: int) -> _PendingSave:
-    """Fallback for a synchronous ectier ``put``: D2H on the current stream into pinned memory.
+    """Daemon mode (``DaemonClient.put`` is synchronous): D2H on the current stream into pinned memory.
 
     The copy is queued after the encoder's kernels on the same stream (rule 1 holds without a side
     stream); ``source`` keeps the (possibly view-of-a-batch) tensor alive until the event completes

@@ -13,9 +13,14 @@
   with its own ``get``. For scheduler and workers in different processes (multiprocess executor,
   several engines on one node).
 
-Both speak ectier's newer asynchronous API when the installed ectier has it (``put`` returning a
-``PutHandle``, ``prefetch`` returning ``LoadHandle`` s) and fall back to the synchronous calls
-otherwise. Errors are ectier's (``EctierError``); the connector turns them into misses.
+The in-process store speaks :class:`TieredCache`'s asynchronous API: ``put`` returns a
+``PutHandle`` (a CUDA tensor is copied by the cache's copy engine: into the GPU tier when it is on
+``gpu.device``, else device-to-host into the pinned host arena; the copy stream first waits for the
+work already on the caller's current stream), ``prefetch(keys, device=)`` returns ``LoadHandle`` s.
+The daemon client has neither: its ``put`` copies to the CPU inline and returns ``None``, and it
+has no ``prefetch`` (a daemon ``get`` lease promotes NVMe → host synchronously), so
+:attr:`DaemonStore.async_put` is False and the connector stages device tensors itself.
+Errors are ectier's (``EctierError``); the connector turns them into misses.
 """
 
 from __future__ import annotations
@@ -30,17 +35,31 @@ from ectier.config import CacheConfig
 
 @dataclass(frozen=True)
 class Pin:
-    """An entry pinned for a coming load: its stored shape and dtype, and the store's lease."""
+    """An entry pinned for a coming load: its stored shape and dtype, and the store's lease.
+
+    ``lease`` is a host-arena :class:`~ectier.cache.ReadLease` (in-process), a daemon lease id, or
+    ``None`` for an entry held in the GPU tier: then ``tensor`` is the scheduler's own copy of it
+    on the worker's device (read from the GPU tier, so nothing can evict or delete it before the
+    load), handed to the worker as is.
+    """
 
     shape: tuple[int, ...]
     dtype: str
     lease: Any
+    tensor: Any = None
+
+
+#: tests only: keyword arguments for every in-process :class:`TieredCache` (its test hooks
+#: ``_copy_engine=`` and ``_gpu_device="cpu"``); empty in production
+_CACHE_TEST_HOOKS: dict[str, Any] = {}
 
 
 class InProcessStore:
     """A handle on a process-wide :class:`TieredCache` (see module docstring)."""
 
     mode = "inprocess"
+    #: ``put`` returns a ``PutHandle`` and enqueues device copies on the cache's copy engine
+    async_put = True
 
     def __init__(self, entry: "_Shared") -> None:
         self._entry = entry
@@ -51,18 +70,27 @@ class InProcessStore:
     def contains(self, key: str) -> bool:
         return self.cache.contains(key)
 
-    def prefetch(self, keys: list[str]) -> list[Any] | None:
-        fn = getattr(self.cache, "prefetch", None)
-        return None if fn is None else list(fn(keys))
+    def prefetch(self, keys: list[str], device: str) -> list[Any]:
+        """``TieredCache.prefetch``: NVMe → host, and on into the GPU tier when ``device`` is its device."""
+        return list(self.cache.prefetch(keys, device=device))
 
-    def acquire(self, key: str) -> Pin | None:
+    def acquire(self, key: str, device: str) -> Pin | None:
+        """Pin ``key`` for a load onto ``device``: a host-arena lease, or, for an entry that only
+        the GPU tier holds (put there by this process's worker and not yet demoted), a copy read
+        from the GPU tier onto ``device`` (a device-to-device copy ready on the current stream)."""
         lease = self.cache.acquire(key)
-        if lease is None:
+        if lease is not None:
+            return Pin(tuple(lease.meta.shape), str(lease.meta.dtype), lease)
+        if not self.cache.config.gpu.enabled or not self.cache.contains(key):
             return None
-        return Pin(tuple(lease.meta.shape), str(lease.meta.dtype), lease)
+        tensor = self.cache.get(key, device=device)
+        if tensor is None:
+            return None
+        return Pin(tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), None, tensor)
 
     def release(self, pin: Pin) -> None:
-        self.cache.release(pin.lease)
+        if pin.lease is not None:
+            self.cache.release(pin.lease)
 
     def stage(self, key: str, pin: Pin) -> None:
         with self._entry.lock:
@@ -78,11 +106,14 @@ class InProcessStore:
 
     # --------------------------------------------------------------------- data
     def put(self, key: str, tensor: Any) -> Any:
+        """``TieredCache.put``: returns its ``PutHandle`` (done at once for a synchronous put)."""
         return self.cache.put(key, tensor)
 
     def get(self, key: str, device: str) -> Any:
         """Read ``key`` onto ``device``: from the scheduler's pin when there is one (same process)."""
         pin = self.take_staged(key)
+        if pin is not None and pin.tensor is not None:
+            return pin.tensor  # read from the GPU tier by the scheduler onto this device
         if pin is not None:
             import torch
 
@@ -100,7 +131,7 @@ class InProcessStore:
                 off += length
             dtype = torch_dtype(pin.dtype)
             return out.view(dtype).view(pin.shape) if nbytes else torch.empty(pin.shape, dtype=dtype, device=device)
-        return self.cache.get(key, device=None if device == "cpu" else device)
+        return self.cache.get(key, device=device)
 
     def flush(self) -> None:
         self.cache.flush()
@@ -116,6 +147,8 @@ class DaemonStore:
     """A :class:`DaemonClient` of one connector, with the namespace on every call."""
 
     mode = "daemon"
+    #: ``DaemonClient.put`` copies a device tensor to the CPU inline and returns ``None``
+    async_put = False
 
     def __init__(self, socket_path: str | None, namespace: str, timeout_s: float) -> None:
         from ectier.daemon.client import DaemonClient
@@ -126,11 +159,12 @@ class DaemonStore:
     def contains(self, key: str) -> bool:
         return self.client.contains(key, namespace=self.namespace)
 
-    def prefetch(self, keys: list[str]) -> list[Any] | None:
-        fn = getattr(self.client, "prefetch", None)
-        return None if fn is None else list(fn(keys, namespace=self.namespace))
+    def prefetch(self, keys: list[str], device: str) -> None:
+        """The daemon has no prefetch: ``None`` (the connector pins at once; the daemon's ``get``
+        lease promotes an NVMe hit to its host arena synchronously)."""
+        return None
 
-    def acquire(self, key: str) -> Pin | None:
+    def acquire(self, key: str, device: str) -> Pin | None:
         reply = self.client.call("get", key=key, namespace=self.namespace)
         if not reply.get("hit"):
             return None
@@ -182,7 +216,7 @@ def open_inprocess(config: CacheConfig) -> InProcessStore:
     with _REGISTRY_LOCK:
         entry = _REGISTRY.get(key)
         if entry is None:
-            entry = _Shared(key=key, cache=TieredCache(config), refs=0, lock=threading.Lock(), staged={})
+            entry = _Shared(key=key, cache=TieredCache(config, **_CACHE_TEST_HOOKS), refs=0, lock=threading.Lock(), staged={})
             _REGISTRY[key] = entry
         entry.refs += 1
     return InProcessStore(entry)
