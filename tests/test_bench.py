@@ -146,3 +146,18 @@ def test_bench_bad_inputs_fail_cleanly_before_running(tmp_path):
     bogus.write_text('{"x": 1}')
     r = runner.invoke(cli_main, ["bench", "crossover", "--tiers-json", str(bogus), "--out", str(tmp_path / "o")])
     assert r.exit_code == 2 and "--tiers-json" in r.output
+
+
+@pytest.mark.parametrize("tokens, says", [
+    ("abc", "comma-separated whole numbers"),
+    ("64,,1024", "comma-separated whole numbers"),
+    ("0", "1..16384"),
+    ("99999999", "1..16384"),
+])
+@pytest.mark.parametrize("command", ["tiers", "crossover"])
+def test_bench_tokens_list_is_a_usage_error_not_a_traceback(tmp_path, command, tokens, says):
+    res = CliRunner().invoke(main, ["bench", command, "-q", "--tokens", tokens, "--out", str(tmp_path)])
+    assert res.exit_code == 2, res.output
+    assert "--tokens" in res.output and says in res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit)
+    assert not any(tmp_path.iterdir())  # nothing measured, nothing written

@@ -25,7 +25,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..config import format_bytes, parse_bytes
 from ..errors import ConfigError, EctierError
+from ..sizing import max_tokens as _model_max_tokens
 from .report import fmt, markdown_table, print_table, write_json
+
+#: largest N one image gives (token math: Qwen3-VL smart_resize, max_pixels / 32**2 = 16384)
+_MAX_TOKENS = _model_max_tokens()
 
 __all__ = ["bench"]
 
@@ -333,11 +337,26 @@ def _tiers_rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
+def _tokens_list(ctx, param, value):
+    """click callback: "64,1024" -> (64, 1024); each N in 1..MAX_TOKENS (sizing's largest image)."""
+    if value is None:
+        return None
+    parts = [p.strip() for p in str(value).split(",")]
+    try:
+        ns = tuple(int(p) for p in parts)
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated whole numbers of tokens, e.g. 64,1024,4096; got {value!r}")
+    bad = [n for n in ns if not 1 <= n <= _MAX_TOKENS]
+    if bad:
+        raise click.BadParameter(f"each N must be in 1..{_MAX_TOKENS} (visual tokens per image); got {bad[0]}")
+    return tuple(sorted(set(ns)))
+
+
 def _run_tiers(console, quiet, max_tokens, tokens, sync, workdir, budget):
     from .tiers import DEFAULT_TOKENS, FULL_TOKENS, measure_tiers
 
     if tokens:
-        ns = tuple(int(x) for x in tokens.split(","))
+        ns = tokens
     else:
         ns = tuple(n for n in (FULL_TOKENS if max_tokens and max_tokens > 4096 else DEFAULT_TOKENS)
                    if n <= (max_tokens or 4096))
@@ -352,7 +371,8 @@ def _run_tiers(console, quiet, max_tokens, tokens, sync, workdir, budget):
               help="existing directory on the disk to measure")
 @click.option("--quiet", "-q", is_flag=True)
 @click.option("--max-tokens", default=None, type=click.IntRange(64), help="16384 for the full range (64..16384)")
-@click.option("--tokens", default=None, help="explicit comma-separated N list (overrides --max-tokens)")
+@click.option("--tokens", default=None, callback=_tokens_list,
+              help="explicit comma-separated N list, each 1..16384 (overrides --max-tokens)")
 @click.option("--sync/--no-sync", default=True, show_default=True, help="fsync NVMe writes (LMDB and raw)")
 @click.option("--budget-bytes", callback=_bytes, default="512MiB", show_default=True,
               help="about how many bytes each measurement moves")
@@ -385,7 +405,8 @@ def tiers_cmd(out, workdir, quiet, max_tokens, tokens, sync, budget_bytes) -> No
 @click.option("--tiers-json", type=click.Path(dir_okay=False, exists=True), default=None,
               help="reuse a `bench tiers` result instead of measuring")
 @click.option("--max-tokens", default=16384, show_default=True, type=click.IntRange(64))
-@click.option("--tokens", default=None, help="N list to measure (default 64,1024,4096 up to --max-tokens)")
+@click.option("--tokens", default=None, callback=_tokens_list,
+              help="N list to measure, each 1..16384 (default 64,1024,4096 up to --max-tokens)")
 @click.option("--budget-bytes", callback=_bytes, default="256MiB", show_default=True)
 def crossover_cmd(out, cost_model, workdir, quiet, tiers_json, max_tokens, tokens, budget_bytes) -> None:
     """Per tier, the entry size N at which loading stops beating recomputing."""
