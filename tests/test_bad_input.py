@@ -369,11 +369,13 @@ def test_fuzz_harness_smoke_without_atheris():
     fuzz_protocol.run_random(iterations=300, seed=1)
 
 
-def test_fuzz_harness_cli_without_atheris_is_a_clear_message():
+def test_fuzz_harness_cli_without_atheris_is_a_clear_message(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
     r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "fuzz_protocol.py"), "--random", "50"],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "50 inputs" in r.stdout
+    assert list(tmp_path.iterdir()) == [], "the harness left its temporary store behind"
 
 
 # ============================================================================ CLI

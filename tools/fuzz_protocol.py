@@ -25,8 +25,10 @@ A failure raises ``AssertionError`` (atheris then saves the crashing input).
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import random
+import shutil
 import socket
 import sys
 import tempfile
@@ -69,6 +71,18 @@ def _setup() -> None:
         server.cache.put(k, t)
     _STATE.update(server=server, known=known, bytes={k: bytes(byte_view(t).numpy()) for k, t in known.items()},
                   torch=torch, byte_view=byte_view, tmp=tmp)
+    atexit.register(_teardown)
+
+
+def _teardown() -> None:
+    """Close the store and remove the temporary directory (at interpreter exit)."""
+    server = _STATE.get("server")
+    try:
+        if server is not None and server.cache is not None:
+            server.cache.close()
+    finally:
+        if _STATE.get("tmp"):
+            shutil.rmtree(_STATE["tmp"], ignore_errors=True)
 
 
 def one_input(data: bytes) -> None:
