@@ -640,6 +640,56 @@ def _serve_in_thread(cfg: CacheConfig):
     return server, t
 
 
+def test_client_of_an_unreachable_daemon_fails_fast_then_reconnects():
+    """A daemon that is down (or a wrong socket path) costs one connect_retry_s wait, not one per
+    call: after a failed attempt calls raise at once for backoff_s, then each makes one immediate
+    attempt; a daemon that comes up is used by the first call after the window."""
+    d = short_tmpdir()
+    server = t = None
+    c = DaemonClient(os.path.join(d, "d.sock"), connect_retry_s=0.5, backoff_s=1.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailableError, match="cannot reach"):
+            c.contains("k")
+        assert 0.4 <= time.monotonic() - t0 < 3.0  # the one wait
+        assert c.unreachable
+        t0 = time.monotonic()
+        for i in range(50):
+            with pytest.raises(DaemonUnavailableError, match="cannot reach"):
+                c.contains(f"k{i}") if i % 2 else c.put(f"k{i}", torch.zeros(4, dtype=torch.uint8))
+        assert time.monotonic() - t0 < 0.5  # no waits, no attempts
+        time.sleep(1.1)
+        c.backoff_s = 60.0  # the next window outlasts the daemon's start below, however slow
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailableError):
+            c.stats()  # window over: one immediate attempt, no connect_retry_s wait
+        assert time.monotonic() - t0 < 0.3
+
+        # a start-up probe: one attempt, no wait; a failure opens the window too
+        probe = DaemonClient(os.path.join(d, "d.sock"), connect_retry_s=5.0)
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailableError):
+            probe.connect(wait=False)
+        with pytest.raises(DaemonUnavailableError):
+            probe.contains("k")
+        assert time.monotonic() - t0 < 0.5 and probe.unreachable
+        probe.close()
+
+        server, t = _serve_in_thread(CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=4 * MiB)))
+        with pytest.raises(DaemonUnavailableError):
+            c.contains("k")  # still inside the window opened by the last failure
+        c.backoff_s = 0.2
+        time.sleep(0.3)
+        c.put("k", torch.ones(8, dtype=torch.uint8))  # the first call after the window connects
+        assert not c.unreachable and c.contains("k")
+    finally:
+        c.close()
+        if server is not None:
+            server.stop()
+            t.join(10)
+        remove_dir(d)
+
+
 def test_client_remaps_the_arena_when_a_restarted_daemon_reuses_its_path():
     """A daemon that restarts with the same pid (PID 1 of a container) creates its arena under the
     same file name: the client must map the new file, not keep writing into the old one."""

@@ -26,11 +26,23 @@ Errors are ectier's (``EctierError``); the connector turns them into misses.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 from ectier.config import CacheConfig
+
+log = logging.getLogger(__name__)
+
+#: longest a daemon-mode call waits for a daemon that went away (a restart) before it is a miss;
+#: bounded further by the connector's ``daemon_timeout_s``
+DAEMON_CONNECT_RETRY_S = 5.0
+#: after a failed connection attempt, calls are misses at once (no attempt) for this long
+DAEMON_BACKOFF_S = 1.0
+
+# socket paths this process has already warned about (one warning, not one per connector)
+_WARNED_UNREACHABLE: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -151,10 +163,30 @@ class DaemonStore:
     async_put = False
 
     def __init__(self, socket_path: str | None, namespace: str, timeout_s: float) -> None:
-        from ectier.daemon.client import DaemonClient
+        from ectier.daemon.client import DaemonClient, DaemonUnavailableError
 
-        self.client = DaemonClient(socket_path, timeout_s=timeout_s)
+        # the connector's daemon_timeout_s bounds every wait of a call, the reconnect wait too;
+        # a client whose daemon is unreachable fails fast (DAEMON_BACKOFF_S) so calls are misses
+        self.client = DaemonClient(socket_path, timeout_s=timeout_s,
+                                   connect_retry_s=min(DAEMON_CONNECT_RETRY_S, timeout_s),
+                                   backoff_s=DAEMON_BACKOFF_S)
         self.namespace = namespace
+        # one connection attempt now, no wait: an unreachable daemon is reported loudly here, not
+        # discovered as slow misses later; never fatal (the daemon may start after the engine)
+        try:
+            self.client.connect(wait=False)
+        except DaemonUnavailableError as exc:
+            path = self.client.socket_path
+            if path not in _WARNED_UNREACHABLE:
+                _WARNED_UNREACHABLE.add(path)
+                log.warning(
+                    "ectier: the daemon is UNREACHABLE at ec_connector_extra_config.socket_path=%r (%s). "
+                    "Encoder outputs will be neither saved nor loaded (every lookup is a miss) until "
+                    "`ectier serve` listens there; check that the daemon runs and that socket_path "
+                    "matches its daemon.socket_path.", path, exc)
+        except Exception as exc:  # a refusal (max_clients, group) or protocol trouble: calls report it
+            log.warning("ectier: connecting to the daemon at ec_connector_extra_config.socket_path=%r "
+                        "failed: %s", self.client.socket_path, exc)
 
     def contains(self, key: str) -> bool:
         return self.client.contains(key, namespace=self.namespace)

@@ -40,7 +40,14 @@ class DaemonClient:
         socket_path: the daemon's socket; ``None`` = the default of :class:`~ectier.config.DaemonConfig`.
         client_name: shown in ``ectier stats`` (default ``"<program>:<pid>"``).
         timeout_s: socket timeout per call, seconds.
-        connect_retry_s: how long a call keeps retrying to connect while the daemon is down.
+        connect_retry_s: how long a call keeps retrying to connect to a daemon that went away
+            (a restart); a client whose last connection attempt failed fails fast instead (see
+            ``backoff_s``).
+        backoff_s: after a failed connection attempt, calls raise :class:`DaemonUnavailableError`
+            at once, without trying to connect, for this many seconds; after that each call makes
+            one immediate attempt (no ``connect_retry_s`` wait) until one succeeds. So an
+            unreachable daemon (down, wrong ``socket_path``) costs a caller at most one
+            ``connect_retry_s`` wait, not one per call.
 
     Errors raised by calls: the daemon's typed errors map back onto :mod:`ectier.errors` classes
     (``InvalidKeyError``, ``EntryTooLargeError``, ...); protocol violations raise
@@ -55,11 +62,16 @@ class DaemonClient:
         client_name: str | None = None,
         timeout_s: float = 30.0,
         connect_retry_s: float = 5.0,
+        backoff_s: float = 1.0,
     ) -> None:
         self.socket_path = socket_path or DaemonConfig().resolved_socket_path()
         self.client_name = client_name or f"{os.path.basename(os.sys.argv[0] or 'python')}:{os.getpid()}"
         self.timeout_s = timeout_s
         self.connect_retry_s = connect_retry_s
+        self.backoff_s = backoff_s
+        # monotonic time of the last failed connection attempt (None: the last one succeeded, or
+        # none was made yet); while set, calls fail fast instead of waiting connect_retry_s
+        self._failed_at: float | None = None
         self._sock: socket.socket | None = None
         self._decoder = FrameDecoder(1 << 30)
         self._lock = threading.RLock()
@@ -71,14 +83,31 @@ class DaemonClient:
 
     # ---------------------------------------------------------------------------- connection
 
-    def connect(self) -> None:
-        """Connect and handshake now (calls do this lazily). Raises DaemonUnavailableError."""
+    def connect(self, *, wait: bool = True) -> None:
+        """Connect and handshake now (calls do this lazily). Raises DaemonUnavailableError.
+
+        ``wait=False``: one attempt, no ``connect_retry_s`` wait (a start-up probe); a failure
+        starts the back-off window like any other."""
         with self._lock:
             if self._sock is None:
-                self._connect()
+                self._connect(wait=wait)
 
-    def _connect(self) -> None:
-        deadline = time.monotonic() + self.connect_retry_s
+    @property
+    def unreachable(self) -> bool:
+        """True while the last connection attempt failed (calls then fail fast)."""
+        return self._failed_at is not None
+
+    def _connect(self, *, wait: bool = True) -> None:
+        now = time.monotonic()
+        if self._failed_at is not None:
+            if now - self._failed_at < self.backoff_s:
+                raise DaemonUnavailableError(
+                    f"cannot reach the ectier daemon at {self.socket_path!r} (failed "
+                    f"{now - self._failed_at:.2f} s ago; next attempt after {self.backoff_s:g} s); "
+                    "is `ectier serve` running (daemon.socket_path)?"
+                )
+            wait = False  # known down: one attempt per back-off window, never a retry wait
+        deadline = now + (self.connect_retry_s if wait else 0.0)
         while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(self.timeout_s)
@@ -88,11 +117,13 @@ class DaemonClient:
             except OSError as exc:
                 sock.close()
                 if time.monotonic() >= deadline:
+                    self._failed_at = time.monotonic()
                     raise DaemonUnavailableError(
                         f"cannot reach the ectier daemon at {self.socket_path!r}: {exc.strerror or exc}; "
                         "is `ectier serve` running (daemon.socket_path)?"
                     ) from None
                 time.sleep(0.05)
+        self._failed_at = None
         self._sock = sock
         self._decoder = FrameDecoder(1 << 30)
         try:

@@ -6,6 +6,7 @@ which entries live here, and when they leave, is the cache's business.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 
@@ -29,7 +30,9 @@ class HostTier:
         config: :class:`~ectier.config.HostTierConfig`.
         shm_path: when given, the arena is this new file (created with mode 0600, e.g. under
             ``/dev/shm``) mapped ``MAP_SHARED`` so other processes can map it too; on a CUDA machine
-            the mapping is page-locked with ``cudaHostRegister``. Removed by :meth:`close`.
+            the mapping is page-locked with ``cudaHostRegister``. Removed by :meth:`close`. Its
+            ``capacity_bytes`` are reserved at once (``posix_fallocate``; on tmpfs that commits
+            the pages), so a write into the mapping can never fail with SIGBUS later.
         policy: the eviction policy of the tier's index (default LRU).
 
     Attributes:
@@ -38,8 +41,9 @@ class HostTier:
         buffer: the arena, a flat ``uint8`` CPU tensor of ``index.capacity_bytes`` bytes.
 
     Raises:
-        ConfigError: never here — the config validated itself; ``RuntimeError`` from torch if the
-            arena cannot be allocated (e.g. pinning more memory than the OS allows).
+        ConfigError: the arena cannot be allocated (e.g. pinning more memory than the OS allows),
+            or a shared arena does not fit in the free space of ``shm_path``'s filesystem (the
+            message names ``host.capacity_bytes``, ``daemon.shm_dir`` and the free bytes).
     """
 
     name = "host"
@@ -70,15 +74,41 @@ class HostTier:
 
     @staticmethod
     def _map_shared(path: str, nbytes: int) -> torch.Tensor:
-        """Create ``path`` (mode 0600, must not exist) of ``nbytes`` and map it shared."""
+        """Create ``path`` (mode 0600, must not exist) of ``nbytes`` and map it shared.
+
+        The file's blocks are reserved up front (``posix_fallocate``): a sparse file on a tmpfs
+        smaller than the arena would be created fine and later kill whichever process first
+        writes past the filesystem's free space with SIGBUS (a vLLM worker, in daemon mode).
+        An arena that does not fit raises :class:`ConfigError` naming ``host.capacity_bytes``
+        and ``daemon.shm_dir``, and leaves no file behind.
+        """
+        shm_dir = os.path.dirname(os.path.abspath(path))
+        free = _free_bytes(shm_dir)
+        if free is not None and nbytes > free:
+            raise ConfigError(_no_room(nbytes, shm_dir, free))
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
             raise StoreOpenError(f"host arena: cannot create {path!r}: {exc.strerror}") from None
         try:
-            os.ftruncate(fd, nbytes)
+            try:
+                if nbytes > 0:
+                    os.posix_fallocate(fd, 0, nbytes)
+                os.ftruncate(fd, nbytes)
+            except OSError as exc:
+                os.close(fd)
+                fd = -1
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                    raise ConfigError(_no_room(nbytes, shm_dir, _free_bytes(shm_dir))) from None
+                raise StoreOpenError(f"host arena: cannot reserve {nbytes} bytes for {path!r}: "
+                                     f"{exc.strerror}") from None
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
         return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
@@ -146,3 +176,22 @@ class HostTier:
             return self.buffer[:0]
         arena_off, _, length = runs[0]
         return self.buffer[arena_off : arena_off + length]
+
+
+def _free_bytes(directory: str) -> int | None:
+    """Bytes an unprivileged file may still take in ``directory``'s filesystem (None: unknown)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _no_room(nbytes: int, shm_dir: str, free: int | None) -> str:
+    have = "an unknown number of bytes" if free is None else f"{free} bytes ({free / 2**30:.2f} GiB)"
+    return (
+        f"host.capacity_bytes: the shared host arena needs {nbytes} bytes ({nbytes / 2**30:.2f} GiB) "
+        f"but daemon.shm_dir {shm_dir!r} has only {have} free; lower host.capacity_bytes, "
+        f"point daemon.shm_dir at a filesystem with room, or enlarge it (Docker --shm-size, "
+        f"Kubernetes emptyDir medium: Memory with sizeLimit; see docs/operations.md)"
+    )
