@@ -1125,6 +1125,28 @@ def test_serve_errors_are_clean(monkeypatch):
         remove_dir(d)
 
 
+def test_serve_with_its_metrics_port_taken_is_one_line_and_leaves_nothing_behind():
+    """A metrics port already in use: exit 1 naming daemon.metrics_port, no traceback, and no
+    arena file or socket left in the directory (the arena holds RAM in /dev/shm)."""
+    import socket as socket_mod
+
+    d = short_tmpdir()
+    taken = socket_mod.socket(socket_mod.AF_INET, socket_mod.SOCK_STREAM)
+    try:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        cfg = daemon_config(d, nvme=False, host_bytes=1 * MiB, metrics_port=port)
+        r = CliRunner().invoke(cli_main, ["serve", "--config", write_config(os.path.join(d, "m.json"), cfg)])
+        assert r.exit_code == 1, r.output
+        assert "daemon.metrics_port" in r.output and str(port) in r.output
+        assert "Traceback" not in r.output
+        assert sorted(os.listdir(d)) == ["m.json"], "a failed start left files behind"
+    finally:
+        taken.close()
+        remove_dir(d)
+
+
 def _metrics(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         assert resp.status == 200

@@ -146,26 +146,48 @@ class DaemonServer:
             listener.listen(128)
             listener.settimeout(0.2)
         except OSError as exc:
-            self.cache.close()
-            if self._arena_lock_fd is not None:
-                os.close(self._arena_lock_fd)
-                self._arena_lock_fd = None
+            self._abort_start()
             raise EctierError(f"daemon.socket_path: cannot listen on {self.socket_path!r}: {exc.strerror}") from None
+        if self.config.daemon.metrics_port is not None:
+            from .metrics import start_metrics_server
+
+            try:
+                self._metrics_server = start_metrics_server(self, self.config.daemon.metrics_host,
+                                                            self.config.daemon.metrics_port)
+            except OSError as exc:
+                listener.close()
+                self._abort_start(unlink_socket=True)
+                raise EctierError(
+                    f"daemon.metrics_port: cannot serve metrics on {self.config.daemon.metrics_host}:"
+                    f"{self.config.daemon.metrics_port}: {exc.strerror or exc} (another daemon or exporter on "
+                    f"that port? choose another daemon.metrics_port, or leave it unset to turn metrics off)"
+                ) from None
+            # metrics_port 0 binds an ephemeral port: say which (log and stats)
+            self.metrics_address = (self.config.daemon.metrics_host, self._metrics_server.server_address[1])
         self._listener = listener
         reaper = threading.Thread(target=self._reap_loop, name="ectier-lease-reaper", daemon=True)
         reaper.start()
         self._threads.append(reaper)
-        if self.config.daemon.metrics_port is not None:
-            from .metrics import start_metrics_server
-
-            self._metrics_server = start_metrics_server(self, self.config.daemon.metrics_host,
-                                                        self.config.daemon.metrics_port)
-            # metrics_port 0 binds an ephemeral port: say which (log and stats)
-            self.metrics_address = (self.config.daemon.metrics_host, self._metrics_server.server_address[1])
         log.info("ectier daemon %s listening on %s (arena %s, %d bytes; nvme %s; metrics %s)", __version__,
                  self.socket_path, self.arena_path, self.config.host.capacity_bytes,
                  self.config.nvme.path or "off",
                  "http://%s:%d/metrics" % self.metrics_address if self.metrics_address else "off")
+
+    def _abort_start(self, *, unlink_socket: bool = False) -> None:
+        """Undo a start that failed after the arena was created: close the cache (which removes
+        the arena file), drop the arena lock and (``unlink_socket``: a socket this daemon bound)
+        the socket file, so nothing is left behind."""
+        try:
+            self.cache.close()
+        finally:
+            if self._arena_lock_fd is not None:
+                os.close(self._arena_lock_fd)
+                self._arena_lock_fd = None
+            if unlink_socket:
+                try:
+                    os.unlink(self.socket_path)
+                except FileNotFoundError:
+                    pass
 
     def _open_arena(self) -> None:
         """Create the cache (and so the arena file) holding an flock on the arena for the daemon's
