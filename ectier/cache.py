@@ -855,7 +855,7 @@ class TieredCache:
         if slot is None:
             return False
         pending = _Pending(digest, version, handle)
-        pairs = [(host.buffer[a : a + n], src[o : o + n]) for a, o, n in host._runs(slot)]
+        pairs = [(host.buffer[a : a + n], src[o : o + n]) for a, o, n in host.runs(slot)]
         with self._cond:
             self._inflight.setdefault(digest, []).append(pending)
         try:
@@ -1042,7 +1042,7 @@ class TieredCache:
                 self._host.index.pin(hslot)
         try:
             if hslot is not None:
-                pairs = _run_pairs(gpu.buffer, gpu.runs(slot), self._host.buffer, self._host._runs(hslot))
+                pairs = _run_pairs(gpu.buffer, gpu.runs(slot), self._host.buffer, self._host.runs(hslot))
                 h = gpu.engine.copy(pairs, lane="arena")
             else:
                 h = gpu.write(slot, data)
@@ -1122,7 +1122,7 @@ class TieredCache:
                 with self._cond:
                     self._inflight.setdefault(digest, []).append(pending)
                 try:
-                    pairs = _run_pairs(host.buffer, host._runs(hslot), gpu.buffer, gpu.runs(v))
+                    pairs = _run_pairs(host.buffer, host.runs(hslot), gpu.buffer, gpu.runs(v))
                     h = gpu.engine.copy(pairs, lane="arena")  # D2H after every earlier arena write
                 except BaseException:
                     self._host_abort(hslot)
@@ -1220,7 +1220,7 @@ class TieredCache:
             engine = self._engine_for(dev)
             result = empty_for(meta, dev)
             flat = byte_view(result)
-            h = engine.copy([(flat[o : o + n], host.buffer[a : a + n]) for a, o, n in host._runs(slot)], lane="h2d")
+            h = engine.copy([(flat[o : o + n], host.buffer[a : a + n]) for a, o, n in host.runs(slot)], lane="h2d")
         except BaseException:
             self._unpin(slot)
             raise

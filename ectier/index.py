@@ -21,6 +21,7 @@ Not thread-safe: the owning cache holds its lock around every call.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from .arena import BlockAllocator, Extent
 from .entry import EntryMeta, EntryState
@@ -118,6 +119,19 @@ class ArenaIndex:
         ]
 
     # ----------------------------------------------------------------------------- lifecycle
+
+    def runs(self, slot: Slot) -> Iterator[tuple[int, int, int]]:
+        """Yield ``(arena_offset, entry_offset, length)`` byte runs of ``slot``'s blocks, in entry
+        order (offsets and lengths in bytes; the last run stops at the entry's end)."""
+        done = 0
+        block = self.block_bytes
+        total = slot.meta.nbytes
+        for first, count in slot.extents:
+            length = min(count * block, total - done)
+            if length <= 0:
+                break
+            yield first * block, done, length
+            done += length
 
     def reserve(self, digest: bytes, meta: EntryMeta, version: int) -> Slot | None:
         """Allocate blocks for ``meta.nbytes``; ``None`` if the free blocks do not suffice now."""

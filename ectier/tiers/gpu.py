@@ -70,16 +70,8 @@ class GpuTier:
         log.info("gpu tier: %d bytes on %s in %d-byte blocks", nbytes, device, config.block_bytes)
 
     def runs(self, slot: Slot):
-        """Yield ``(arena_offset, entry_offset, length)`` byte runs of ``slot``."""
-        done = 0
-        block = self.index.block_bytes
-        total = slot.meta.nbytes
-        for first, count in slot.extents:
-            length = min(count * block, total - done)
-            if length <= 0:
-                break
-            yield first * block, done, length
-            done += length
+        """Yield ``(arena_offset, entry_offset, length)`` byte runs of ``slot`` (see ``ArenaIndex.runs``)."""
+        return self.index.runs(slot)
 
     def write(self, slot: Slot, src: torch.Tensor) -> CopyHandle:
         """Enqueue ``src`` (flat ``uint8``, ``slot.meta.nbytes`` long, on the device or pinned host)

@@ -137,31 +137,23 @@ class HostTier:
 
     def byte_extents(self, slot: Slot) -> list[tuple[int, int]]:
         """``(arena byte offset, length)`` runs holding the slot's bytes, in entry order."""
-        return [(arena_off, length) for arena_off, _, length in self._runs(slot)]
+        return [(arena_off, length) for arena_off, _, length in self.runs(slot)]
 
-    def _runs(self, slot: Slot):
-        """Yield ``(arena_offset, entry_offset, length)`` byte runs of ``slot``."""
-        done = 0
-        block = self.index.block_bytes
-        total = slot.meta.nbytes
-        for first, count in slot.extents:
-            length = min(count * block, total - done)
-            if length <= 0:
-                break
-            yield first * block, done, length
-            done += length
+    def runs(self, slot: Slot):
+        """Yield ``(arena_offset, entry_offset, length)`` byte runs of ``slot`` (see ``ArenaIndex.runs``)."""
+        return self.index.runs(slot)
 
     def write(self, slot: Slot, src: torch.Tensor) -> None:
         """Copy ``src`` (flat ``uint8``, ``slot.meta.nbytes`` long, any device) into the slot's blocks.
 
         Synchronous: on return the bytes are in the arena.
         """
-        for arena_off, off, length in self._runs(slot):
+        for arena_off, off, length in self.runs(slot):
             self.buffer[arena_off : arena_off + length].copy_(src[off : off + length])
 
     def read_into(self, slot: Slot, dst: torch.Tensor) -> None:
         """Copy the slot's bytes into ``dst`` (flat ``uint8``, ``slot.meta.nbytes`` long). Synchronous."""
-        for arena_off, off, length in self._runs(slot):
+        for arena_off, off, length in self.runs(slot):
             dst[off : off + length].copy_(self.buffer[arena_off : arena_off + length])
 
     def contiguous_view(self, slot: Slot) -> torch.Tensor | None:
@@ -169,7 +161,7 @@ class HostTier:
 
         Valid only while the slot is pinned.
         """
-        runs = list(self._runs(slot))
+        runs = list(self.runs(slot))
         if len(runs) > 1:
             return None
         if not runs:
