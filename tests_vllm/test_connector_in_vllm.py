@@ -616,3 +616,42 @@ def test_gpu_tier_without_cuda_stops_the_engine_naming_the_key(model_dir, tmp_pa
     with pytest.raises(ConfigError, match=r"ec_connector_extra_config\.gpu\.capacity_bytes: .*CUDA is not available"):
         ECTierConnector(cfg, ECConnectorRole.SCHEDULER)
     assert open_stores() == 0
+
+
+def test_nvme_path_that_cannot_be_created_names_the_key(model_dir, tmp_path):
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+    from ectier.errors import StoreOpenError
+    from ectier_vllm.connector import ECTierConnector
+    from ectier_vllm.store import open_stores
+
+    (tmp_path / "file").write_text("x")
+    extra = inproc(tmp_path)
+    extra["nvme"]["path"] = str(tmp_path / "file" / "nvme")  # under a regular file
+    cfg = H.make_vllm_config(model_dir, "ec_consumer", extra)
+    with pytest.raises(StoreOpenError, match=r"^ec_connector_extra_config\.nvme\.path: cannot create"):
+        ECTierConnector(cfg, ECConnectorRole.SCHEDULER)
+    assert open_stores() == 0
+
+
+def test_nvme_path_in_use_names_the_key_and_the_config_file(model_dir, tmp_path):
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+    from ectier.cache import TieredCache
+    from ectier.config import CacheConfig
+    from ectier.errors import StoreLockedError
+    from ectier_vllm.connector import ECTierConnector
+
+    nvme = inproc(tmp_path)["nvme"]
+    other = TieredCache(CacheConfig.from_dict({"host": {"capacity_bytes": "1MiB", "pin_memory": False}, "nvme": nvme}))
+    try:
+        path = tmp_path / "ectier.yaml"
+        path.write_text(f"host:\n  capacity_bytes: 2MiB\n  pin_memory: false\nnvme:\n  path: {nvme['path']}\n"
+                        "  capacity_bytes: 64MiB\n  sync: false\n  map_initial_bytes: 4MiB\n")
+        cfg = H.make_vllm_config(model_dir, "ec_consumer", {"config_path": str(path)})
+        with pytest.raises(StoreLockedError) as info:
+            ECTierConnector(cfg, ECConnectorRole.SCHEDULER)
+        assert str(info.value).startswith(f"ec_connector_extra_config.config_path ({str(path)!r}): nvme.path: ")
+        assert "in use by another process" in str(info.value)
+    finally:
+        other.close()

@@ -64,9 +64,9 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ECConnectorOutput
 
-from ectier.errors import ConfigError, EctierError
+from ectier.errors import ConfigError, EctierError, StoreLockedError, StoreOpenError
 
-from .config import ConnectorSettings, default_namespace, settings_from_extra_config
+from .config import ConnectorSettings, default_namespace, operator_key, settings_from_extra_config
 from .metadata import ECTierConnectorMetadata, ECTierWorkerMetadata, LoadItem
 from .metrics import ECTierConnectorStats, ECTierPromMetrics, merge_stats_data
 from .store import DaemonStore, Pin, open_inprocess
@@ -138,9 +138,10 @@ class ECTierConnector(ECConnectorBase):
             self._check_gpu_device()
             try:
                 self._store = open_inprocess(self.settings.cache)
-            except ConfigError as exc:  # the machine refuses the tiers (e.g. gpu.* without CUDA)
-                where = "config_path: " if self.settings.config_path is not None else ""
-                raise ConfigError(f"ec_connector_extra_config.{where}{exc}") from exc
+            except (ConfigError, StoreOpenError, StoreLockedError) as exc:
+                # the machine refuses the tiers (gpu.* without CUDA; an nvme.path that cannot be
+                # created or is in use): same error type, restated with the operator's key
+                raise type(exc)(operator_key(str(exc), self.settings.config_path)) from exc
         self._stats: dict[str, Any] = {}
         # scheduler side
         self._pins: dict[str, _PinState] = {}
