@@ -618,6 +618,77 @@ def test_gpu_tier_without_cuda_stops_the_engine_naming_the_key(model_dir, tmp_pa
     assert open_stores() == 0
 
 
+def warnings_of(monkeypatch):
+    """The connector module's logger.warning calls, formatted (vLLM's loggers need not propagate)."""
+    import ectier_vllm.connector as conn_mod
+
+    lines: list[str] = []
+    monkeypatch.setattr(conn_mod.logger, "warning", lambda fmt, *args, **kw: lines.append(fmt % args))
+    return lines
+
+
+def test_encoder_output_width_is_the_models(engine, tmp_path):
+    """The tiny Qwen2-Audio's encoder outputs have the text hidden size (64); Qwen3-VL's deepstack
+    encoders concatenate 1 + len(deepstack_visual_indexes) outputs of out_hidden_size."""
+    from types import SimpleNamespace
+
+    from ectier_vllm.connector import encoder_output_width
+
+    sched, worker = engine("ec_consumer", inproc(tmp_path))
+    assert sched.ec_connector._width == worker.connector._width == H.WIDTH == 64
+    qwen3_vl_30b = SimpleNamespace(
+        hf_config=SimpleNamespace(vision_config=SimpleNamespace(out_hidden_size=2048,
+                                                                deepstack_visual_indexes=[8, 16, 24])),
+        get_inputs_embeds_size=lambda: 2048,
+    )
+    assert encoder_output_width(qwen3_vl_30b) == 8192
+
+    def broken():
+        raise AttributeError("no text config")
+
+    assert encoder_output_width(SimpleNamespace(hf_config=SimpleNamespace(), get_inputs_embeds_size=broken)) is None
+
+
+def test_namespace_clash_with_another_width_is_a_miss_never_loaded(engine, tmp_path, monkeypatch):
+    """Another model's (40, 7) bf16 entry under the same namespace: same rows and dtype as this
+    request expects, but not this encoder's width: a miss with one warning naming the namespace."""
+    warned = warnings_of(monkeypatch)
+    sched, worker = engine("ec_both", {**inproc(tmp_path), "namespace": "shared"})
+    item = H.Item("w" * 64, 0, 40)
+    sched.ec_connector._store.put(item.mm_hash, torch.ones(40, 7, dtype=H.DTYPE))
+    sched.add_request(H.make_request("c", [item]))
+    so, out = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs == {"c": [0]}  # re-encoded, not loaded
+    assert worker.encoded == [item.mm_hash]
+    assert same_bytes(worker.encoder_cache[item.mm_hash], H.encoder_output(item.mm_hash, 40))
+    stats = out[0].scheduler_stats.ec_connector_stats
+    assert stats["rejected"] == 1 and stats.get("hits", 0) == 0 and stats.get("loads", 0) == 0
+    clash = [w for w in warned if "namespace clash" in w]
+    assert len(clash) == 1 and "'shared'" in clash[0] and "(40, 7)" in clash[0] and "(40, 64)" in clash[0]
+    assert errors_of(out) == {}
+
+
+def test_unknown_encoder_width_falls_back_to_rows_and_dtype_and_says_so(model_dir, tmp_path, monkeypatch):
+    from vllm.config import ModelConfig
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+    from ectier_vllm.connector import ECTierConnector
+
+    warned = warnings_of(monkeypatch)
+    cfg = H.make_vllm_config(model_dir, "ec_consumer", inproc(tmp_path))
+
+    def broken(self):
+        raise AttributeError("no text config")
+
+    monkeypatch.setattr(ModelConfig, "get_inputs_embeds_size", broken)
+    conn = ECTierConnector(cfg, ECConnectorRole.SCHEDULER)
+    try:
+        assert conn._width is None
+        assert len([w for w in warned if "cannot determine the encoder output width" in w]) == 1
+    finally:
+        conn.shutdown()
+
+
 def test_nvme_path_that_cannot_be_created_names_the_key(model_dir, tmp_path):
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 

@@ -85,6 +85,27 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def encoder_output_width(model_config: Any) -> int | None:
+    """Width of the tensors vLLM puts in ``encoder_cache`` for this model, or ``None`` if unknown.
+
+    Usually the language model's input-embedding size (``ModelConfig.get_inputs_embeds_size()``:
+    the text hidden size, or a projection size), which is what vLLM itself assumes for
+    ``mm_embeds`` inputs and its CPU EC connector. Exception: Qwen3-VL / Qwen3-VL-MoE ("deepstack")
+    encoders return the main embedding and one extra embedding per deepstack level concatenated,
+    ``(N, vision_config.out_hidden_size * (1 + len(deepstack_visual_indexes)))``, which
+    ``embed_input_ids`` splits again (e.g. 2048 * 4 = 8192 for Qwen3-VL-30B-A3B).
+    """
+    try:
+        vision = getattr(model_config.hf_config, "vision_config", None)
+        levels = getattr(vision, "deepstack_visual_indexes", None) if vision is not None else None
+        if levels is not None:
+            return int(vision.out_hidden_size) * (1 + len(levels))
+        width = int(model_config.get_inputs_embeds_size())
+    except Exception:  # noqa: BLE001 - an unusual config: fall back to the rows+dtype check
+        return None
+    return width if width > 0 else None
+
+
 @dataclass
 class _PinState:
     pin: Pin
@@ -117,6 +138,8 @@ class ECTierConnector(ECConnectorBase):
         super().__init__(vllm_config=vllm_config, role=role)
         model_config = vllm_config.model_config
         self._model_dtype: torch.dtype = model_config.dtype
+        #: expected width of every encoder output (None: unknown; only rows and dtype are checked)
+        self._width: int | None = encoder_output_width(model_config)
         ec_config = vllm_config.ec_transfer_config
         self.settings: ConnectorSettings = settings_from_extra_config(
             ec_config.ec_connector_extra_config,
@@ -166,9 +189,16 @@ class ECTierConnector(ECConnectorBase):
         self._placeholders: list[tuple[dict, str]] = []
         self._closed = False
         logger.info(
-            "ECTierConnector (%s, %s): namespace %r, mode %s",
+            "ECTierConnector (%s, %s): namespace %r, mode %s, encoder output width %s",
             role.name.lower(), ec_config.ec_role, self.settings.namespace, self.settings.mode,
+            self._width if self._width is not None else "unknown",
         )
+        if self._width is None:
+            logger.warning(
+                "ectier: cannot determine the encoder output width of %s; stored entries are "
+                "checked for rows and dtype only (a namespace clash with another model of the same "
+                "dtype would not be detected)", model_config.model,
+            )
 
     # ================================================================== helpers
     def _count(self, **kw: float) -> None:
@@ -334,13 +364,26 @@ class ECTierConnector(ECConnectorBase):
             return
         if pin is None:
             return  # a miss (never stored, evicted, or quarantined by its checksum)
-        expected = (request.get_num_encoder_embeds(index), dtype_name(self._model_dtype))
-        if len(pin.shape) != 2 or pin.shape[0] != expected[0] or pin.dtype != expected[1]:
+        rows, dtype = request.get_num_encoder_embeds(index), dtype_name(self._model_dtype)
+        shape = tuple(pin.shape)
+        if len(shape) != 2 or shape[0] != rows or pin.dtype != dtype or (
+            self._width is not None and shape[1] != self._width
+        ):
             self._count(rejected=1)
-            logger.warning(
-                "ectier: %s is stored as %s %s but request %s expects (%d, *) %s; re-encoding",
-                mm_hash, pin.shape, pin.dtype, request.request_id, expected[0], expected[1],
-            )
+            want = f"({rows}, {self._width if self._width is not None else '*'})"
+            if self._width is not None and len(shape) == 2 and shape[1] != self._width:
+                logger.warning(
+                    "ectier: namespace %r holds %s as %s %s, but this model's encoder outputs are "
+                    "%s %s: probably a namespace clash (another model stores under the same "
+                    "namespace; set ec_connector_extra_config.namespace to a name of its own); "
+                    "not loaded, re-encoding",
+                    self.settings.namespace, mm_hash, shape, pin.dtype, want, dtype,
+                )
+            else:
+                logger.warning(
+                    "ectier: %s is stored as %s %s but request %s expects %s %s; re-encoding",
+                    mm_hash, shape, pin.dtype, request.request_id, want, dtype,
+                )
             self._settled.setdefault(request.request_id, set()).add(mm_hash)
             try:
                 self._store.release(pin)
@@ -471,8 +514,13 @@ class ECTierConnector(ECConnectorBase):
             if problem is None:
                 if tensor is None:
                     problem = "no longer stored"
-                elif tuple(tensor.shape) != tuple(item.shape) or dtype_name(tensor.dtype) != item.dtype:
-                    problem = f"read {tuple(tensor.shape)} {dtype_name(tensor.dtype)}, expected {item.shape} {item.dtype}"
+                elif (
+                    tuple(tensor.shape) != tuple(item.shape)
+                    or dtype_name(tensor.dtype) != item.dtype
+                    or (self._width is not None and tensor.shape[-1] != self._width)
+                ):
+                    want = f"{item.shape} {item.dtype}" + (f", width {self._width}" if self._width else "")
+                    problem = f"read {tuple(tensor.shape)} {dtype_name(tensor.dtype)}, expected {want}"
             if problem is not None:
                 logger.warning(
                     "ectier: loading %s failed (%s); failing requests %s (retryable)",
