@@ -629,24 +629,24 @@ def warnings_of(monkeypatch):
 
 def test_encoder_output_width_is_the_models(engine, tmp_path):
     """The tiny Qwen2-Audio's encoder outputs have the text hidden size (64); Qwen3-VL's deepstack
-    encoders concatenate 1 + len(deepstack_visual_indexes) outputs of out_hidden_size."""
-    from types import SimpleNamespace
+    encoders concatenate 1 + len(deepstack_visual_indexes) outputs of out_hidden_size; Qwen3-Omni
+    (vision config under thinker_config) has both widths (images, audio)."""
+    from types import SimpleNamespace as NS_
 
-    from ectier_vllm.connector import encoder_output_width
+    from ectier_vllm.connector import encoder_output_widths
 
     sched, worker = engine("ec_consumer", inproc(tmp_path))
-    assert sched.ec_connector._width == worker.connector._width == H.WIDTH == 64
-    qwen3_vl_30b = SimpleNamespace(
-        hf_config=SimpleNamespace(vision_config=SimpleNamespace(out_hidden_size=2048,
-                                                                deepstack_visual_indexes=[8, 16, 24])),
-        get_inputs_embeds_size=lambda: 2048,
-    )
-    assert encoder_output_width(qwen3_vl_30b) == 8192
+    assert sched.ec_connector._widths == worker.connector._widths == {H.WIDTH} == {64}
+    deep = NS_(out_hidden_size=2048, deepstack_visual_indexes=[8, 16, 24])
+    qwen3_vl_30b = NS_(hf_config=NS_(vision_config=deep), get_inputs_embeds_size=lambda: 2048)
+    assert encoder_output_widths(qwen3_vl_30b) == {8192}
+    omni = NS_(hf_config=NS_(thinker_config=NS_(vision_config=deep)), get_inputs_embeds_size=lambda: 2048)
+    assert encoder_output_widths(omni) == {2048, 8192}
 
     def broken():
         raise AttributeError("no text config")
 
-    assert encoder_output_width(SimpleNamespace(hf_config=SimpleNamespace(), get_inputs_embeds_size=broken)) is None
+    assert encoder_output_widths(NS_(hf_config=NS_(), get_inputs_embeds_size=broken)) is None
 
 
 def test_namespace_clash_with_another_width_is_a_miss_never_loaded(engine, tmp_path, monkeypatch):
@@ -683,7 +683,7 @@ def test_unknown_encoder_width_falls_back_to_rows_and_dtype_and_says_so(model_di
     monkeypatch.setattr(ModelConfig, "get_inputs_embeds_size", broken)
     conn = ECTierConnector(cfg, ECConnectorRole.SCHEDULER)
     try:
-        assert conn._width is None
+        assert conn._widths is None
         assert len([w for w in warned if "cannot determine the encoder output width" in w]) == 1
     finally:
         conn.shutdown()

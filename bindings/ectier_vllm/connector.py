@@ -17,8 +17,10 @@ How a stored item reaches a consumer's ``encoder_cache`` (one step = one ``sched
    (``acquire``: a host-arena lease, checksum checked; an entry only the GPU tier holds is read
    from it onto the worker's device instead; daemon mode: a ``get`` lease, which promotes
    synchronously since the daemon has no prefetch) and check its shape and dtype against what the
-   request expects (``num_embeds`` rows of the model dtype). A pinned entry can be neither evicted
-   nor deleted until the worker has copied it. Anything wrong (vanished, corrupt, wrong
+   request expects (``(num_embeds, width)`` of the model dtype; ``width``: the model's encoder
+   output width, :func:`encoder_output_widths`; an entry of another width, i.e. another model's
+   under the same namespace, is a miss with a warning naming the namespace, never loaded). A
+   pinned entry can be neither evicted nor deleted until the worker has copied it. Anything wrong (vanished, corrupt, wrong
    shape/dtype, promotion missed or timed out, store error) releases the item: it counts as a miss
    and the encoder recomputes it.
 2. ``has_cache_item(mm_hash)`` (after a local encoder-cache miss): True only for a pinned item,
@@ -26,7 +28,7 @@ How a stored item reaches a consumer's ``encoder_cache`` (one step = one ``sched
 3. ``update_state_after_alloc`` / ``build_connector_meta``: the pinned items become
    :class:`~ectier_vllm.metadata.LoadItem` s of this step's metadata.
 4. ``start_load_caches`` (worker): copies each item onto the worker's own device
-   (``cuda:<index>``; CPU without CUDA), checks shape and dtype again, and stores it in
+   (``cuda:<index>``; CPU without CUDA), checks shape (width included) and dtype again, and stores it in
    ``encoder_cache``. A load that still fails (daemon restarted, ...) puts a zero placeholder of
    the pinned shape so the step does not crash, removes it right after the step's embeddings are
    gathered, and reports the requests: ``take_unavailable_requests`` fails them (retryable).
@@ -85,25 +87,36 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def encoder_output_width(model_config: Any) -> int | None:
-    """Width of the tensors vLLM puts in ``encoder_cache`` for this model, or ``None`` if unknown.
+def encoder_output_widths(model_config: Any) -> frozenset[int] | None:
+    """Widths of the tensors vLLM puts in ``encoder_cache`` for this model (``None``: unknown).
 
-    Usually the language model's input-embedding size (``ModelConfig.get_inputs_embeds_size()``:
-    the text hidden size, or a projection size), which is what vLLM itself assumes for
-    ``mm_embeds`` inputs and its CPU EC connector. Exception: Qwen3-VL / Qwen3-VL-MoE ("deepstack")
-    encoders return the main embedding and one extra embedding per deepstack level concatenated,
-    ``(N, vision_config.out_hidden_size * (1 + len(deepstack_visual_indexes)))``, which
-    ``embed_input_ids`` splits again (e.g. 2048 * 4 = 8192 for Qwen3-VL-30B-A3B).
+    Usually one: the language model's input-embedding size (``ModelConfig.get_inputs_embeds_size()``:
+    the text hidden size, or a projection size), which is what vLLM itself assumes for ``mm_embeds``
+    inputs and its CPU EC connector. Exception: "deepstack" vision encoders (Qwen3-VL, Qwen3-VL-MoE,
+    Qwen3.5, ...: ``vision_config.deepstack_visual_indexes``) return the main embedding and one
+    extra embedding per deepstack level concatenated, ``(N, vision_config.out_hidden_size * (1 +
+    len(deepstack_visual_indexes)))``, which ``embed_input_ids`` splits again (2048 * 4 = 8192 for
+    Qwen3-VL-30B-A3B); every visual item of such a model has that width. Qwen3-Omni keeps its
+    vision config in ``thinker_config``: its images/videos have the deepstack width, its audio the
+    input-embedding size, so both are accepted.
     """
     try:
-        vision = getattr(model_config.hf_config, "vision_config", None)
-        levels = getattr(vision, "deepstack_visual_indexes", None) if vision is not None else None
-        if levels is not None:
-            return int(vision.out_hidden_size) * (1 + len(levels))
-        width = int(model_config.get_inputs_embeds_size())
+        hf = model_config.hf_config
+        base = int(model_config.get_inputs_embeds_size())
+        vision = getattr(hf, "vision_config", None)
+        if vision is not None and getattr(vision, "deepstack_visual_indexes", None) is not None:
+            deep = int(vision.out_hidden_size) * (1 + len(vision.deepstack_visual_indexes))
+            others = any(getattr(hf, k, None) is not None for k in ("audio_config", "thinker_config"))
+            widths = {deep, base} if others else {deep}
+        else:
+            widths = {base}
+            thinker = getattr(hf, "thinker_config", None)
+            vision = getattr(thinker, "vision_config", None) if thinker is not None else None
+            if vision is not None and getattr(vision, "deepstack_visual_indexes", None) is not None:
+                widths.add(int(vision.out_hidden_size) * (1 + len(vision.deepstack_visual_indexes)))
     except Exception:  # noqa: BLE001 - an unusual config: fall back to the rows+dtype check
         return None
-    return width if width > 0 else None
+    return frozenset(widths) if all(w > 0 for w in widths) else None
 
 
 @dataclass
@@ -138,8 +151,8 @@ class ECTierConnector(ECConnectorBase):
         super().__init__(vllm_config=vllm_config, role=role)
         model_config = vllm_config.model_config
         self._model_dtype: torch.dtype = model_config.dtype
-        #: expected width of every encoder output (None: unknown; only rows and dtype are checked)
-        self._width: int | None = encoder_output_width(model_config)
+        #: widths an encoder output of this model may have (None: unknown; rows and dtype checked)
+        self._widths: frozenset[int] | None = encoder_output_widths(model_config)
         ec_config = vllm_config.ec_transfer_config
         self.settings: ConnectorSettings = settings_from_extra_config(
             ec_config.ec_connector_extra_config,
@@ -191,9 +204,9 @@ class ECTierConnector(ECConnectorBase):
         logger.info(
             "ECTierConnector (%s, %s): namespace %r, mode %s, encoder output width %s",
             role.name.lower(), ec_config.ec_role, self.settings.namespace, self.settings.mode,
-            self._width if self._width is not None else "unknown",
+            self._width_text(),
         )
-        if self._width is None:
+        if self._widths is None:
             logger.warning(
                 "ectier: cannot determine the encoder output width of %s; stored entries are "
                 "checked for rows and dtype only (a namespace clash with another model of the same "
@@ -204,6 +217,9 @@ class ECTierConnector(ECConnectorBase):
     def _count(self, **kw: float) -> None:
         for k, v in kw.items():
             self._stats[k] = self._stats.get(k, 0) + v
+
+    def _width_text(self) -> str:
+        return "unknown" if self._widths is None else " or ".join(str(w) for w in sorted(self._widths))
 
     def _miss(self, what: str, mm_hash: str, exc: BaseException | None = None) -> None:
         if exc is None:
@@ -366,12 +382,11 @@ class ECTierConnector(ECConnectorBase):
             return  # a miss (never stored, evicted, or quarantined by its checksum)
         rows, dtype = request.get_num_encoder_embeds(index), dtype_name(self._model_dtype)
         shape = tuple(pin.shape)
-        if len(shape) != 2 or shape[0] != rows or pin.dtype != dtype or (
-            self._width is not None and shape[1] != self._width
-        ):
+        width_ok = len(shape) == 2 and (self._widths is None or shape[1] in self._widths)
+        if len(shape) != 2 or shape[0] != rows or pin.dtype != dtype or not width_ok:
             self._count(rejected=1)
-            want = f"({rows}, {self._width if self._width is not None else '*'})"
-            if self._width is not None and len(shape) == 2 and shape[1] != self._width:
+            want = f"({rows}, {'*' if self._widths is None else self._width_text()})"
+            if len(shape) == 2 and not width_ok:
                 logger.warning(
                     "ectier: namespace %r holds %s as %s %s, but this model's encoder outputs are "
                     "%s %s: probably a namespace clash (another model stores under the same "
@@ -517,9 +532,9 @@ class ECTierConnector(ECConnectorBase):
                 elif (
                     tuple(tensor.shape) != tuple(item.shape)
                     or dtype_name(tensor.dtype) != item.dtype
-                    or (self._width is not None and tensor.shape[-1] != self._width)
+                    or (self._widths is not None and tensor.shape[-1] not in self._widths)
                 ):
-                    want = f"{item.shape} {item.dtype}" + (f", width {self._width}" if self._width else "")
+                    want = f"{item.shape} {item.dtype}" + (f", width {self._width_text()}" if self._widths else "")
                     problem = f"read {tuple(tensor.shape)} {dtype_name(tensor.dtype)}, expected {want}"
             if problem is not None:
                 logger.warning(
