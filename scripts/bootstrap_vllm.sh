@@ -10,7 +10,7 @@ PY="${PYTHON:-python3}"
 VENV=.venv-vllm
 VLLM_VERSION=0.33.0
 TORCH_VERSION=2.13.0
-STAMP="$VENV/.ectier-bootstrap-$VLLM_VERSION-v1"
+STAMP="$VENV/.ectier-bootstrap-$VLLM_VERSION-v2"
 export VLLM_TARGET_DEVICE=cpu
 
 # module imported -> distribution (names as vllm's metadata spells them)
@@ -59,13 +59,50 @@ for key, name in wanted.items():
     print(spec.get(key, name))  # not declared by vllm (e.g. uvloop, via fastapi[standard]): unpinned
 PY
 )
-# torch stays the one installed above: a constraint keeps pip from replacing it
+# torch stays the one installed above: a constraint keeps pip from replacing it; every other
+# package vllm declares is constrained to vllm's specifier, so one pulled in transitively (e.g.
+# apache-tvm-ffi via xgrammar) gets the version vllm wants, not the newest
 echo "torch==$TORCH_VERSION" > "$VENV/constraints-ectier.txt"
+"$VENV/bin/python" - >> "$VENV/constraints-ectier.txt" <<'PY'
+import importlib.metadata as md
+from pip._vendor.packaging.requirements import Requirement
+for r in md.requires("vllm") or []:
+    req = Requirement(r)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    if req.url or not req.specifier or req.name.lower().startswith("torch"):
+        continue
+    print(f"{req.name}{req.specifier}")  # a constraint carries no extras
+PY
 pip_ install --quiet -c "$VENV/constraints-ectier.txt" "${REQS[@]}" 2>&1 | grep -v -E "^WARNING: Location|dependency conflicts|requires .* which is not installed|but you have torch" || true
 # ectier itself (its own deps only; the [vllm] extra would pull vllm's full dependency set)
 pip_ install --quiet -c "$VENV/constraints-ectier.txt" numpy lmdb zstandard xxhash msgpack click rich PyYAML \
   prometheus-client pytest 2>&1 | grep -v -E "^WARNING: Location|dependency conflicts|requires .* which is not installed|but you have torch" || true
 pip_ install --quiet --no-deps -e . 2>&1 | grep -v "^WARNING: Location" || true
+# packages pulled in transitively (e.g. apache-tvm-ffi via xgrammar) that vllm also declares, at a
+# version outside vllm's specifier: reinstall them as vllm declares them (pip's "vllm requires X==a,
+# but you have X b" would otherwise be printed and the environment differ from a real vllm install)
+mapfile -t FIX < <("$VENV/bin/python" - <<'PY'
+import importlib.metadata as md
+from pip._vendor.packaging.requirements import Requirement
+for r in md.requires("vllm") or []:
+    req = Requirement(r)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    if req.name.lower().startswith("torch"):
+        continue  # the CPU torch above stays
+    try:
+        have = md.version(req.name)
+    except md.PackageNotFoundError:
+        continue  # not installed: vllm's optional-at-runtime stack (CUDA, ...) is left out on purpose
+    if req.specifier and not req.specifier.contains(have, prereleases=True):
+        print(f"{req.name}{req.specifier}")
+PY
+)
+if [ "${#FIX[@]}" -gt 0 ]; then
+  pip_ install --quiet -c "$VENV/constraints-ectier.txt" "${FIX[@]}" 2>&1 \
+    | grep -v -E "^WARNING: Location|dependency conflicts|requires .* which is not installed|but you have torch" || true
+fi
 check
 touch "$STAMP"
 echo "bootstrap_vllm: $VENV ready (vllm $VLLM_VERSION, $(du -sh "$VENV" | cut -f1))"

@@ -74,7 +74,9 @@ def test_config_path(tmp_path):
         ({"socket_path": "/x.sock"}, "ec_connector_extra_config.socket_path: only used in daemon mode"),
         ({"mode": "daemon", "socket_path": ""}, "ec_connector_extra_config.socket_path"),
         ({"config_path": "x.yaml", "host": {}}, "ec_connector_extra_config.config_path: give either"),
-        ({"config_path": "/does/not/exist.yaml"}, "ec_connector_extra_config.config"),
+        ({"config_path": "/does/not/exist.yaml"},
+         "ec_connector_extra_config.config_path: cannot read YAML file '/does/not/exist.yaml'"),
+        ({"config_path": ""}, "ec_connector_extra_config.config_path: expected a path string"),
         ([1, 2], "ec_connector_extra_config: expected a mapping"),
     ],
 )
@@ -124,3 +126,13 @@ def test_mapping_module_imports_neither_vllm_nor_torch():
     code = ("import sys, ectier_vllm.config; "
             "bad = [m for m in ('vllm', 'torch') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_bad_field_in_the_config_file_names_the_file_and_the_field(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("host:\n  capacity_bytez: 64MiB\n")
+    with pytest.raises(ConfigError) as info:
+        settings_from_extra_config({"config_path": str(p)}, default_ns=NS)
+    msg = str(info.value)
+    assert msg.startswith(f"ec_connector_extra_config.config_path ({str(p)!r}): host.capacity_bytez: "), msg
+    assert "ec_connector_extra_config.host." not in msg  # not reported as if it were inline

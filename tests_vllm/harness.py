@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import torch
 
 MODULE = "ectier_vllm.connector"
-WIDTH = 48  # the stand-in encoder's output width (Qwen3-VL would be 8192)
+# the stand-in encoder's output width: what the tiny model's encoder puts in encoder_cache, i.e. its
+# text hidden size (ModelConfig.get_inputs_embeds_size(); Qwen3-VL-30B-A3B would be 2048 * 4 = 8192)
+WIDTH = 64
 DTYPE = torch.bfloat16
 
 

@@ -80,6 +80,21 @@ def default_namespace(model: str, revision: str | None, dtype: Any) -> str:
     return f"{model}@{revision or 'main'}:{name}"
 
 
+def operator_key(message: str, config_path: str | None) -> str:
+    """An ectier error message (``"host.capacity_bytes: ..."``, ``"nvme.path: ..."``, or
+    ``"config: cannot read ..."``) restated with the key the operator actually set.
+
+    Inline sub-configs: ``ec_connector_extra_config.host.capacity_bytes: ...``. A field inside the
+    ``config_path`` file: ``ec_connector_extra_config.config_path ('<file>'): host.capacity_bytes: ...``.
+    The file itself unreadable or not a config: ``ec_connector_extra_config.config_path: cannot read ...``.
+    """
+    if config_path is None:
+        return f"{PREFIX}.{message}"
+    if message.startswith("config: "):  # about the file itself; the message names the file
+        return f"{PREFIX}.config_path: {message[len('config: '):]}"
+    return f"{PREFIX}.config_path ({config_path!r}): {message}"
+
+
 def _seconds(key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
         raise ConfigError(f"{PREFIX}.{key}: expected a finite number of seconds > 0, got {value!r}")
@@ -146,16 +161,18 @@ def settings_from_extra_config(extra: Mapping[str, Any] | None, *, default_ns: s
     for key, value in tiers.items():
         if not isinstance(value, Mapping):
             raise ConfigError(f"{PREFIX}.{key}: expected a mapping of ectier {key} tier fields, got {type(value).__name__}")
-    try:
-        if config_path is not None:
-            if not isinstance(config_path, str) or not config_path:
-                raise ConfigError(f"config_path: expected a path string, got {config_path!r}")
-            base = CacheConfig.load(config_path)
-            cache = base.replace(namespace=namespace)
-        else:
+    if config_path is not None:
+        if not isinstance(config_path, str) or not config_path:
+            raise ConfigError(f"{PREFIX}.config_path: expected a path string, got {config_path!r}")
+        try:
+            cache = CacheConfig.load(config_path).replace(namespace=namespace)
+        except ConfigError as exc:
+            raise ConfigError(operator_key(str(exc), config_path)) from exc
+    else:
+        try:
             cache = CacheConfig.from_dict({"namespace": namespace, **tiers})
-    except ConfigError as exc:
-        raise ConfigError(f"{PREFIX}.{exc}") from exc
+        except ConfigError as exc:
+            raise ConfigError(operator_key(str(exc), None)) from exc
     return ConnectorSettings(
         mode=mode, namespace=namespace, cache=cache, socket_path=None,
         daemon_timeout_s=daemon_timeout_s, load_timeout_s=load_timeout_s, config_path=config_path,

@@ -17,8 +17,10 @@ How a stored item reaches a consumer's ``encoder_cache`` (one step = one ``sched
    (``acquire``: a host-arena lease, checksum checked; an entry only the GPU tier holds is read
    from it onto the worker's device instead; daemon mode: a ``get`` lease, which promotes
    synchronously since the daemon has no prefetch) and check its shape and dtype against what the
-   request expects (``num_embeds`` rows of the model dtype). A pinned entry can be neither evicted
-   nor deleted until the worker has copied it. Anything wrong (vanished, corrupt, wrong
+   request expects (``(num_embeds, width)`` of the model dtype; ``width``: the model's encoder
+   output width, :func:`encoder_output_widths`; an entry of another width, i.e. another model's
+   under the same namespace, is a miss with a warning naming the namespace, never loaded). A
+   pinned entry can be neither evicted nor deleted until the worker has copied it. Anything wrong (vanished, corrupt, wrong
    shape/dtype, promotion missed or timed out, store error) releases the item: it counts as a miss
    and the encoder recomputes it.
 2. ``has_cache_item(mm_hash)`` (after a local encoder-cache miss): True only for a pinned item,
@@ -26,7 +28,7 @@ How a stored item reaches a consumer's ``encoder_cache`` (one step = one ``sched
 3. ``update_state_after_alloc`` / ``build_connector_meta``: the pinned items become
    :class:`~ectier_vllm.metadata.LoadItem` s of this step's metadata.
 4. ``start_load_caches`` (worker): copies each item onto the worker's own device
-   (``cuda:<index>``; CPU without CUDA), checks shape and dtype again, and stores it in
+   (``cuda:<index>``; CPU without CUDA), checks shape (width included) and dtype again, and stores it in
    ``encoder_cache``. A load that still fails (daemon restarted, ...) puts a zero placeholder of
    the pinned shape so the step does not crash, removes it right after the step's embeddings are
    gathered, and reports the requests: ``take_unavailable_requests`` fails them (retryable).
@@ -64,9 +66,9 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ECConnectorOutput
 
-from ectier.errors import ConfigError, EctierError
+from ectier.errors import ConfigError, EctierError, StoreLockedError, StoreOpenError
 
-from .config import ConnectorSettings, default_namespace, settings_from_extra_config
+from .config import ConnectorSettings, default_namespace, operator_key, settings_from_extra_config
 from .metadata import ECTierConnectorMetadata, ECTierWorkerMetadata, LoadItem
 from .metrics import ECTierConnectorStats, ECTierPromMetrics, merge_stats_data
 from .store import DaemonStore, Pin, open_inprocess
@@ -83,6 +85,38 @@ STORE_ERRORS = (EctierError, OSError)
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def encoder_output_widths(model_config: Any) -> frozenset[int] | None:
+    """Widths of the tensors vLLM puts in ``encoder_cache`` for this model (``None``: unknown).
+
+    Usually one: the language model's input-embedding size (``ModelConfig.get_inputs_embeds_size()``:
+    the text hidden size, or a projection size), which is what vLLM itself assumes for ``mm_embeds``
+    inputs and its CPU EC connector. Exception: "deepstack" vision encoders (Qwen3-VL, Qwen3-VL-MoE,
+    Qwen3.5, ...: ``vision_config.deepstack_visual_indexes``) return the main embedding and one
+    extra embedding per deepstack level concatenated, ``(N, vision_config.out_hidden_size * (1 +
+    len(deepstack_visual_indexes)))``, which ``embed_input_ids`` splits again (2048 * 4 = 8192 for
+    Qwen3-VL-30B-A3B); every visual item of such a model has that width. Qwen3-Omni keeps its
+    vision config in ``thinker_config``: its images/videos have the deepstack width, its audio the
+    input-embedding size, so both are accepted.
+    """
+    try:
+        hf = model_config.hf_config
+        base = int(model_config.get_inputs_embeds_size())
+        vision = getattr(hf, "vision_config", None)
+        if vision is not None and getattr(vision, "deepstack_visual_indexes", None) is not None:
+            deep = int(vision.out_hidden_size) * (1 + len(vision.deepstack_visual_indexes))
+            others = any(getattr(hf, k, None) is not None for k in ("audio_config", "thinker_config"))
+            widths = {deep, base} if others else {deep}
+        else:
+            widths = {base}
+            thinker = getattr(hf, "thinker_config", None)
+            vision = getattr(thinker, "vision_config", None) if thinker is not None else None
+            if vision is not None and getattr(vision, "deepstack_visual_indexes", None) is not None:
+                widths.add(int(vision.out_hidden_size) * (1 + len(vision.deepstack_visual_indexes)))
+    except Exception:  # noqa: BLE001 - an unusual config: fall back to the rows+dtype check
+        return None
+    return frozenset(widths) if all(w > 0 for w in widths) else None
 
 
 @dataclass
@@ -117,6 +151,8 @@ class ECTierConnector(ECConnectorBase):
         super().__init__(vllm_config=vllm_config, role=role)
         model_config = vllm_config.model_config
         self._model_dtype: torch.dtype = model_config.dtype
+        #: widths an encoder output of this model may have (None: unknown; rows and dtype checked)
+        self._widths: frozenset[int] | None = encoder_output_widths(model_config)
         ec_config = vllm_config.ec_transfer_config
         self.settings: ConnectorSettings = settings_from_extra_config(
             ec_config.ec_connector_extra_config,
@@ -138,9 +174,10 @@ class ECTierConnector(ECConnectorBase):
             self._check_gpu_device()
             try:
                 self._store = open_inprocess(self.settings.cache)
-            except ConfigError as exc:  # the machine refuses the tiers (e.g. gpu.* without CUDA)
-                where = "config_path: " if self.settings.config_path is not None else ""
-                raise ConfigError(f"ec_connector_extra_config.{where}{exc}") from exc
+            except (ConfigError, StoreOpenError, StoreLockedError) as exc:
+                # the machine refuses the tiers (gpu.* without CUDA; an nvme.path that cannot be
+                # created or is in use): same error type, restated with the operator's key
+                raise type(exc)(operator_key(str(exc), self.settings.config_path)) from exc
         self._stats: dict[str, Any] = {}
         # scheduler side
         self._pins: dict[str, _PinState] = {}
@@ -165,14 +202,24 @@ class ECTierConnector(ECConnectorBase):
         self._placeholders: list[tuple[dict, str]] = []
         self._closed = False
         logger.info(
-            "ECTierConnector (%s, %s): namespace %r, mode %s",
+            "ECTierConnector (%s, %s): namespace %r, mode %s, encoder output width %s",
             role.name.lower(), ec_config.ec_role, self.settings.namespace, self.settings.mode,
+            self._width_text(),
         )
+        if self._widths is None:
+            logger.warning(
+                "ectier: cannot determine the encoder output width of %s; stored entries are "
+                "checked for rows and dtype only (a namespace clash with another model of the same "
+                "dtype would not be detected)", model_config.model,
+            )
 
     # ================================================================== helpers
     def _count(self, **kw: float) -> None:
         for k, v in kw.items():
             self._stats[k] = self._stats.get(k, 0) + v
+
+    def _width_text(self) -> str:
+        return "unknown" if self._widths is None else " or ".join(str(w) for w in sorted(self._widths))
 
     def _miss(self, what: str, mm_hash: str, exc: BaseException | None = None) -> None:
         if exc is None:
@@ -333,13 +380,25 @@ class ECTierConnector(ECConnectorBase):
             return
         if pin is None:
             return  # a miss (never stored, evicted, or quarantined by its checksum)
-        expected = (request.get_num_encoder_embeds(index), dtype_name(self._model_dtype))
-        if len(pin.shape) != 2 or pin.shape[0] != expected[0] or pin.dtype != expected[1]:
+        rows, dtype = request.get_num_encoder_embeds(index), dtype_name(self._model_dtype)
+        shape = tuple(pin.shape)
+        width_ok = len(shape) == 2 and (self._widths is None or shape[1] in self._widths)
+        if len(shape) != 2 or shape[0] != rows or pin.dtype != dtype or not width_ok:
             self._count(rejected=1)
-            logger.warning(
-                "ectier: %s is stored as %s %s but request %s expects (%d, *) %s; re-encoding",
-                mm_hash, pin.shape, pin.dtype, request.request_id, expected[0], expected[1],
-            )
+            want = f"({rows}, {'*' if self._widths is None else self._width_text()})"
+            if len(shape) == 2 and not width_ok:
+                logger.warning(
+                    "ectier: namespace %r holds %s as %s %s, but this model's encoder outputs are "
+                    "%s %s: probably a namespace clash (another model stores under the same "
+                    "namespace; set ec_connector_extra_config.namespace to a name of its own); "
+                    "not loaded, re-encoding",
+                    self.settings.namespace, mm_hash, shape, pin.dtype, want, dtype,
+                )
+            else:
+                logger.warning(
+                    "ectier: %s is stored as %s %s but request %s expects %s %s; re-encoding",
+                    mm_hash, shape, pin.dtype, request.request_id, want, dtype,
+                )
             self._settled.setdefault(request.request_id, set()).add(mm_hash)
             try:
                 self._store.release(pin)
@@ -470,8 +529,13 @@ class ECTierConnector(ECConnectorBase):
             if problem is None:
                 if tensor is None:
                     problem = "no longer stored"
-                elif tuple(tensor.shape) != tuple(item.shape) or dtype_name(tensor.dtype) != item.dtype:
-                    problem = f"read {tuple(tensor.shape)} {dtype_name(tensor.dtype)}, expected {item.shape} {item.dtype}"
+                elif (
+                    tuple(tensor.shape) != tuple(item.shape)
+                    or dtype_name(tensor.dtype) != item.dtype
+                    or (self._widths is not None and tensor.shape[-1] not in self._widths)
+                ):
+                    want = f"{item.shape} {item.dtype}" + (f", width {self._width_text()}" if self._widths else "")
+                    problem = f"read {tuple(tensor.shape)} {dtype_name(tensor.dtype)}, expected {want}"
             if problem is not None:
                 logger.warning(
                     "ectier: loading %s failed (%s); failing requests %s (retryable)",
