@@ -690,6 +690,40 @@ def test_client_of_an_unreachable_daemon_fails_fast_then_reconnects():
         remove_dir(d)
 
 
+def test_client_lets_go_of_a_stopped_daemons_arena_at_its_next_call():
+    """A client idle across a daemon stop keeps the old (unlinked) arena mapped, so its pages stay
+    allocated in daemon.shm_dir; at its next call, which cannot reach the daemon, it unmaps it, so
+    a restarted daemon finds room for its own arena."""
+    d = short_tmpdir()
+    server = t = c = None
+    try:
+        cfg = CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=4 * MiB))
+        server, t = _serve_in_thread(cfg)
+        c = DaemonClient(cfg.daemon.socket_path, connect_retry_s=0.2, backoff_s=0.1)
+        c.put("a", make_tensor(1, "uint8", (64 * KiB,)))
+        assert c._arena_mmap is not None
+        old_arena = server.arena_path
+        server.stop()
+        t.join(10)
+        server = None
+        assert not os.path.exists(old_arena)
+        with pytest.raises(DaemonUnavailableError):
+            c.contains("a")
+        assert c._arena is None and c._arena_mmap is None, "the stopped daemon's arena is still mapped"
+        server, t = _serve_in_thread(cfg)
+        time.sleep(0.15)
+        b = make_tensor(2, "uint8", (64 * KiB,))
+        c.put("b", b)  # maps the new arena
+        _same(c.get("b"), b)
+    finally:
+        if c is not None:
+            c.close()
+        if server is not None:
+            server.stop()
+            t.join(10)
+        remove_dir(d)
+
+
 def test_client_remaps_the_arena_when_a_restarted_daemon_reuses_its_path():
     """A daemon that restarts with the same pid (PID 1 of a container) creates its arena under the
     same file name: the client must map the new file, not keep writing into the old one."""

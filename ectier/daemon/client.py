@@ -118,6 +118,10 @@ class DaemonClient:
                 sock.close()
                 if time.monotonic() >= deadline:
                     self._failed_at = time.monotonic()
+                    # the daemon whose arena we map is gone: let go of its (unlinked) file now, or
+                    # its pages stay allocated in daemon.shm_dir and a restarted daemon may find
+                    # no room for its own arena
+                    self._unmap()
                     raise DaemonUnavailableError(
                         f"cannot reach the ectier daemon at {self.socket_path!r}: {exc.strerror or exc}; "
                         "is `ectier serve` running (daemon.socket_path)?"

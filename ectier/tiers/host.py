@@ -185,5 +185,7 @@ def _no_room(nbytes: int, shm_dir: str, free: int | None) -> str:
         f"host.capacity_bytes: the shared host arena needs {nbytes} bytes ({nbytes / 2**30:.2f} GiB) "
         f"but daemon.shm_dir {shm_dir!r} has only {have} free; lower host.capacity_bytes, "
         f"point daemon.shm_dir at a filesystem with room, or enlarge it (Docker --shm-size, "
-        f"Kubernetes emptyDir medium: Memory with sizeLimit; see docs/operations.md)"
+        f"Kubernetes emptyDir medium: Memory with sizeLimit; see docs/operations.md). Restarting "
+        f"while engines are connected? Each client still maps the previous daemon's arena until its "
+        f"next call; retry the start, or give daemon.shm_dir room for two arenas"
     )
