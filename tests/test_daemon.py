@@ -724,6 +724,31 @@ def test_client_lets_go_of_a_stopped_daemons_arena_at_its_next_call():
         remove_dir(d)
 
 
+def test_a_relative_shm_dir_reaches_clients_as_an_absolute_arena_path(monkeypatch):
+    """daemon.shm_dir given relative to the daemon's working directory: a client running elsewhere
+    must still map the arena (the daemon sends it an absolute path)."""
+    d = short_tmpdir()
+    os.mkdir(os.path.join(d, "shm"))
+    server = t = c = None
+    try:
+        monkeypatch.chdir(d)
+        cfg = CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=4 * MiB, shm_dir="shm"))
+        server, t = _serve_in_thread(cfg)
+        assert os.path.isabs(server.arena_path) and os.path.dirname(server.arena_path) == os.path.join(d, "shm")
+        monkeypatch.chdir("/")
+        c = DaemonClient(cfg.daemon.socket_path)
+        x = make_tensor(3, "uint8", (4 * KiB,))
+        c.put("x", x)
+        _same(c.get("x"), x)
+    finally:
+        if c is not None:
+            c.close()
+        if server is not None:
+            server.stop()
+            t.join(10)
+        remove_dir(d)
+
+
 def test_client_remaps_the_arena_when_a_restarted_daemon_reuses_its_path():
     """A daemon that restarts with the same pid (PID 1 of a container) creates its arena under the
     same file name: the client must map the new file, not keep writing into the old one."""

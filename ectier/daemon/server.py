@@ -99,8 +99,9 @@ class DaemonServer:
             )
         self.config = config
         self.socket_path = config.daemon.resolved_socket_path()
+        # absolute: clients open the path the daemon sends them, from their own working directory
         self.arena_path = os.path.join(
-            config.daemon.shm_dir, f"ectier-{os.getuid()}-{os.getpid()}.arena"
+            os.path.abspath(config.daemon.shm_dir), f"ectier-{os.getuid()}-{os.getpid()}.arena"
         )
         self.cache: TieredCache | None = None
         self._listener: socket.socket | None = None
