@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import msgpack
@@ -375,6 +377,26 @@ def test_fuzz_harness_cli_without_atheris_is_a_clear_message(tmp_path):
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "50 inputs" in r.stdout
+    assert list(tmp_path.iterdir()) == [], "the harness left its temporary store behind"
+
+
+def test_fuzz_harness_killed_by_sigterm_still_removes_its_store(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tools", "fuzz_protocol.py"), "--random", "10000000"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.iterdir()) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert list(tmp_path.iterdir()), "the harness never created its store"
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr.read()[-2000:]
     assert list(tmp_path.iterdir()) == [], "the harness left its temporary store behind"
 
 

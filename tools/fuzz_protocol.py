@@ -29,6 +29,7 @@ import atexit
 import os
 import random
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -194,8 +195,15 @@ def run_random(iterations: int, seed: int) -> None:
         one_input(random_input(rng))
 
 
+def _exit_on_signal(signum: int, frame: object) -> None:
+    """SIGTERM/SIGHUP: exit through SystemExit so that the atexit clean-up removes the store."""
+    sys.exit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_on_signal)
     p = argparse.ArgumentParser(prog="fuzz_protocol", description=__doc__.split("\n\n")[0])
     p.add_argument("--random", type=int, default=None, metavar="N", help="N seeded random inputs, no atheris")
     p.add_argument("--seed", type=int, default=1)
