@@ -89,7 +89,7 @@ class HostTier:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
-            raise StoreOpenError(f"host arena: cannot create {path!r}: {exc.strerror}") from None
+            raise StoreOpenError(f"daemon.shm_dir: cannot create the host arena {path!r}: {exc.strerror}") from None
         try:
             try:
                 if nbytes > 0:
