@@ -274,6 +274,43 @@ def test_failed_load_fails_request_then_retry_loads_from_store(engine, tmp_path,
     assert sched.ec_connector._poisoned == set()
 
 
+def test_device_out_of_memory_at_the_worker_load_is_a_failed_request_not_a_crash(engine, tmp_path, monkeypatch):
+    import torch
+
+    item = H.Item("o" * 64, 0, 40)
+    sched, worker = engine("ec_both", inproc(tmp_path))
+    sched.ec_connector._store.put(item.mm_hash, H.encoder_output(item.mm_hash, item.length))
+
+    def oom(key, device):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(worker.connector._store, "get", oom)
+    sched.add_request(H.make_request("c", [item]))
+    so, out = run_step(sched, worker)  # the step runs on a placeholder, no exception escapes
+    assert item.mm_hash not in worker.encoder_cache
+    assert out[0].scheduler_stats.ec_connector_stats["load_failures"] == 1
+    so, out = run_step(sched, worker)
+    assert errors_of(out)["c"].finish_reason is not None
+
+
+def test_device_out_of_memory_while_the_scheduler_pins_is_a_miss(engine, tmp_path, monkeypatch):
+    import torch
+
+    item = H.Item("p" * 64, 0, 40)
+    sched, worker = engine("ec_both", inproc(tmp_path))
+    sched.ec_connector._store.put(item.mm_hash, H.encoder_output(item.mm_hash, item.length))
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(sched.ec_connector._store, "acquire", oom)
+    sched.add_request(H.make_request("c", [item]))
+    so, out = run_step(sched, worker)
+    assert so.scheduled_encoder_inputs.get("c") == [0]  # a miss: encoded locally
+    assert errors_of(out) == {}
+    assert same_bytes(worker.encoder_cache[item.mm_hash], H.encoder_output(item.mm_hash, 40))
+
+
 def test_failed_load_of_a_vanished_item_fails_retries_until_vllm_drops_it(engine, tmp_path, monkeypatch):
     """Worst case: the load failed and the store lost the item too. Retries fail cleanly
     (retryable errors, no worker crash) until vLLM's encoder-cache manager evicts the entry; then

@@ -79,8 +79,9 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-#: errors that become misses: ectier's own, and OS-level trouble talking to the daemon
-STORE_ERRORS = (EctierError, OSError)
+#: errors that become misses: ectier's own, OS-level trouble talking to the daemon, and torch's
+#: device errors while copying an entry (RuntimeError: torch.OutOfMemoryError, CUDA errors)
+STORE_ERRORS = (EctierError, OSError, RuntimeError)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -469,7 +470,7 @@ class ECTierConnector(ECConnectorBase):
             else:
                 handle = self._store.put(mm_hash, tensor)
                 self._pending_saves.append(_PendingSave(mm_hash, nbytes, handle=handle))
-        except (*STORE_ERRORS, torch.OutOfMemoryError) as exc:  # no room for a pinned staging copy
+        except STORE_ERRORS as exc:  # e.g. no room for a pinned staging copy (OutOfMemoryError)
             self._save_failure(mm_hash, exc)
         self._poll_saves(wait=False)
 
