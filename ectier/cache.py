@@ -867,13 +867,15 @@ class TieredCache:
         self._when_done(h, lambda: self._finish_host_write(slot, h, pending, promotion=False))
         return True
 
-    def _finish_host_write(self, slot: Slot, h: CopyHandle, pending: "_Pending", *, promotion: bool) -> None:
-        """Completion of an asynchronous write into the host arena (a put, or a GPU demotion when
-        ``promotion``): commit it, or give the blocks back if the copy failed."""
+    def _finish_host_write(self, slot: Slot, h: CopyHandle, pending: "_Pending", *, promotion: bool,
+                           source: Slot | None = None) -> None:
+        """Completion of an asynchronous write into the host arena (a put, or a GPU demotion of
+        ``source`` when ``promotion``): commit it, or give the blocks back if the copy failed."""
         ok = False
+        error = _copy_error(h, source)
         try:
-            if h.error is not None:
-                log.warning("copy into the host tier failed (%s); entry not stored", h.error)
+            if error is not None:
+                log.warning("copy into the host tier failed (%s); entry not stored", error)
                 self._count("cache", copy_failures=1)
                 self._host_abort(slot)
             else:
@@ -883,7 +885,7 @@ class TieredCache:
                     if self._nvme is not None and self.config.nvme.write_through:
                         self._write_through(slot.digest, slot.meta, slot.version)
         finally:
-            self._end_pending(pending, ok, h.error)
+            self._end_pending(pending, ok, error)
 
     # ---------------------------------------------------------------------------- GPU tier
 
@@ -1128,13 +1130,13 @@ class TieredCache:
                     self._host_abort(hslot)
                     self._end_pending(pending, False, None)
                     raise
-                self._when_done(h, lambda: self._finish_host_write(hslot, h, pending, promotion=True))
+                self._when_done(h, lambda: self._finish_host_write(hslot, h, pending, promotion=True, source=v))
                 return True
         if self._nvme is not None and self._nvme_fits(meta.nbytes):
             buf = torch.empty(meta.nbytes, dtype=torch.uint8)
             h = gpu.read_into(v, buf)
             h.wait()
-            if h.error is not None:
+            if _copy_error(h, v) is not None:
                 self._count("gpu", copy_failures=1)
                 return False
             return self._nvme_store(digest, meta, version, buf, register=False)
@@ -1174,8 +1176,7 @@ class TieredCache:
             result = self._output_for(meta, out)
             h = gpu.read_into(slot, byte_view(result))
         h.wait()
-        w = slot.pending_write
-        err = h.error or (w.error if isinstance(w, CopyHandle) else None)
+        err = _copy_error(h, slot)
         if err is not None:
             log.warning("copy out of the GPU tier failed (%s); read as a miss there", err)
             with self._cond:
@@ -1458,7 +1459,7 @@ class TieredCache:
                 buf = torch.empty(s.meta.nbytes, dtype=torch.uint8)
                 h = gpu.read_into(s, buf)
                 h.wait()
-                if h.error is None and self._nvme_store(s.digest, s.meta, s.version, buf, register=False):
+                if _copy_error(h, s) is None and self._nvme_store(s.digest, s.meta, s.version, buf, register=False):
                     written += 1
             except TierWriteError as exc:
                 log.warning("flush of a GPU entry to NVMe failed: %s", exc)
@@ -1809,6 +1810,15 @@ class _Pending:
     handle: PutHandle
     cancelled: bool = False
     finished: bool = False
+
+
+def _copy_error(h: CopyHandle, source: Slot | None = None) -> BaseException | None:
+    """The error of copy ``h`` (complete), or of the write that filled ``source`` (a GPU slot read by
+    ``h``): a slot whose write failed holds poison, never bytes to pass on."""
+    if h.error is not None:
+        return h.error
+    w = source.pending_write if source is not None else None
+    return w.error if isinstance(w, CopyHandle) else None
 
 
 def dtype_name_of(t: torch.Tensor) -> str:

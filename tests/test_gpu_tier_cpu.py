@@ -810,3 +810,22 @@ def test_cuda_engine_orders_copies_after_the_producer_and_before_the_consumer(mo
     engine.copy([(dst, src)], lane="d2h")
     assert log[6][1] != lane  # round robin over the lane's streams
     assert ("synchronize", done_event) not in log
+
+
+def test_a_gpu_entry_whose_write_failed_is_not_demoted_as_poison(open_cache):
+    """The GPU write of "a" fails (its blocks hold poison) after "a" was already chosen as a victim
+    and its demotion copy queued behind the write: the host tier must not commit those bytes."""
+    e = DeferredCopyEngine()
+    c = open_cache(cfg(gpu_blocks=2, host_blocks=4), e)
+    ha = c.put("a", filled(BLOCK, 1))
+    hb = c.put("b", filled(2 * BLOCK, 2))  # needs the whole GPU budget: "a" is demoted
+    assert e.pending >= 3  # a's write, a's demotion copy, b's write
+    e.fail_with = RuntimeError("injected")
+    e.complete(1)  # a's write fails, poisoning its blocks
+    e.complete()
+    assert hb.wait(5) and not ha.wait(5)
+    assert "host" not in where(c, "a"), "the poisoned GPU blocks were committed to the host tier"
+    with pumping(e):
+        got = c.get("a")
+    assert got is None or raw_bytes(got) == raw_bytes(filled(BLOCK, 1)), "poison was served"
+    check_quiescent(c)
