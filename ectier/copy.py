@@ -22,9 +22,7 @@ Engines:
   was created (rule 5).
 - :class:`InlineCopyEngine` — same API, copies synchronously with ``copy_`` (CPU); lets every
   piece of tier logic run on machines without CUDA.
-- :class:`DeferredCopyEngine` — for tests: copies run only when the test calls :meth:`complete`,
-  in submission order (as one CUDA stream would run them), optionally failing; makes in-flight
-  states reproducible.
+- ``ectier.testing.DeferredCopyEngine`` — for tests: copies run only when the test says so.
 
 :class:`Completer` runs callbacks after handles complete, in one lazily started thread.
 """
@@ -48,10 +46,10 @@ __all__ = [
     "CopyHandle",
     "CopyEngine",
     "InlineCopyEngine",
-    "DeferredCopyEngine",
     "CudaCopyEngine",
     "Completer",
     "engine_for_device",
+    "Engines",
 ]
 
 log = logging.getLogger(__name__)
@@ -144,58 +142,6 @@ class InlineCopyEngine(CopyEngine):
         return handle
 
 
-class DeferredCopyEngine(CopyEngine):
-    """For tests: copies wait until :meth:`complete`; they then run in submission order.
-
-    Attributes:
-        submitted: number of batches enqueued so far.
-        fail_with: when set, the next batch run by :meth:`complete` fails with this exception
-            (its destination is filled with ``poison`` instead), then ``fail_with`` clears.
-        poison: byte written into a failed batch's destinations (default 0xA5).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pending: list[tuple[Pairs, CopyHandle]] = []
-        self.submitted = 0
-        self.fail_with: BaseException | None = None
-        self.poison = 0xA5
-
-    def copy(self, pairs: Pairs, *, lane: str) -> CopyHandle:
-        self._check(pairs, lane)
-        handle = CopyHandle(list(pairs))
-        with self._lock:
-            self._pending.append((list(pairs), handle))
-            self.submitted += 1
-        return handle
-
-    @property
-    def pending(self) -> int:
-        """Batches enqueued and not yet run."""
-        with self._lock:
-            return len(self._pending)
-
-    def complete(self, n: int | None = None) -> int:
-        """Run the ``n`` oldest pending batches (all when ``None``); returns how many ran."""
-        ran = 0
-        while n is None or ran < n:
-            with self._lock:
-                if not self._pending:
-                    break
-                pairs, handle = self._pending.pop(0)
-                fail, self.fail_with = self.fail_with, None
-            if fail is not None:
-                for dst, _ in pairs:
-                    dst.fill_(self.poison)
-                handle._finish(fail)
-            else:
-                for dst, src in pairs:
-                    dst.copy_(src)
-                handle._finish()
-            ran += 1
-        return ran
-
-
 class _CudaHandle(CopyHandle):
     def __init__(self, event: "torch.cuda.Event", keep: Pairs) -> None:
         super().__init__(keep)
@@ -274,7 +220,7 @@ class CudaCopyEngine(CopyEngine):
         self._check(pairs, lane)
         if os.getpid() != self._pid:
             raise EctierError(
-                "CUDA copy engine used in a process forked after CUDA was initialised (design rule 5); "
+                "CUDA copy engine used in a process forked after CUDA was initialised (docs/architecture.md, CUDA rule 5); "
                 "start workers with the 'spawn' method"
             )
         streams = self._lanes[lane]
@@ -302,6 +248,35 @@ def engine_for_device(device: torch.device, *, streams_per_direction: int = 2) -
     if device.type == "cuda":
         return CudaCopyEngine(device, streams_per_direction=streams_per_direction)
     return InlineCopyEngine()
+
+
+class Engines:
+    """How a cache reaches devices: one :class:`CudaCopyEngine` per CUDA device (created at first
+    use), ``None`` (plain synchronous copies) for the CPU.
+
+    Args:
+        copy_engine: one engine for every device, CPU too (``ectier.testing`` only).
+        gpu_device: a CPU stand-in for the GPU tier's device (``ectier.testing`` only: all GPU-tier
+            logic then runs without CUDA). Production code sets neither.
+    """
+
+    def __init__(self, copy_engine: CopyEngine | None = None, gpu_device: str | None = None) -> None:
+        self.copy_engine = copy_engine
+        self.gpu_device = gpu_device
+        self._engines: dict[int, CopyEngine] = {}
+        self._lock = threading.Lock()
+
+    def engine_for(self, dev: torch.device, streams: int) -> CopyEngine | None:
+        """The engine for copies to or from ``dev`` (``streams`` per direction for a new CUDA one)."""
+        if self.copy_engine is not None:
+            return self.copy_engine
+        if dev.type != "cuda":
+            return None
+        with self._lock:
+            engine = self._engines.get(dev.index)
+            if engine is None:
+                engine = self._engines[dev.index] = CudaCopyEngine(dev, streams_per_direction=streams)
+            return engine
 
 
 class Completer:

@@ -37,6 +37,7 @@ __all__ = [
     "TierWriteError",
     "CorruptRecordError",
     "UnknownCodecError",
+    "ProcessForkedError",
 ]
 
 
@@ -88,3 +89,8 @@ class CorruptRecordError(EctierError):
 
 class UnknownCodecError(EctierError, ValueError):
     """A codec name or numeric id that is not in :mod:`ectier.codec`'s registry."""
+
+
+class ProcessForkedError(EctierError):
+    """A cache opened before ``fork()`` was used in the child: open a new cache in the child
+    (an LMDB environment, a host arena and a lock do not survive a fork)."""

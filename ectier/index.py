@@ -3,7 +3,7 @@
 The index knows which entries a tier holds, where their bytes lie in the arena (extents of
 blocks), their lifecycle state and how many readers pin them. It never touches the bytes.
 
-Lifecycle of a slot (``design.md``)::
+Lifecycle of a slot (docs/architecture.md, "Entry lifecycle")::
 
     reserve ──> RESERVED ──commit──> COMMITTED ──evict──> LEAVING ──remove──> (blocks freed
        │        (invisible)  │       (visible,            (readable while       when the last

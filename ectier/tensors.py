@@ -19,6 +19,8 @@ __all__ = [
     "meta_for",
     "byte_view",
     "empty_for",
+    "output_for",
+    "tensor_from_bytes",
     "parse_device",
     "cuda_available",
 ]
@@ -91,6 +93,38 @@ def empty_for(meta: EntryMeta, device: torch.device | str = "cpu", *, pin_memory
     return torch.empty(meta.shape, dtype=torch_dtype(meta.dtype), device=device, pin_memory=pin_memory)
 
 
+def output_for(meta: EntryMeta, out: torch.Tensor | None) -> torch.Tensor:
+    """Where a CPU read of ``meta`` lands: a fresh tensor, or the caller's ``out`` (checked).
+
+    Raises:
+        InvalidTensorError: ``out`` is not a contiguous CPU tensor, or its dtype or byte size is not
+            the entry's (the message names both).
+    """
+    dtype = torch_dtype(meta.dtype)
+    if out is None:
+        return torch.empty(meta.shape, dtype=dtype)
+    if not isinstance(out, torch.Tensor) or out.device.type != "cpu" or not out.is_contiguous():
+        raise InvalidTensorError("out: expected a contiguous CPU tensor")
+    if out.dtype != dtype or out.numel() * out.element_size() != meta.nbytes:
+        raise InvalidTensorError(
+            f"out: the entry is {meta.dtype} {meta.shape}, out is {str(out.dtype).removeprefix('torch.')} "
+            f"{tuple(out.shape)}"
+        )
+    return out.view(meta.shape) if tuple(out.shape) != meta.shape else out
+
+
+def tensor_from_bytes(meta: EntryMeta, data: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The entry ``meta`` from its flat ``uint8`` CPU bytes: a zero-copy view of ``data``, or a
+    copy into the caller's ``out`` (checked as :func:`output_for` does)."""
+    if out is not None:
+        out = output_for(meta, out)
+        byte_view(out).copy_(data)
+        return out
+    if meta.nbytes:
+        return data.view(torch_dtype(meta.dtype)).view(meta.shape)
+    return torch.empty(meta.shape, dtype=torch_dtype(meta.dtype))
+
+
 def cuda_available() -> bool:
     """True when torch sees at least one CUDA device."""
     return torch.cuda.is_available()
@@ -99,7 +133,7 @@ def cuda_available() -> bool:
 def parse_device(device: object, *, arg: str = "device") -> torch.device:
     """Validate a device argument: ``None``/``"cpu"`` or an explicit ``"cuda:<index>"``.
 
-    A bare ``"cuda"`` is refused (design rule 6: device strings are explicit, the calling worker's
+    A bare ``"cuda"`` is refused (docs/architecture.md, CUDA rule 6: device strings are explicit, the calling worker's
     index), as is an index this machine does not have.
 
     Raises:

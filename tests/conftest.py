@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 
 import lmdb
+
+from ectier import testing
 import pytest
 import torch
 
@@ -106,11 +108,11 @@ def open_lmdb(store_dir):
 
 
 def host_holds(cache: TieredCache, key: str, namespace: str = "test") -> bool:
-    return cache._host is not None and cache._host.index.lookup(digest(key, namespace)) is not None
+    return testing.holds(cache, "host", key, namespace)
 
 
 def nvme_holds(cache: TieredCache, key: str, namespace: str = "test") -> bool:
-    return cache._nvme is not None and cache._nvme.record(digest(key, namespace)) is not None
+    return testing.holds(cache, "nvme", key, namespace)
 
 
 def check_budgets(cache: TieredCache) -> None:
@@ -122,44 +124,5 @@ def check_budgets(cache: TieredCache) -> None:
 
 
 def check_quiescent(cache: TieredCache) -> None:
-    """Internal consistency of an idle cache: no pins or reservations, byte counts add up, and the
-    NVMe tier's in-memory records match what LMDB holds."""
-    with cache._cond:
-        assert not cache._inflight, "copies still in flight"
-        gpu = getattr(cache, "_gpu", None)
-        if gpu is not None:
-            gidx = gpu.index
-            gslots = list(gidx._slots.values())
-            assert gidx.reserved_bytes == 0
-            assert all(s.pins == 0 for s in gslots)
-            assert gidx.used_bytes == sum(s.alloc_bytes for s in gslots)
-            for s in gslots:
-                assert cache._current.get(s.digest) == s.version, "stale GPU entry left behind"
-        if cache._host is not None:
-            idx = cache._host.index
-            slots = list(idx._slots.values())
-            assert idx.reserved_bytes == 0
-            assert all(s.pins == 0 for s in slots)
-            assert idx.used_bytes == sum(s.alloc_bytes for s in slots)
-            assert idx.used_bytes <= idx.capacity_bytes
-        if cache._nvme is not None:
-            nv = cache._nvme
-            recs = dict(nv._records)
-            assert nv.used_bytes == sum(r.stored_bytes for r in recs.values())
-            assert nv.used_bytes <= cache.config.nvme.capacity_bytes
-            with nv._env.begin() as txn:
-                on_disk = {bytes(k) for k, _ in txn.cursor(db=nv._meta)}
-                data_keys = {bytes(k) for k, _ in txn.cursor(db=nv._data)}
-            assert on_disk == set(recs), "NVMe records in memory differ from LMDB"
-            assert data_keys == on_disk
-            # every NVMe record is the current version of its key and can be evicted
-            assert set(cache._nvme_lru) == set(recs), "NVMe LRU differs from the NVMe records"
-            for d, rec in recs.items():
-                assert cache._current.get(d) == rec.version, "stale NVMe record left behind"
-        # every key the cache says it holds is held by some tier at its current version
-        for d, v in cache._current.items():
-            slot = cache._host.index.lookup(d) if cache._host is not None else None
-            rec = cache._nvme.record(d) if cache._nvme is not None else None
-            gslot = gpu.index.lookup(d) if gpu is not None else None
-            assert ((slot is not None and slot.version == v) or (rec is not None and rec.version == v)
-                    or (gslot is not None and gslot.version == v))
+    """Internal consistency of an idle cache (``ectier.testing.check_invariants``)."""
+    testing.check_invariants(cache)

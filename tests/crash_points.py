@@ -28,6 +28,7 @@ import sys
 import time
 
 import torch
+from ectier import testing
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -96,7 +97,7 @@ class _Txn:
 class _Env:
     def __init__(self, env, tier: NvmeTier) -> None:
         self._env = env
-        self.data_db, self.meta_db = tier._data, tier._meta
+        self.data_db, self.meta_db = testing.lmdb_of(tier).data, testing.lmdb_of(tier).meta
         self.armed: str | None = None
 
     def begin(self, *args, **kwargs):
@@ -112,9 +113,9 @@ def main(point: str, store: str) -> None:
     cache.put("k", V1())
     cache.put("other", V3())
     print("COMMITTED", flush=True)
-    tier = cache._nvme
-    env = _Env(tier._env, tier)
-    tier._env = env
+    tier = testing.tier(cache, "nvme")
+    env = _Env(testing.lmdb_of(tier).env, tier)
+    testing.set_lmdb_env(tier, env)
     if point == "after-commit":
         original = NvmeTier._set_record
         NvmeTier._set_record = lambda self, d, rec: stop(point) if rec is not None else original(self, d, rec)

@@ -29,6 +29,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ectier import testing
 from ectier import CacheConfig, TieredCache
 from ectier.cli import main as cli_main
 from ectier.errors import (ConfigError, EctierError, EntryTooLargeError, InvalidDeviceError, InvalidKeyError,
@@ -55,9 +56,7 @@ def _populated(tmp: str) -> TieredCache:
 
 
 def _snapshot(cache: TieredCache):
-    with cache._cond:
-        current = dict(cache._current)
-    return current, len(cache)
+    return testing.versions(cache), len(cache)
 
 
 bad_key = st.one_of(st.none(), st.integers(), st.binary(max_size=8), st.just(""), st.lists(st.text(max_size=2), max_size=2),
@@ -114,7 +113,7 @@ bad_call = st.one_of(
 WORD = {"put-key": "key", "get-key": "key", "delete-key": "key", "contains-key": "key", "put-tensor": "tensor",
         "put-cost": "cost_s", "put-namespace": "namespace", "get-namespace": "namespace",
         "put-too-large": "capacity_bytes", "get-device": "device", "get-out": "out", "reserve-dtype": "dtype",
-        "commit-aborted": "slot"}
+        "commit-aborted": "lease"}
 
 
 def _call(cache, name, arg):

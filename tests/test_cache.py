@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import errno
+
 import pytest
 import torch
 
@@ -36,6 +38,7 @@ from conftest import (
     random_tensor,
     raw_bytes,
 )
+from ectier import testing
 
 SHAPES = [(), (7,), (3, 5, 4), (0, 8192), (2, 8192), (4, 0, 3)]
 
@@ -338,9 +341,9 @@ def test_overwrite_then_demote_serves_new_and_nvme_holds_new(make_cache):
     cache.put("f1", filled(64 * KiB, 1))
     cache.put("f2", filled(64 * KiB, 2))  # k (LRU) is demoted
     assert not host_holds(cache, "k") and nvme_holds(cache, "k")
-    hdr = cache._nvme.record(digest("k")).header
+    hdr = testing.tier(cache, "nvme").record(digest("k")).header
     assert (hdr.dtype, tuple(hdr.shape)) == ("int64", (3, 40))
-    assert hdr.version == cache._current[digest("k")]  # the NVMe record is the current version
+    assert hdr.version == testing.version_of(cache, "k")  # the NVMe record is the current version
     assert_same(cache.get("k"), new)
     cache.close()
     reopened = TieredCache(cfg)
@@ -370,7 +373,7 @@ def test_overwrite_of_nvme_entry_removes_old_record(make_cache, flush_on_close):
         got = reopened.get("k")
         if flush_on_close:
             assert_same(got, new)
-            assert reopened._nvme.record(digest("k")).header.dtype == "float16"
+            assert testing.tier(reopened, "nvme").record(digest("k")).header.dtype == "float16"
         else:
             assert got is None
     finally:
@@ -656,9 +659,12 @@ def test_context_manager_closes(tmp_path):
         assert_same(again.get("k"), torch.ones(2))
 
 
-def test_failed_demotion_does_not_leak_host_blocks(make_cache, monkeypatch):
-    """An unexpected error while demoting a victim propagates from that put, but the victim is still
-    removed and unpinned: no host blocks stay pinned forever, later puts work."""
+@pytest.mark.parametrize("exc", [RuntimeError("injected encode failure"), OSError(errno.EIO, "injected EIO")],
+                         ids=["runtime-error", "oserror-eio"])
+def test_failed_demotion_is_a_counted_drop_never_an_error_of_the_put(make_cache, monkeypatch, exc):
+    """An unexpected error while demoting a victim (raised from outside LMDB, e.g. EIO) is a failed
+    move: the put that triggered it succeeds, the victim is dropped and counted, nothing else is
+    lost, and no host blocks stay pinned (issue #16, item 4)."""
     from ectier.tiers.nvme import NvmeTier
 
     cache, _ = make_cache(host_bytes=2 * BLK)
@@ -670,19 +676,35 @@ def test_failed_demotion_does_not_leak_host_blocks(make_cache, monkeypatch):
     def failing_encode(self, *args, **kwargs):
         calls.append(1)
         if len(calls) == 1:
-            raise RuntimeError("injected encode failure")
+            raise exc
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(NvmeTier, "encode", failing_encode)
-    with pytest.raises(RuntimeError, match="injected"):
-        cache.put("c", filled(BLK, 3))  # evicts a: its demotion fails
+    cache.put("c", filled(BLK, 3))  # evicts a: its demotion fails, the put does not
+    assert calls, "the demotion was not attempted"
     check_quiescent(cache)
-    assert not cache.contains("c")
+    assert_same(cache.get("c"), filled(BLK, 3))
     assert_same(cache.get("b"), filled(BLK, 2))
-    assert cache.get("a") is None or raw_bytes(cache.get("a")) == raw_bytes(filled(BLK, 1))
+    assert cache.get("a") is None  # the counted victim, and nothing else
+    host = cache.stats()["tiers"]["host"]
+    assert host["drops"] == 1 and host["demotions"] == 0
     for i in range(3, 7):  # the arena is fully usable again
         cache.put(f"n{i}", filled(BLK, i))
         assert_same(cache.get(f"n{i}"), filled(BLK, i))
+    check_quiescent(cache)
+
+
+def test_eio_from_a_tier_write_during_demotion_keeps_the_put_typed(make_cache):
+    """``OSError(EIO)`` from the NVMe tier's write itself (outside LMDB) during a demotion: the
+    triggering put of another key succeeds; the victim is a counted drop."""
+    cache, _ = make_cache(host_bytes=2 * BLK)
+    cache.put("a", filled(BLK, 1))
+    cache.put("b", filled(BLK, 2))
+    with testing.fail_writes(cache, "nvme", OSError(errno.EIO, "injected EIO")) as calls:
+        cache.put("c", filled(BLK, 3))
+    assert calls
+    assert cache.get("a") is None and cache.stats()["tiers"]["host"]["drops"] == 1
+    assert_same(cache.get("c"), filled(BLK, 3))
     check_quiescent(cache)
 
 

@@ -28,6 +28,7 @@ from conftest import (
     make_config,
     nvme_holds,
 )
+from ectier import testing
 
 # ============================================================================ randomized stress
 
@@ -282,7 +283,7 @@ def test_late_demotion_never_resurrects_old_bytes(tmp_path, monkeypatch):
         p.join(10)
         assert not p.is_alive()
         assert_same(cache.get("K"), v2)
-        rec = cache._nvme.record(k_digest)
+        rec = testing.tier(cache, "nvme").record(k_digest)
         assert rec is None or rec.header.dtype == "float32"
         check_quiescent(cache)
     with TieredCache(cfg) as again:  # no flush: K v2 lived only in host; v1 must not come back
@@ -330,8 +331,8 @@ def test_nvme_read_racing_delete_and_rewrite_keeps_the_new_record(tmp_path):
     with TieredCache(cfg) as cache:
         v1, v2 = filled(64 * KiB, 1), filled(96 * KiB, 2)
         cache.put("K", v1)
-        proxy = _EnvProxy(cache._nvme._env, "getter")
-        cache._nvme._env = proxy
+        proxy = _EnvProxy(testing.lmdb_of(cache).env, "getter")
+        testing.set_lmdb_env(cache, proxy)
         try:
             box = {}
             g = threading.Thread(target=lambda: box.setdefault("v", cache.get("K")), name="getter")
@@ -345,7 +346,7 @@ def test_nvme_read_racing_delete_and_rewrite_keeps_the_new_record(tmp_path):
             g.join(10)
             assert not g.is_alive()
         finally:
-            cache._nvme._env = proxy._env
+            testing.set_lmdb_env(cache, proxy._env)
         assert box["v"] is None or raw_equal(box["v"], v1) or raw_equal(box["v"], v2)
         assert cache.contains("K")
         assert_same(cache.get("K"), v2)

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from ectier import TieredCache
 
 from conftest import KiB, MiB, assert_same, check_quiescent, digest, make_config, random_tensor
+from ectier import testing
 
 N_ENTRIES = 6
 KINDS = ["flip-payload", "flip-header", "truncate-payload", "truncate-header", "extend-payload", "swap-payloads",
@@ -98,9 +99,9 @@ def test_random_damage_is_detected_quarantined_and_a_miss(codec, damage, via, wh
         try:
             for k, t in values.items():
                 cache.put(k, t)
-            nv = cache._nvme
-            with nv._env.begin() as txn:
-                stored = {k: (bytes(txn.get(digest(k), db=nv._meta)), bytes(txn.get(digest(k), db=nv._data)))
+            nv = testing.tier(cache, "nvme")
+            with testing.lmdb_of(nv).env.begin() as txn:
+                stored = {k: (bytes(txn.get(digest(k), db=testing.lmdb_of(nv).meta)), bytes(txn.get(digest(k), db=testing.lmdb_of(nv).data)))
                           for k in keys}
             damaged: set[str] = set()
             if when == "closed":
@@ -113,7 +114,7 @@ def test_random_damage_is_detected_quarantined_and_a_miss(codec, damage, via, wh
                     if not needle:
                         continue  # an empty payload has no bytes to flip
                     if when == "open":
-                        nv._env.sync(True)  # make sure the live page is in the file, not only in memory
+                        testing.lmdb_of(nv).env.sync(True)  # make sure the live page is in the file, not only in memory
                     assert _flip_in_file(store, needle, pos, bit) >= 1, f"{k}: record bytes not found in data.mdb"
                     damaged.add(k)
                     stored[k] = (None, None)  # damaged again below: only through LMDB
@@ -138,10 +139,10 @@ def test_random_damage_is_detected_quarantined_and_a_miss(codec, damage, via, wh
                     finally:
                         env.close()
                 else:
-                    with nv._env.begin(write=True) as txn:
-                        if txn.get(digest(k), db=nv._meta) is not None and (
-                                other is None or txn.get(digest(other), db=nv._data) is not None):
-                            _damage_lmdb(txn, nv._meta, nv._data, kind, digest(k), other and digest(other), pos, bit)
+                    with testing.lmdb_of(nv).env.begin(write=True) as txn:
+                        if txn.get(digest(k), db=testing.lmdb_of(nv).meta) is not None and (
+                                other is None or txn.get(digest(other), db=testing.lmdb_of(nv).data) is not None):
+                            _damage_lmdb(txn, testing.lmdb_of(nv).meta, testing.lmdb_of(nv).data, kind, digest(k), other and digest(other), pos, bit)
             if when == "closed":
                 cache = TieredCache(cfg)
             # a truncation to the full length or an "extension" by nothing cannot happen (>= 1 byte)
@@ -172,19 +173,19 @@ def test_flip_in_every_byte_of_one_header_is_caught():
     with tempfile.TemporaryDirectory(prefix="ectier-corrupt-") as tmp:
         with TieredCache(make_config(Path(tmp) / "nvme", host_bytes=0, nvme_bytes=1 * MiB)) as cache:
             t = random_tensor((3, 5), torch.float32, 1)
-            nv = cache._nvme
+            nv = testing.tier(cache, "nvme")
             cache.put("k", t)
-            with nv._env.begin() as txn:
-                header = bytes(txn.get(digest("k"), db=nv._meta))
+            with testing.lmdb_of(nv).env.begin() as txn:
+                header = bytes(txn.get(digest("k"), db=testing.lmdb_of(nv).meta))
             for pos in range(len(header)):
                 b = bytearray(header)
                 b[pos] ^= 0x01
                 cache.put("k", t)  # a fresh good record (new version) ...
-                with nv._env.begin() as txn:
-                    current = bytearray(txn.get(digest("k"), db=nv._meta))
+                with testing.lmdb_of(nv).env.begin() as txn:
+                    current = bytearray(txn.get(digest("k"), db=testing.lmdb_of(nv).meta))
                 current[pos] ^= 0x01  # ... whose byte pos is flipped
-                with nv._env.begin(write=True) as txn:
-                    txn.put(digest("k"), bytes(current), db=nv._meta)
+                with testing.lmdb_of(nv).env.begin(write=True) as txn:
+                    txn.put(digest("k"), bytes(current), db=testing.lmdb_of(nv).meta)
                 assert cache.get("k") is None, f"header byte {pos} flipped and still served"
             st_ = cache.stats()["tiers"]["nvme"]
             assert st_["checksum_failures"] == len(header) and st_["entries"] == 0

@@ -24,6 +24,7 @@ from ectier import (
     TieredCache,
 )
 from ectier.copy import CudaCopyEngine
+from ectier import testing
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -47,7 +48,7 @@ def host_cache(host_bytes=256 * MiB, **gpu) -> TieredCache:
 
 def delay_lanes(cache: TieredCache, *lanes: str) -> None:
     """Make the engine's streams of ``lanes`` busy for a while (a copy enqueued now runs late)."""
-    engine = cache._engine_for(torch.device(DEV))
+    engine = testing.copy_engine_of(cache, DEV)
     for lane in lanes:
         for stream in engine._lanes[lane]:
             with torch.cuda.stream(stream):
@@ -60,7 +61,7 @@ def delay_lanes(cache: TieredCache, *lanes: str) -> None:
 def test_put_then_get_never_reads_a_d2h_copy_before_its_event():
     cache = host_cache()
     try:
-        cache._host.buffer.fill_(0xEE)  # poison the pinned arena
+        testing.tier(cache, "host").buffer.fill_(0xEE)  # poison the pinned arena
         src = source(64 * MiB, 1)
         expected = src.cpu()
         delay_lanes(cache, "d2h")
@@ -153,7 +154,7 @@ def test_result_is_ready_on_the_callers_current_stream_whatever_it_is():
 def test_gpu_tier_put_get_demote_promote_bytes_exact():
     cache = host_cache(capacity_bytes=64 * MiB, block_bytes=1 * MiB)
     try:
-        cache._host.buffer.fill_(0xEE)
+        testing.tier(cache, "host").buffer.fill_(0xEE)
         srcs = {f"k{i}": source(24 * MiB + i, 10 + i) for i in range(4)}  # 4 x 24 MiB > 64 MiB
         hs = [cache.put(k, t) for k, t in srcs.items()]
         assert all(h.wait() for h in hs)

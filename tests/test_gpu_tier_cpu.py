@@ -1,6 +1,6 @@
 """GPU tier and copy-engine logic, run on the CPU (no CUDA needed).
 
-The cache's test hook ``TieredCache(config, _copy_engine=..., _gpu_device="cpu")`` puts the GPU
+``ectier.testing.make_cache(config, copy_engine=..., gpu_device="cpu")`` puts the GPU
 tier's arena in CPU memory and routes every copy through the given engine:
 
 - :class:`~ectier.copy.InlineCopyEngine` copies at once: LRU, demotion, promotion, flush logic;
@@ -35,8 +35,10 @@ from ectier import (
     PutHandle,
     TieredCache,
 )
-from ectier.copy import Completer, CopyHandle, CudaCopyEngine, DeferredCopyEngine, InlineCopyEngine
+from ectier.copy import Completer, CopyHandle, CudaCopyEngine, InlineCopyEngine
+from ectier.testing import DeferredCopyEngine
 from ectier.entry import entry_digest
+from ectier import testing
 
 BLOCK = 64 * KiB
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,7 +81,7 @@ def open_cache():
     caches = []
 
     def make(config, engine=None):
-        c = TieredCache(config, _copy_engine=engine or InlineCopyEngine(), _gpu_device="cpu")
+        c = testing.make_cache(config, copy_engine=engine or InlineCopyEngine(), gpu_device="cpu")
         caches.append((c, engine))
         return c
 
@@ -94,16 +96,7 @@ def open_cache():
 
 
 def where(cache, key):
-    d = entry_digest("test", key)
-    out = set()
-    with cache._cond:
-        if cache._gpu is not None and cache._gpu.index.lookup(d) is not None:
-            out.add("gpu")
-        if cache._host is not None and cache._host.index.lookup(d) is not None:
-            out.add("host")
-        if cache._nvme is not None and cache._nvme.record(d) is not None:
-            out.add("nvme")
-    return out
+    return testing.where(cache, key, "test")
 
 
 # ------------------------------------------------------------------------------------ config
@@ -151,11 +144,6 @@ def test_budget_larger_than_free_device_memory_names_the_field(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (MiB, 80 << 30))
     with pytest.raises(ConfigError, match=r"gpu\.capacity_bytes: .* has 1048576 of"):
         GpuTier(GpuTierConfig(capacity_bytes=2 * MiB), device=torch.device("cuda:0"), engine=InlineCopyEngine())
-
-
-def test_test_hook_needs_an_engine():
-    with pytest.raises(ConfigError, match="_copy_engine"):
-        TieredCache(cfg(gpu_blocks=2), _gpu_device="cpu")
 
 
 def test_bare_cuda_and_missing_devices_are_refused_by_get_and_prefetch(open_cache):
@@ -326,7 +314,7 @@ def test_overwrite_on_gpu_removes_older_host_and_nvme_copies(open_cache, tmp_pat
 def test_flush_writes_gpu_only_entries_to_nvme_and_a_restart_serves_them(tmp_path):
     config = cfg(tmp_path, gpu_blocks=4, host_blocks=4, nvme_bytes=2 * MiB)
     t = filled(BLOCK + 17, 5)
-    c = TieredCache(config, _copy_engine=InlineCopyEngine(), _gpu_device="cpu")
+    c = testing.make_cache(config, copy_engine=InlineCopyEngine(), gpu_device="cpu")
     c.put("k", t)
     assert where(c, "k") == {"gpu"}
     c.close()  # flush_on_close
@@ -380,14 +368,14 @@ def test_oom_during_promotion_leaves_the_entry_served_from_the_host(open_cache):
 def test_async_host_put_is_invisible_until_its_copy_completes_and_get_waits_for_it(open_cache):
     e = DeferredCopyEngine()
     config = cfg(gpu_blocks=1)
-    c = TieredCache(config.replace(gpu=GpuTierConfig()), _copy_engine=e)  # no GPU tier: async host puts
+    c = testing.make_cache(config.replace(gpu=GpuTierConfig()), copy_engine=e)  # no GPU tier: async host puts
     try:
         t = filled(2 * BLOCK, 3)
         h = c.put("k", t)
         assert not h.done() and not h.wait(0.01)
         assert "k" in c and c.stats()["in_flight"] == 1
-        assert c._host.index.lookup(entry_digest("test", "k")) is None  # not committed
-        c._host.buffer.fill_(0xEE)  # poison the arena: a premature read would show it
+        assert testing.tier(c, "host").index.lookup(entry_digest("test", "k")) is None  # not committed
+        testing.tier(c, "host").buffer.fill_(0xEE)  # poison the arena: a premature read would show it
         got = []
         reader = threading.Thread(target=lambda: got.append(c.get("k")))
         reader.start()
@@ -406,7 +394,7 @@ def test_async_host_put_is_invisible_until_its_copy_completes_and_get_waits_for_
 
 def test_overwrite_and_delete_while_in_flight_never_resurrect_old_bytes(open_cache):
     e = DeferredCopyEngine()
-    c = TieredCache(cfg().replace(gpu=GpuTierConfig()), _copy_engine=e)
+    c = testing.make_cache(cfg().replace(gpu=GpuTierConfig()), copy_engine=e)
     try:
         v1, v2 = filled(BLOCK, 1), filled(BLOCK, 2)
         h1, h2 = c.put("k", v1), c.put("k", v2)
@@ -427,7 +415,7 @@ def test_overwrite_and_delete_while_in_flight_never_resurrect_old_bytes(open_cac
 
 def test_failed_copy_is_a_miss_and_keeps_the_previous_version(open_cache):
     e = DeferredCopyEngine()
-    c = TieredCache(cfg().replace(gpu=GpuTierConfig()), _copy_engine=e)
+    c = testing.make_cache(cfg().replace(gpu=GpuTierConfig()), copy_engine=e)
     try:
         v1 = filled(BLOCK, 1)
         c.put("k", v1)
@@ -495,7 +483,7 @@ def test_gpu_demotion_in_flight_is_waited_for_by_get(open_cache):
 
 def test_close_waits_for_copies_in_flight(tmp_path):
     e = DeferredCopyEngine()
-    c = TieredCache(cfg().replace(gpu=GpuTierConfig()), _copy_engine=e)
+    c = testing.make_cache(cfg().replace(gpu=GpuTierConfig()), copy_engine=e)
     h = c.put("k", filled(BLOCK, 1))
     closer = threading.Thread(target=c.close)
     closer.start()
@@ -522,7 +510,7 @@ def test_prefetch_promotes_nvme_entries_into_the_gpu_tier(open_cache, tmp_path):
     before = c.stats()["tiers"]["gpu"]["hits"]
     assert raw_bytes(c.get("k0")) == raw_bytes(ts["k0"])
     assert c.stats()["tiers"]["gpu"]["hits"] == before + 1
-    c._completer.drain(5)
+    testing.drain(c, 5)
     check_quiescent(c)
 
 
@@ -531,7 +519,7 @@ def test_prefetch_without_gpu_device_stops_at_the_host(make_cache):
     for i in range(4):
         cache.put(f"k{i}", filled(64 * KiB, i))
     (h,) = cache.prefetch(["k0"])
-    assert h.wait(5) and cache._host.index.lookup(entry_digest("test", "k0")) is not None
+    assert h.wait(5) and testing.tier(cache, "host").index.lookup(entry_digest("test", "k0")) is not None
     (h,) = cache.prefetch(["k0"])
     assert h.done() and h.wait(0)  # already there: done at once
 
@@ -567,7 +555,7 @@ def test_random_operations_match_a_plain_dict(open_cache, tmp_path, seed):
             existed = c.delete(k)
             assert existed == (k in model) if seed else (not existed or k in model), (step, k)
             model.pop(k, None)
-    c._completer.drain(5)
+    testing.drain(c, 5)
     check_quiescent(c)
     for k, b in model.items():
         got = c.get(k)
@@ -629,10 +617,7 @@ def test_threads_with_copies_completing_asynchronously_stay_consistent(open_cach
         for t in threads:
             t.join(30)
         assert not any(t.is_alive() for t in threads), "deadlock"
-        c._completer.drain(10)
-        if c._prefetch_pool is not None:
-            c._prefetch_pool.shutdown(wait=True)
-            c._prefetch_pool = None
+        testing.drain(c, 10)
     assert not errors, errors[0]
     check_quiescent(c)
 
@@ -702,7 +687,7 @@ def test_a_failed_promotion_copy_is_served_from_the_host_copy(open_cache):
     c.put("a", a)
     c.put("b", filled(BLOCK, 2))  # a -> host
     assert where(c, "a") == {"host"}
-    e.gpu_arena = c._gpu.buffer.untyped_storage().data_ptr()
+    e.gpu_arena = testing.tier(c, "gpu").buffer.untyped_storage().data_ptr()
     e.armed = True  # the promotion's host -> arena copy fails (not the demotion it causes)
     assert raw_bytes(c.get("a")) == raw_bytes(a)
     assert c.stats()["tiers"]["gpu"]["copy_failures"] >= 1 and "host" in where(c, "a")

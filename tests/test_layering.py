@@ -55,14 +55,19 @@ LAYERS: tuple[Layer, ...] = (
             "ectier.index",
             "ectier.codec",
             "ectier.sizing",
+            "ectier.stats",
+            "ectier.handles",
+            "ectier.catalog",
         ),
         GPU_AND_STORAGE,
     ),
     Layer("tensors-and-tiers", 2, ("ectier.tensors", "ectier.copy", "ectier.tiers", "ectier.tiers.*")),
-    Layer("cache", 3, ("ectier.cache", "ectier")),  # "ectier" is the package facade, __init__.py
+    Layer("stack-and-mover", 3, ("ectier.stack", "ectier.mover", "ectier.moves", "ectier.moves.*")),
+    # "ectier" is the package facade, __init__.py; ectier.testing wraps the facade for tests
+    Layer("cache", 4, ("ectier.cache", "ectier", "ectier.testing")),
     Layer(
         "frontends",
-        4,
+        5,
         ("ectier.cli", "ectier.demo", "ectier.__main__", "ectier.daemon", "ectier.daemon.*",
          "ectier.bench", "ectier.bench.*"),
     ),

@@ -33,6 +33,7 @@ from conftest import (
     open_lmdb,
     random_tensor,
 )
+from ectier import testing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -139,7 +140,7 @@ def test_write_through_overwrite_keeps_the_old_record_until_the_new_one_replaces
     cache, _ = make_cache(host_bytes=4 * 64 * KiB, write_through=True)
     old, new = filled(64 * KiB, 1), random_tensor((5, 7), torch.float16, 3)
     cache.put("k", old)
-    v_old = cache._nvme.record(digest("k")).version
+    v_old = testing.tier(cache, "nvme").record(digest("k")).version
     seen = []
     original = NvmeTier.write
 
@@ -147,20 +148,19 @@ def test_write_through_overwrite_keeps_the_old_record_until_the_new_one_replaces
         if d == digest("k"):
             rec = self.record(d)
             seen.append((rec.version if rec is not None else None, record.header.version))
-            with cache._cond:
-                assert cache._current[d] == record.header.version != rec.version
+            assert testing.versions(cache)[d] == record.header.version != rec.version
             assert_same(cache.get("k"), new)  # the old record is not served meanwhile
         return original(self, d, record)
 
     monkeypatch.setattr(NvmeTier, "write", write)
     cache.put("k", new)
     assert len(seen) == 1 and seen[0][0] == v_old and seen[0][1] > v_old  # old record still there
-    assert cache._nvme.record(digest("k")).version == seen[0][1]
-    assert cache._nvme.record(digest("k")).header.dtype == "float16"
+    assert testing.tier(cache, "nvme").record(digest("k")).version == seen[0][1]
+    assert testing.tier(cache, "nvme").record(digest("k")).header.dtype == "float16"
     assert_same(cache.get("k"), new)
     st = cache.stats()["tiers"]["nvme"]
     assert st["puts"] == 2 and st["entries"] == 1 and st["write_failures"] == 0
-    assert cache._nvme_busy == 0 and cache._nvme_reserved == 0
+    assert testing.tier(cache, "nvme").index.quiet()
     check_quiescent(cache)
 
 
@@ -183,18 +183,18 @@ def test_failed_write_through_of_an_overwrite_leaves_no_old_record(make_cache, m
             raise TierWriteError("nvme tier: injected write failure")
         monkeypatch.setattr(NvmeTier, "write", fail)
     elif failure == "exception":
-        def boom(slot, **kw):
+        def boom(self, d, record):
             raise RuntimeError("injected")
-        monkeypatch.setattr(cache, "_demote_one", boom)
+        monkeypatch.setattr(NvmeTier, "write", boom)
     elif failure == "slot-evicted":
-        original = cache._write_through
+        from ectier.moves.nvme import NvmeMoves
 
-        def evicted_first(d, meta, version):  # the slot is gone (evicted, its demotion failed)
-            with cache._cond:
-                slot = cache._host.index.lookup(d)
-                cache._host.index.remove(slot)
-            return original(d, meta, version)
-        monkeypatch.setattr(cache, "_write_through", evicted_first)
+        original = NvmeMoves.write_through
+
+        def evicted_first(self, host, d, version):  # the slot is gone (evicted, its demotion failed)
+            testing.drop_copy(cache, "host", "k")
+            return original(self, host, d, version)
+        monkeypatch.setattr(NvmeMoves, "write_through", evicted_first)
     if failure == "exception":
         with pytest.raises(RuntimeError):
             cache.put("k", new)
@@ -204,14 +204,11 @@ def test_failed_write_through_of_an_overwrite_leaves_no_old_record(make_cache, m
     assert not nvme_holds(cache, "k")  # the old record went before put returned
     got = cache.get("k")
     assert got is None or torch.equal(got.view(torch.uint8).flatten(), new.view(torch.uint8).flatten())
-    if failure == "slot-evicted":
-        with cache._cond:
-            cache._current.pop(digest("k"), None)  # what the eviction's bookkeeping does
-    else:
+    if failure != "slot-evicted":
         assert_same(got, new)  # served from host memory (not durable)
     st = cache.stats()["tiers"]["nvme"]
     assert st["write_failures"] == (1 if failure == "write-error" else 0)
-    assert st["entries"] == 1 and cache._nvme_busy == 0 and cache._nvme_reserved == 0
+    assert st["entries"] == 1 and testing.tier(cache, "nvme").index.quiet()
     check_quiescent(cache)
     cache.close()
     with TieredCache(cfg) as reopened:  # no flush on close: a restart must not find the old value
@@ -297,7 +294,7 @@ def test_bit_flip_in_payload_is_a_miss_and_quarantined(make_cache, tmp_path, cod
         st = cache.stats()["tiers"]["nvme"]
         assert st["checksum_failures"] == 1
         assert st["quarantined"] == 1
-        q = cache._nvme.quarantined()
+        q = testing.tier(cache, "nvme").quarantined()
         assert set(q) == {digest("a")}
         assert "checksum" in q[digest("a")]["reason"]
         assert not cache.contains("a") and len(cache) == 2
@@ -311,7 +308,7 @@ def test_bit_flip_in_payload_is_a_miss_and_quarantined(make_cache, tmp_path, cod
     cache = reopen(cfg)  # the quarantine persists; the record stays out of service
     try:
         assert len(cache) == 2 and cache.get("a") is None
-        assert set(cache._nvme.quarantined()) == {digest("a")}
+        assert set(testing.tier(cache, "nvme").quarantined()) == {digest("a")}
         assert cache.stats()["tiers"]["nvme"]["checksum_failures"] == 0
     finally:
         cache.close()
@@ -324,16 +321,16 @@ def test_damage_while_open_is_a_miss(make_cache, damage):
     vals = {k: normal_bf16((4, 4096), i) for i, k in enumerate("abc")}
     for k, t in vals.items():
         cache.put(k, t)
-    env, nv = cache._nvme._env, cache._nvme
+    env, nv = testing.lmdb_of(cache).env, testing.tier(cache, "nvme")
     with env.begin(write=True) as txn:
         if damage == "flip":
-            _flip("data", digest("b"), pos=-3)(txn, nv._meta, nv._data)
+            _flip("data", digest("b"), pos=-3)(txn, testing.lmdb_of(nv).meta, testing.lmdb_of(nv).data)
         elif damage == "truncate":
-            v = bytes(txn.get(digest("b"), db=nv._data))
-            txn.put(digest("b"), v[: len(v) // 2], db=nv._data)
+            v = bytes(txn.get(digest("b"), db=testing.lmdb_of(nv).data))
+            txn.put(digest("b"), v[: len(v) // 2], db=testing.lmdb_of(nv).data)
         else:
-            v = bytes(txn.get(digest("b"), db=nv._meta))
-            txn.put(digest("b"), v[:-5], db=nv._meta)
+            v = bytes(txn.get(digest("b"), db=testing.lmdb_of(nv).meta))
+            txn.put(digest("b"), v[:-5], db=testing.lmdb_of(nv).meta)
     assert cache.get("b") is None
     st = cache.stats()["tiers"]["nvme"]
     assert st["checksum_failures"] == 1 and st["quarantined"] == 1
@@ -369,7 +366,7 @@ def test_damage_found_at_open_is_quarantined(make_cache, tmp_path, damage):
             assert cache.stats()["tiers"]["nvme"]["checksum_failures"] == 1
         st = cache.stats()["tiers"]["nvme"]
         assert st["quarantined"] == 1 and st["entries"] == 2
-        assert set(cache._nvme.quarantined()) == {digest("a")}
+        assert set(testing.tier(cache, "nvme").quarantined()) == {digest("a")}
         assert not cache.contains("a") and cache.get("a") is None
         for k in "bc":
             assert_same(cache.get(k), vals[k])
@@ -391,7 +388,7 @@ def test_record_under_another_digest_is_never_served(make_cache, tmp_path):
     cache = reopen(cfg)
     try:
         assert cache.get("evil") is None
-        assert set(cache._nvme.quarantined()) == {digest("evil")}
+        assert set(testing.tier(cache, "nvme").quarantined()) == {digest("evil")}
         for k in "abc":
             assert_same(cache.get(k), vals[k])
     finally:
@@ -448,14 +445,14 @@ def test_codecs_round_trip_with_restart(make_cache, codec):
         cache.put(k, t)
     cid = registered_codecs()[codec]
     for k in vals:
-        assert cache._nvme.record(digest(k)).header.codec_id == cid
+        assert testing.tier(cache, "nvme").record(digest(k)).header.codec_id == cid
     for k, t in vals.items():
         assert_same(cache.get(k), t)
     if codec == "zstd-planes":
-        hdr = cache._nvme.record(digest("normal")).header
+        hdr = testing.tier(cache, "nvme").record(digest("normal")).header
         assert hdr.payload_nbytes < 0.8 * hdr.raw_nbytes
     if codec == "raw":
-        hdr = cache._nvme.record(digest("normal")).header
+        hdr = testing.tier(cache, "nvme").record(digest("normal")).header
         assert hdr.payload_nbytes == hdr.raw_nbytes
     cache.close()
     again = reopen(cfg)
@@ -476,7 +473,7 @@ def test_mixed_codecs_in_one_store(make_cache):
         assert_same(raw.get("z"), z)
         r = normal_bf16((8, 8192), 2)
         raw.put("r", r)
-        assert raw._nvme.record(digest("r")).header.codec_id == registered_codecs()["raw"]
+        assert testing.tier(raw, "nvme").record(digest("r")).header.codec_id == registered_codecs()["raw"]
     finally:
         raw.close()
     planes = reopen(cfg, codec="zstd-planes")
@@ -485,7 +482,7 @@ def test_mixed_codecs_in_one_store(make_cache):
         assert_same(planes.get("r"), r)
         p = normal_bf16((8, 8192), 3)
         planes.put("p", p)
-        ids = {k: planes._nvme.record(digest(k)).header.codec_id for k in "zrp"}
+        ids = {k: testing.tier(planes, "nvme").record(digest(k)).header.codec_id for k in "zrp"}
         assert ids == {"z": registered_codecs()["zstd"], "r": registered_codecs()["raw"],
                        "p": registered_codecs()["zstd-planes"]}
         assert_same(planes.get("p"), p)

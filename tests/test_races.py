@@ -27,6 +27,7 @@ from ectier.tiers.host import HostTier
 from ectier.tiers.nvme import NvmeTier
 
 from conftest import KiB, MiB, assert_same, check_quiescent, digest, filled, host_holds, make_config, nvme_holds
+from ectier import testing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -128,12 +129,12 @@ def test_get_racing_the_nvme_eviction_of_the_same_key(tmp_path, monkeypatch, ord
         cache.put("K", k)  # the NVMe LRU
         cache.put("A", filled(100 * KiB, 2))
         cache.put("B", filled(100 * KiB, 3))
-        nv = cache._nvme
+        nv = testing.tier(cache, "nvme")
         if order == "evicted-before-read":
             gate = Gate(monkeypatch, NvmeTier, "read", lambda tier, d, ns, key: key == "K")
         else:
-            proxy = _HeldReadEnv(nv._env)
-            nv._env = proxy
+            proxy = _HeldReadEnv(testing.lmdb_of(nv).env)
+            testing.set_lmdb_env(nv, proxy)
         try:
             g, gbox = _thread(cache.get, "K", name="getter")
             (gate.wait() if order == "evicted-before-read" else proxy.begun.wait(10))

@@ -9,6 +9,7 @@ Each scenario is a sequence of engine steps: ``Scheduler.schedule()`` (which cal
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import lmdb
@@ -18,7 +19,9 @@ import torch
 import harness as H
 from conftest import run_step
 from ectier.cache import LoadHandle, PutHandle
-from ectier.copy import DeferredCopyEngine, InlineCopyEngine
+from ectier.copy import InlineCopyEngine
+from ectier.testing import DeferredCopyEngine
+from ectier import testing
 
 NS = "test-ns"
 GPU = {"capacity_bytes": "2MiB", "block_bytes": "64KiB"}  # the GPU tier, CPU-faked (cache_hooks)
@@ -40,8 +43,8 @@ class Engine(DeferredCopyEngine):
 @pytest.fixture
 def cache_hooks(monkeypatch):
     """``cache_hooks(engine, gpu=False)``: every in-process TieredCache opened afterwards routes its
-    copies through ``engine`` (TieredCache's ``_copy_engine`` test hook); ``gpu=True`` also puts
-    the GPU tier's arena in CPU memory (``_gpu_device="cpu"``), so the worker's device ("cpu" here)
+    copies through ``engine`` (``ectier.testing.make_cache``); ``gpu=True`` also puts the GPU
+    tier's arena in CPU memory (``gpu_device="cpu"``), so the worker's device ("cpu" here)
     is the GPU tier's device. Request this fixture after ``engine``: it completes deferred copies
     before the connectors shut down (shutdown waits for them)."""
     from ectier_vllm import store
@@ -50,8 +53,8 @@ def cache_hooks(monkeypatch):
 
     def set_hooks(copy_engine, gpu=False):
         engines.append(copy_engine)
-        hooks = {"_copy_engine": copy_engine, **({"_gpu_device": "cpu"} if gpu else {})}
-        monkeypatch.setattr(store, "_CACHE_TEST_HOOKS", hooks)
+        factory = functools.partial(testing.make_cache, copy_engine=copy_engine, gpu_device="cpu" if gpu else None)
+        monkeypatch.setattr(store, "_CACHE_FACTORY", factory)
         return copy_engine
 
     yield set_hooks
@@ -63,7 +66,7 @@ def cache_hooks(monkeypatch):
 
 def host_pins(cache) -> int:
     """Readers' pins on host-arena entries (scheduler pins not yet released)."""
-    return sum(s.pins for s in cache._host.index.slots())
+    return testing.pins(cache, "host")
 
 
 def wait_prefetches(conn):

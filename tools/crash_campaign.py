@@ -75,6 +75,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from ectier import testing
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python tools/crash_campaign.py` from anywhere
@@ -190,9 +191,9 @@ def _cache_writer(variant: str, store: Path, journal_path: Path, seed: int, star
     cfg = cache.config
 
     def durable_of(t: torch.Tensor) -> bool:
-        if cfg.nvme.write_through or cache._host is None:
+        if cfg.nvme.write_through or testing.tier(cache, "host") is None:
             return True
-        return not cache._host.index.fits(t.numel() * t.element_size())  # goes to NVMe directly
+        return not testing.tier(cache, "host").fits(t.numel() * t.element_size())  # goes to NVMe directly
 
     _writer_loop(cache, journal, seed, start_seq, random.Random(seed * 7919 + start_seq), durable_of)
 
@@ -328,12 +329,13 @@ class Tally:
 
 
 def check_accounting(cache: TieredCache, tally: Tally, where: str) -> None:
-    nv = cache._nvme
+    nv = testing.tier(cache, "nvme")
     st = cache.stats()["tiers"]["nvme"]
-    with nv._env.begin() as txn:
-        meta = {bytes(k): bytes(v) for k, v in txn.cursor(db=nv._meta)}
-        data = {bytes(k): len(v) for k, v in txn.cursor(db=nv._data)}
-        quarantined = sum(1 for _ in txn.cursor(db=nv._quarantine))
+    lm = testing.lmdb_of(nv)
+    with lm.env.begin() as txn:
+        meta = {bytes(k): bytes(v) for k, v in txn.cursor(db=lm.meta)}
+        data = {bytes(k): len(v) for k, v in txn.cursor(db=lm.data)}
+        quarantined = len(nv.quarantined())
     problems = []
     if set(meta) != set(data):
         problems.append(f"{len(set(meta) ^ set(data))} headers/payloads without their other half")

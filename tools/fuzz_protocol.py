@@ -34,6 +34,7 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
+from ectier import testing
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -119,10 +120,9 @@ def one_input(data: bytes) -> None:
     finally:
         server._disconnect(conn)
         b.close()
-    with cache._cond:
-        idx = cache._host.index
-        assert idx.reserved_bytes == 0, "a reservation outlived its connection"
-        assert all(s.pins == 0 for s in idx._slots.values()), "a pin outlived its connection"
+    host = testing.tier(cache, "host")
+    assert host.index.reserved_bytes == 0, "a reservation outlived its connection"
+    assert testing.pins(cache, "host") == 0, "a pin outlived its connection"
     assert not server._leases, "a lease outlived its connection"
     torch, byte_view = _STATE["torch"], _STATE["byte_view"]
     for k, t in _STATE["known"].items():

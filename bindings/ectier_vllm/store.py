@@ -61,9 +61,9 @@ class Pin:
     tensor: Any = None
 
 
-#: tests only: keyword arguments for every in-process :class:`TieredCache` (its test hooks
-#: ``_copy_engine=`` and ``_gpu_device="cpu"``); empty in production
-_CACHE_TEST_HOOKS: dict[str, Any] = {}
+#: opens every in-process cache (``None``: ``TieredCache(config)``); tests put
+#: ``ectier.testing.make_cache`` with their copy engine here
+_CACHE_FACTORY: Any = None
 
 
 class InProcessStore:
@@ -127,22 +127,9 @@ class InProcessStore:
         if pin is not None and pin.tensor is not None:
             return pin.tensor  # read from the GPU tier by the scheduler onto this device
         if pin is not None:
-            import torch
-
-            from ectier.tensors import torch_dtype
-
-            lease = pin.lease
-            arena = self.cache.host_arena
-            nbytes = lease.meta.nbytes
-            # straight from the pinned host arena to the destination (one copy, synchronous: the
+            # straight from the pinned host arena to the destination, on the copy engine (the
             # scheduler releases the pin once the worker has reported the load)
-            out = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            off = 0
-            for start, length in lease.extents:
-                out[off : off + length].copy_(arena[start : start + length])
-                off += length
-            dtype = torch_dtype(pin.dtype)
-            return out.view(dtype).view(pin.shape) if nbytes else torch.empty(pin.shape, dtype=dtype, device=device)
+            return self.cache.load(pin.lease, device=device)
         return self.cache.get(key, device=device)
 
     def flush(self) -> None:
@@ -248,7 +235,7 @@ def open_inprocess(config: CacheConfig) -> InProcessStore:
     with _REGISTRY_LOCK:
         entry = _REGISTRY.get(key)
         if entry is None:
-            entry = _Shared(key=key, cache=TieredCache(config, **_CACHE_TEST_HOOKS), refs=0, lock=threading.Lock(), staged={})
+            entry = _Shared(key=key, cache=(_CACHE_FACTORY or TieredCache)(config), refs=0, lock=threading.Lock(), staged={})
             _REGISTRY[key] = entry
         entry.refs += 1
     return InProcessStore(entry)

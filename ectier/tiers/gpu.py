@@ -1,8 +1,8 @@
 """GPU tier: one arena of device memory on one explicit CUDA device, allocated once.
 
-Like :class:`~ectier.tiers.host.HostTier`, the tier only stores and fetches bytes at extents handed
-out by its :class:`~ectier.index.ArenaIndex`; which entries live here, and when they leave, is the
-cache's business. Every read and write of the arena is enqueued on the copy engine's ``"arena"``
+What the GPU tier adds to :class:`~ectier.tiers.arena.ArenaTier`: the device allocation (checked
+against the device's free memory) and copies enqueued on the copy engine. Which entries live here,
+and when they leave, is the mover's business. Every read and write of the arena is enqueued on the copy engine's ``"arena"``
 lane, so the GPU runs them in submission order: a block freed after its demotion copy was enqueued
 can be rewritten at once (the rewrite runs after the demotion), and a reader enqueued after a
 writer sees the writer's bytes, with no host wait.
@@ -17,15 +17,16 @@ import torch
 from ..config import GpuTierConfig
 from ..copy import CopyEngine, CopyHandle
 from ..errors import ConfigError
-from ..index import ArenaIndex, Slot
+from ..index import Slot
 from ..policy import EvictionPolicy
+from .arena import ArenaTier
 
 __all__ = ["GpuTier"]
 
 log = logging.getLogger(__name__)
 
 
-class GpuTier:
+class GpuTier(ArenaTier):
     """A ``capacity_bytes`` arena of device memory in ``block_bytes`` blocks.
 
     Args:
@@ -48,10 +49,10 @@ class GpuTier:
 
     def __init__(self, config: GpuTierConfig, *, device: torch.device, engine: CopyEngine,
                  policy: EvictionPolicy | None = None) -> None:
+        super().__init__(config.capacity_bytes, config.block_bytes, policy)
         self.config = config
         self.device = device
         self.engine = engine
-        self.index = ArenaIndex(config.capacity_bytes, config.block_bytes, policy)
         nbytes = self.index.capacity_bytes
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
@@ -69,20 +70,17 @@ class GpuTier:
             ) from None
         log.info("gpu tier: %d bytes on %s in %d-byte blocks", nbytes, device, config.block_bytes)
 
-    def runs(self, slot: Slot):
-        """Yield ``(arena_offset, entry_offset, length)`` byte runs of ``slot`` (see ``ArenaIndex.runs``)."""
-        return self.index.runs(slot)
+    def describe(self) -> dict:
+        return {**super().describe(), "device": str(self.device)}
 
     def write(self, slot: Slot, src: torch.Tensor) -> CopyHandle:
         """Enqueue ``src`` (flat ``uint8``, ``slot.meta.nbytes`` long, on the device or pinned host)
         into the slot's blocks on the arena lane."""
-        pairs = [(self.buffer[a : a + n], src[o : o + n]) for a, o, n in self.runs(slot)]
-        return self.engine.copy(pairs, lane="arena")
+        return self.engine.copy(self.pairs_with(slot, src, into_arena=True), lane="arena")
 
     def read_into(self, slot: Slot, dst: torch.Tensor) -> CopyHandle:
         """Enqueue a copy of the slot's bytes into ``dst`` (flat ``uint8``) on the arena lane."""
-        pairs = [(dst[o : o + n], self.buffer[a : a + n]) for a, o, n in self.runs(slot)]
-        return self.engine.copy(pairs, lane="arena")
+        return self.engine.copy(self.pairs_with(slot, dst, into_arena=False), lane="arena")
 
     def close(self) -> None:
         """Drop the arena (its memory returns to torch's caching allocator)."""

@@ -1,7 +1,9 @@
 """Host-memory tier: one arena allocated once, pinned when CUDA is available.
 
-The tier stores and fetches bytes at extents handed out by its :class:`~ectier.index.ArenaIndex`;
-which entries live here, and when they leave, is the cache's business.
+What the host tier adds to :class:`~ectier.tiers.arena.ArenaTier`: the allocation (private,
+pinned when CUDA is available, or a shared file mapping registered with the driver) and
+synchronous copies in and out. Which entries live here, and when they leave, is the mover's
+business.
 """
 
 from __future__ import annotations
@@ -14,16 +16,17 @@ import torch
 
 from ..config import HostTierConfig
 from ..errors import ConfigError, StoreOpenError
-from ..index import ArenaIndex, Slot
+from ..index import Slot
 from ..policy import EvictionPolicy
 from ..tensors import cuda_available
+from .arena import ArenaTier
 
 __all__ = ["HostTier"]
 
 log = logging.getLogger(__name__)
 
 
-class HostTier:
+class HostTier(ArenaTier):
     """A ``capacity_bytes`` arena of host memory in ``block_bytes`` blocks.
 
     Args:
@@ -50,8 +53,8 @@ class HostTier:
 
     def __init__(self, config: HostTierConfig, *, shm_path: str | None = None,
                  policy: EvictionPolicy | None = None) -> None:
+        super().__init__(config.capacity_bytes, config.block_bytes, policy)
         self.config = config
-        self.index = ArenaIndex(config.capacity_bytes, config.block_bytes, policy)
         want_pin = cuda_available() if config.pin_memory is None else config.pin_memory
         nbytes = self.index.capacity_bytes
         self.shm_path = shm_path
@@ -135,13 +138,8 @@ class HostTier:
             except FileNotFoundError:
                 pass
 
-    def byte_extents(self, slot: Slot) -> list[tuple[int, int]]:
-        """``(arena byte offset, length)`` runs holding the slot's bytes, in entry order."""
-        return [(arena_off, length) for arena_off, _, length in self.runs(slot)]
-
-    def runs(self, slot: Slot):
-        """Yield ``(arena_offset, entry_offset, length)`` byte runs of ``slot`` (see ``ArenaIndex.runs``)."""
-        return self.index.runs(slot)
+    def describe(self) -> dict:
+        return {**super().describe(), "pinned": self.pinned}
 
     def write(self, slot: Slot, src: torch.Tensor) -> None:
         """Copy ``src`` (flat ``uint8``, ``slot.meta.nbytes`` long, any device) into the slot's blocks.

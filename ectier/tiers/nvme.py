@@ -10,7 +10,7 @@ Layout under ``nvme.path``::
         quarantine     digest -> JSON {reason, time, header hex} of records that failed a check
         settings       store format and creation facts, checked on reopen
 
-Contract (``design.md``, "NVMe tier contract"):
+Contract (docs/operations.md, the NVMe tier):
 
 - **Atomic writes.** Header and payload go in one LMDB write transaction: after a crash at any
   point a record is either wholly there (old or new) or absent, never torn.
@@ -61,6 +61,9 @@ from ..codec import (
 )
 from ..config import NvmeTierConfig
 from ..entry import DTYPE_ITEMSIZE, EntryMeta, entry_digest
+from ..policy import make_policy
+from .base import Tier
+from .nvme_index import NvmeIndex, NvmeRecord
 from ..errors import CorruptRecordError, StoreLockedError, StoreOpenError, TierWriteError, UnknownCodecError
 
 __all__ = ["NvmeTier", "NvmeRecord", "EncodedRecord", "STORE_FORMAT"]
@@ -69,22 +72,6 @@ log = logging.getLogger(__name__)
 
 #: Version of the directory layout (bumped only for incompatible changes).
 STORE_FORMAT = 1
-
-
-@dataclass(frozen=True)
-class NvmeRecord:
-    """What the tier knows, in memory, of one stored record.
-
-    Fields: ``header`` (:class:`~ectier.codec.RecordHeader`), ``stored_bytes`` (header + payload,
-    what the record costs the ``nvme.capacity_bytes`` budget).
-    """
-
-    header: RecordHeader
-    stored_bytes: int
-
-    @property
-    def version(self) -> int:
-        return self.header.version
 
 
 @dataclass(frozen=True)
@@ -139,7 +126,7 @@ class _RWLock:
                 self._cond.notify_all()
 
 
-class NvmeTier:
+class NvmeTier(Tier):
     """An LMDB-backed record store under ``config.path`` (see the module docstring).
 
     Args:
@@ -164,9 +151,7 @@ class NvmeTier:
         self._env: lmdb.Environment | None = None
         self._rw = _RWLock()
         self._write_lock = threading.Lock()
-        self._records_lock = threading.Lock()
-        self._records: dict[bytes, NvmeRecord] = {}
-        self.used_bytes = 0
+        self.index = NvmeIndex(config.capacity_bytes, make_policy(config.policy))
         self.counters = {"checksum_failures": 0, "quarantined": 0, "orphans_reclaimed": 0,
                          "write_errors": 0, "map_growths": 0}
         self._open()
@@ -264,6 +249,7 @@ class NvmeTier:
         assert self._env is not None
         bad: list[tuple[bytes, bytes, str]] = []
         orphans: list[bytes] = []
+        found: dict[bytes, NvmeRecord] = {}
         with self._env.begin(buffers=True) as txn:
             # keys only: fetching a payload would touch every one of its pages (a full read of the
             # store at open); its length and checksum are checked on every read instead
@@ -279,10 +265,10 @@ class NvmeTier:
                 except CorruptRecordError as exc:
                     bad.append((digest, bytes(raw), str(exc)))
                     continue
-                self._records[digest] = NvmeRecord(header, len(raw) + header.payload_nbytes)
+                found[digest] = NvmeRecord(header, len(raw) + header.payload_nbytes)
             bad_digests = {b[0] for b in bad}
-            orphans = [d for d in payload_keys if d not in self._records and d not in bad_digests]
-        self.used_bytes = sum(r.stored_bytes for r in self._records.values())
+            orphans = [d for d in payload_keys if d not in found and d not in bad_digests]
+        self.index.load(found)
         if bad or orphans:
             with self._env.begin(write=True) as txn:
                 for digest, raw, reason in bad:
@@ -292,23 +278,46 @@ class NvmeTier:
             self.counters["orphans_reclaimed"] += len(orphans)
             for digest, _, reason in bad:
                 log.warning("nvme tier: quarantined record %s at open: %s", digest.hex()[:16], reason)
-        log.info("nvme tier: opened %s with %d records, %d bytes", self.path, len(self._records), self.used_bytes)
+        log.info("nvme tier: opened %s with %d records, %d bytes", self.path, len(self.index), self.used_bytes)
 
     # ------------------------------------------------------------------------------- queries
 
     def record(self, digest: bytes) -> NvmeRecord | None:
         """The in-memory record for ``digest`` (no disk access), or ``None``."""
-        return self._records.get(digest)
+        return self.index.record(digest)
 
     def records(self) -> list[tuple[bytes, NvmeRecord]]:
         """All records, oldest write version first."""
-        with self._records_lock:
-            items = list(self._records.items())
-        items.sort(key=lambda kv: kv[1].version)
-        return items
+        return self.index.records()
 
     def __len__(self) -> int:
-        return len(self._records)
+        return len(self.index)
+
+    # ------------------------------------------------------------------- the Tier protocol
+    @property
+    def capacity_bytes(self) -> int:
+        return self.index.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the stored records (headers + payloads)."""
+        return self.index.used_bytes
+
+    def fits(self, nbytes: int) -> bool:
+        return self.index.fits(nbytes)
+
+    def holds(self, digest: bytes, version: int) -> bool:
+        rec = self.index.record(digest)
+        return rec is not None and rec.version == version
+
+    def stored_version(self, digest: bytes) -> int | None:
+        rec = self.index.record(digest)
+        return rec.version if rec is not None else None
+
+    def describe(self) -> dict:
+        return {**self.counters, "path": str(self.path), "codec": self.config.codec,
+                "capacity_bytes": self.index.capacity_bytes, "used_bytes": self.index.used_bytes,
+                "entries": len(self.index), "map_size_bytes": self.map_size_bytes}
 
     @property
     def map_size_bytes(self) -> int:
@@ -406,15 +415,9 @@ class NvmeTier:
             log.info("nvme tier: LMDB map grown from %d to %d bytes", current, new)
 
     def _set_record(self, digest: bytes, rec: NvmeRecord | None) -> None:
-        with self._records_lock:
-            old = self._records.pop(digest, None)
-            if old is not None:
-                self.used_bytes -= old.stored_bytes
-            if rec is not None:
-                self._records[digest] = rec
-                self.used_bytes += rec.stored_bytes
+        self.index.set_record(digest, rec)
 
-    def delete(self, digest: bytes, *, only_version: int | None = None) -> bool:
+    def delete(self, digest: bytes, *, only_version: int | None = None) -> bool:  # noqa: D417
         """Remove the record for ``digest`` (only if its write version is ``only_version``, when given).
 
         Returns True if a record was removed. LMDB errors are logged and return False (the record
@@ -441,7 +444,7 @@ class NvmeTier:
                 log.error("nvme tier: delete failed: %s", exc)
                 return False
             # under the write lock: a write of a newer version cannot slip in between check and drop
-            rec = self._records.get(digest)
+            rec = self.index.record(digest)
             if rec is not None and (only_version is None or rec.version == only_version):
                 self._set_record(digest, None)
         return removed
@@ -520,7 +523,7 @@ class NvmeTier:
     def _forget_if_absent(self, digest: bytes) -> None:
         """Drop the in-memory record of ``digest`` if LMDB holds no header for it (under the write lock)."""
         with self._rw.shared(), self._write_lock:
-            if digest not in self._records or self._env is None:
+            if digest not in self.index or self._env is None:
                 return
             with self._env.begin() as txn:
                 if txn.get(digest, db=self._meta) is None:
@@ -532,6 +535,15 @@ class NvmeTier:
         txn.delete(digest, db=self._meta)
         txn.delete(digest, db=self._data)
         self.counters["quarantined"] += 1
+
+    def stored_keys(self) -> tuple[set[bytes], set[bytes]]:
+        """The digests LMDB holds headers for, and those it holds payloads for (a consistency
+        check: both equal the in-memory records when the tier is idle)."""
+        assert self._env is not None
+        with self._env.begin() as txn:
+            meta = {bytes(k) for k in txn.cursor(db=self._meta).iternext(keys=True, values=False)}
+            data = {bytes(k) for k in txn.cursor(db=self._data).iternext(keys=True, values=False)}
+        return meta, data
 
     def quarantined(self) -> dict[bytes, dict]:
         """Digest -> ``{"reason", "time", "header"}`` of every quarantined record."""

@@ -1,0 +1,130 @@
+"""The catalog: which version of each key is current, which writes are in flight, one lock.
+
+Every tier holds bytes of some *version* of a key; the catalog says which version is the key's
+current one (``current``), so a late demotion or promotion of older bytes is never served. Writes
+into a tier that complete later (a put of a CUDA tensor, a GPU victim's D2H into the host arena)
+are :class:`PendingWrite` s until their copy completes; a ``get`` waits for them.
+
+The catalog's condition variable (``cond``) is *the* lock of a cache: the tiers' indexes and the
+catalog change only under it, copies and I/O never run under it, and waiters (an admission waiting
+for room, a delete waiting for a write) wait on it.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from .handles import PutHandle
+
+__all__ = ["Catalog", "PendingWrite"]
+
+
+@dataclass(eq=False)
+class PendingWrite:
+    """A write into a tier whose copy is in flight (a put of a device tensor, a GPU demotion).
+
+    ``cancelled``: a delete (or close) came after it; its commit becomes an abort.
+    ``finished``: the write ended (committed or not).
+    """
+
+    digest: bytes
+    version: int
+    handle: PutHandle
+    cancelled: bool = False
+    finished: bool = False
+
+
+class Catalog:
+    """Current version per key, writes in flight, recompute costs — guarded by ``cond``.
+
+    Not thread-safe by itself: callers hold ``cond`` around every method except
+    :meth:`wait_inflight` (which takes it).
+    """
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition(threading.Lock())
+        self._current: dict[bytes, int] = {}
+        self._inflight: dict[bytes, list[PendingWrite]] = {}
+        self._cost_s: dict[bytes, float] = {}
+
+    # ------------------------------------------------------------------------------ versions
+    def version(self, digest: bytes) -> int | None:
+        """The current version of ``digest``, ``None`` if the key is stored nowhere."""
+        return self._current.get(digest)
+
+    def is_current(self, digest: bytes, version: int) -> bool:
+        return self._current.get(digest) == version
+
+    def set_current(self, digest: bytes, version: int) -> None:
+        self._current[digest] = version
+
+    def forget(self, digest: bytes, version: int | None = None) -> bool:
+        """Drop ``digest`` (only if its current version is ``version``, when given). True if dropped."""
+        if version is not None and self._current.get(digest) != version:
+            return False
+        return self._current.pop(digest, None) is not None
+
+    def __len__(self) -> int:
+        return len(self._current)
+
+    def __contains__(self, digest: object) -> bool:
+        return digest in self._current
+
+    def items(self) -> list[tuple[bytes, int]]:
+        """``(digest, current version)`` pairs (a copy)."""
+        return list(self._current.items())
+
+    def notify(self) -> None:
+        self.cond.notify_all()
+
+    # ------------------------------------------------------------------------------ in flight
+    def add_pending(self, pending: PendingWrite) -> None:
+        self._inflight.setdefault(pending.digest, []).append(pending)
+
+    def end_pending(self, pending: PendingWrite) -> None:
+        lst = self._inflight.get(pending.digest)
+        if lst is not None and pending in lst:
+            lst.remove(pending)
+            if not lst:
+                del self._inflight[pending.digest]
+        pending.finished = True
+
+    def pending(self, digest: bytes) -> list[PendingWrite]:
+        """Writes of ``digest`` in flight, oldest first (a copy)."""
+        return list(self._inflight.get(digest, ()))
+
+    def has_pending(self, digest: bytes, version: int | None = None) -> bool:
+        """Whether a write of ``digest`` (of ``version``, when given) is in flight and unfinished."""
+        return any(version is None or (p.version == version and not p.finished)
+                   for p in self._inflight.get(digest, ()))
+
+    def pending_count(self) -> int:
+        return sum(len(v) for v in self._inflight.values())
+
+    def cancel_pending(self, digest: bytes) -> bool:
+        """Mark every write of ``digest`` in flight as cancelled; True if there was one."""
+        lst = self._inflight.get(digest, ())
+        for p in lst:
+            p.cancelled = True
+        return bool(lst)
+
+    def wait_inflight(self, digest: bytes) -> None:
+        """Wait (without the lock) for the writes of ``digest`` in flight now."""
+        with self.cond:
+            pend = self.pending(digest)
+        for p in pend:
+            p.handle.wait()
+
+    # ------------------------------------------------------------------------------ costs
+    def set_cost(self, digest: bytes, cost_s: float | None) -> None:
+        """Remember the recompute seconds of ``digest`` for the tiers' policies (``None``: unknown)."""
+        if cost_s is None:
+            self._cost_s.pop(digest, None)
+            return
+        self._cost_s[digest] = float(cost_s)
+        if len(self._cost_s) > 2 * len(self._current) + 1024:  # forget keys no longer stored
+            self._cost_s = {d: c for d, c in self._cost_s.items() if d in self._current or d == digest}
+
+    def cost(self, digest: bytes) -> float | None:
+        return self._cost_s.get(digest)

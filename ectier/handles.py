@@ -1,0 +1,131 @@
+"""Handles and leases the cache hands out: what a caller holds while a copy runs.
+
+- :class:`PutHandle` — completion of one :meth:`TieredCache.put` (asynchronous for CUDA tensors).
+- :class:`LoadHandle` — completion of one key of :meth:`TieredCache.prefetch`.
+- :class:`WriteLease` — a host-arena reservation (phase 1 of a two-phase put, the daemon's).
+- :class:`ReadLease` — a pinned host-arena entry (the daemon's get, the connector's pin).
+
+A lease ends once: a second :meth:`TieredCache.release` / ``commit`` / ``abort`` of the same lease
+is a no-op (release) or a ``ValueError`` (commit, abort), never a change to another lease.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .entry import EntryMeta
+
+__all__ = ["PutHandle", "LoadHandle", "WriteLease", "ReadLease"]
+
+
+class _Handle:
+    """A result set once: ``done()``, ``wait(timeout_s)``, ``error``."""
+
+    __slots__ = ("key", "error", "_ok", "_event")
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.error: BaseException | None = None
+        self._ok = False
+        self._event = threading.Event()
+
+    def done(self) -> bool:
+        """True once the operation finished (successfully or not)."""
+        return self._event.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block up to ``timeout_s`` seconds (``None``: no limit); True if it finished successfully."""
+        if not self._event.wait(timeout_s):
+            return False
+        return self._ok
+
+    def finish(self, ok: bool, error: BaseException | None = None) -> None:
+        """Set the result (the cache's side; called once)."""
+        self._ok = bool(ok)
+        self.error = error
+        self._event.set()
+
+
+class PutHandle(_Handle):
+    """Completion of one :meth:`TieredCache.put`.
+
+    Attributes:
+        key: the key put.
+        error: the exception of a failed copy, else ``None``.
+
+    ``done()`` is True once the put has finished (at once for CPU tensors). ``wait(timeout_s=None)``
+    blocks until then and returns True if the entry was stored (also when a later put or delete of
+    the same key has already replaced it: this put is ordered before that call), False if the copy
+    failed, or if ``timeout_s`` passed first (``done()`` then still False). Once done, the source
+    tensor is no longer referenced by the cache.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.done() else ("stored" if self._ok else f"failed: {self.error!r}")
+        return f"<PutHandle {self.key!r} {state}>"
+
+
+class LoadHandle(_Handle):
+    """Completion of one key of :meth:`TieredCache.prefetch`.
+
+    ``wait(timeout_s=None)`` is True when the key is present and was promoted as far towards the
+    asked device as room allowed (the GPU tier for ``device=gpu.device``, else the host tier; an
+    entry that fits no higher tier stays where it is): a following ``get`` serves it from there.
+    False on a miss (or a timeout: ``done()`` still False).
+    ``error`` holds an unexpected exception of the promotion, if one happened.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.done() else ("ready" if self._ok else "miss")
+        return f"<LoadHandle {self.key!r} {state}>"
+
+
+class _Lease:
+    """A host-arena entry held by another party, ended exactly once."""
+
+    __slots__ = ("meta", "extents", "slot", "_ended", "_lock")
+
+    def __init__(self, meta: EntryMeta, extents: tuple[tuple[int, int], ...], slot: Any) -> None:
+        self.meta = meta
+        self.extents = extents
+        self.slot = slot  # the tier's slot; only the cache looks at it
+        self._ended = False
+        self._lock = threading.Lock()
+
+    @property
+    def ended(self) -> bool:
+        """True once the lease was committed, aborted or released."""
+        return self._ended
+
+    def end(self) -> bool:
+        """Mark the lease ended; True the first time, False on every later call."""
+        with self._lock:
+            if self._ended:
+                return False
+            self._ended = True
+            return True
+
+    def __repr__(self) -> str:
+        state = "ended" if self._ended else "held"
+        return f"<{type(self).__name__} {self.meta.key!r} {self.meta.nbytes} B {state}>"
+
+
+class WriteLease(_Lease):
+    """A host-arena reservation from :meth:`TieredCache.reserve`.
+
+    Fields: ``meta`` (:class:`~ectier.entry.EntryMeta`), ``extents``: ``(arena byte offset,
+    length)`` runs whose concatenation is the entry's bytes in C order.
+    """
+
+    __slots__ = ()
+
+
+class ReadLease(_Lease):
+    """A pinned host-arena entry from :meth:`TieredCache.acquire`; fields as :class:`WriteLease`."""
+
+    __slots__ = ()

@@ -1,0 +1,482 @@
+"""The mover: every move of an entry between two tiers, in one place.
+
+Moves are registered per edge (source tier, destination tier), in the shape of vLLM's
+``kv_offload`` worker (a transfer handler per medium pair; a handler's exception is a failed
+transfer, never an error of an unrelated call):
+
+==============  =======================================  =====================================
+edge            handler                                  when
+==============  =======================================  =====================================
+gpu → host      ``ArenaMoves.demote_device`` (async D2H)  a GPU victim
+gpu → nvme      ``NvmeMoves.demote_slot``                a GPU victim the host cannot take; flush
+host → nvme     ``NvmeMoves.demote_slot``                a host victim; write-through; flush
+nvme → host     ``ArenaMoves.store`` (promotion)         an NVMe hit (get, acquire, prefetch)
+nvme → gpu      ``ArenaMoves.promote_device``            an NVMe hit asked for ``gpu.device``
+host → gpu      ``ArenaMoves.promote_device``            a host hit asked for ``gpu.device``
+==============  =======================================  =====================================
+
+What the mover owns: admission with eviction (one loop for every tier), demotion of victims down
+the stack, the commit rules (which version stands), the one promotion sequence (read from the
+store tier, then up the stack towards the asked tier), write-through, flush, and the completion
+of copies in flight. Tiers never call it; it never calls the facade.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from .catalog import Catalog, PendingWrite
+from .config import CacheConfig
+from .copy import Completer, CopyEngine, CopyHandle
+from .entry import EntryMeta
+from .errors import EctierError
+from .index import Slot
+from .moves.arena import ArenaMoves
+from .moves.nvme import RETRY, NvmeMoves
+from .stack import TierStack
+from .stats import Counters
+from .tiers.arena import ArenaTier
+from .tiers.base import Tier
+
+__all__ = ["Mover", "Commit", "RETRIES"]
+
+if TYPE_CHECKING:
+    from .handles import LoadHandle, PutHandle
+
+log = logging.getLogger(__name__)
+
+#: how often a lookup is tried again when a concurrent overwrite changes the key under it
+RETRIES = 3
+
+#: exceptions a move may raise that make it a failed move (counted, logged), never an error of
+#: the call that triggered it: ectier's own, device errors (CUDA OOM is a RuntimeError), I/O errors
+MOVE_ERRORS = (EctierError, RuntimeError, OSError)
+
+
+@dataclass(frozen=True)
+class _Committed:
+    """What :meth:`Mover.after_put` needs of a committed put."""
+
+    digest: bytes
+    version: int
+    meta: EntryMeta
+
+
+class Commit(enum.Enum):
+    """The outcome of :meth:`Mover.commit`."""
+
+    COMMITTED = "committed"  #: the entry is visible, the key's current version
+    SUPERSEDED = "superseded"  #: a newer write won; this put is ordered before it (stands)
+    CANCELLED = "cancelled"  #: deleted while its copy ran; ordered before the delete (stands)
+    DROPPED = "dropped"  #: a promotion no longer needed (the key changed or is already there)
+
+    @property
+    def stands(self) -> bool:
+        """Whether the write counts as done for its caller."""
+        return self is not Commit.DROPPED
+
+    @property
+    def committed(self) -> bool:
+        return self is Commit.COMMITTED
+
+
+class Mover:
+    """Moves entries between the tiers of ``stack``.
+
+    Attributes:
+        RETRIES: lookups tried again after a concurrent overwrite (:data:`RETRIES`).
+
+    Args:
+        config: the cache's config (admission waits, write-through).
+        stack: the configured tiers.
+        catalog: versions and writes in flight; its ``cond`` is the cache's lock.
+        counters: the cache's counters.
+        engine_for: ``device -> CopyEngine | None`` (``None``: plain synchronous copies).
+    """
+
+    RETRIES = RETRIES
+
+    def __init__(self, config: CacheConfig, stack: TierStack, catalog: Catalog, counters: Counters,
+                 engine_for: Callable[[torch.device], CopyEngine | None]) -> None:
+        self.config = config
+        self.stack = stack
+        self.catalog = catalog
+        self.cond = catalog.cond
+        self.counters = counters
+        self.engine_for = engine_for
+        self.completer = Completer()
+        self._prefetch_pool: ThreadPoolExecutor | None = None
+        self.write_through = config.nvme.write_through
+        self.arena = ArenaMoves(self)
+        store = stack.get("nvme")
+        self.nvme = NvmeMoves(self, store) if store is not None else None
+        self._demotions: dict[tuple[str, str], Callable[..., bool]] = {}
+        self._promotions: dict[tuple[str, str], Callable[..., Any]] = {}
+        self._register()
+
+    # ------------------------------------------------------------------------- the edges
+    def _register(self) -> None:
+        gpu, host, nvme = (self.stack.get(n) for n in ("gpu", "host", "nvme"))
+        if gpu is not None and host is not None:
+            self._demotions["gpu", "host"] = lambda v, protect: self.arena.demote_device(gpu, host, v, protect)
+        if nvme is not None:
+            for src in (gpu, host):
+                if src is not None:
+                    self._demotions[src.name, "nvme"] = (
+                        lambda v, protect, src=src: self.nvme.demote_slot(src, v, protect=protect))
+        if host is not None:
+            self._promotions["nvme", "host"] = self._promote_data_into_host
+        if gpu is not None:
+            self._promotions["nvme", "gpu"] = self._promote_data_into_device
+            if host is not None:
+                self._promotions["host", "gpu"] = self._promote_slot_into_device
+
+    def edges(self) -> list[tuple[str, str]]:
+        """Every registered edge ``(source tier, destination tier)``: demotions, then promotions."""
+        return list(self._demotions) + list(self._promotions)
+
+    def _run(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """The error boundary of a move: an exception is a failed move (logged), never raised."""
+        try:
+            return fn(*args)
+        except MOVE_ERRORS as exc:
+            log.warning("%s failed (%s: %s); entry not moved", what, type(exc).__name__, exc)
+            return None
+
+    # ------------------------------------------------------------------------- admission
+    def admit(self, tier: ArenaTier, digest: bytes, meta: EntryMeta, version: int, *, promotion: bool,
+              protect: bytes | None = None) -> Slot | None:
+        """Reserve room for an entry in a memory tier, moving its victims down as needed.
+
+        Returns the reserved (invisible) slot, or ``None``: no room within ``host.admit_wait_s``
+        (at once for a promotion), or a promotion became pointless. With
+        ``host.promote_clean_only`` a promotion into the host evicts only entries a lower tier
+        already holds, so a get never waits on demotion writes.
+        """
+        deadline = time.monotonic() + self.config.host.admit_wait_s
+        clean_only = promotion and tier.name == "host" and self.config.host.promote_clean_only
+        step = 0.01 if tier.device is not None else 0.05
+        while True:
+            with self.cond:
+                if promotion and (self.catalog.version(digest) != version or tier.lookup(digest) is not None):
+                    return None
+                adm = tier.admit(digest, meta, version, cost_s=self.catalog.cost(digest), clean_only=clean_only)
+                if adm.granted:
+                    return adm.entry
+                if adm.blocked:
+                    remaining = deadline - time.monotonic()
+                    if promotion or remaining <= 0:
+                        self.counters.count(tier.name, admission_timeouts=1)
+                        return None
+                    self.cond.wait(timeout=min(remaining, step))
+                    continue
+            self.evict(tier, adm.victims, protect=protect)
+
+    def abort(self, tier: ArenaTier, slot: Slot) -> None:
+        with self.cond:
+            tier.abort(slot)
+            self.cond.notify_all()
+
+    def evict(self, tier: ArenaTier, victims: list[Slot], *, protect: bytes | None = None) -> None:
+        """Move pinned victims of ``tier`` down (or drop them), then release them.
+
+        Every victim is released even if a move raises something unexpected (the rest are then
+        dropped), so an error never leaks pinned blocks.
+        """
+        pending = list(victims)
+        try:
+            while pending:
+                v = pending[0]
+                moved = False
+                try:
+                    moved = self.demote(tier, v, protect=protect)
+                finally:
+                    pending.pop(0)
+                    self._release_victim(tier, v, moved)
+        finally:
+            for v in pending:
+                self._release_victim(tier, v, False)
+
+    def demote(self, tier: ArenaTier, v: Slot, *, protect: bytes | None = None) -> bool:
+        """Move a pinned victim to the nearest lower tier that takes it. True if a lower tier
+        holds (or, once its copy completes, will hold) its version."""
+        with self.cond:
+            if not self.catalog.is_current(v.digest, v.version):
+                return False  # replaced or deleted: nothing to keep
+            for t in self.stack.below(tier):
+                if t.holds(v.digest, v.version):
+                    if self.nvme is not None and t is self.nvme.tier:
+                        self.nvme.index.touch(v.digest)
+                    return True
+        for dst in self.stack.below(tier):
+            handler = self._demotions.get((tier.name, dst.name))
+            if handler is not None and self._run(f"demotion {tier.name} -> {dst.name}", handler, v, protect):
+                return True
+        return False
+
+    def _release_victim(self, tier: ArenaTier, v: Slot, moved: bool) -> None:
+        with self.cond:
+            tier.release_victim(v)
+            self.counters.count(tier.name, evictions=1, **{"demotions" if moved else "drops": 1})
+            if not moved:
+                self.forget_if_unheld_locked(v.digest, v.version)
+            self.cond.notify_all()
+
+    # ------------------------------------------------------------------------- commits
+    def commit(self, tier: ArenaTier, slot: Slot, *, promotion: bool, pending: PendingWrite | None = None,
+               keep_older_record: bool = False, pin_after: bool = False) -> Commit:
+        """Make a written slot visible, or drop it if a newer version won.
+
+        A put stands against older versions everywhere (they are removed; the store tier's older
+        record is deleted before this returns unless ``keep_older_record``: a write-through will
+        replace it in one transaction). A promotion stands only while its version is current and
+        the tier does not hold the key. ``pin_after`` pins the committed slot for the caller.
+        """
+        digest, version = slot.digest, slot.version
+        stale: list[tuple[bytes, int]] = []
+        with self.cond:
+            if pending is not None and pending.cancelled:  # deleted (or closed) while the copy ran
+                tier.abort(slot)
+                self.cond.notify_all()
+                return Commit.CANCELLED
+            current = self.catalog.version(digest)
+            newer_below = any((sv := t.stored_version(digest)) is not None and sv > version
+                              for t in self.stack.stores())
+            if promotion:
+                superseded = current != version or tier.lookup(digest) is not None or newer_below
+            else:
+                superseded = (current is not None and current > version) or newer_below
+            if superseded:
+                tier.abort(slot)
+                self.cond.notify_all()
+                return Commit.DROPPED if promotion else Commit.SUPERSEDED
+            if tier.commit(slot) is not None:
+                self.cond.notify_all()
+            if pin_after:
+                tier.pin(slot)
+            self.drop_older_locked(digest, version, besides=tier)
+            self.catalog.set_current(digest, version)
+            if self.nvme is not None:
+                if self.nvme.tier.holds(digest, version):
+                    slot.lower_copy = True
+                elif not keep_older_record:
+                    old = self.nvme.claim_locked(digest)
+                    if old is not None:
+                        stale.append((digest, old))
+        for d, v in stale:
+            # the key's older record goes before put returns, so a restart never serves it
+            self.nvme.delete_claimed(d, v)
+        return Commit.COMMITTED
+
+    def after_put(self, tier: ArenaTier, slot: "Slot | _Committed") -> None:
+        """A put committed into ``tier``: count it and write it through to NVMe if configured."""
+        self.counters.count(tier.name, puts=1, put_bytes=slot.meta.nbytes)
+        if self.nvme is not None and self.write_through and tier.name == "host":
+            self.nvme.write_through(tier, slot.digest, slot.version)
+
+    def drop_older_locked(self, digest: bytes, version: int, *, besides: Tier | None = None) -> None:
+        """Remove memory copies of ``digest`` older than ``version`` (a newer one was committed)."""
+        for t in self.stack.arenas():
+            if t is not besides and t.remove_if(digest, lambda s: s.version < version):
+                self.cond.notify_all()
+
+    def drop_slot(self, tier: ArenaTier, slot: Slot) -> None:
+        """Take a slot whose bytes are bad (a failed copy) out of ``tier``."""
+        with self.cond:
+            if tier.lookup(slot.digest) is slot and tier.remove(slot):
+                self.cond.notify_all()
+            self.forget_if_unheld_locked(slot.digest, slot.version)
+
+    def forget_if_unheld_locked(self, digest: bytes, version: int) -> None:
+        """Drop ``digest`` from the catalog if ``version`` is current and no tier (nor a copy in
+        flight) holds it any more."""
+        if not self.catalog.is_current(digest, version):
+            return
+        if self.stack.holds(digest, version) or self.catalog.has_pending(digest, version):
+            return
+        self.catalog.forget(digest)
+
+    def unpin(self, tier: ArenaTier, slot: Slot) -> None:
+        with self.cond:
+            if tier.unpin(slot):
+                self.cond.notify_all()
+
+    # ------------------------------------------------------------------------- copies in flight
+    def when_done(self, h: CopyHandle, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once ``h`` completes: now if it already has, else in the completer thread."""
+        if h.done():
+            callback()
+        else:
+            self.completer.submit(h, callback)
+
+    def end_pending(self, pending: PendingWrite, ok: bool, error: BaseException | None) -> None:
+        with self.cond:
+            self.catalog.end_pending(pending)
+            if not ok:
+                self.forget_if_unheld_locked(pending.digest, pending.version)
+            self.cond.notify_all()
+        pending.handle.finish(ok and error is None, error)
+
+    # ------------------------------------------------------------------------- puts
+    def put_into(self, tier: Tier, digest: bytes, meta: EntryMeta, version: int, src: torch.Tensor,
+                 handle: "PutHandle") -> bool:
+        """Store a put's bytes ``src`` (flat ``uint8``) in ``tier``; False if it has no room (the
+        caller tries the next tier). ``handle`` is finished now, or when an async copy completes.
+
+        Raises:
+            TierWriteError: the NVMe write failed (nothing changed).
+        """
+        if isinstance(tier, ArenaTier) and tier.device is not None:
+            return self.arena.put_device(tier, digest, meta, version, src, handle)
+        if isinstance(tier, ArenaTier):
+            engine = self.engine_for(src.device)
+            if engine is not None:
+                return self.arena.put_async(tier, digest, meta, version, src, engine, handle)
+            c = self.arena.store(tier, digest, meta, version, src, promotion=False)
+            if c is None:
+                return False
+            self.after_put(tier, _Committed(digest, version, meta))
+            handle.finish(True)
+            return True
+        self.nvme.store(digest, meta, version, src if src.device.type == "cpu" else src.cpu(), register=True)
+        handle.finish(True)
+        return True
+
+    # ------------------------------------------------------------------------- promotion
+    def promote_from_store(self, digest: bytes, ns: str, key: str, version: int, upto: Tier | None):
+        """The one promotion sequence: read ``version`` from the store tier (checked, decoded),
+        count the hit, then copy it up the stack, tier by tier, as far as ``upto`` (``None``: no
+        promotion). Returns ``(meta, data, promoted)`` — ``data`` a flat ``uint8`` CPU tensor,
+        ``promoted`` the names of the tiers that took it — ``None`` on a miss, or ``RETRY``."""
+        result = self.nvme.read(digest, ns, key, version)
+        if result is None or result is RETRY:
+            return result
+        meta, data = result
+        self.counters.count("nvme", hits=1, hit_bytes=meta.nbytes)
+        promoted = set()
+        if upto is not None:
+            for t in self.stack.between(self.nvme.tier, upto):
+                handler = self._promotions.get(("nvme", t.name))
+                if handler is not None and self._run(f"promotion nvme -> {t.name}", handler, digest, meta, version, data):
+                    promoted.add(t.name)
+        return meta, data, promoted
+
+    def _promote_data_into_host(self, digest: bytes, meta: EntryMeta, version: int, data: torch.Tensor) -> bool:
+        host = self.stack.get("host")
+        if not host.fits(meta.nbytes):
+            return False
+        c = self.arena.store(host, digest, meta, version, data, promotion=True, protect=digest)
+        if c is not None and c.committed:
+            self.counters.count("host", promotions=1)
+            return True
+        return False
+
+    def _promote_data_into_device(self, digest: bytes, meta: EntryMeta, version: int, data: torch.Tensor) -> bool:
+        gpu = self.stack.get("gpu")
+        g = self.arena.promote_device(gpu, digest, meta, version, data=data)
+        if g is not None:
+            self.unpin(gpu, g)
+        return g is not None
+
+    def _promote_slot_into_device(self, host: ArenaTier, slot: Slot) -> bool:
+        gpu = self.stack.get("gpu")
+        g = self.arena.promote_device(gpu, slot.digest, slot.meta, slot.version, src_tier=host, src_slot=slot)
+        if g is not None:
+            self.unpin(gpu, g)
+        return g is not None
+
+    def promote(self, digest: bytes, ns: str, key: str, target: Tier | None) -> bool:
+        """Move ``digest`` up to ``target`` (the GPU tier, or the host tier) — a prefetch.
+
+        True if the key is present afterwards (promoted as far as room allowed)."""
+        gpu = self.stack.device_tier()
+        want_gpu = target is not None and target is gpu
+        host = self.stack.get("host")
+        for _ in range(RETRIES):
+            hslot = None
+            with self.cond:
+                v = self.catalog.version(digest)
+                if v is None:
+                    return False
+                if gpu is not None and gpu.holds(digest, v) and (want_gpu or not self.stack.lower_holds(gpu, digest, v)):
+                    return True
+                s = host.current(digest, v) if host is not None else None
+                if s is not None:
+                    host.touch(s)
+                    if not want_gpu:
+                        return True
+                    hslot = s
+                    host.pin(s)
+                else:
+                    if self.nvme is None or not self.nvme.tier.holds(digest, v):
+                        return digest in self.catalog
+                    self.nvme.index.touch(digest)
+                    host_fits = host is not None and host.fits(self.nvme.tier.record(digest).header.raw_nbytes)
+                    if not want_gpu and not host_fits:
+                        return True  # it stays where it is: NVMe is the highest tier it fits
+            if hslot is not None:
+                try:
+                    self._run("promotion host -> gpu", self._promotions[("host", "gpu")], host, hslot)
+                finally:
+                    self.unpin(host, hslot)
+                return True
+            result = self.promote_from_store(digest, ns, key, v, target)
+            if result is RETRY:
+                continue
+            return result is not None
+        with self.cond:
+            return digest in self.catalog
+
+    def prefetch_later(self, handle: "LoadHandle", digest: bytes, ns: str, key: str, target: Tier | None) -> None:
+        """Run :meth:`promote` in the prefetch pool (two threads, started at the first call) and
+        finish ``handle`` with its result (an unexpected error: False, in ``handle.error``)."""
+        with self.cond:
+            if self._prefetch_pool is None:
+                self._prefetch_pool = ThreadPoolExecutor(2, thread_name_prefix="ectier-prefetch")
+            pool = self._prefetch_pool
+        pool.submit(self._prefetch_one, handle, digest, ns, key, target)
+
+    def _prefetch_one(self, handle: "LoadHandle", digest: bytes, ns: str, key: str, target: Tier | None) -> None:
+        try:
+            self.catalog.wait_inflight(digest)
+            handle.finish(self.promote(digest, ns, key, target))
+        except Exception as exc:  # noqa: BLE001 - reported through the handle, and logged
+            log.warning("prefetch of a key failed: %s", exc)
+            handle.finish(False, exc)
+
+    def quiesce(self, timeout_s: float | None = None) -> bool:
+        """Wait for prefetches and copy completions in flight (the pool restarts on the next
+        prefetch). False if the completions did not all run within ``timeout_s``."""
+        with self.cond:
+            pool, self._prefetch_pool = self._prefetch_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        return self.completer.drain(timeout_s)
+
+    # ------------------------------------------------------------------------- flush, close
+    def flush(self) -> int:
+        """Write every memory entry that no lower tier holds to NVMe (the copies above stay).
+        Returns the number written."""
+        if self.nvme is None:
+            return 0
+        written = 0
+        for tier in self.stack.arenas():
+            with self.cond:
+                dirty = [s for s in tier.slots() if s.visible and self.catalog.is_current(s.digest, s.version)
+                         and not self.stack.lower_holds(tier, s.digest, s.version)]
+                for s in dirty:
+                    tier.pin(s)
+            for s in dirty:
+                try:
+                    if self._run(f"flush {tier.name} -> nvme", self.nvme.demote_slot, tier, s):
+                        written += 1
+                finally:
+                    self.unpin(tier, s)
+        return written

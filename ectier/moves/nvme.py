@@ -1,0 +1,294 @@
+"""Moves into and out of the NVMe tier: store (put, demotion, write-through, flush), read
+(the bottom of every promotion), delete, and the budget bookkeeping around them.
+
+Every function here runs on behalf of :class:`~ectier.mover.Mover` (``m``), takes the cache lock
+(``m.cond``) only for bookkeeping, and does LMDB I/O outside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..entry import EntryMeta
+from ..errors import TierWriteError
+from ..index import Slot
+from ..tiers.nvme import NvmeTier
+
+if TYPE_CHECKING:
+    from ..mover import Mover
+
+__all__ = ["NvmeMoves", "RETRY"]
+
+log = logging.getLogger(__name__)
+
+
+class _Retry:
+    """The record read belongs to another version than the one looked up: look again."""
+
+    def __repr__(self) -> str:
+        return "RETRY"
+
+
+RETRY = _Retry()
+
+
+class NvmeMoves:
+    """The NVMe tier's side of every move (``m``: the mover; ``tier``: the NVMe tier)."""
+
+    def __init__(self, m: "Mover", tier: NvmeTier) -> None:
+        self.m = m
+        self.tier = tier
+        self.index = tier.index
+
+    # ------------------------------------------------------------------------- open
+    def adopt_records(self) -> None:
+        """At open: every stored record becomes a current entry, oldest first, then trim to budget."""
+        from ..entry import advance_version
+
+        records = self.tier.records()
+        if records:
+            advance_version(records[-1][1].version)
+        with self.m.cond:
+            for digest, rec in records:  # oldest write first = least recently used
+                self.m.catalog.set_current(digest, rec.version)
+                self.index.track(digest, rec.stored_bytes)
+        self.trim_to_budget()
+
+    def trim_to_budget(self) -> None:
+        over = self.index.over_budget_bytes()
+        if over <= 0:
+            return
+        with self.m.cond:
+            victims = self.index.policy.victims(over) or list(self.index)
+            doomed = self._claim_victims_locked(victims)
+        for digest, version in doomed:
+            self.tier.delete(digest, only_version=version)
+
+    # ------------------------------------------------------------------------- store
+    def store(self, digest: bytes, meta: EntryMeta, version: int, src: torch.Tensor, *, register: bool,
+              protect: bytes | None = None) -> bool:
+        """Encode and write an entry, evicting NVMe victims to stay within budget.
+
+        ``register`` makes the write the key's current version (a put that skipped the memory
+        tiers); otherwise (a demotion, a flush) NVMe becomes a second copy of the current version.
+        ``protect``: a digest whose record must not be evicted (an entry being promoted).
+        Returns True if NVMe now holds ``version`` as the key's current bytes.
+
+        Raises:
+            TierWriteError: the write failed, or (``register``) the budget is held by writes in
+                flight; nothing changed.
+        """
+        record = self.tier.encode(meta, src, version)
+        size = record.stored_bytes
+        doomed = self._reserve(digest, version, size, register=register, protect=protect)
+        if doomed is None:
+            return False
+        try:
+            for d, v in doomed:
+                if self.tier.delete(d, only_version=v):
+                    self.after_delete(d, v)
+            try:
+                written = self.tier.write(digest, record)
+            except TierWriteError:
+                self.m.counters.count("nvme", write_failures=1)
+                raise
+        except BaseException:
+            with self.m.cond:
+                self.index.end_write(digest, size)
+                self.m.cond.notify_all()
+            raise
+        return self._finish_store(digest, meta, version, size, written, register=register)
+
+    def _reserve(self, digest: bytes, version: int, size: int, *, register: bool,
+                 protect: bytes | None) -> list[tuple[bytes, int]] | None:
+        """Reserve ``size`` bytes of budget (claiming victims); ``None``: nothing to do."""
+        m = self.m
+        deadline = time.monotonic() + m.config.host.admit_wait_s
+        with m.cond:
+            while True:
+                current = m.catalog.version(digest)
+                if not register and current != version:
+                    return None  # deleted or replaced meanwhile: nothing to demote
+                if register and current is not None and current > version:
+                    return None  # a newer put of this key won the race: this put is ordered before it
+                victims = self.index.plan_write(digest, size, version, protect)
+                if victims is not None:
+                    break
+                remaining = deadline - time.monotonic()
+                if self.index.busy() and remaining > 0:
+                    m.cond.wait(timeout=min(remaining, 0.05))  # budget held by writes/deletes in flight
+                    continue
+                m.counters.count("nvme", skipped_too_large=1)
+                if register:
+                    raise TierWriteError("nvme tier: budget nvme.capacity_bytes is held by in-flight writes")
+                return None
+            doomed = self._claim_victims_locked(victims)
+            self.index.begin_write(digest, size)
+        return doomed
+
+    def _finish_store(self, digest: bytes, meta: EntryMeta, version: int, size: int, written: bool, *,
+                      register: bool) -> bool:
+        m = self.m
+        stale = None
+        with m.cond:
+            # the reservation ends only once the record is tracked (or marked stale), so a
+            # concurrent admission never sees its bytes as used but unevictable
+            self.index.end_write(digest, size)
+            m.cond.notify_all()
+            current = m.catalog.version(digest)
+            if written:
+                m.counters.count("nvme", puts=1, put_bytes=meta.nbytes)
+            rec = self.tier.record(digest)
+            ours = rec is not None and rec.version == version
+            # register only while NVMe still holds this write (a delete after it leaves the key absent)
+            if register and ours and (current is None or current < version):
+                m.catalog.set_current(digest, version)
+                current = version
+                m.drop_older_locked(digest, version)
+            if ours:
+                if current == version:
+                    self.index.track(digest, rec.stored_bytes, m.catalog.cost(digest))
+                    return True
+                # a newer version was committed (or the key deleted) while this write ran: this
+                # record is stale, and goes even with nvme.write_through
+                stale = version
+                self.index.deleting += 1
+                self.index.untrack(digest)
+        if stale is not None:
+            self.delete_claimed(digest, stale)
+        return False
+
+    def _claim_victims_locked(self, victims: list[bytes]) -> list[tuple[bytes, int]]:
+        """Take NVMe victims out of the policy (evictions); returns ``(digest, version)`` to delete."""
+        doomed = []
+        for d in victims:
+            self.index.untrack(d)
+            rec = self.tier.record(d)
+            if rec is None:
+                continue
+            doomed.append((d, rec.version))
+            self.m.counters.count("nvme", evictions=1)
+            kept = False
+            for t in self.m.stack.arenas():
+                slot = t.current(d, rec.version)
+                if slot is not None:
+                    slot.lower_copy = False  # that memory copy is now the only one
+                    kept = True
+            if not kept:
+                self.m.catalog.forget(d, rec.version)
+        return doomed
+
+    # ------------------------------------------------------------------------- deletes
+    def claim_locked(self, digest: bytes, *, older_than: int | None = None) -> int | None:
+        """Claim the record of ``digest`` (older than ``older_than``, when given) for deletion:
+        untracked at once; returns its version for :meth:`delete_claimed`, or ``None``."""
+        rec = self.tier.record(digest)
+        if rec is None or (older_than is not None and rec.version >= older_than):
+            return None
+        self.index.untrack(digest)
+        self.index.deleting += 1
+        return rec.version
+
+    def delete_claimed(self, digest: bytes, version: int) -> None:
+        """Delete a record claimed by :meth:`claim_locked` (outside the lock)."""
+        try:
+            if self.tier.delete(digest, only_version=version):
+                self.after_delete(digest, version)
+        finally:
+            with self.m.cond:
+                self.index.deleting -= 1
+                self.m.cond.notify_all()
+
+    def drop_older(self, digest: bytes, version: int) -> None:
+        """Delete the record of ``digest`` if it is older than ``version`` (a committed write)."""
+        with self.m.cond:
+            stale = self.claim_locked(digest, older_than=version)
+        if stale is not None:
+            self.delete_claimed(digest, stale)
+
+    def after_delete(self, digest: bytes, version: int) -> None:
+        """Bookkeeping after record ``version`` was deleted outside the lock: a concurrent write
+        may have tracked that very record meanwhile; the key is gone unless memory holds it."""
+        m = self.m
+        with m.cond:
+            if self.tier.closed or self.tier.record(digest) is not None:
+                return
+            self.index.untrack(digest)
+            if m.catalog.version(digest) == version:
+                kept = False
+                for t in m.stack.arenas():
+                    slot = t.current(digest, version)
+                    if slot is not None:
+                        kept = True
+                        slot.lower_copy = False
+                if not kept:
+                    m.catalog.forget(digest, version)
+
+    # ------------------------------------------------------------------------- reads
+    def read(self, digest: bytes, ns: str, key: str, version: int):
+        """Read and check the record of ``version``: ``(meta, data)`` (``data`` a flat ``uint8``
+        CPU tensor), ``None`` on a miss (failed check: the key is forgotten), or :data:`RETRY`."""
+        m = self.m
+        result = self.tier.read(digest, ns, key)
+        if result is None:
+            m.counters.count("nvme", read_failures=1)
+            with m.cond:
+                if not any(t.lookup(digest) is not None for t in m.stack.arenas()):
+                    m.catalog.forget(digest, version)
+                if self.tier.record(digest) is None:  # a newer record written meanwhile stays evictable
+                    self.index.untrack(digest)
+            return None
+        header, data = result
+        if header.version != version:
+            return RETRY
+        meta = EntryMeta(header.namespace, header.key, header.dtype, tuple(header.shape), header.raw_nbytes)
+        return meta, data
+
+    # ------------------------------------------------------------------------- memory -> NVMe
+    def demote_slot(self, src_tier, slot: Slot, *, write_through: bool = False, protect: bytes | None = None) -> bool:
+        """Write a pinned memory slot of ``src_tier`` to NVMe (a demotion, a flush, or a put's
+        write-through). True if NVMe now holds this version."""
+        if not self.tier.fits(slot.meta.nbytes):
+            self.m.counters.count("nvme", skipped_too_large=1)
+            return False
+        view = self.m.arena.cpu_bytes(src_tier, slot)
+        if view is None:
+            return False
+        try:
+            ok = self.store(slot.digest, slot.meta, slot.version, view, register=False, protect=protect)
+        except TierWriteError as exc:
+            if write_through:
+                log.warning("write-through of an entry to NVMe failed (%s); the entry stays in host "
+                            "memory only (not durable)", exc)
+            else:
+                log.warning("demotion of an entry to NVMe failed (%s); entry dropped", exc)
+            return False
+        if ok:
+            with self.m.cond:
+                slot.lower_copy = True
+        return ok
+
+    def write_through(self, host, digest: bytes, version: int) -> None:
+        """Write the host entry ``version`` of ``digest`` (just committed by a put) to NVMe.
+
+        Its write replaces the key's older record, if any, in one LMDB transaction (a crash leaves
+        the old record or the new one, never neither). On every path where that write does not
+        land, the older record is deleted before this returns, so no bytes older than this put
+        are ever served, in-process or after a restart.
+        """
+        try:
+            with self.m.cond:
+                slot = host.current(digest, version)
+                if slot is None:
+                    return
+                host.pin(slot)
+            try:
+                self.demote_slot(host, slot, write_through=True)
+            finally:
+                self.m.unpin(host, slot)
+        finally:
+            self.drop_older(digest, version)

@@ -1,0 +1,134 @@
+"""Serving reads: find the highest tier holding a key's current version, read from it, promote on the way.
+
+One lookup for ``get`` and ``acquire`` (:meth:`Reads.locate`), one retry loop (a concurrent
+overwrite between lookup and read: look again, :data:`~ectier.mover.RETRIES` times), and the one
+promotion sequence of the mover for store-tier hits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..index import Slot
+from ..tensors import byte_view, tensor_from_bytes
+from ..tiers.arena import ArenaTier
+from ..tiers.base import Tier
+from .nvme import RETRY
+
+if TYPE_CHECKING:
+    from ..mover import Mover
+
+__all__ = ["Reads", "Located"]
+
+
+@dataclass
+class Located:
+    """Where a key's current version is: ``tier``, and for a memory tier its ``slot``, pinned."""
+
+    tier: Tier
+    version: int
+    slot: Slot | None = None
+
+
+class Reads:
+    """``get`` and ``acquire`` on behalf of the facade (``m``: the mover)."""
+
+    def __init__(self, m: "Mover") -> None:
+        self.m = m
+
+    def locate(self, digest: bytes, *, start: Tier | None = None):
+        """The highest tier (from ``start`` down) holding ``digest``'s current version, its slot
+        pinned and touched; ``None`` on a miss; ``RETRY`` if a write of the key is in flight."""
+        m = self.m
+        with m.cond:
+            v = m.catalog.version(digest)
+            if v is not None:
+                for t in (m.stack.from_(start) if start is not None else m.stack):
+                    if isinstance(t, ArenaTier):
+                        s = t.current(digest, v)
+                        if s is not None:
+                            t.pin(s)
+                            t.touch(s)
+                            return Located(t, v, s)
+                    elif t.holds(digest, v):
+                        m.nvme.index.touch(digest)
+                        return Located(t, v)
+                if m.catalog.has_pending(digest):
+                    return RETRY  # a demotion to host started meanwhile
+            return None
+
+    def get(self, digest: bytes, ns: str, key: str, dev: torch.device, out: torch.Tensor | None):
+        """A copy of the entry on ``dev`` (or in ``out``), or ``None`` on a miss."""
+        m = self.m
+        gpu = m.stack.device_tier()
+        target = gpu if gpu is not None and dev == gpu.device else None
+        for _ in range(m.RETRIES):
+            m.catalog.wait_inflight(digest)
+            loc = self.locate(digest)
+            if loc is RETRY:
+                continue
+            if loc is None:
+                break
+            result = self._serve(loc, digest, ns, key, dev, out, target)
+            if result is RETRY:
+                continue
+            if result is None and loc.tier is not gpu:
+                break
+            if result is not None:
+                m.counters.count("cache", hits=1)
+                return result
+        m.counters.count("cache", misses=1)
+        return None
+
+    def _serve(self, loc: Located, digest: bytes, ns: str, key: str, dev: torch.device,
+               out: torch.Tensor | None, target: Tier | None):
+        m = self.m
+        tier = loc.tier
+        if isinstance(tier, ArenaTier) and tier.device is not None:
+            return m.arena.serve_device_hit(tier, loc.slot, dev, out)  # None: its copy failed
+        if isinstance(tier, ArenaTier):
+            result = m.arena.serve_host_hit(tier, loc.slot, dev, out, target)
+            m.counters.count(tier.name, hits=1, hit_bytes=loc.slot.meta.nbytes)
+            return result
+        upto = target if (target is not None and out is None) else m.stack.get("host")
+        got = m.promote_from_store(digest, ns, key, loc.version, upto)
+        if got is None or got is RETRY:
+            return got
+        meta, data, _ = got
+        result = tensor_from_bytes(meta, data, out)
+        return result if dev.type == "cpu" else result.to(dev)
+
+    def acquire(self, host: ArenaTier, digest: bytes, ns: str, key: str):
+        """Pin the entry in ``host`` for another party (an NVMe hit is promoted there first):
+        the pinned slot, or ``None``."""
+        m = self.m
+        promoted = False  # an NVMe hit already counted, now looked up again in the host arena
+        for _ in range(m.RETRIES):
+            loc = self.locate(digest, start=host)
+            if loc is RETRY:
+                continue
+            if loc is None:
+                break
+            if loc.tier is host:
+                if not promoted:
+                    m.counters.count("host", hits=1, hit_bytes=loc.slot.meta.nbytes)
+                m.counters.count("cache", hits=1)
+                return loc.slot
+            rec = m.nvme.tier.record(digest)
+            if rec is None or not host.fits(rec.header.raw_nbytes):
+                break  # an entry larger than the host arena cannot be leased through it
+            got = m.promote_from_store(digest, ns, key, loc.version, host)
+            if got is RETRY:
+                continue
+            if got is None or "host" not in got[2]:
+                break
+            promoted = True
+        m.counters.count("cache", misses=1)
+        return None
+
+    def read_host_into(self, host: ArenaTier, slot: Slot, out: torch.Tensor) -> None:
+        """Copy a pinned host slot into ``out`` (its flat bytes)."""
+        host.read_into(slot, byte_view(out))

@@ -1,0 +1,237 @@
+"""What tests use instead of private state: a deferred copy engine, a CPU stand-in for the GPU
+tier, views of where an entry lives, fault injection, and an invariant checker.
+
+Everything here goes through the tiers' own methods; nothing in ``tests/`` reads ``cache._*``.
+Not for production: these helpers make in-flight states reproducible and look inside tiers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator, NamedTuple
+
+import torch
+
+from .cache import TieredCache
+from .config import CacheConfig
+from .copy import CopyEngine, CopyHandle, Engines, InlineCopyEngine, Pairs
+from .entry import entry_digest
+from .tiers.arena import ArenaTier
+from .tiers.base import Tier
+
+__all__ = ["DeferredCopyEngine", "make_cache", "tier", "where", "holds", "version_of", "versions", "drop_copy", "record_of",
+           "pins", "drain", "check_invariants", "fail_writes", "lmdb_of", "set_lmdb_env", "NvmeLmdb", "copy_engine_of"]
+
+
+class DeferredCopyEngine(CopyEngine):
+    """For tests: copies wait until :meth:`complete`; they then run in submission order.
+
+    Attributes:
+        submitted: number of batches enqueued so far.
+        fail_with: when set, the next batch run by :meth:`complete` fails with this exception
+            (its destination is filled with ``poison`` instead), then ``fail_with`` clears.
+        poison: byte written into a failed batch's destinations (default 0xA5).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: list[tuple[Pairs, CopyHandle]] = []
+        self.submitted = 0
+        self.fail_with: BaseException | None = None
+        self.poison = 0xA5
+
+    def copy(self, pairs: Pairs, *, lane: str) -> CopyHandle:
+        self._check(pairs, lane)
+        handle = CopyHandle(list(pairs))
+        with self._lock:
+            self._pending.append((list(pairs), handle))
+            self.submitted += 1
+        return handle
+
+    @property
+    def pending(self) -> int:
+        """Batches enqueued and not yet run."""
+        with self._lock:
+            return len(self._pending)
+
+    def complete(self, n: int | None = None) -> int:
+        """Run the ``n`` oldest pending batches (all when ``None``); returns how many ran."""
+        ran = 0
+        while n is None or ran < n:
+            with self._lock:
+                if not self._pending:
+                    break
+                pairs, handle = self._pending.pop(0)
+                fail, self.fail_with = self.fail_with, None
+            if fail is not None:
+                for dst, _ in pairs:
+                    dst.fill_(self.poison)
+                handle._finish(fail)
+            else:
+                for dst, src in pairs:
+                    dst.copy_(src)
+                handle._finish()
+            ran += 1
+        return ran
+
+
+def make_cache(config: Any = None, *, copy_engine: CopyEngine | None = None, gpu_device: str | None = None,
+               host_shm_path: str | None = None) -> TieredCache:
+    """A :class:`TieredCache` whose copies all go through ``copy_engine`` (CPU tensors then take
+    the asynchronous path too); with ``gpu_device="cpu"`` the GPU tier's arena lives in CPU memory,
+    so all GPU-tier logic runs without CUDA (``copy_engine`` defaults to an inline engine then).
+
+    Raises:
+        ConfigError: as :class:`TieredCache`.
+    """
+    if gpu_device is not None and copy_engine is None:
+        copy_engine = InlineCopyEngine()
+    cache = TieredCache.__new__(TieredCache)
+    cache._open(config, host_shm_path, Engines(copy_engine, gpu_device))
+    return cache
+
+
+def tier(cache: TieredCache, name: str) -> Tier | None:
+    """The cache's tier named ``name`` (``"gpu"``, ``"host"``, ``"nvme"``), ``None`` if not configured."""
+    return cache._stack.get(name)
+
+
+def copy_engine_of(cache: TieredCache, device: str | torch.device) -> CopyEngine | None:
+    """The copy engine the cache uses for ``device``."""
+    return cache._engine_for(torch.device(device))
+
+
+def _digest(cache: TieredCache, key: str, namespace: str | None) -> bytes:
+    return entry_digest(cache.config.namespace if namespace is None else namespace, key)
+
+
+def where(cache: TieredCache, key: str, namespace: str | None = None) -> set[str]:
+    """Names of the tiers holding some visible copy of ``key`` (any version)."""
+    d = _digest(cache, key, namespace)
+    with cache._cond:
+        return {t.name for t in cache._stack if t.stored_version(d) is not None}
+
+
+def holds(cache: TieredCache, tier_name: str, key: str, namespace: str | None = None) -> bool:
+    """Whether tier ``tier_name`` holds a visible copy of ``key``."""
+    return tier_name in where(cache, key, namespace)
+
+
+def version_of(cache: TieredCache, key: str, namespace: str | None = None) -> int | None:
+    """The key's current write version (``None``: not stored)."""
+    with cache._cond:
+        return cache._catalog.version(_digest(cache, key, namespace))
+
+
+def versions(cache: TieredCache) -> dict[bytes, int]:
+    """Digest -> current write version of every stored key (a snapshot)."""
+    with cache._cond:
+        return dict(cache._catalog.items())
+
+
+def record_of(cache: TieredCache, key: str, namespace: str | None = None):
+    """The NVMe tier's in-memory record of ``key`` (``.header``, ``.version``, ``.stored_bytes``) or ``None``."""
+    nvme = cache._stack.get("nvme")
+    return nvme.record(_digest(cache, key, namespace)) if nvme is not None else None
+
+
+def drop_copy(cache: TieredCache, tier_name: str, key: str, namespace: str | None = None) -> bool:
+    """Remove ``key``'s copy from memory tier ``tier_name`` as an eviction that could not demote
+    would (the key is forgotten unless another tier holds it). True if a copy was there."""
+    t = cache._stack.get(tier_name)
+    d = _digest(cache, key, namespace)
+    with cache._cond:
+        s = t.lookup(d)
+        if s is None:
+            return False
+        t.remove(s)
+        cache._mover.forget_if_unheld_locked(d, s.version)
+        cache._cond.notify_all()
+        return True
+
+
+def pins(cache: TieredCache, tier_name: str = "host") -> int:
+    """Pins held on the tier's slots (readers, leases, demoters) right now."""
+    t = cache._stack.get(tier_name)
+    with cache._cond:
+        return t.total_pins() if isinstance(t, ArenaTier) else 0
+
+
+def drain(cache: TieredCache, timeout_s: float | None = 10.0) -> bool:
+    """Wait until every copy completion and prefetch in flight has run; False on timeout."""
+    return cache._mover.quiesce(timeout_s)
+
+
+@contextlib.contextmanager
+def fail_writes(cache: TieredCache, tier_name: str, exc: BaseException) -> Iterator[list]:
+    """Make every write into tier ``tier_name`` raise ``exc`` while the context is open (fault
+    injection from outside the tier's library, e.g. ``OSError(EIO)``). Yields the list of calls."""
+    t = cache._stack.get(tier_name)
+    calls: list = []
+
+    def failing(*args, **kw):
+        calls.append(args)
+        raise exc
+
+    t.write = failing
+    try:
+        yield calls
+    finally:
+        del t.write
+
+
+class NvmeLmdb(NamedTuple):
+    """The NVMe tier's LMDB environment and its ``meta`` and ``data`` databases."""
+
+    env: Any
+    meta: Any
+    data: Any
+
+
+def lmdb_of(target: "TieredCache | Tier") -> NvmeLmdb:
+    """The LMDB handles of a cache's (or an NVMe tier's) store, for fault injection in tests."""
+    nvme = target._stack.get("nvme") if isinstance(target, TieredCache) else target
+    return NvmeLmdb(nvme._env, nvme._meta, nvme._data)
+
+
+def set_lmdb_env(target: "TieredCache | Tier", env: Any) -> None:
+    """Make the NVMe tier use ``env`` (a wrapper of its own environment that injects delays,
+    failures or crash points at the LMDB boundary)."""
+    nvme = target._stack.get("nvme") if isinstance(target, TieredCache) else target
+    nvme._env = env
+
+
+def check_invariants(cache: TieredCache) -> None:
+    """Internal consistency of an idle cache (no copy in flight), raising AssertionError:
+
+    no pins or reservations; each memory tier's bytes add up and stay within budget; every memory
+    copy is its key's current version; the NVMe records in memory equal what LMDB holds and are
+    all current and tracked by the NVMe policy; every key of the catalog is held by some tier.
+    """
+    with cache._cond:
+        cat = cache._catalog
+        assert cat.pending_count() == 0, "copies still in flight"
+        current = dict(cat.items())
+        for t in cache._stack.arenas():
+            slots = t.slots()
+            assert t.index.reserved_bytes == 0, f"{t.name}: reservations left"
+            assert all(s.pins == 0 for s in slots), f"{t.name}: pins left"
+            assert t.used_bytes == sum(s.alloc_bytes for s in slots), f"{t.name}: bytes do not add up"
+            assert t.used_bytes <= t.capacity_bytes
+            for s in slots:
+                assert current.get(s.digest) == s.version, f"stale {t.name} entry left behind"
+        nvme = cache._stack.get("nvme")
+        if nvme is not None:
+            recs = dict(nvme.records())
+            assert nvme.used_bytes == sum(r.stored_bytes for r in recs.values())
+            assert nvme.used_bytes <= nvme.capacity_bytes
+            meta_keys, data_keys = nvme.stored_keys()
+            assert meta_keys == set(recs), "NVMe records in memory differ from LMDB"
+            assert data_keys == meta_keys
+            assert set(nvme.index) == set(recs), "NVMe policy differs from the NVMe records"
+            assert nvme.index.quiet(), "NVMe writes or deletes left in flight"
+            for d, rec in recs.items():
+                assert current.get(d) == rec.version, "stale NVMe record left behind"
+        for d, v in current.items():
+            assert cache._stack.holds(d, v), "a key of the catalog is held by no tier"

@@ -1,0 +1,160 @@
+"""The NVMe tier's one index: its records, the policy order, writes and deletes in flight, the budget.
+
+Two kinds of state, two guards:
+
+- **records** (what is on disk: digest -> :class:`NvmeRecord`, and their bytes) change when a write
+  or delete transaction commits, under the index's own small lock (the tier updates them from the
+  thread doing the I/O);
+- **policy order and reservations** (which records are evictable and in which order, bytes
+  reserved by writes in flight, deletes in flight) change under the cache's lock, because
+  admission decisions span tiers.
+
+A record is *tracked* (in the policy) once the cache has accounted for it; a record that a delete
+or a newer write has already claimed is untracked, so no other admission can count on its bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterator
+
+from ..codec import RecordHeader
+from ..policy import EvictionPolicy
+
+__all__ = ["NvmeIndex", "NvmeRecord", "HEADER_ALLOWANCE_BYTES"]
+
+#: Upper bound of what a record adds to its payload: the packed header with a key and a namespace of
+#: up to 64 KiB each (``ectier.entry``'s limits) plus a page for the fixed fields. Used to decide,
+#: before encoding, whether an entry can ever fit ``nvme.capacity_bytes``.
+HEADER_ALLOWANCE_BYTES = 4096 + 2 * 65536
+
+
+@dataclass(frozen=True)
+class NvmeRecord:
+    """What the tier knows, in memory, of one stored record.
+
+    Fields: ``header`` (:class:`~ectier.codec.RecordHeader`), ``stored_bytes`` (header + payload,
+    what the record costs the ``nvme.capacity_bytes`` budget).
+    """
+
+    header: RecordHeader
+    stored_bytes: int
+
+    @property
+    def version(self) -> int:
+        return self.header.version
+
+
+class NvmeIndex:
+    """Records, policy order and byte budget of one NVMe tier.
+
+    Args:
+        capacity_bytes: the budget (``nvme.capacity_bytes``).
+        policy: the eviction policy (``nvme.policy``).
+    """
+
+    def __init__(self, capacity_bytes: int, policy: EvictionPolicy) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.policy = policy
+        self._records_lock = threading.Lock()
+        self._records: dict[bytes, NvmeRecord] = {}
+        self.used_bytes = 0
+        self.reserved_bytes = 0  # encoded bytes of writes in flight
+        self.deleting = 0  # deletes of untracked records, still counted in used_bytes
+        self._writing: Counter = Counter()  # digest -> writes in flight
+
+    # ------------------------------------------------------------------ records (own lock)
+    def record(self, digest: bytes) -> NvmeRecord | None:
+        return self._records.get(digest)
+
+    def records(self) -> list[tuple[bytes, NvmeRecord]]:
+        """All records, oldest write version first."""
+        with self._records_lock:
+            items = list(self._records.items())
+        items.sort(key=lambda kv: kv[1].version)
+        return items
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __contains__(self, digest: object) -> bool:
+        return digest in self._records
+
+    def set_record(self, digest: bytes, rec: NvmeRecord | None) -> None:
+        """Replace (``None``: remove) the record of ``digest``, keeping ``used_bytes`` exact."""
+        with self._records_lock:
+            old = self._records.pop(digest, None)
+            if old is not None:
+                self.used_bytes -= old.stored_bytes
+            if rec is not None:
+                self._records[digest] = rec
+                self.used_bytes += rec.stored_bytes
+
+    def load(self, records: dict[bytes, NvmeRecord]) -> None:
+        """Set every record at open (replaces what was there)."""
+        with self._records_lock:
+            self._records = dict(records)
+            self.used_bytes = sum(r.stored_bytes for r in self._records.values())
+
+    # ------------------------------------------------------------------ budget (cache lock)
+    def fits(self, nbytes: int) -> bool:
+        """Whether an entry of ``nbytes`` raw bytes can ever fit the budget (header allowance included)."""
+        return nbytes + HEADER_ALLOWANCE_BYTES <= self.capacity_bytes
+
+    def track(self, digest: bytes, stored_bytes: int, cost_s: float | None = None) -> None:
+        self.policy.add(digest, stored_bytes, cost_s)
+
+    def touch(self, digest: bytes) -> None:
+        self.policy.touch(digest)
+
+    def untrack(self, digest: bytes) -> None:
+        self.policy.remove(digest)
+
+    def tracked(self, digest: bytes) -> bool:
+        return digest in self.policy
+
+    def __iter__(self) -> Iterator[bytes]:
+        """Tracked digests, least valuable first."""
+        return iter(self.policy)
+
+    def writing(self, digest: bytes) -> bool:
+        return self._writing[digest] > 0 if digest in self._writing else False
+
+    def plan_write(self, digest: bytes, size: int, version: int, protect: bytes | None) -> list[bytes] | None:
+        """Victims whose eviction lets a record of ``size`` stored bytes in (``[]``: it fits now),
+        or ``None`` if no set of evictable records covers it.
+
+        Never chosen: ``digest`` itself, ``protect`` (an entry being promoted: its record is its
+        only copy until the promotion commits), digests with writes in flight, and records already
+        gone. An older tracked record of ``digest`` is replaced by this write: its bytes count as free.
+        """
+        old = self.record(digest)
+        replaced = old.stored_bytes if (old is not None and old.version < version and digest in self.policy) else 0
+        need = self.used_bytes + self.reserved_bytes + size - replaced - self.capacity_bytes
+        if need <= 0:
+            return []
+        return self.policy.victims(
+            need, protected=lambda d: d == digest or d == protect or d in self._writing or d not in self._records)
+
+    def begin_write(self, digest: bytes, size: int) -> None:
+        self.reserved_bytes += size
+        self._writing[digest] += 1
+
+    def end_write(self, digest: bytes, size: int) -> None:
+        self.reserved_bytes -= size
+        self._writing[digest] -= 1
+        if self._writing[digest] <= 0:
+            del self._writing[digest]
+
+    def busy(self) -> bool:
+        """Whether writes or deletes in flight hold budget that will come back."""
+        return self.reserved_bytes > 0 or self.deleting > 0
+
+    def over_budget_bytes(self) -> int:
+        return self.used_bytes - self.capacity_bytes
+
+    def quiet(self) -> bool:
+        """No write or delete in flight (what an invariant check expects between calls)."""
+        return self.reserved_bytes == 0 and self.deleting == 0 and not self._writing

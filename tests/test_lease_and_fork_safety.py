@@ -1,0 +1,82 @@
+"""Issue #16, items 1 and 3: a lease ends once (a second release never frees another reader's
+pin), and a cache opened before fork() refuses to run in the child."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+from ectier import CacheConfig, HostTierConfig, TieredCache, testing
+from ectier.errors import ProcessForkedError
+
+KiB = 1024
+
+
+def _cache(tmp_path, **host):
+    return TieredCache(CacheConfig(namespace="test", host=HostTierConfig(
+        capacity_bytes=host.get("capacity", 2 * 64 * KiB), block_bytes=64 * KiB, pin_memory=False,
+        admit_wait_s=0.05)))
+
+
+def test_a_lease_released_twice_never_frees_another_readers_pin(tmp_path):
+    with _cache(tmp_path) as cache:
+        value = torch.full((64 * KiB,), 7, dtype=torch.uint8)
+        cache.put("k", value)
+        a, b = cache.acquire("k"), cache.acquire("k")
+        assert testing.pins(cache) == 2
+        cache.release(a)
+        cache.release(a)  # a no-op: the lease already ended
+        assert testing.pins(cache) == 1, "the second release of A dropped B's pin"
+        # B's slot must never be evicted or overwritten while B reads: churn through the arena
+        for i in range(4):
+            cache.put(f"x{i}", torch.full((64 * KiB,), i, dtype=torch.uint8))
+        assert testing.holds(cache, "host", "k")
+        assert torch.equal(cache.load(b), value)  # B's bytes are intact
+        cache.release(b)
+        assert testing.pins(cache) == 0
+        with pytest.raises(ValueError, match="released"):
+            cache.load(b)
+
+
+def test_commit_or_abort_of_an_ended_lease_is_a_clear_error(tmp_path):
+    with _cache(tmp_path) as cache:
+        lease = cache.reserve("k", dtype="uint8", shape=(10,))
+        cache.abort(lease)
+        with pytest.raises(ValueError, match="already"):
+            cache.commit(lease)
+        with pytest.raises(ValueError, match="already"):
+            cache.abort(lease)
+        assert not cache.contains("k")
+        testing.check_invariants(cache)
+
+
+def _child_uses(cache, conn):
+    try:
+        cache.put("from-child", torch.ones(4))
+        conn.send("no error")
+    except ProcessForkedError as exc:
+        conn.send(f"refused: {exc}")
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        conn.send(f"other: {type(exc).__name__}: {exc}")
+    finally:
+        cache.close()  # only marks it closed: the parent's files stay the parent's
+        conn.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_cache_used_in_a_forked_child_is_refused_and_the_parent_is_untouched(tmp_path):
+    with _cache(tmp_path) as cache:
+        cache.put("k", torch.arange(8))
+        ctx = mp.get_context("fork")
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_child_uses, args=(cache, child))
+        p.start()
+        answer = parent.recv() if parent.poll(30) else "no answer"
+        p.join(30)
+        assert answer.startswith("refused:") and "new TieredCache in the child" in answer, answer
+        assert not cache.contains("from-child")
+        assert torch.equal(cache.get("k"), torch.arange(8))  # the parent still works
+        testing.check_invariants(cache)
