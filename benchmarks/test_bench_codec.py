@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from ectier.codec import checksum, get_codec
+from ectier.codec import get_codec
+from ectier.record import checksum
 
 CODECS = [("raw", {}), ("zstd", {"level": 1}), ("zstd-planes", {"level": 1})]
 

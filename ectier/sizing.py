@@ -1,7 +1,10 @@
 """Token math: how many vision tokens an image becomes, and how many bytes its encoder output takes.
 
 Pure Python (standard library only, no ``torch``), so the CLI, the config checker and the daemon
-can size entries without loading a GPU stack.
+can size entries without loading a GPU stack. The models themselves (:class:`ModelSpec`,
+:func:`register_model`, :func:`get_model`, the built-in Qwen3-VL and Gemma 3) are in
+:mod:`ectier.models`; their names are re-exported here, so ``from ectier.sizing import ModelSpec``
+keeps working.
 
 What an entry is
     A vision encoder turns one image into a 2-D tensor of shape ``(N, embed_dim)`` — ``N`` vision
@@ -26,8 +29,8 @@ Fixed-token models (Gemma 3)
 
 Sources: token math follows Qwen3-VL's ``smart_resize`` (factor 32 = patch 16 x merge 2), i.e. the
 algorithm of ``transformers.models.qwen2_vl.image_processing_qwen2_vl.smart_resize`` and the grid
-arithmetic of that image processor; widths, dtypes and pixel bounds come from the project's
-background notes (``background.md``, "The tensor").
+arithmetic of that image processor; widths, dtypes and pixel bounds are those of the built-in
+models in :mod:`ectier.models` (the Qwen3-VL entry of docs/architecture.md).
 
 Conventions: user-facing sizes are **width first** (``"1920x1080"`` is W x H, and
 :func:`image_tokens` takes ``(width, height)``), while :func:`smart_resize` takes and returns
@@ -38,15 +41,21 @@ Conventions: user-facing sizes are **width first** (``"1920x1080"`` is W x H, an
 from __future__ import annotations
 
 import math
-import numbers
 import re
-import threading
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import Mapping, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
-from .entry import DTYPE_ITEMSIZE
 from .errors import ConfigError
+from .models import (  # the registry names are re-exported, see __all__
+    DEFAULT_MODEL,
+    GEMMA3,
+    MODELS,
+    QWEN3_VL,
+    ModelSpec,
+    _check_int,
+    get_model,
+    register_model,
+)
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -64,25 +73,8 @@ __all__ = [
     "tokens_to_nbytes",
 ]
 
-#: Name of the model assumed when none is given: Qwen3-VL (``(N, 8192)`` bfloat16).
-DEFAULT_MODEL = "qwen3-vl"
-
 #: Largest ``long side / short side`` the Qwen2-VL-family image processor accepts.
 MAX_ASPECT_RATIO = 200
-
-# Bytes per element of the dtypes we know by name; a ModelSpec naming one of these must agree.
-_DTYPE_ITEMSIZE = DTYPE_ITEMSIZE
-
-
-def _check_int(value: object, name: str, *, minimum: int = 1) -> int:
-    """Return ``value`` as an ``int`` if it is an integer ``>= minimum``; else raise ConfigError."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ConfigError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    value = int(value)
-    if value < minimum:
-        what = "positive" if minimum == 1 else f">= {minimum}"
-        raise ConfigError(f"{name} must be {what}, got {value}")
-    return value
 
 
 def smart_resize(
@@ -155,246 +147,6 @@ def smart_resize(
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
 
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What one vision encoder outputs per image: ``(N, embed_dim)`` elements of ``dtype``.
-
-    Exactly one way of counting tokens must be given:
-
-    * patch grid (Qwen2-VL family): ``patch_size``, ``merge_size``, ``temporal_patch_size``,
-      ``min_pixels``, ``max_pixels`` — ``N`` follows :func:`smart_resize` with
-      ``factor = patch_size * merge_size``;
-    * fixed count: ``fixed_tokens`` — ``N`` is the same for every image.
-
-    Attributes:
-        name: canonical registry name, e.g. ``"qwen3-vl"``.
-        embed_dim: width of the encoder output (its last dimension), in elements.
-        dtype: element type as a torch dtype name without ``torch.``, e.g. ``"bfloat16"``.
-        itemsize: bytes per element; derived from ``dtype`` when it is a known name
-            (bfloat16/float16 2, float32 4, ...), and must agree with it if given.
-        aliases: other names :func:`get_model` accepts (model types, Hugging Face repo ids).
-        patch_size, merge_size, temporal_patch_size: ViT patch side (pixels), spatial merge
-            (patches per token side) and frames per temporal patch.
-        min_pixels, max_pixels: pixel-count bounds of the resize.
-        fixed_tokens: tokens per image for fixed-count models.
-
-    Raises:
-        ConfigError: a missing, mixed, non-int or non-positive field, or ``itemsize`` that
-            disagrees with a known ``dtype``.
-    """
-
-    name: str
-    embed_dim: int
-    dtype: str
-    itemsize: Optional[int] = None
-    aliases: Tuple[str, ...] = ()
-    patch_size: Optional[int] = None
-    merge_size: Optional[int] = None
-    temporal_patch_size: Optional[int] = None
-    min_pixels: Optional[int] = None
-    max_pixels: Optional[int] = None
-    fixed_tokens: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name.strip():
-            raise ConfigError(f"ModelSpec.name must be a non-empty str, got {self.name!r}")
-        if isinstance(self.aliases, str):
-            raise ConfigError(
-                f"ModelSpec.aliases must be a tuple of str, not a single str ({self.aliases!r})"
-            )
-        aliases = tuple(self.aliases)
-        for alias in aliases:
-            if not isinstance(alias, str) or not alias.strip():
-                raise ConfigError(f"ModelSpec.aliases entries must be non-empty str, got {alias!r}")
-        object.__setattr__(self, "aliases", aliases)
-        _check_int(self.embed_dim, "ModelSpec.embed_dim")
-        if not isinstance(self.dtype, str) or not self.dtype:
-            raise ConfigError(f"ModelSpec.dtype must be a dtype name like 'bfloat16', got {self.dtype!r}")
-        known = _DTYPE_ITEMSIZE.get(self.dtype)
-        if self.itemsize is None:
-            if known is None:
-                raise ConfigError(
-                    f"ModelSpec.itemsize is required for dtype {self.dtype!r} "
-                    f"(known dtypes: {', '.join(sorted(_DTYPE_ITEMSIZE))})"
-                )
-            object.__setattr__(self, "itemsize", known)
-        else:
-            _check_int(self.itemsize, "ModelSpec.itemsize")
-            if known is not None and self.itemsize != known:
-                raise ConfigError(
-                    f"ModelSpec.itemsize {self.itemsize} disagrees with dtype {self.dtype!r} "
-                    f"({known} bytes)"
-                )
-        grid = {
-            "patch_size": self.patch_size,
-            "merge_size": self.merge_size,
-            "temporal_patch_size": self.temporal_patch_size,
-            "min_pixels": self.min_pixels,
-            "max_pixels": self.max_pixels,
-        }
-        given = [k for k, v in grid.items() if v is not None]
-        if self.fixed_tokens is not None:
-            _check_int(self.fixed_tokens, "ModelSpec.fixed_tokens")
-            if given:
-                raise ConfigError(
-                    f"ModelSpec {self.name!r}: give either fixed_tokens or the patch-grid fields, "
-                    f"not both (also got {', '.join(given)})"
-                )
-        else:
-            missing = [k for k, v in grid.items() if v is None]
-            if missing:
-                raise ConfigError(
-                    f"ModelSpec {self.name!r}: needs fixed_tokens or all patch-grid fields; "
-                    f"missing {', '.join(missing)}"
-                )
-            for k, v in grid.items():
-                _check_int(v, f"ModelSpec.{k}")
-            if self.min_pixels > self.max_pixels:
-                raise ConfigError(
-                    f"ModelSpec.min_pixels ({self.min_pixels}) must not exceed "
-                    f"ModelSpec.max_pixels ({self.max_pixels})"
-                )
-
-    @property
-    def is_fixed(self) -> bool:
-        """True for fixed-token models (every image gives ``fixed_tokens`` tokens)."""
-        return self.fixed_tokens is not None
-
-    @property
-    def factor(self) -> Optional[int]:
-        """Resize granularity in pixels, ``patch_size * merge_size`` (None for fixed models)."""
-        if self.is_fixed:
-            return None
-        return self.patch_size * self.merge_size
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes of one token's row: ``embed_dim * itemsize``."""
-        return self.embed_dim * self.itemsize
-
-    @property
-    def min_tokens(self) -> int:
-        """Fewest tokens one image can give (tokens)."""
-        if self.is_fixed:
-            return self.fixed_tokens
-        return -(-self.min_pixels // (self.factor * self.factor))
-
-    @property
-    def max_tokens(self) -> int:
-        """Most tokens one image can give (tokens)."""
-        if self.is_fixed:
-            return self.fixed_tokens
-        return self.max_pixels // (self.factor * self.factor)
-
-
-QWEN3_VL = ModelSpec(
-    name="qwen3-vl",
-    aliases=(
-        "qwen3_vl",
-        "qwen3_vl_moe",
-        "qwen3-vl-moe",
-        "Qwen/Qwen3-VL-30B-A3B-Instruct",
-    ),
-    # Main merger (2048) + 3 deepstack mergers (2048 each), concatenated by vLLM.
-    embed_dim=8192,
-    dtype="bfloat16",
-    itemsize=2,
-    patch_size=16,
-    merge_size=2,
-    temporal_patch_size=2,
-    min_pixels=65536,
-    max_pixels=16777216,
-)
-
-GEMMA3 = ModelSpec(
-    name="gemma3",
-    aliases=("gemma-3", "google/gemma-3-27b-it"),
-    embed_dim=5376,
-    dtype="bfloat16",
-    itemsize=2,
-    fixed_tokens=256,
-)
-
-_lock = threading.Lock()
-_models: dict = {}  # canonical name -> ModelSpec
-_lookup: dict = {}  # casefolded name or alias -> canonical name
-
-#: Read-only view of the registry: canonical name -> :class:`ModelSpec` (aliases not listed;
-#: :func:`get_model` resolves them). Reflects later :func:`register_model` calls.
-MODELS: Mapping[str, ModelSpec] = MappingProxyType(_models)
-
-
-def _key(name: str) -> str:
-    return name.strip().casefold()
-
-
-def register_model(spec: ModelSpec, *, replace: bool = False) -> ModelSpec:
-    """Add ``spec`` to the registry under its name and aliases (matched case-insensitively).
-
-    Args:
-        spec: the model to add.
-        replace: allow replacing a registered model of the same canonical name (its old
-            aliases are dropped). Without it, any clash of name or alias is an error.
-
-    Returns:
-        ``spec``.
-
-    Raises:
-        ConfigError: ``spec`` is not a ModelSpec, or its name or an alias is already taken by
-            another model (or by the same name when ``replace`` is false).
-    """
-    if not isinstance(spec, ModelSpec):
-        raise ConfigError(f"spec must be a ModelSpec, got {type(spec).__name__}")
-    names = [spec.name, *spec.aliases]
-    with _lock:
-        old = _models.get(spec.name)
-        if old is not None and not replace:
-            raise ConfigError(
-                f"spec.name {spec.name!r} is already registered (pass replace=True to replace it)"
-            )
-        for n in names:
-            owner = _lookup.get(_key(n))
-            if owner is not None and owner != spec.name:
-                raise ConfigError(
-                    f"spec: name or alias {n!r} already belongs to model {owner!r}"
-                )
-        if old is not None:
-            for k in [k for k, v in _lookup.items() if v == spec.name]:
-                del _lookup[k]
-        _models[spec.name] = spec
-        for n in names:
-            _lookup[_key(n)] = spec.name
-    return spec
-
-
-register_model(QWEN3_VL)
-register_model(GEMMA3)
-
-
-def get_model(model: Union[str, ModelSpec] = DEFAULT_MODEL) -> ModelSpec:
-    """Return the :class:`ModelSpec` registered as ``model`` (a name or alias, any case).
-
-    A :class:`ModelSpec` is returned as is, so every function taking ``model=`` also accepts
-    an unregistered spec.
-
-    Raises:
-        ConfigError (a ValueError): ``model`` is not a str/ModelSpec, or no model has that
-            name or alias; the message lists the known names.
-    """
-    if isinstance(model, ModelSpec):
-        return model
-    if not isinstance(model, str):
-        raise ConfigError(f"model must be a model name (str) or ModelSpec, got {type(model).__name__}")
-    with _lock:
-        canonical = _lookup.get(_key(model))
-        if canonical is not None:
-            return _models[canonical]
-        known = []
-        for spec in _models.values():
-            known.append(spec.name)
-            known.extend(spec.aliases)
-    raise ConfigError(f"model {model!r} is not a known model; known: {', '.join(known)}")
 
 
 @dataclass(frozen=True)

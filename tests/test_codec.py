@@ -1,4 +1,4 @@
-"""Tests for ectier.codec: codecs (round trip, corruption, registry, config) and the record header.
+"""Tests for ectier.codec (codecs: round trip, corruption, registry, config) and ectier.record (header).
 
 Everything here is CPU-only and torch-free, like the module under test.
 """
@@ -22,23 +22,26 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from ectier import codec as codec_mod
+from ectier import record as record_mod
 from ectier.codec import (
-    MAX_HEADER_NBYTES,
-    RECORD_FORMAT_VERSION,
-    RECORD_MAGIC,
     Codec,
     PlaneZstdCodec,
     RawCodec,
-    RecordHeader,
     ZstdCodec,
-    checksum,
     codec_from_config,
     get_codec,
+    register_codec,
+    registered_codecs,
+)
+from ectier.record import (
+    MAX_HEADER_NBYTES,
+    RECORD_FORMAT_VERSION,
+    RECORD_MAGIC,
+    RecordHeader,
+    checksum,
     header_nbytes,
     pack_header,
     pack_record,
-    register_codec,
-    registered_codecs,
     split_record,
     unpack_header,
     verify_payload,
@@ -789,20 +792,36 @@ def test_golden_generator_is_unchanged():
 # ------------------------------------------------------------------------------------------------
 
 
-def test_codec_module_imports_no_torch_and_nothing_of_ours_but_errors():
+@pytest.mark.parametrize(
+    "module, allowed_third_party, allowed_ours",
+    [
+        (codec_mod, {"numpy", "zstandard"}, {"ectier.errors", "ectier.record"}),
+        (record_mod, {"numpy", "xxhash"}, {"ectier.errors", "ectier.codec"}),  # codec: lazily
+    ],
+)
+def test_codec_and_record_modules_import_no_torch_and_only_each_other_and_errors(
+    module, allowed_third_party, allowed_ours
+):
     # Parsed, not imported: importing the package may pull torch in through ectier/__init__.
-    source = pathlib.Path(codec_mod.__file__).read_text()
+    source = pathlib.Path(module.__file__).read_text()
     imported = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             imported.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             imported.add(("." * node.level) + (node.module or ""))
-    allowed_third_party = {"numpy", "xxhash", "zstandard"}
     ours = {name for name in imported if name.startswith(("ectier", "."))}
-    assert ours <= {"ectier.errors", ".errors"}, ours
+    assert ours <= allowed_ours | {"." + name.split(".")[-1] for name in allowed_ours}, ours
     third_party = {n.split(".")[0] for n in imported - ours} - set(sys.stdlib_module_names)
     assert third_party <= allowed_third_party, third_party
+
+
+def test_codec_module_still_exports_every_record_name():
+    # Callers that import record names from ectier.codec (the NVMe tier) keep working.
+    for name in record_mod.__all__:
+        assert name in codec_mod.__all__, name
+        assert getattr(codec_mod, name) is getattr(record_mod, name), name
+    assert RawCodec.codec_id == 0  # the id the record header checks raw payload lengths by
 
 
 def test_multidimensional_and_empty_inputs():

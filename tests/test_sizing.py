@@ -15,7 +15,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from ectier import sizing
+from ectier import models, sizing
 from ectier.errors import ConfigError, EctierError
 from ectier.sizing import (
     DEFAULT_MODEL,
@@ -368,9 +368,9 @@ def test_register_model_and_use_it():
             register_model(clash)
         assert "other" not in MODELS
     finally:
-        sizing._models.pop("test-fixed-tiny", None)
-        for k in [k for k, v in sizing._lookup.items() if v == "test-fixed-tiny"]:
-            del sizing._lookup[k]
+        models._models.pop("test-fixed-tiny", None)
+        for k in [k for k, v in models._lookup.items() if v == "test-fixed-tiny"]:
+            del models._lookup[k]
 
 
 def test_unregistered_spec_can_be_passed_directly():
@@ -559,8 +559,9 @@ def test_property_tokens_to_nbytes(n):
 # --------------------------------------------------------------------------------------------
 
 
-def test_sizing_imports_only_stdlib_and_ectier():
-    source = pathlib.Path(sizing.__file__).read_text(encoding="utf-8")
+@pytest.mark.parametrize("module", [sizing, models], ids=["sizing", "models"])
+def test_sizing_and_models_import_only_stdlib_and_ectier(module):
+    source = pathlib.Path(module.__file__).read_text(encoding="utf-8")
     roots = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -571,3 +572,22 @@ def test_sizing_imports_only_stdlib_and_ectier():
     assert "numpy" not in roots
     allowed = {"__future__", "ast", "dataclasses", "math", "numbers", "re", "threading", "types", "typing", "ectier"}
     assert roots <= allowed, roots - allowed
+
+
+def test_models_does_not_import_the_token_math():
+    # The token math imports the registry, never the other way round (no import cycle).
+    imported = set()
+    for node in ast.walk(ast.parse(pathlib.Path(models.__file__).read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            imported.add(("." * node.level) + (node.module or ""))
+            imported.update(f"{node.module}.{a.name}" for a in node.names if node.module == "ectier")
+        elif isinstance(node, ast.Import):
+            imported.update(a.name for a in node.names)
+    assert not {".sizing", "ectier.sizing"} & imported, imported
+
+
+def test_sizing_still_exports_every_registry_name():
+    # Callers that import models from ectier.sizing (cli, demo, bench) keep working.
+    for name in models.__all__:
+        assert getattr(sizing, name) is getattr(models, name), name
+    assert set(models.__all__) - {"GEMMA3", "QWEN3_VL"} <= set(sizing.__all__)

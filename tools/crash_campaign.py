@@ -84,7 +84,7 @@ if str(REPO) not in sys.path:  # `python tools/crash_campaign.py` from anywhere
 import torch  # noqa: E402
 
 from ectier import CacheConfig, HostTierConfig, NvmeTierConfig, TieredCache  # noqa: E402
-from ectier.codec import unpack_header  # noqa: E402
+from ectier.record import unpack_header  # noqa: E402
 
 KiB = 1 << 10
 MiB = 1 << 20
