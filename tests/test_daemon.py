@@ -1253,6 +1253,10 @@ def test_metrics_endpoint(main_daemon, client):
     assert m["ectier_clients"] >= 1
     assert m['ectier_leases{kind="get"}'] == 0
     assert "ectier_leases_expired_total" in m
+    for reason in ("idle", "evicted"):
+        assert m[f'ectier_connections_closed_total{{reason="{reason}"}}'] == s["daemon"][
+            "idle_closed" if reason == "idle" else "evicted"]
+    assert m["ectier_connections_refused_total"] >= s["daemon"]["refused"]
     assert _listening_addresses(port) == ["0100007F"]  # 127.0.0.1 only
 
 
