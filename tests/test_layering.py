@@ -55,6 +55,7 @@ LAYERS: tuple[Layer, ...] = (
             "ectier.index",
             "ectier.codec",
             "ectier.sizing",
+            "ectier.logutil",
         ),
         GPU_AND_STORAGE,
     ),
