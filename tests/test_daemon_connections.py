@@ -346,3 +346,30 @@ def test_connection_knobs_are_validated(daemon, words):
 def test_connection_knob_defaults():
     d = CacheConfig().daemon
     assert d.idle_timeout_s == 300.0 and d.max_clients_per_uid is None
+
+
+def test_admission_rule_across_users():
+    """The rule of ectier.daemon.connections.admission, on connection records (no sockets): one
+    user's idle connections never lock another user out; working ones are never closed."""
+    from ectier.daemon.connections import Connection, admission
+
+    def conns(spec):  # (uid, last_active, busy, leases)
+        return [Connection(i, None, 100 + i, uid, uid, last_active=t, busy=busy, leases=set(range(leases)))
+                for i, (uid, t, busy, leases) in enumerate(spec)]
+
+    hog = conns([(1, 5.0, False, 0), (1, 3.0, False, 0), (1, 4.0, True, 0), (2, 1.0, False, 0)])
+    victim, refusal = admission(hog, 3, max_clients=4, max_per_uid=4)
+    assert refusal is None and victim is hog[1]  # the hog's least recently used idle one, not uid 2's older one
+    working = conns([(1, 1.0, True, 0), (1, 2.0, False, 1), (2, 3.0, False, 0)])
+    victim, refusal = admission(working, 3, max_clients=3, max_per_uid=3)
+    assert refusal is None and victim is working[2]  # the hog has none idle: the next user's
+    victim, refusal = admission(working[:2], 3, max_clients=2, max_per_uid=2)
+    assert victim is None and "daemon.max_clients=2" in refusal
+    mine = conns([(7, 1.0, False, 1), (7, 2.0, False, 0), (8, 0.5, False, 0)])
+    victim, refusal = admission(mine, 7, max_clients=10, max_per_uid=2)
+    assert refusal is None and victim is mine[1]  # per-user cap: only that user's own
+    victim, refusal = admission(mine[:1] + mine[2:] + conns([(7, 9.0, True, 0)]), 7, max_clients=10, max_per_uid=2)
+    assert victim is None and "daemon.max_clients_per_uid=2" in refusal and "uid 7" in refusal
+    assert admission(mine, 9, max_clients=10, max_per_uid=2) == (None, None)
+    mine[1].closed = True  # closed connections no longer count
+    assert admission(mine, 7, max_clients=10, max_per_uid=2) == (None, None)
