@@ -232,6 +232,41 @@ def test_an_idle_connection_is_closed_and_the_client_reconnects(idler):
         c.close()
 
 
+def test_a_reconnect_to_the_same_daemon_keeps_the_arena_registered(idler, monkeypatch):
+    """On a GPU machine the client page-locks its arena mapping (cudaHostRegister: about 0.45 s
+    per GiB); a connection closed for idleness must not cost a new registration (emulated with a
+    fake cudart, as in test_daemon.py)."""
+    import torch
+
+    calls = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append("register")
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append("unregister")
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    sock = idler.socket_path
+    c = DaemonClient(sock, client_name="registered")
+    try:
+        t = make_tensor(7, "uint8", (64 * KiB,))
+        c.put("reg", t)
+        assert calls == ["register"]
+        wait_for(lambda: "registered" not in {x["name"] for x in daemon_stats(sock)["daemon"]["clients"]},
+                 timeout=10, what="the idle connection to be closed")
+        _same(c.get("reg"), t)  # through a new connection
+        c.put("reg2", t)
+        assert calls == ["register"]
+    finally:
+        c.close()
+    assert calls == ["register", "unregister"]
+
+
 def test_a_connection_holding_a_lease_is_not_closed_for_idleness(idler):
     c = DaemonClient(idler.socket_path, client_name="holder")
     try:
