@@ -340,14 +340,18 @@ def serve(config_path: Optional[str], socket_path: Optional[str], log_level: str
 @click.option("--socket", "socket_path", type=click.Path(), default=None,
               help="The daemon's socket (default: daemon.socket_path of ECTIER_* / the per-user default).")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw stats as JSON.")
-def stats(socket_path: Optional[str], as_json: bool) -> None:
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=5.0,
+              show_default=True, metavar="SECONDS",
+              help="Give up (exit code 1) when the daemon does not answer within this many seconds.")
+def stats(socket_path: Optional[str], as_json: bool, timeout_s: float) -> None:
     """Print a running daemon's tiers, bytes, hits/misses/evictions and clients."""
     from .daemon.client import DaemonClient
 
     if socket_path is None:
         socket_path = _load_config(None).daemon.resolved_socket_path()
     try:
-        with DaemonClient(socket_path, client_name="ectier-stats", connect_retry_s=0.5) as client:
+        with DaemonClient(socket_path, client_name="ectier-stats", timeout_s=timeout_s,
+                          connect_retry_s=min(0.5, timeout_s)) as client:
             data = client.stats()
     except EctierError as exc:
         raise click.ClickException(str(exc)) from None

@@ -13,7 +13,7 @@
     │     map_initial_bytes, map_max_bytes, policy
     └── daemon: DaemonConfig           the standalone daemon (``ectier serve``) only
           socket_path, socket_mode, allowed_group, shm_dir, lease_s, max_frame_bytes,
-          max_clients, metrics_port, metrics_host
+          max_clients, max_clients_per_uid, idle_timeout_s, metrics_port, metrics_host
 
 Every field is checked in ``__post_init__``; a bad value raises :class:`~ectier.errors.ConfigError`
 whose message starts with the dotted field name (``host.capacity_bytes: ...``).
@@ -342,7 +342,14 @@ class DaemonConfig:
             arena space is reclaimed (a disconnect reclaims at once). Default 30.
         max_frame_bytes: cap of one protocol frame (control messages only; tensor bytes move
             through shared memory). Default 1 MiB.
-        max_clients: concurrent connections; more are refused with an error reply. Default 64.
+        max_clients: concurrent connections. Default 64. At the cap, a new connection takes the
+            place of the least recently used idle one (no request in progress, no lease) of the
+            user with the most connections; with none idle it is refused with an error reply.
+        max_clients_per_uid: concurrent connections of one user (uid); at the cap, a new one of
+            that user takes the place of that user's least recently used idle connection, or is
+            refused. ``None`` (default) = ``max_clients``; at most ``max_clients``.
+        idle_timeout_s: seconds after which the daemon closes a connection that sent no request
+            and holds no lease (clients reconnect by themselves); 0 = never. Default 300.
         metrics_port: serve Prometheus metrics on this TCP port; ``None`` (default) = off.
         metrics_host: address of the metrics endpoint. Default ``127.0.0.1``.
     """
@@ -354,6 +361,8 @@ class DaemonConfig:
     lease_s: float = 30.0
     max_frame_bytes: int = 1 * MiB
     max_clients: int = 64
+    max_clients_per_uid: int | None = None
+    idle_timeout_s: float = 300.0
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
 
@@ -381,6 +390,12 @@ class DaemonConfig:
             raise ConfigError(f"daemon.lease_s: must be > 0, got {self.lease_s}")
         _check_int("daemon.max_frame_bytes", self.max_frame_bytes, minimum=4 * KiB)
         _check_int("daemon.max_clients", self.max_clients, minimum=1)
+        if self.max_clients_per_uid is not None:
+            _check_int("daemon.max_clients_per_uid", self.max_clients_per_uid, minimum=1)
+            if self.max_clients_per_uid > self.max_clients:
+                raise ConfigError(f"daemon.max_clients_per_uid: must be <= daemon.max_clients ({self.max_clients}), "
+                                  f"got {self.max_clients_per_uid}")
+        _check_seconds("daemon.idle_timeout_s", self.idle_timeout_s)
         if self.metrics_port is not None:
             _check_int("daemon.metrics_port", self.metrics_port, minimum=0)
             if self.metrics_port > 65535:
@@ -392,6 +407,11 @@ class DaemonConfig:
     def socket_mode_bits(self) -> int:
         """``socket_mode`` as an int (``"0600" -> 0o600``)."""
         return int(self.socket_mode.replace("o", ""), 8)
+
+    @property
+    def uid_connection_cap(self) -> int:
+        """``max_clients_per_uid``, or ``max_clients`` when it is ``None``."""
+        return self.max_clients if self.max_clients_per_uid is None else self.max_clients_per_uid
 
     def resolved_socket_path(self) -> str:
         """``socket_path``, or the default for this user when it is ``None``."""

@@ -31,7 +31,7 @@ from typing import Any
 
 import msgpack
 
-from ectier.daemon.protocol import FrameDecoder, ProtocolError, encode_frame
+from ectier.daemon.protocol import PROTOCOL_VERSION, FrameDecoder, ProtocolError, encode_frame
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -189,9 +189,14 @@ def remove_dir(path: str) -> None:
 
 
 class RawConn:
-    """A bare protocol connection: send any bytes, read replies (no handshake, no retries)."""
+    """A bare protocol connection: send any bytes, read replies (no retries).
 
-    def __init__(self, path: str, *, timeout: float = 5.0) -> None:
+    ``hello=True`` (default): say ``hello`` first, as the daemon requires before any other
+    request; its reply is ``hello_reply`` (an error reply, e.g. a refused connection's, stays
+    queued for :meth:`reply` instead). ``hello=False``: nothing is sent.
+    """
+
+    def __init__(self, path: str, *, timeout: float = 5.0, hello: bool = True, name: str = "raw") -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         try:
@@ -202,6 +207,17 @@ class RawConn:
         self.decoder = FrameDecoder(1 << 30)
         self.pending: list[dict[str, Any]] = []
         self.eof = False
+        self.hello_reply: dict[str, Any] | None = None
+        if hello:
+            try:
+                self.send(encode_frame({"id": 0, "op": "hello", "version": PROTOCOL_VERSION, "client": name}))
+            except OSError:
+                pass  # refused and closed already: its error reply is still readable
+            r = self.reply()
+            if r is not None and r.get("ok"):
+                self.hello_reply = r
+            elif r is not None:
+                self.pending.insert(0, r)
 
     def __enter__(self) -> "RawConn":
         return self

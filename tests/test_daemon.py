@@ -507,35 +507,30 @@ def test_contains_does_not_renew_a_lease(restricted):
     assert idle(sock)["daemon"]["leases_expired"] == expired + 1
 
 
-def test_max_clients(restricted):
+def test_max_clients_makes_room_by_closing_the_least_recently_used_idle_connection(restricted):
+    """At daemon.max_clients a new client is not refused while some connection is idle: the least
+    recently used idle one is closed for it (refusal, when every connection holds a lease, is in
+    test_daemon_connections.py)."""
     sock = restricted.socket_path
     conns = []
     try:
         conns.append(RawConn(sock))
         wait_for(lambda: len(conns[0].request({"id": 1, "op": "stats"})["stats"]["daemon"]["clients"]) == 1,
                  what="other connections to go")
-        refused = conns[0].request({"id": 2, "op": "stats"})["stats"]["daemon"]["refused"]
+        before = conns[0].request({"id": 2, "op": "stats"})["stats"]["daemon"]
         for i in range(3):
             conns.append(RawConn(sock))
             assert conns[-1].request({"id": 1, "op": "ping"})["ok"]
         with RawConn(sock) as fifth:
-            r = fifth.reply()
-            assert r is not None and not r["ok"], r
-            assert r["error"]["type"] == "PermissionError"
-            assert "max_clients" in r["error"]["message"]
-            assert fifth.reply() is None  # and disconnected
-        with pytest.raises(DaemonUnavailableError, match="refused|lost"):
-            DaemonClient(sock, connect_retry_s=0.2).stats()
-        assert conns[0].request({"id": 3, "op": "stats"})["stats"]["daemon"]["refused"] >= refused + 2
-        conns.pop().close()
-
-        def room():
-            try:
-                with RawConn(sock) as c:
-                    return c.request({"id": 1, "op": "ping"})["ok"]
-            except (OSError, ConnectionError):
-                return False
-        wait_for(room, what="a freed slot")
+            assert fifth.hello_reply is not None, fifth.reply()
+            assert conns[0].reply() is None  # the least recently used one made room
+            assert fifth.request({"id": 1, "op": "ping"})["ok"]
+            with DaemonClient(sock, connect_retry_s=0.2) as sixth:
+                after = sixth.stats()["daemon"]  # in conns[1]'s place
+            assert conns[1].reply() is None
+        assert after["refused"] == before["refused"]
+        assert after["evicted"] == before["evicted"] + 2
+        assert len(after["clients"]) == 4
     finally:
         for c in conns:
             c.close()
@@ -983,8 +978,10 @@ print(buf.hex())
 
 
 def _as_nobody(sock_path: str) -> dict | None:
-    """Ping the daemon from uid/gid 65534 (no ectier, no msgpack there); the first reply or None."""
-    r = subprocess.run([SYSTEM_PYTHON, "-c", _PEER_SCRIPT, sock_path, encode_frame({"id": 1, "op": "ping"}).hex()],
+    """Say hello to the daemon from uid/gid 65534 (no ectier, no msgpack there); the first reply
+    (the hello's, or a refusal) or None."""
+    hello = encode_frame({"id": 1, "op": "hello", "version": PROTOCOL_VERSION, "client": "nobody"})
+    r = subprocess.run([SYSTEM_PYTHON, "-c", _PEER_SCRIPT, sock_path, hello.hex()],
                        user=65534, group=65534, extra_groups=[], capture_output=True, text=True, timeout=30,
                        cwd="/", env={"PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr
@@ -1027,7 +1024,7 @@ def test_allowed_group_lets_its_members_in(restricted):
         c.close()
     assert stat.S_IMODE(arena.st_mode) == 0o660 and arena.st_gid == gid
     r = _as_nobody(restricted.socket_path)
-    assert r == {"id": 1, "ok": True}
+    assert r is not None and r["ok"] and r["id"] == 1 and r["version"] == PROTOCOL_VERSION, r
 
 
 def test_restricted_socket_mode(restricted):
@@ -1253,6 +1250,10 @@ def test_metrics_endpoint(main_daemon, client):
     assert m["ectier_clients"] >= 1
     assert m['ectier_leases{kind="get"}'] == 0
     assert "ectier_leases_expired_total" in m
+    for reason in ("idle", "evicted"):
+        assert m[f'ectier_connections_closed_total{{reason="{reason}"}}'] == s["daemon"][
+            "idle_closed" if reason == "idle" else "evicted"]
+    assert m["ectier_connections_refused_total"] >= s["daemon"]["refused"]
     assert _listening_addresses(port) == ["0100007F"]  # 127.0.0.1 only
 
 

@@ -60,6 +60,7 @@ LAYERS: tuple[Layer, ...] = (
             "ectier.handles",
             "ectier.catalog",
             "ectier.models",
+            "ectier.logutil",
         ),
         GPU_AND_STORAGE,
     ),

@@ -10,11 +10,13 @@
 Each input is cut into chunks (its first byte picks the chunk size) and fed to a
 :class:`~ectier.daemon.protocol.FrameDecoder`; every decoded message goes through
 ``DaemonServer._handle`` of a server whose ``TieredCache`` holds a few known entries, on a fresh
-connection per input (closed after it, which ends its leases). The oracle:
+connection per input (closed after it, which ends its leases). Three inputs in four start on a
+connection that already said ``hello`` (so the handlers behind it run); the fourth on a bare
+one, where everything before a valid ``hello`` must be refused. The oracle:
 
 - the decoder raises nothing but a fatal ``ProtocolError``; ``parse_request`` nothing but ``ProtocolError``;
 - ``_handle`` never answers ``InternalError`` (an exception a handler did not expect) and every reply
-  encodes as a frame;
+  encodes as a frame; before a successful ``hello`` every request is refused (``ProtocolError``);
 - after the connection is gone: no lease, reservation or pin is left; every known entry is either
   absent (a valid ``delete`` may remove it; it is put back) or byte-exact, unless the input held a
   valid ``reserve`` of its key (a commit may then overwrite it: it is put back).
@@ -89,17 +91,20 @@ def _teardown() -> None:
 
 def one_input(data: bytes) -> None:
     """Run one fuzz input through decoder, schema and handlers; raise AssertionError on a finding."""
-    from ectier.daemon.protocol import FrameDecoder, ProtocolError, encode_frame
-    from ectier.daemon.server import _Connection
+    from ectier.daemon.protocol import PROTOCOL_VERSION, FrameDecoder, ProtocolError, encode_frame
+    from ectier.daemon.connections import Connection
 
     if not _STATE:
         _setup()
     server = _STATE["server"]
     cache = server.cache
     a, b = socket.socketpair()
-    conn = _Connection(1 << 20, a, os.getpid(), os.getuid(), os.getgid())
+    conn = Connection(1 << 20, a, os.getpid(), os.getuid(), os.getgid())
     server._conns[conn.id] = conn
     try:
+        if not data or data[0] % 4 != 3:
+            hello = server._handle(conn, {"id": 0, "op": "hello", "version": PROTOCOL_VERSION, "client": "fuzz"})
+            assert hello["ok"], hello
         decoder = FrameDecoder(64 << 10)
         rewritten: set[str] = set()
         step, body = 1 + (data[0] if data else 0), data[1:]
@@ -113,10 +118,13 @@ def one_input(data: bytes) -> None:
                 if isinstance(msg, dict) and msg.get("op") == "reserve" and isinstance(msg.get("key"), str) \
                         and msg["key"] in _STATE["known"]:
                     rewritten.add(msg["key"])  # a valid reserve + commit may overwrite it: put back below
+                greeted = conn.greeted
                 reply = server._handle(conn, msg)
                 encode_frame(reply, max_frame_bytes=1 << 30)
                 if not reply["ok"]:
                     assert reply["error"]["type"] != "InternalError", reply
+                if not greeted and not (isinstance(msg, dict) and msg.get("op") == "hello"):
+                    assert not reply["ok"] and reply["error"]["type"] == "ProtocolError", reply
     finally:
         server._disconnect(conn)
         b.close()

@@ -47,7 +47,8 @@ itself on the current stream (pinned buffer, event, source tensor kept alive) an
 copy to the daemon once the event has completed. Completions are reported in the worker
 metadata; ``shutdown`` waits for all of them and flushes.
 
-This module is the only place where ectier errors become misses (each one logged).
+This module is the only place where ectier errors become misses (each one logged; a kind of
+per-item warning at most once per ``WARN_INTERVAL_S``, with a count of the ones left out).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ECConnectorOutput
 
 from ectier.errors import ConfigError, EctierError, StoreLockedError, StoreOpenError
+from ectier.logutil import RateLimitedLogger
 
 from .config import ConnectorSettings, default_namespace, operator_key, settings_from_extra_config
 from .metadata import ECTierConnectorMetadata, ECTierWorkerMetadata, LoadItem
@@ -82,6 +84,9 @@ logger = init_logger(__name__)
 #: errors that become misses: ectier's own, OS-level trouble talking to the daemon, and torch's
 #: device errors while copying an entry (RuntimeError: torch.OutOfMemoryError, CUDA errors)
 STORE_ERRORS = (EctierError, OSError, RuntimeError)
+#: per-item warnings (misses, failed saves and loads) of one kind are written at most once per
+#: this many seconds, with a count of the ones left out (a daemon that is down fails every item)
+WARN_INTERVAL_S = 10.0
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -202,6 +207,7 @@ class ECTierConnector(ECConnectorBase):
         self._failed: dict[str, list[str]] = {}
         self._placeholders: list[tuple[dict, str]] = []
         self._closed = False
+        self._warn = RateLimitedLogger(logger, WARN_INTERVAL_S)
         logger.info(
             "ECTierConnector (%s, %s): namespace %r, mode %s, encoder output width %s",
             role.name.lower(), ec_config.ec_role, self.settings.namespace, self.settings.mode,
@@ -224,9 +230,10 @@ class ECTierConnector(ECConnectorBase):
 
     def _miss(self, what: str, mm_hash: str, exc: BaseException | None = None) -> None:
         if exc is None:
-            logger.warning("ectier: %s for %s; treated as a miss", what, mm_hash)
+            self._warn.warning(("miss", what), "ectier: %s for %s; treated as a miss", what, mm_hash)
         else:
-            logger.warning("ectier: %s for %s failed (%s: %s); treated as a miss", what, mm_hash, type(exc).__name__, exc)
+            self._warn.warning(("miss", what, type(exc).__name__), "ectier: %s for %s failed (%s: %s); treated as a miss",
+                               what, mm_hash, type(exc).__name__, exc)
 
     def _release_pin(self, mm_hash: str) -> None:
         state = self._pins.pop(mm_hash, None)
@@ -236,7 +243,8 @@ class ECTierConnector(ECConnectorBase):
         try:
             self._store.release(state.pin)
         except STORE_ERRORS as exc:
-            logger.warning("ectier: releasing the pin of %s failed (%s: %s)", mm_hash, type(exc).__name__, exc)
+            self._warn.warning(("release-pin", type(exc).__name__), "ectier: releasing the pin of %s failed (%s: %s)",
+                               mm_hash, type(exc).__name__, exc)
 
     def _check_gpu_device(self) -> None:
         """A GPU tier must sit on the worker's own device: ``put`` refuses tensors of another device
@@ -356,8 +364,8 @@ class ECTierConnector(ECConnectorBase):
                 self._try_pin(request, index, mm_hash)
         state = self._pins.get(mm_hash)
         if state is None:
-            logger.warning(
-                "ectier: %s failed to load earlier and is no longer in the store; failing request %s "
+            self._warn.warning(
+                "gone", "ectier: %s failed to load earlier and is no longer in the store; failing request %s "
                 "(retryable) until vLLM's encoder cache drops it", mm_hash, request.request_id,
             )
             return False
@@ -388,23 +396,23 @@ class ECTierConnector(ECConnectorBase):
             self._count(rejected=1)
             want = f"({rows}, {'*' if self._widths is None else self._width_text()})"
             if len(shape) == 2 and not width_ok:
-                logger.warning(
-                    "ectier: namespace %r holds %s as %s %s, but this model's encoder outputs are "
+                self._warn.warning(
+                    "namespace-clash", "ectier: namespace %r holds %s as %s %s, but this model's encoder outputs are "
                     "%s %s: probably a namespace clash (another model stores under the same "
                     "namespace; set ec_connector_extra_config.namespace to a name of its own); "
                     "not loaded, re-encoding",
                     self.settings.namespace, mm_hash, shape, pin.dtype, want, dtype,
                 )
             else:
-                logger.warning(
-                    "ectier: %s is stored as %s %s but request %s expects %s %s; re-encoding",
+                self._warn.warning(
+                    "shape-mismatch", "ectier: %s is stored as %s %s but request %s expects %s %s; re-encoding",
                     mm_hash, shape, pin.dtype, request.request_id, want, dtype,
                 )
             self._settled.setdefault(request.request_id, set()).add(mm_hash)
             try:
                 self._store.release(pin)
             except STORE_ERRORS as exc:
-                logger.warning("ectier: releasing %s failed (%s)", mm_hash, exc)
+                self._warn.warning(("release", type(exc).__name__), "ectier: releasing %s failed (%s)", mm_hash, exc)
             return
         self._pins[mm_hash] = _PinState(pin, {request.request_id})
         self._store.stage(mm_hash, pin)
@@ -477,7 +485,8 @@ class ECTierConnector(ECConnectorBase):
     def _save_failure(self, mm_hash: str, exc: BaseException) -> None:
         self._count(save_failures=1)
         self._save_failed.append(mm_hash)
-        logger.warning("ectier: saving %s failed (%s: %s); it is not shared", mm_hash, type(exc).__name__, exc)
+        self._warn.warning(("save", type(exc).__name__), "ectier: saving %s failed (%s: %s); it is not shared",
+                           mm_hash, type(exc).__name__, exc)
 
     def start_save_caches(self, **kwargs: Any) -> None:
         self._poll_saves(wait=False)
@@ -538,8 +547,8 @@ class ECTierConnector(ECConnectorBase):
                     want = f"{item.shape} {item.dtype}" + (f", width {self._width_text()}" if self._widths else "")
                     problem = f"read {tuple(tensor.shape)} {dtype_name(tensor.dtype)}, expected {want}"
             if problem is not None:
-                logger.warning(
-                    "ectier: loading %s failed (%s); failing requests %s (retryable)",
+                self._warn.warning(
+                    "load", "ectier: loading %s failed (%s); failing requests %s (retryable)",
                     item.mm_hash, problem, item.req_ids,
                 )
                 self._count(load_failures=1)

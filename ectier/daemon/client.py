@@ -5,8 +5,13 @@ No daemon internals are imported here, and torch is imported only by the data ca
 torch.
 
 The client reconnects by itself: when the daemon restarts, the next call opens a new connection,
-repeats the handshake and maps the new arena, then retries the call once. One client object may
-be shared by threads (calls are serialised on its connection); give busy threads their own client.
+repeats the handshake (``hello``, always the first request on a connection) and maps the new
+arena, then retries the call once. A connection the daemon closed while it was idle
+(``daemon.idle_timeout_s``, or to make room for a new client) is replaced before the next call
+is sent; the arena mapping is kept when the daemon is the same. A daemon that does not answer
+within ``timeout_s`` (hung, stopped) is treated like an unreachable one: the call fails, is not
+retried, and the back-off starts. One client object may be shared by threads (calls are
+serialised on its connection); give busy threads their own client.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import select
 import socket
 import threading
 import time
@@ -30,7 +36,8 @@ log = logging.getLogger(__name__)
 
 
 class DaemonUnavailableError(errors.EctierError):
-    """The daemon's socket cannot be reached (not running, wrong path, refused this user)."""
+    """The daemon cannot be reached (not running, wrong path, refused this user) or did not answer
+    in time (hung, stopped)."""
 
 
 class DaemonClient:
@@ -39,15 +46,23 @@ class DaemonClient:
     Args:
         socket_path: the daemon's socket; ``None`` = the default of :class:`~ectier.config.DaemonConfig`.
         client_name: shown in ``ectier stats`` (default ``"<program>:<pid>"``).
-        timeout_s: socket timeout per call, seconds.
+        timeout_s: longest wait for the reply to one request, seconds. A request not answered
+            in time raises :class:`DaemonUnavailableError` and starts the back-off (below), like a
+            refused connection; it is never resent on a fresh connection (a hung daemon costs one
+            ``timeout_s``, not two).
         connect_retry_s: how long a call keeps retrying to connect to a daemon that went away
-            (a restart); a client whose last connection attempt failed fails fast instead (see
+            (a restart); a client whose last attempt failed fails fast instead (see
             ``backoff_s``).
-        backoff_s: after a failed connection attempt, calls raise :class:`DaemonUnavailableError`
-            at once, without trying to connect, for this many seconds; after that each call makes
-            one immediate attempt (no ``connect_retry_s`` wait) until one succeeds. So an
-            unreachable daemon (down, wrong ``socket_path``) costs a caller at most one
-            ``connect_retry_s`` wait, not one per call.
+        backoff_s: after a failed connection attempt or an unanswered request, calls raise
+            :class:`DaemonUnavailableError` at once, without trying to connect, for this many
+            seconds; after that each call makes one immediate *probe* (no ``connect_retry_s``
+            wait) until one succeeds. So an unreachable daemon (down, wrong ``socket_path``) or a
+            hung one costs a caller at most one ``connect_retry_s`` or ``timeout_s`` wait, not one
+            per call.
+        probe_timeout_s: bound of a probe's connect and ``hello``, seconds (a probe is the first
+            attempt after a failure, and :meth:`connect` with ``wait=False``); at most
+            ``timeout_s``. A healthy daemon answers ``hello`` at once, so a probe of a hung one
+            costs this much per ``backoff_s`` window, not ``timeout_s``.
 
     Errors raised by calls: the daemon's typed errors map back onto :mod:`ectier.errors` classes
     (``InvalidKeyError``, ``EntryTooLargeError``, ...); protocol violations raise
@@ -63,15 +78,21 @@ class DaemonClient:
         timeout_s: float = 30.0,
         connect_retry_s: float = 5.0,
         backoff_s: float = 1.0,
+        probe_timeout_s: float = 1.0,
     ) -> None:
+        for name, value in (("timeout_s", timeout_s), ("probe_timeout_s", probe_timeout_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"DaemonClient {name}: expected a positive number of seconds, got {value!r}")
         self.socket_path = socket_path or DaemonConfig().resolved_socket_path()
         self.client_name = client_name or f"{os.path.basename(os.sys.argv[0] or 'python')}:{os.getpid()}"
         self.timeout_s = timeout_s
         self.connect_retry_s = connect_retry_s
         self.backoff_s = backoff_s
-        # monotonic time of the last failed connection attempt (None: the last one succeeded, or
-        # none was made yet); while set, calls fail fast instead of waiting connect_retry_s
+        self.probe_timeout_s = probe_timeout_s
+        # monotonic time of the last failed connection attempt or unanswered request (None: the
+        # last handshake succeeded, or none was made yet); while set, calls fail fast
         self._failed_at: float | None = None
+        self._failure = ""  # what failed then (the fail-fast error repeats it)
         self._sock: socket.socket | None = None
         self._decoder = FrameDecoder(1 << 30)
         self._lock = threading.RLock()
@@ -80,66 +101,100 @@ class DaemonClient:
         self._arena_mmap: mmap.mmap | None = None
         self._arena = None  # torch uint8 tensor over the mapping, made on first data call
         self._arena_path: str | None = None
+        self._arena_fd: int | None = None  # the mapped file, kept open to recognise it on reconnect
 
     # ---------------------------------------------------------------------------- connection
 
     def connect(self, *, wait: bool = True) -> None:
         """Connect and handshake now (calls do this lazily). Raises DaemonUnavailableError.
 
-        ``wait=False``: one attempt, no ``connect_retry_s`` wait (a start-up probe); a failure
-        starts the back-off window like any other."""
+        ``wait=False``: a probe, as at start-up: one attempt, no ``connect_retry_s`` wait, bounded
+        by ``probe_timeout_s``; a failure starts the back-off window like any other."""
         with self._lock:
             if self._sock is None:
                 self._connect(wait=wait)
 
     @property
     def unreachable(self) -> bool:
-        """True while the last connection attempt failed (calls then fail fast)."""
+        """True while the last connection attempt or request failed (calls then fail fast)."""
         return self._failed_at is not None
+
+    def _fail(self, message: str) -> DaemonUnavailableError:
+        """Start the back-off window: calls fail fast with ``message`` for ``backoff_s``."""
+        self._failed_at = time.monotonic()
+        self._failure = message
+        return DaemonUnavailableError(message)
 
     def _connect(self, *, wait: bool = True) -> None:
         now = time.monotonic()
+        probe = not wait
         if self._failed_at is not None:
             if now - self._failed_at < self.backoff_s:
                 raise DaemonUnavailableError(
-                    f"cannot reach the ectier daemon at {self.socket_path!r} (failed "
-                    f"{now - self._failed_at:.2f} s ago; next attempt after {self.backoff_s:g} s); "
-                    "is `ectier serve` running (daemon.socket_path)?"
+                    f"{self._failure} ({now - self._failed_at:.2f} s ago; next attempt after {self.backoff_s:g} s)"
                 )
-            wait = False  # known down: one attempt per back-off window, never a retry wait
-        deadline = now + (self.connect_retry_s if wait else 0.0)
+            probe = True  # known down: one short attempt per back-off window, never a retry wait
+        timeout = min(self.timeout_s, self.probe_timeout_s) if probe else self.timeout_s
+        deadline = now + (0.0 if probe else self.connect_retry_s)
         while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(self.timeout_s)
+            sock.settimeout(timeout)
             try:
                 sock.connect(self.socket_path)
                 break
             except OSError as exc:
                 sock.close()
                 if time.monotonic() >= deadline:
-                    self._failed_at = time.monotonic()
                     # the daemon whose arena we map is gone: let go of its (unlinked) file now, or
                     # its pages stay allocated in daemon.shm_dir and a restarted daemon may find
                     # no room for its own arena
                     self._unmap()
-                    raise DaemonUnavailableError(
+                    raise self._fail(
                         f"cannot reach the ectier daemon at {self.socket_path!r}: {exc.strerror or exc}; "
                         "is `ectier serve` running (daemon.socket_path)?"
                     ) from None
                 time.sleep(0.05)
-        self._failed_at = None
         self._sock = sock
         self._decoder = FrameDecoder(1 << 30)
         try:
-            info = self._roundtrip({"op": "hello", "version": PROTOCOL_VERSION, "client": self.client_name})
+            info = self._roundtrip({"op": "hello", "version": PROTOCOL_VERSION, "client": self.client_name}, timeout)
         except BaseException:
             self._drop()
             raise
+        self._failed_at = None
         self.server_info = info
-        # always map the arena afresh on a new connection: a restarted daemon may create its
-        # arena under the old name (same pid, e.g. PID 1 of a container), and the old mapping
-        # would then be an unlinked file the daemon no longer reads
-        self._unmap()
+        # map the arena afresh unless it is the very file already mapped: a restarted daemon may
+        # create its arena under the old name (same pid, e.g. PID 1 of a container), and the old
+        # mapping would then be an unlinked file the daemon no longer reads
+        if not self._maps_arena_of(info):
+            self._unmap()
+
+    def _maps_arena_of(self, info: dict[str, Any]) -> bool:
+        """True if the current mapping is of the arena ``info`` names (same live file, same size)."""
+        if self._arena_fd is None:
+            return False
+        try:
+            arena = info["arena"]
+            mine, theirs = os.fstat(self._arena_fd), os.stat(arena["path"])
+        except (OSError, KeyError, TypeError):
+            return False
+        return (mine.st_nlink > 0 and (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino)
+                and arena.get("path") == self._arena_path and self._arena_mmap is not None
+                and arena.get("nbytes") == len(self._arena_mmap))
+
+    def _peer_closed(self) -> bool:
+        """True if the daemon closed this connection (idle timeout, room for another client,
+        restart): an end of file is waiting on the socket. Costs one poll, no wait."""
+        assert self._sock is not None
+        try:
+            readable, _, _ = select.select([self._sock], [], [], 0)
+            if not readable:
+                return False
+            return not self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except (OSError, ValueError):
+            return True
 
     def _drop(self) -> None:
         if self._sock is not None:
@@ -162,6 +217,9 @@ class DaemonClient:
             except BufferError:
                 pass  # a tensor view still exists; the mapping goes with it
             self._arena_mmap = None
+        if self._arena_fd is not None:
+            os.close(self._arena_fd)
+            self._arena_fd = None
         self._arena_path = None
 
     def close(self) -> None:
@@ -176,7 +234,9 @@ class DaemonClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _roundtrip(self, request: dict[str, Any]) -> dict[str, Any]:
+    def _roundtrip(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Send ``request`` and wait at most ``timeout`` seconds in all for its reply. No reply in
+        time: the connection is dropped and the back-off starts (DaemonUnavailableError)."""
         assert self._sock is not None
         rid = self._next_id
         self._next_id += 1
@@ -184,25 +244,40 @@ class DaemonClient:
             frame = encode_frame({"id": rid, **request})
         except UnicodeEncodeError as exc:  # a lone surrogate: the cache refuses such keys too
             raise errors.InvalidKeyError(f"{request.get('op')}: strings must be valid UTF-8: {exc}") from None
-        self._sock.sendall(frame)
-        while True:
-            data = self._sock.recv(65536)
-            if not data:
-                raise ConnectionResetError("daemon closed the connection")
-            for msg in self._decoder.feed(data):
-                if isinstance(msg, ProtocolError):
-                    raise msg
-                if msg.get("id") not in (rid, None):
-                    continue
-                if not msg.get("ok"):
-                    raise _error_from(msg.get("error") or {})
-                msg.pop("id", None)
-                msg.pop("ok", None)
-                return msg
+        deadline = time.monotonic() + timeout
+        try:
+            self._sock.settimeout(timeout)
+            self._sock.sendall(frame)
+            while True:
+                self._sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+                data = self._sock.recv(65536)
+                if not data:
+                    raise ConnectionResetError("daemon closed the connection")
+                for msg in self._decoder.feed(data):
+                    if isinstance(msg, ProtocolError):
+                        raise msg
+                    if msg.get("id") not in (rid, None):
+                        continue
+                    if not msg.get("ok"):
+                        raise _error_from(msg.get("error") or {})
+                    msg.pop("id", None)
+                    msg.pop("ok", None)
+                    return msg
+        except socket.timeout:
+            self._drop()
+            raise self._fail(
+                f"the ectier daemon at {self.socket_path!r} did not answer {request.get('op')!r} within "
+                f"{timeout:g} s (hung, stopped or overloaded?)"
+            ) from None
 
     def call(self, op: str, *, retry: bool = True, **args: Any) -> dict[str, Any]:
-        """Send one request and return its results; reconnects (and retries once) if the daemon
-        went away. Raises the daemon's typed error on an error reply."""
+        """Send one request and return its results. Raises the daemon's typed error on an error
+        reply, DaemonUnavailableError when the daemon is unreachable or does not answer within
+        ``timeout_s`` (never retried), or went away twice.
+
+        ``retry=True``: a connection the daemon closed (restart, idle timeout) is replaced first,
+        and a request whose connection is lost is sent again once on a new one. ``retry=False``
+        (requests bound to this connection: ``commit``, ``release`` of its leases): neither."""
         if "key" in args:
             validate_key(args["key"])
         if "namespace" in args:
@@ -210,14 +285,17 @@ class DaemonClient:
         with self._lock:
             for attempt in (0, 1):
                 try:
+                    if self._sock is not None and retry and self._peer_closed():
+                        self._drop()
                     if self._sock is None:
                         self._connect()
-                    return self._roundtrip({"op": op, **args})
-                except (ConnectionError, BrokenPipeError, socket.timeout, OSError) as exc:
+                    return self._roundtrip({"op": op, **args}, self.timeout_s)
+                except DaemonUnavailableError:
                     self._drop()
-                    if isinstance(exc, DaemonUnavailableError) or attempt == 1 or not retry:
-                        if isinstance(exc, errors.EctierError):
-                            raise
+                    raise
+                except OSError as exc:  # ConnectionError, BrokenPipeError, ...: the daemon went away
+                    self._drop()
+                    if attempt == 1 or not retry:
                         raise DaemonUnavailableError(f"lost the ectier daemon at {self.socket_path!r}: {exc}") from None
             raise AssertionError("unreachable")
 
@@ -251,8 +329,10 @@ class DaemonClient:
             fd = os.open(arena["path"], os.O_RDWR)
             try:
                 self._arena_mmap = mmap.mmap(fd, arena["nbytes"], mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
+            except BaseException:
                 os.close(fd)
+                raise
+            self._arena_fd = fd
             self._arena = torch.frombuffer(self._arena_mmap, dtype=torch.uint8) if arena["nbytes"] else torch.empty(0, dtype=torch.uint8)
             self._arena_path = arena["path"]
             self._register_arena(torch)

@@ -22,6 +22,10 @@ metric                                      type       meaning
 ``ectier_clients``                          gauge      connected clients
 ``ectier_leases{kind}``                     gauge      open put / get leases
 ``ectier_leases_expired_total``             counter    leases reclaimed after ``daemon.lease_s``
+``ectier_connections_closed_total{reason}`` counter    idle connections the daemon closed: ``idle``
+                                                       (``daemon.idle_timeout_s``), ``evicted`` (room
+                                                       for a new client at a connection cap)
+``ectier_connections_refused_total``        counter    connections refused (user, caps)
 ==========================================  =========  ==============================================
 """
 
@@ -79,6 +83,13 @@ class StatsCollector:
             yield leases
             yield CounterMetricFamily("ectier_leases_expired", "Leases reclaimed after daemon.lease_s",
                                       value=daemon.get("leases_expired", 0))
+            closed = CounterMetricFamily("ectier_connections_closed", "Idle connections the daemon closed",
+                                         labels=["reason"])
+            closed.add_metric(["idle"], daemon.get("idle_closed", 0))
+            closed.add_metric(["evicted"], daemon.get("evicted", 0))
+            yield closed
+            yield CounterMetricFamily("ectier_connections_refused", "Connections refused (user, caps)",
+                                      value=daemon.get("refused", 0))
 
 
 def start_metrics_server(server, host: str, port: int):

@@ -10,6 +10,12 @@ Threads: the accept loop runs in the caller's thread (:meth:`DaemonServer.serve_
 connection gets a thread; one reaper thread expires leases. The daemon is a thin shell around
 :class:`~ectier.cache.TieredCache`, which is thread-safe.
 
+Connections: ``hello`` must be a connection's first request (any other op before it is refused
+with a ``ProtocolError``, so no client skips the version check); a connection that sends nothing
+for ``daemon.idle_timeout_s`` while holding no lease is closed; when the daemon is full
+(``daemon.max_clients``, ``daemon.max_clients_per_uid``) a new connection takes the place of an
+idle one (:mod:`ectier.daemon.connections`).
+
 Leases: every reservation and read lease belongs to a connection and has a deadline
 (``daemon.lease_s``). A disconnect (including a client killed with ``kill -9``) releases all of its
 leases at once; a live client that overruns a deadline loses the lease (its commit fails, its
@@ -23,20 +29,19 @@ import grp
 import logging
 import os
 import pwd
-import re
 import signal
 import socket
-import stat
-import struct
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .. import __version__
 from ..cache import ReadLease, TieredCache, WriteLease
 from ..config import CacheConfig
 from ..errors import EctierError
+from .connections import Connection, admission, peer_credentials
+from .files import claim_socket_path, reclaim_stale_arenas
 from .protocol import (
     PROTOCOL_VERSION,
     FrameDecoder,
@@ -51,30 +56,14 @@ __all__ = ["DaemonServer", "run_daemon"]
 
 log = logging.getLogger("ectier.daemon")
 
-_PEERCRED = struct.Struct("3i")  # pid, uid, gid (struct ucred)
-
 
 @dataclass(eq=False)
 class _Lease:
     id: int
     kind: str  # "put" | "get"
-    conn: "_Connection"
+    conn: Connection
     deadline: float
     handle: WriteLease | ReadLease
-
-
-@dataclass(eq=False)
-class _Connection:
-    id: int
-    sock: socket.socket
-    pid: int
-    uid: int
-    gid: int
-    name: str = ""
-    since: float = field(default_factory=time.time)
-    leases: set[int] = field(default_factory=set)
-    requests: int = 0
-    closed: bool = False
 
 
 class DaemonServer:
@@ -107,7 +96,7 @@ class DaemonServer:
         self._listener: socket.socket | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._conns: dict[int, _Connection] = {}
+        self._conns: dict[int, Connection] = {}
         self._leases: dict[int, _Lease] = {}
         self._next_id = 1
         self._threads: list[threading.Thread] = []
@@ -115,7 +104,8 @@ class DaemonServer:
         self._metrics_server = None
         self.metrics_address: tuple[str, int] | None = None  # (host, bound port) when metrics are on
         self._arena_lock_fd: int | None = None
-        self.counters = {"connections": 0, "refused": 0, "protocol_errors": 0, "leases_expired": 0}
+        self.counters = {"connections": 0, "refused": 0, "protocol_errors": 0, "leases_expired": 0,
+                         "idle_closed": 0, "evicted": 0}
 
     # --------------------------------------------------------------------------- lifecycle
 
@@ -130,7 +120,7 @@ class DaemonServer:
 
     def start(self) -> None:
         """Open the tiers, bind the socket, start the reaper (and metrics). Returns at once."""
-        self._claim_socket_path()
+        claim_socket_path(self.socket_path)
         self._open_arena()
         try:
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -204,72 +194,13 @@ class DaemonServer:
             raise EctierError(f"daemon.shm_dir: cannot open {shm_dir!r}: {exc.strerror}") from None
         try:
             fcntl.flock(dir_fd, fcntl.LOCK_EX)
-            self._reclaim_stale_arenas(shm_dir)
+            reclaim_stale_arenas(shm_dir)
             self.cache = TieredCache(self.config, host_shm_path=self.arena_path)
             self._arena_lock_fd = os.open(self.arena_path, os.O_RDONLY)
             fcntl.flock(self._arena_lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:
             fcntl.flock(dir_fd, fcntl.LOCK_UN)
             os.close(dir_fd)
-
-    @staticmethod
-    def _reclaim_stale_arenas(shm_dir: str) -> None:
-        pattern = re.compile(rf"ectier-{os.getuid()}-(\d+)\.arena")
-        for name in os.listdir(shm_dir):
-            m = pattern.fullmatch(name)
-            if m is None:
-                continue
-            path = os.path.join(shm_dir, name)
-            pid = int(m.group(1))
-            if pid != os.getpid():
-                try:
-                    os.kill(pid, 0)
-                    continue  # that process lives (possibly a daemon without the arena lock)
-                except ProcessLookupError:
-                    pass
-                except PermissionError:
-                    continue
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-            except OSError:
-                continue
-            try:
-                if os.fstat(fd).st_uid != os.getuid():
-                    continue
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue  # a live daemon holds it
-                os.unlink(path)
-                log.warning("removed the arena %s of a daemon that did not shut down cleanly", path)
-            except OSError as exc:
-                log.warning("could not remove the stale arena %s: %s", path, exc)
-            finally:
-                os.close(fd)
-
-    def _claim_socket_path(self) -> None:
-        path = self.socket_path
-        try:
-            st = os.lstat(path)
-        except OSError:
-            try:
-                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            except OSError as exc:
-                raise EctierError(f"daemon.socket_path: cannot create the directory of {path!r}: "
-                                  f"{exc.strerror}") from None
-            return
-        if not stat.S_ISSOCK(st.st_mode):  # never delete a file that is not a (stale) socket
-            raise EctierError(f"daemon.socket_path: {path!r} exists and is not a socket; remove it or "
-                              "choose another path")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)  # stale socket of a dead daemon
-            return
-        finally:
-            probe.close()
-        raise EctierError(f"daemon.socket_path: a daemon is already listening on {path!r}")
 
     def serve_forever(self) -> None:
         """Accept connections until :meth:`stop` (or SIGTERM/SIGINT via :func:`run_daemon`)."""
@@ -326,12 +257,22 @@ class DaemonServer:
     # ------------------------------------------------------------------------- connections
 
     def _admit(self, sock: socket.socket) -> None:
-        pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-        reason = None
+        pid, uid, gid = peer_credentials(sock)
+        victim = None
         if not self._peer_allowed(uid, gid):
             reason = f"uid {uid} is not allowed (daemon runs as uid {os.getuid()}; see daemon.allowed_group)"
-        elif len(self._conns) >= self.config.daemon.max_clients:
-            reason = f"too many clients (daemon.max_clients={self.config.daemon.max_clients})"
+        else:
+            with self._lock:
+                victim, reason = admission(self._conns.values(), uid, max_clients=self.config.daemon.max_clients,
+                                           max_per_uid=self.config.daemon.uid_connection_cap)
+                if reason is None:
+                    if victim is not None:  # idle: no request in progress, no lease; see admission()
+                        victim.closed = True
+                        self.counters["evicted"] += 1
+                    conn = Connection(self._next_id, sock, pid, uid, gid)
+                    self._next_id += 1
+                    self._conns[conn.id] = conn
+                    self.counters["connections"] += 1
         if reason is not None:
             self.counters["refused"] += 1
             log.warning("refused connection from pid %d: %s", pid, reason)
@@ -341,11 +282,12 @@ class DaemonServer:
                 pass
             sock.close()
             return
-        with self._lock:
-            conn = _Connection(self._next_id, sock, pid, uid, gid)
-            self._next_id += 1
-            self._conns[conn.id] = conn
-            self.counters["connections"] += 1
+        if victim is not None:
+            log.info("closed the idle connection of client %s (pid %d, uid %d; idle %.1f s) to make room for "
+                     "pid %d (daemon.max_clients=%d, daemon.max_clients_per_uid=%d)", victim.name, victim.pid,
+                     victim.uid, time.monotonic() - victim.last_active, pid, self.config.daemon.max_clients,
+                     self.config.daemon.uid_connection_cap)
+            _shutdown(victim.sock)
         t = threading.Thread(target=self._serve_connection, args=(conn,), name=f"ectier-conn-{conn.id}", daemon=True)
         self._threads = [x for x in self._threads if x.is_alive()]
         self._threads.append(t)
@@ -364,40 +306,71 @@ class DaemonServer:
             return False
         return user in grp.getgrgid(self._allowed_gid).gr_mem
 
-    def _serve_connection(self, conn: _Connection) -> None:
+    def _serve_connection(self, conn: Connection) -> None:
         decoder = FrameDecoder(self.config.daemon.max_frame_bytes)
         sock = conn.sock
+        idle_timeout = self.config.daemon.idle_timeout_s
         try:
+            sock.settimeout(idle_timeout if idle_timeout > 0 else None)
             while not self._stop.is_set():
                 try:
                     data = sock.recv(65536)
+                except socket.timeout:
+                    if self._close_if_idle(conn):
+                        break
+                    continue
                 except OSError:
                     break
-                if not data:
-                    break
-                try:
-                    messages = decoder.feed(data)
-                except ProtocolError as exc:  # framing lost: answer once, then drop this client
-                    self.counters["protocol_errors"] += 1
-                    self._send(conn, error_reply(None, "ProtocolError", str(exc)))
-                    break
-                for msg in messages:
-                    reply = self._handle(conn, msg)
-                    if not self._send(conn, reply):
+                with self._lock:  # closed meanwhile (to make room, lease expiry): drop the request
+                    if conn.closed or not data:
                         break
+                    conn.busy = True
+                try:
+                    self._serve_data(conn, decoder, data)
+                finally:
+                    with self._lock:
+                        conn.busy = False
+                        conn.last_active = time.monotonic()
                 if conn.closed:
                     break
         finally:
             self._disconnect(conn)
 
-    def _send(self, conn: _Connection, reply: dict[str, Any]) -> bool:
+    def _serve_data(self, conn: Connection, decoder: FrameDecoder, data: bytes) -> None:
+        """Answer every request completed by ``data``; a lost framing closes the connection."""
+        try:
+            messages = decoder.feed(data)
+        except ProtocolError as exc:  # framing lost: answer once, then drop this client
+            self.counters["protocol_errors"] += 1
+            self._send(conn, error_reply(None, "ProtocolError", str(exc)))
+            conn.closed = True
+            return
+        for msg in messages:
+            reply = self._handle(conn, msg)
+            if not self._send(conn, reply):
+                conn.closed = True
+                return
+
+    def _close_if_idle(self, conn: Connection) -> bool:
+        """After ``daemon.idle_timeout_s`` without a request: close ``conn`` unless it holds a
+        lease (lease expiry takes care of those). Returns True if it is to be closed."""
+        with self._lock:
+            if conn.leases or conn.closed:
+                return conn.closed
+            conn.closed = True
+            self.counters["idle_closed"] += 1
+        log.debug("closed the connection of client %s (pid %d): no request for daemon.idle_timeout_s=%g s",
+                  conn.name, conn.pid, self.config.daemon.idle_timeout_s)
+        return True
+
+    def _send(self, conn: Connection, reply: dict[str, Any]) -> bool:
         try:
             conn.sock.sendall(encode_frame(reply, max_frame_bytes=1 << 30))
             return True
         except OSError:
             return False
 
-    def _disconnect(self, conn: _Connection) -> None:
+    def _disconnect(self, conn: Connection) -> None:
         with self._lock:
             self._conns.pop(conn.id, None)
             leases = [self._leases.pop(i) for i in list(conn.leases) if i in self._leases]
@@ -414,13 +387,16 @@ class DaemonServer:
 
     # ------------------------------------------------------------------------------ requests
 
-    def _handle(self, conn: _Connection, msg: dict[str, Any] | ProtocolError) -> dict[str, Any]:
+    def _handle(self, conn: Connection, msg: dict[str, Any] | ProtocolError) -> dict[str, Any]:
         rid = msg.get("id") if isinstance(msg, dict) and isinstance(msg.get("id"), int) else None
         try:
             if isinstance(msg, ProtocolError):
                 raise msg
             req = parse_request(msg)
             conn.requests += 1
+            if not conn.greeted and req.op != "hello":
+                raise ProtocolError(f"{req.op}: the first request on a connection must be 'hello' "
+                                    f"(version {PROTOCOL_VERSION}); send it before anything else")
             handler = getattr(self, f"_op_{req.op}")
             return ok_reply(req.id, **handler(conn, **req.args))
         except ProtocolError as exc:
@@ -434,10 +410,11 @@ class DaemonServer:
             log.exception("request %r failed", msg if isinstance(msg, dict) else None)
             return error_reply(rid, "InternalError", f"{type(exc).__name__}: {exc}")
 
-    def _op_hello(self, conn: _Connection, version: int, client: str = "") -> dict[str, Any]:
+    def _op_hello(self, conn: Connection, version: int, client: str = "") -> dict[str, Any]:
         if version != PROTOCOL_VERSION:
             raise ProtocolError(f"hello: client speaks protocol {version}, daemon speaks {PROTOCOL_VERSION}")
         conn.name = client[:200]
+        conn.greeted = True
         return {
             "version": PROTOCOL_VERSION,
             "server": f"ectier {__version__}",
@@ -447,10 +424,10 @@ class DaemonServer:
             "lease_s": self.config.daemon.lease_s,
         }
 
-    def _op_ping(self, conn: _Connection) -> dict[str, Any]:
+    def _op_ping(self, conn: Connection) -> dict[str, Any]:
         return {}
 
-    def _new_lease(self, conn: _Connection, kind: str, handle: WriteLease | ReadLease) -> int:
+    def _new_lease(self, conn: Connection, kind: str, handle: WriteLease | ReadLease) -> int:
         with self._lock:
             lease = _Lease(self._next_id, kind, conn, time.monotonic() + self.config.daemon.lease_s, handle)
             self._next_id += 1
@@ -458,7 +435,7 @@ class DaemonServer:
             conn.leases.add(lease.id)
         return lease.id
 
-    def _take_lease(self, conn: _Connection, lease_id: int, kind: str) -> _Lease | None:
+    def _take_lease(self, conn: Connection, lease_id: int, kind: str) -> _Lease | None:
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is None or lease.conn is not conn or lease.kind != kind:
@@ -482,26 +459,26 @@ class DaemonServer:
                 raise
             log.exception("ending a %s lease failed", lease.kind)
 
-    def _op_reserve(self, conn: _Connection, key: str, dtype: str, shape: tuple, namespace: str | None = None) -> dict[str, Any]:
+    def _op_reserve(self, conn: Connection, key: str, dtype: str, shape: tuple, namespace: str | None = None) -> dict[str, Any]:
         assert self.cache is not None
         handle = self.cache.reserve(key, dtype=dtype, shape=shape, namespace=namespace)
         lease_id = self._new_lease(conn, "put", handle)
         return {"lease": lease_id, "nbytes": handle.meta.nbytes, "extents": [list(e) for e in handle.extents]}
 
-    def _op_commit(self, conn: _Connection, lease: int) -> dict[str, Any]:
+    def _op_commit(self, conn: Connection, lease: int) -> dict[str, Any]:
         held = self._take_lease(conn, lease, "put")
         if held is None:
             raise EctierError(f"commit: lease {lease} is unknown or expired; the put was aborted, retry it")
         self._end_lease(held, commit=True)
         return {}
 
-    def _op_abort(self, conn: _Connection, lease: int) -> dict[str, Any]:
+    def _op_abort(self, conn: Connection, lease: int) -> dict[str, Any]:
         held = self._take_lease(conn, lease, "put")
         if held is not None:
             self._end_lease(held, commit=False)
         return {"aborted": held is not None}
 
-    def _op_get(self, conn: _Connection, key: str, namespace: str | None = None) -> dict[str, Any]:
+    def _op_get(self, conn: Connection, key: str, namespace: str | None = None) -> dict[str, Any]:
         assert self.cache is not None
         handle = self.cache.acquire(key, namespace=namespace)
         if handle is None:
@@ -511,22 +488,22 @@ class DaemonServer:
         return {"hit": True, "lease": lease_id, "dtype": meta.dtype, "shape": list(meta.shape),
                 "nbytes": meta.nbytes, "extents": [list(e) for e in handle.extents]}
 
-    def _op_release(self, conn: _Connection, lease: int) -> dict[str, Any]:
+    def _op_release(self, conn: Connection, lease: int) -> dict[str, Any]:
         held = self._take_lease(conn, lease, "get")
         if held is not None:
             self._end_lease(held, commit=False)
         # valid=False: the lease expired before release, so the bytes copied may be foreign
         return {"valid": held is not None}
 
-    def _op_contains(self, conn: _Connection, key: str, namespace: str | None = None) -> dict[str, Any]:
+    def _op_contains(self, conn: Connection, key: str, namespace: str | None = None) -> dict[str, Any]:
         assert self.cache is not None
         return {"found": self.cache.contains(key, namespace=namespace)}
 
-    def _op_delete(self, conn: _Connection, key: str, namespace: str | None = None) -> dict[str, Any]:
+    def _op_delete(self, conn: Connection, key: str, namespace: str | None = None) -> dict[str, Any]:
         assert self.cache is not None
         return {"deleted": self.cache.delete(key, namespace=namespace)}
 
-    def _op_stats(self, conn: _Connection) -> dict[str, Any]:
+    def _op_stats(self, conn: Connection) -> dict[str, Any]:
         return {"stats": self.stats()}
 
     def stats(self) -> dict[str, Any]:
@@ -545,7 +522,7 @@ class DaemonServer:
                 "clients": [
                     {"id": c.id, "name": c.name, "pid": c.pid, "uid": c.uid, "connected_s": round(now - c.since, 3),
                      "requests": c.requests, "leases": len(c.leases)}
-                    for c in self._conns.values()
+                    for c in self._conns.values() if not c.closed
                 ],
                 **self.counters,
             }
@@ -572,11 +549,16 @@ class DaemonServer:
                         lease.id, lease.kind, lease.conn.name, lease.conn.pid, self.config.daemon.lease_s)
             self._end_lease(lease, commit=False)
             lease.conn.closed = True
-            try:
-                lease.conn.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _shutdown(lease.conn.sock)
         return len(expired)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    """Wake the connection's thread (its recv returns) so that it disconnects."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def run_daemon(config: CacheConfig) -> int:

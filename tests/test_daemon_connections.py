@@ -1,0 +1,410 @@
+"""Daemon connections: a hung daemon fails fast, hello comes first, idle connections time out,
+a full daemon makes room for a new client. Real daemon processes (tests/daemon_helpers.py).
+
+Daemons:
+- ``hung``: one that the tests stop with SIGSTOP (and continue) — no other test shares it.
+- ``capped``: max_clients 4 (the default idle timeout, 300 s, outlasts every test), lease 30 s.
+- ``per_uid``: max_clients 8, max_clients_per_uid 2.
+- ``idler``: idle_timeout_s 1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from daemon_helpers import (
+    KiB,
+    MiB,
+    DaemonProcess,
+    RawConn,
+    daemon_config,
+    daemon_stats,
+    make_tensor,
+    remove_dir,
+    short_tmpdir,
+    tensor_digest,
+    wait_for,
+    write_config,
+)
+from ectier import CacheConfig
+from ectier.cli import main as cli_main
+from ectier.config import ConfigError
+from ectier.daemon.client import DaemonClient, DaemonUnavailableError
+from ectier.daemon.protocol import PROTOCOL_VERSION
+
+
+def _daemon(**daemon):
+    d = short_tmpdir()
+    cfg = daemon_config(d, host_bytes=8 * MiB, nvme=False, **daemon)
+    proc = DaemonProcess(write_config(os.path.join(d, "cfg.yaml"), cfg), cfg["daemon"]["socket_path"])
+    proc.dir = d
+    return proc
+
+
+@pytest.fixture(scope="module")
+def hung():
+    proc = _daemon()
+    try:
+        proc.start()
+        yield proc
+    finally:
+        try:
+            os.kill(proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        proc.stop()
+        remove_dir(proc.dir)
+
+
+@pytest.fixture(scope="module")
+def capped():
+    proc = _daemon(max_clients=4)
+    try:
+        proc.start()
+        yield proc
+    finally:
+        proc.stop()
+        remove_dir(proc.dir)
+
+
+@pytest.fixture(scope="module")
+def per_uid():
+    proc = _daemon(max_clients=8, max_clients_per_uid=2)
+    try:
+        proc.start()
+        yield proc
+    finally:
+        proc.stop()
+        remove_dir(proc.dir)
+
+
+@pytest.fixture(scope="module")
+def idler():
+    proc = _daemon(idle_timeout_s=1.0)
+    try:
+        proc.start()
+        yield proc
+    finally:
+        proc.stop()
+        remove_dir(proc.dir)
+
+
+def _sigstop(proc) -> None:
+    """Stop the daemon and wait until it is stopped (signal delivery is asynchronous)."""
+    os.kill(proc.pid, signal.SIGSTOP)
+
+    def stopped():
+        with open(f"/proc/{proc.pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    wait_for(stopped, timeout=10, interval=0.01, what="the daemon to stop")
+
+
+def _same(a, b):
+    assert a is not None and tensor_digest(a) == tensor_digest(b)
+
+
+# ============================================================================== hung daemon
+
+TIMEOUT_S = 3.0
+BACKOFF_S = 1.0
+
+
+def test_a_hung_daemon_fails_fast_then_recovers(hung):
+    """A daemon alive but not answering (SIGSTOP): the first call waits timeout_s once (never a
+    retry on a fresh connection, which doubled it); then calls fail at once for backoff_s, like
+    after a refused connection, and the probe after the window is short; after SIGCONT the same
+    client works again."""
+    t = make_tensor(1, "uint8", (64 * KiB,))
+    c = DaemonClient(hung.socket_path, client_name="hung-test", timeout_s=TIMEOUT_S, backoff_s=BACKOFF_S,
+                     connect_retry_s=0.5)
+    try:
+        c.put("before", t)
+        _sigstop(hung)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(DaemonUnavailableError, match="did not answer"):
+                c.put("during", make_tensor(2, "uint8", (64 * KiB,)))
+            first = time.monotonic() - t0
+            assert c.unreachable
+            t0 = time.monotonic()
+            with pytest.raises(DaemonUnavailableError, match="did not answer"):
+                c.contains("before")  # inside the back-off window: no attempt at all
+            second = time.monotonic() - t0
+            time.sleep(BACKOFF_S + 0.1)
+            t0 = time.monotonic()
+            with pytest.raises(DaemonUnavailableError):
+                c.get("before")  # after the window: one short probe
+            third = time.monotonic() - t0
+        finally:
+            os.kill(hung.pid, signal.SIGCONT)
+        # generous bounds; the old code took 2 x timeout_s for each of the three calls
+        assert TIMEOUT_S * 0.8 <= first < TIMEOUT_S * 1.6, first
+        assert second < TIMEOUT_S * 0.5, second
+        assert third < TIMEOUT_S * 0.8, third
+        assert first + second + third < 2 * TIMEOUT_S, (first, second, third)
+
+        def back():
+            try:
+                return c.contains("before")
+            except DaemonUnavailableError:
+                return False
+        wait_for(back, timeout=20, interval=0.2, what="the continued daemon to answer")
+        assert not c.unreachable
+        _same(c.get("before"), t)
+        c.put("after", t)
+        _same(c.get("after"), t)
+    finally:
+        c.close()
+
+
+def test_stats_against_a_hung_daemon_times_out(hung):
+    _sigstop(hung)
+    try:
+        t0 = time.monotonic()
+        r = CliRunner().invoke(cli_main, ["stats", "--socket", hung.socket_path, "--timeout", "1"])
+        elapsed = time.monotonic() - t0
+    finally:
+        os.kill(hung.pid, signal.SIGCONT)
+    assert r.exit_code == 1, r.output
+    assert "Traceback" not in r.output
+    assert "did not answer" in r.output and hung.socket_path in r.output, r.output
+    assert elapsed < 5.0, elapsed
+    r = CliRunner().invoke(cli_main, ["stats", "--socket", hung.socket_path, "--timeout", "10", "--json"])
+    assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "soon"])
+def test_stats_timeout_must_be_positive(hung, bad):
+    r = CliRunner().invoke(cli_main, ["stats", "--socket", hung.socket_path, "--timeout", bad])
+    assert r.exit_code == 2 and "--timeout" in r.output, r.output
+
+
+# ==================================================================================== hello
+
+
+def test_every_request_before_hello_is_refused(capped):
+    with RawConn(capped.socket_path, hello=False) as raw:
+        for i, msg in enumerate([
+            {"op": "get", "key": "k"},
+            {"op": "contains", "key": "k"},
+            {"op": "ping"},
+            {"op": "stats"},
+            {"op": "reserve", "key": "k", "dtype": "uint8", "shape": [8]},
+            {"op": "hello", "version": PROTOCOL_VERSION + 1},  # a failed hello does not count
+            {"op": "delete", "key": "k"},
+        ]):
+            r = raw.request({"id": i + 1, **msg})
+            assert r["ok"] is False and r["id"] == i + 1, r
+            assert r["error"]["type"] == "ProtocolError"
+            if msg["op"] != "hello":
+                assert "'hello'" in r["error"]["message"] and msg["op"] in r["error"]["message"], r
+        r = raw.request({"id": 20, "op": "hello", "version": PROTOCOL_VERSION, "client": "late"})
+        assert r["ok"] and r["version"] == PROTOCOL_VERSION
+        assert raw.request({"id": 21, "op": "get", "key": "k"}) == {"id": 21, "ok": True, "hit": False}
+        assert raw.request({"id": 22, "op": "ping"})["ok"]
+
+
+# ============================================================================ idle timeout
+
+
+def test_an_idle_connection_is_closed_and_the_client_reconnects(idler):
+    sock = idler.socket_path
+    with RawConn(sock, timeout=15) as raw:
+        t0 = time.monotonic()
+        assert raw.reply() is None  # the daemon closed it: no request for idle_timeout_s
+        assert 0.8 <= time.monotonic() - t0 < 10
+    c = DaemonClient(sock, client_name="idle-client")
+    try:
+        t = make_tensor(3, "uint8", (64 * KiB,))
+        c.put("k", t)
+        wait_for(lambda: "idle-client" not in {x["name"] for x in daemon_stats(sock)["daemon"]["clients"]},
+                 timeout=10, what="the idle client's connection to be closed")
+        assert c.contains("k")  # a new connection, transparently (hello first, or it is refused)
+        _same(c.get("k"), t)
+        c.put("k2", t)
+        assert daemon_stats(sock)["daemon"]["idle_closed"] >= 2
+    finally:
+        c.close()
+
+
+def test_a_reconnect_to_the_same_daemon_keeps_the_arena_registered(idler, monkeypatch):
+    """On a GPU machine the client page-locks its arena mapping (cudaHostRegister: about 0.45 s
+    per GiB); a connection closed for idleness must not cost a new registration (emulated with a
+    fake cudart, as in test_daemon.py)."""
+    import torch
+
+    calls = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append("register")
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append("unregister")
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    sock = idler.socket_path
+    c = DaemonClient(sock, client_name="registered")
+    try:
+        t = make_tensor(7, "uint8", (64 * KiB,))
+        c.put("reg", t)
+        assert calls == ["register"]
+        wait_for(lambda: "registered" not in {x["name"] for x in daemon_stats(sock)["daemon"]["clients"]},
+                 timeout=10, what="the idle connection to be closed")
+        _same(c.get("reg"), t)  # through a new connection
+        c.put("reg2", t)
+        assert calls == ["register"]
+    finally:
+        c.close()
+    assert calls == ["register", "unregister"]
+
+
+def test_a_connection_holding_a_lease_is_not_closed_for_idleness(idler):
+    c = DaemonClient(idler.socket_path, client_name="holder")
+    try:
+        c.put("held", make_tensor(4, "uint8", (1000,)))
+        g = c.call("get", key="held")
+        time.sleep(2.5)  # 2.5 x idle_timeout_s, far below lease_s (30 s)
+        assert c.call("release", retry=False, lease=g["lease"]) == {"valid": True}
+    finally:
+        c.close()
+
+
+# ======================================================================== connection caps
+
+
+def _wait_alone(sock: str) -> None:
+    wait_for(lambda: len(daemon_stats(sock)["daemon"]["clients"]) == 1, timeout=10, what="other clients to go")
+
+
+def test_idle_connections_make_room_for_a_new_client(capped):
+    """max_clients idle connections of one uid used to lock every new client out: now the least
+    recently used idle one is closed for the newcomer, and its own client reconnects by itself."""
+    sock = capped.socket_path
+    _wait_alone(sock)
+    first = DaemonClient(sock, client_name="first")
+    raws: list[RawConn] = []
+    newcomer = None
+    try:
+        assert not first.contains("x")
+        raws = [RawConn(sock, name=f"idle-{i}") for i in range(3)]  # 4 connections = max_clients
+        newcomer = DaemonClient(sock, client_name="newcomer", connect_retry_s=0.2)
+        assert not newcomer.contains("x")  # got in
+        assert first.contains("x") is False  # was closed (least recently used); reconnects
+        assert raws[0].reply() is None  # ... which closed the next least recently used one
+        for r in raws[1:]:
+            assert r.request({"id": 5, "op": "ping"})["ok"]
+        s = newcomer.stats()["daemon"]
+        assert s["evicted"] >= 2 and len(s["clients"]) == 4
+    finally:
+        for x in (first, newcomer):
+            if x is not None:
+                x.close()
+        for r in raws:
+            r.close()
+
+
+def test_a_full_daemon_whose_clients_all_hold_leases_still_refuses(capped):
+    sock = capped.socket_path
+    _wait_alone(sock)
+    seed = DaemonClient(sock, client_name="seed")
+    seed.put("pinned", make_tensor(5, "uint8", (100,)))
+    seed.close()
+    _wait_alone(sock)
+    raws = []
+    try:
+        for i in range(4):
+            raws.append(RawConn(sock, name=f"holder-{i}"))
+            assert raws[-1].request({"id": 1, "op": "get", "key": "pinned"})["hit"]
+        with RawConn(sock, hello=False) as fifth:
+            r = fifth.reply()
+            assert r is not None and r["ok"] is False and r["error"]["type"] == "PermissionError", r
+            assert "daemon.max_clients=4" in r["error"]["message"]
+            assert fifth.reply() is None
+        for raw in raws:  # nobody was closed
+            assert raw.request({"id": 2, "op": "ping"})["ok"]
+    finally:
+        for raw in raws:
+            raw.close()
+
+
+def test_per_uid_cap(per_uid):
+    """At daemon.max_clients_per_uid (below max_clients) a uid's new connection is refused when
+    all of its connections hold leases, and takes the place of an idle one otherwise."""
+    sock = per_uid.socket_path
+    seed = DaemonClient(sock, client_name="seed")
+    seed.put("pinned", make_tensor(6, "uint8", (100,)))
+    seed.close()
+    wait_for(lambda: len(daemon_stats(sock)["daemon"]["clients"]) == 1, timeout=10, what="the seed to go")
+    raws, leases = [], []
+    try:
+        for i in range(2):  # this uid's cap, with leases: nothing to close
+            raws.append(RawConn(sock, name=f"holder-{i}"))
+            g = raws[-1].request({"id": 1, "op": "get", "key": "pinned"})
+            assert g["hit"]
+            leases.append(g["lease"])
+        with RawConn(sock, hello=False) as third:
+            r = third.reply()
+            assert r is not None and r["ok"] is False and r["error"]["type"] == "PermissionError", r
+            assert "daemon.max_clients_per_uid=2" in r["error"]["message"]
+            assert third.reply() is None
+        assert raws[0].request({"id": 2, "op": "release", "lease": leases[0]})["valid"]  # now idle
+        with RawConn(sock, name="newcomer") as newcomer:
+            assert newcomer.hello_reply is not None
+            assert raws[0].reply() is None  # closed to make room
+            assert raws[1].request({"id": 3, "op": "release", "lease": leases[1]})["valid"]  # untouched
+            assert newcomer.request({"id": 4, "op": "contains", "key": "pinned"})["found"]
+    finally:
+        for raw in raws:
+            raw.close()
+
+
+@pytest.mark.parametrize("daemon, words", [
+    ({"idle_timeout_s": -1}, "daemon.idle_timeout_s"),
+    ({"idle_timeout_s": "soon"}, "daemon.idle_timeout_s"),
+    ({"max_clients_per_uid": 0}, "daemon.max_clients_per_uid"),
+    ({"max_clients": 4, "max_clients_per_uid": 5}, "daemon.max_clients_per_uid"),
+])
+def test_connection_knobs_are_validated(daemon, words):
+    with pytest.raises(ConfigError, match=words):
+        CacheConfig.from_dict({"daemon": daemon})
+
+
+def test_connection_knob_defaults():
+    d = CacheConfig().daemon
+    assert d.idle_timeout_s == 300.0 and d.max_clients_per_uid is None
+
+
+def test_admission_rule_across_users():
+    """The rule of ectier.daemon.connections.admission, on connection records (no sockets): one
+    user's idle connections never lock another user out; working ones are never closed."""
+    from ectier.daemon.connections import Connection, admission
+
+    def conns(spec):  # (uid, last_active, busy, leases)
+        return [Connection(i, None, 100 + i, uid, uid, last_active=t, busy=busy, leases=set(range(leases)))
+                for i, (uid, t, busy, leases) in enumerate(spec)]
+
+    hog = conns([(1, 5.0, False, 0), (1, 3.0, False, 0), (1, 4.0, True, 0), (2, 1.0, False, 0)])
+    victim, refusal = admission(hog, 3, max_clients=4, max_per_uid=4)
+    assert refusal is None and victim is hog[1]  # the hog's least recently used idle one, not uid 2's older one
+    working = conns([(1, 1.0, True, 0), (1, 2.0, False, 1), (2, 3.0, False, 0)])
+    victim, refusal = admission(working, 3, max_clients=3, max_per_uid=3)
+    assert refusal is None and victim is working[2]  # the hog has none idle: the next user's
+    victim, refusal = admission(working[:2], 3, max_clients=2, max_per_uid=2)
+    assert victim is None and "daemon.max_clients=2" in refusal
+    mine = conns([(7, 1.0, False, 1), (7, 2.0, False, 0), (8, 0.5, False, 0)])
+    victim, refusal = admission(mine, 7, max_clients=10, max_per_uid=2)
+    assert refusal is None and victim is mine[1]  # per-user cap: only that user's own
+    victim, refusal = admission(mine[:1] + mine[2:] + conns([(7, 9.0, True, 0)]), 7, max_clients=10, max_per_uid=2)
+    assert victim is None and "daemon.max_clients_per_uid=2" in refusal and "uid 7" in refusal
+    assert admission(mine, 9, max_clients=10, max_per_uid=2) == (None, None)
+    mine[1].closed = True  # closed connections no longer count
+    assert admission(mine, 7, max_clients=10, max_per_uid=2) == (None, None)
