@@ -199,7 +199,7 @@ class HostTierConfig:
             Default 256 KiB (< 25 % waste at the smallest Qwen3-VL entry, 1 MiB).
         pin_memory: ``True`` page-locks the arena (needs CUDA), ``False`` never, ``None`` (default)
             pins exactly when CUDA is available. Pinning costs ~0.45 s per GiB at start-up
-            (measured on an H200 host, background.md).
+            (measured on an H200 host).
         admit_wait_s: how long a put may wait for readers to release pinned entries before it
             gives up on this tier (the entry then goes to the NVMe tier). Default 5 s.
         promote_clean_only: when an NVMe hit is promoted, evict only host entries that NVMe already
@@ -254,8 +254,9 @@ class GpuTierConfig:
     """GPU tier: one arena of device memory on one explicit CUDA device, allocated once.
 
     Fields:
-        device: ``"cuda:<index>"`` of the worker that owns the cache (design rule 6: never a bare
-            ``"cuda"``). Whether the index exists is checked when the cache opens. Default ``"cuda:0"``.
+        device: ``"cuda:<index>"`` of the worker that owns the cache (never a bare ``"cuda"``:
+            CUDA ordering rule 6 of docs/architecture.md). Whether the index exists is checked
+            when the cache opens. Default ``"cuda:0"``.
         capacity_bytes: byte budget of the device arena; 0 (default) disables the tier. Checked
             against the device's free memory when the cache opens (``ConfigError`` naming this field).
         block_bytes: allocation unit, a power of two between 64 KiB and 64 MiB. Default 1 MiB
@@ -322,7 +323,7 @@ class NvmeTierConfig:
         capacity_bytes: byte budget of stored records (payload after compression plus header).
             Default 16 GiB.
         codec: ``"raw"`` (default), ``"zstd"`` or ``"zstd-planes"`` (byte planes split before zstd;
-            ~1.5x on bf16 encoder outputs vs ~1.28x for plain zstd, background.md).
+            ~1.46x on bf16 encoder outputs vs ~1.29x for plain zstd at level 1, docs/benchmarks.md).
         zstd_level: zstd level for the zstd codecs, -7..22. Default 1.
         sync: fsync every commit (durable across power loss). ``False`` keeps crash safety against
             a killed process but may lose the last commits on a system crash. Default ``True``.
