@@ -25,7 +25,7 @@ anything is decoded, so a corrupt or hostile frame cannot write past ``out`` nor
 it) and zstd's own content checksum (so ``decode_into`` itself detects a flipped bit, on top of the
 record's xxh3 payload checksum).
 
-What compression buys, measured (``background.md``, "Measured limits"): zstd level
+What compression buys, measured (docs/benchmarks.md, "H200 reference figures"): zstd level
 1 on bfloat16 vision-encoder output gives a ratio of about **1.28** on the bytes as they are and about
 **1.5** after the byte-plane split (the high byte of a bf16 holds the sign and exponent and
 compresses well; the low byte is mantissa noise), at 0.3-0.8 GB/s per thread. Synthetic

@@ -26,8 +26,8 @@ Fixed-token models (Gemma 3)
 
 Sources: token math follows Qwen3-VL's ``smart_resize`` (factor 32 = patch 16 x merge 2), i.e. the
 algorithm of ``transformers.models.qwen2_vl.image_processing_qwen2_vl.smart_resize`` and the grid
-arithmetic of that image processor; widths, dtypes and pixel bounds come from the project's
-background notes (``background.md``, "The tensor").
+arithmetic of that image processor; widths, dtypes and pixel bounds are those of docs/architecture.md
+("The tensor"), whose worked examples are tests (tests/test_sizing.py).
 
 Conventions: user-facing sizes are **width first** (``"1920x1080"`` is W x H, and
 :func:`image_tokens` takes ``(width, height)``), while :func:`smart_resize` takes and returns
