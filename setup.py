@@ -30,7 +30,6 @@ setup(
         "prometheus-client>=0.17",
     ],
     extras_require={
-        "gpu": ["cupy-cuda12x>=13"],
         "vllm": ["vllm>=0.33,<0.34"],
         "demo": ["scikit-image>=0.22", "safetensors>=0.4"],
         "test": ["pytest>=8", "hypothesis>=6.100", "scikit-image>=0.22", "safetensors>=0.4", "matplotlib>=3.8",

@@ -17,7 +17,7 @@ Options (each also read from an environment variable):
                           (one per CPU). ``1`` keeps figures stable on a machine shared with
                           other work, where a multi-threaded ``copy_`` stalls on a descheduled worker.
 
-Sizes are the Qwen3-VL encoder outputs of background.md: N tokens -> ``N * 8192 * 2`` bytes
+Sizes are the Qwen3-VL encoder outputs of docs/architecture.md ("The tensor"): N tokens -> ``N * 8192 * 2`` bytes
 (N=64: 1 MiB, N=1024: 16 MiB, N=4096: 64 MiB, N=16384: 256 MiB).
 """
 

@@ -17,7 +17,7 @@ Measures, in the same run (so the references share the machine's state):
 - GPU-tier hit: ``get(device=)`` of an entry in the device arena: host microseconds per call and
   device time (CUDA events) until the result is ready on the current stream.
 - overlap: saves of one set and loads of another at once vs one after the other (PCIe is
-  full duplex: ~94 GB/s both ways vs ~55 one way, background.md).
+  full duplex: ~94 GB/s both ways vs ~55 one way, docs/benchmarks.md).
 
 Prints the table last; writes ``$OUT/gpu_suite.json`` when ``OUT`` is set. Exit status: 0 when
 the tests passed (benchmark goals are reported, not enforced), 1 when a test failed, 0 with a

@@ -1,7 +1,7 @@
 """Codecs of the NVMe tier: encode / decode MB/s and compression ratio on a realistic bf16 payload.
 
 Payload: ``torch.randn(N, 8192).bfloat16()`` bytes (synthetic N(0, 1); real Qwen3-VL encoder outputs
-compress to ~1.28 plain and ~1.5 split at zstd level 1, background.md). One thread, as the NVMe
+compress to ~1.28 plain and ~1.5 split at zstd level 1, docs/benchmarks.md). One thread, as the NVMe
 tier runs them. ``decode`` writes into a preallocated buffer (``decode_into``). ``raw`` encode is a
 zero-copy view (its MB/s only measures call overhead); ``raw`` decode is one memory copy.
 ``xxh3 checksum`` is the record checksum computed on every NVMe write and verified on every read.

@@ -294,12 +294,18 @@ def demo(ctx: click.Context, requests: int, zipf: float, seed: int, host_bytes: 
 
 
 def _load_config(path: Optional[str]) -> CacheConfig:
+    """``--config`` (if given) overlaid with ``ECTIER_*``; a bad value is a usage error naming
+    the input at fault: ``--config``, or the variables (``ECTIER_CONFIG`` for the file it names)."""
+    base = None
+    if path is not None:
+        try:
+            base = CacheConfig.load(path)
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc), param_hint="--config") from None
     try:
-        if path is None:
-            return CacheConfig.from_env()
-        return CacheConfig.from_env(base=CacheConfig.load(path))
+        return CacheConfig.from_env(base=base)
     except ConfigError as exc:
-        raise click.BadParameter(str(exc), param_hint="--config") from None
+        raise click.BadParameter(str(exc), param_hint=", ".join(exc.env_vars) or "ECTIER_* variables") from None
 
 
 @main.command()

@@ -22,10 +22,10 @@ anything is decoded, so a corrupt or hostile frame cannot write past ``out`` nor
 it) and zstd's own content checksum (so ``decode_into`` itself detects a flipped bit, on top of the
 record's xxh3 payload checksum).
 
-What compression buys, measured (docs/benchmarks.md, "Codecs"): zstd level 1 on bfloat16
-vision-encoder output gives a ratio of about **1.28** on the bytes as they are and about **1.5**
-after the byte-plane split (the high byte of a bf16 holds the sign and exponent and compresses
-well; the low byte is mantissa noise), at 0.3-0.8 GB/s per thread. Synthetic
+What compression buys, measured (docs/benchmarks.md, "H200 reference figures"): zstd level
+1 on bfloat16 vision-encoder output gives a ratio of about **1.28** on the bytes as they are and about
+**1.5** after the byte-plane split (the high byte of a bf16 holds the sign and exponent and
+compresses well; the low byte is mantissa noise), at 0.3-0.8 GB/s per thread. Synthetic
 ``N(0, 1)`` bf16 (float32 normals truncated to their top 16 bits) measures 1.29 plain and 1.46 split
 at level 1 on the development machine: the low-byte plane does not compress at all (1.00), the
 high-byte plane does (2.7). Level 3 gives a *lower* split ratio (1.41) than level 1 there, and the

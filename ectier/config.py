@@ -16,7 +16,10 @@
           max_clients, max_clients_per_uid, idle_timeout_s, metrics_port, metrics_host
 
 Every field is checked in ``__post_init__``; a bad value raises :class:`~ectier.errors.ConfigError`
-whose message starts with the dotted field name (``host.capacity_bytes: ...``).
+whose message starts with the dotted field name (``host.capacity_bytes: ...``). Every bad field of
+a section, a mapping or a file is reported at once (one line each, in ``ConfigError.problems``).
+The field reference in docs/operations.md is generated from the docstrings below
+(:mod:`ectier.configdoc`).
 
 Sources, all producing the same tree:
 
@@ -31,15 +34,13 @@ Unknown keys are errors (with a "did you mean" hint), never silently ignored.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import difflib
-import json
 import os
 import re
 from dataclasses import dataclass, field
 from fractions import Fraction
-from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from .errors import ConfigError
 
@@ -106,6 +107,34 @@ def format_bytes(n: int | float) -> str:
     raise AssertionError("unreachable")
 
 
+class _Problems:
+    """Runs the independent checks of a config and collects their errors, so that every bad field
+    is reported at once. ``with problems.check(field): ...`` records a :class:`ConfigError` raised
+    in the block under ``field`` (only the first one per field: a value that failed to parse is not
+    reported again by the type check after it)."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+        self.failed: set[str] = set()
+
+    @contextlib.contextmanager
+    def check(self, name: str) -> Iterator[None]:
+        try:
+            yield
+        except ConfigError as exc:
+            if name not in self.failed:
+                self.failed.add(name)
+                self.messages.extend(exc.problems)
+
+    def ok(self, *names: str) -> bool:
+        """True when none of ``names`` failed (cross-field checks run only on good values)."""
+        return not self.failed.intersection(names)
+
+    def raise_if_any(self) -> None:
+        if self.messages:
+            raise ConfigError(problems=self.messages)
+
+
 def _check_int(name: str, value: Any, *, minimum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name}: expected int, got {type(value).__name__} {value!r}")
@@ -118,12 +147,13 @@ def _check_bool(name: str, value: Any) -> None:
         raise ConfigError(f"{name}: expected true/false, got {type(value).__name__} {value!r}")
 
 
-def _coerce_bytes(obj: Any, section: str) -> None:
+def _coerce_bytes(obj: Any, section: str, problems: _Problems) -> None:
     """Let ``*_bytes`` fields of a frozen config take strings such as ``"4GiB"`` too."""
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if f.name.endswith("_bytes") and isinstance(value, str):
-            object.__setattr__(obj, f.name, parse_bytes(value, field_name=f"{section}.{f.name}"))
+            with problems.check(f"{section}.{f.name}"):
+                object.__setattr__(obj, f.name, parse_bytes(value, field_name=f"{section}.{f.name}"))
 
 
 def _check_seconds(name: str, value: Any) -> None:
@@ -138,6 +168,26 @@ def _check_policy(name: str, value: Any) -> None:
         raise ConfigError(f"{name}: expected one of {', '.join(POLICY_NAMES)}, got {value!r}")
 
 
+def _check_text(name: str, value: Any, what: str) -> None:
+    """A non-empty string that can reach the operating system: no NUL byte (every path and name
+    of the C library ends at one; Python raises a bare ValueError), encodable to bytes."""
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{name}: expected {what}, got {value!r}")
+    if "\0" in value:
+        raise ConfigError(f"{name}: contains a NUL byte (\\0), which no path or name may hold: {value!r}")
+    try:
+        os.fsencode(value)
+    except UnicodeEncodeError:
+        raise ConfigError(f"{name}: cannot be encoded for the file system: {value!r}") from None
+
+
+def _fspath(obj: Any, name: str) -> None:
+    """Turn an ``os.PathLike`` value of field ``name`` into its ``str``."""
+    value = getattr(obj, name)
+    if isinstance(value, os.PathLike):
+        object.__setattr__(obj, name, os.fspath(value))
+
+
 @dataclass(frozen=True)
 class HostTierConfig:
     """Host-memory tier: one arena allocated once at start-up, carved into fixed blocks.
@@ -149,7 +199,7 @@ class HostTierConfig:
             Default 256 KiB (< 25 % waste at the smallest Qwen3-VL entry, 1 MiB).
         pin_memory: ``True`` page-locks the arena (needs CUDA), ``False`` never, ``None`` (default)
             pins exactly when CUDA is available. Pinning costs ~0.45 s per GiB at start-up
-            (measured on an H200 host, background.md).
+            (measured on an H200 host).
         admit_wait_s: how long a put may wait for readers to release pinned entries before it
             gives up on this tier (the entry then goes to the NVMe tier). Default 5 s.
         promote_clean_only: when an NVMe hit is promoted, evict only host entries that NVMe already
@@ -168,23 +218,32 @@ class HostTierConfig:
     policy: str = "lru"
 
     def __post_init__(self) -> None:
-        _coerce_bytes(self, "host")
-        _check_int("host.capacity_bytes", self.capacity_bytes, minimum=0)
-        _check_int("host.block_bytes", self.block_bytes, minimum=4 * KiB)
-        if self.block_bytes & (self.block_bytes - 1) or self.block_bytes > 64 * MiB:
-            raise ConfigError(
-                f"host.block_bytes: must be a power of two between 4 KiB and 64 MiB, got {self.block_bytes}"
-            )
-        if 0 < self.capacity_bytes < self.block_bytes:
-            raise ConfigError(
-                f"host.capacity_bytes: {self.capacity_bytes} is less than one block "
-                f"(host.block_bytes={self.block_bytes}); use 0 to disable the host tier"
-            )
+        p = _Problems()
+        _coerce_bytes(self, "host", p)
+        with p.check("host.capacity_bytes"):
+            _check_int("host.capacity_bytes", self.capacity_bytes, minimum=0)
+        with p.check("host.block_bytes"):
+            _check_int("host.block_bytes", self.block_bytes, minimum=4 * KiB)
+            if self.block_bytes & (self.block_bytes - 1) or self.block_bytes > 64 * MiB:
+                raise ConfigError(
+                    f"host.block_bytes: must be a power of two between 4 KiB and 64 MiB, got {self.block_bytes}"
+                )
+        if p.ok("host.capacity_bytes", "host.block_bytes") and 0 < self.capacity_bytes < self.block_bytes:
+            with p.check("host.capacity_bytes"):
+                raise ConfigError(
+                    f"host.capacity_bytes: {self.capacity_bytes} is less than one block "
+                    f"(host.block_bytes={self.block_bytes}); use 0 to disable the host tier"
+                )
         if self.pin_memory is not None:
-            _check_bool("host.pin_memory", self.pin_memory)
-        _check_seconds("host.admit_wait_s", self.admit_wait_s)
-        _check_bool("host.promote_clean_only", self.promote_clean_only)
-        _check_policy("host.policy", self.policy)
+            with p.check("host.pin_memory"):
+                _check_bool("host.pin_memory", self.pin_memory)
+        with p.check("host.admit_wait_s"):
+            _check_seconds("host.admit_wait_s", self.admit_wait_s)
+        with p.check("host.promote_clean_only"):
+            _check_bool("host.promote_clean_only", self.promote_clean_only)
+        with p.check("host.policy"):
+            _check_policy("host.policy", self.policy)
+        p.raise_if_any()
 
 
 _CUDA_DEVICE_RE = re.compile(r"^cuda:(0|[1-9][0-9]{0,3})$")
@@ -195,8 +254,9 @@ class GpuTierConfig:
     """GPU tier: one arena of device memory on one explicit CUDA device, allocated once.
 
     Fields:
-        device: ``"cuda:<index>"`` of the worker that owns the cache (design rule 6: never a bare
-            ``"cuda"``). Whether the index exists is checked when the cache opens. Default ``"cuda:0"``.
+        device: ``"cuda:<index>"`` of the worker that owns the cache (never a bare ``"cuda"``:
+            CUDA ordering rule 6 of docs/architecture.md). Whether the index exists is checked
+            when the cache opens. Default ``"cuda:0"``.
         capacity_bytes: byte budget of the device arena; 0 (default) disables the tier. Checked
             against the device's free memory when the cache opens (``ConfigError`` naming this field).
         block_bytes: allocation unit, a power of two between 64 KiB and 64 MiB. Default 1 MiB
@@ -214,26 +274,34 @@ class GpuTierConfig:
     copy_streams: int = 2
 
     def __post_init__(self) -> None:
-        _coerce_bytes(self, "gpu")
+        p = _Problems()
+        _coerce_bytes(self, "gpu", p)
         if not isinstance(self.device, str) or not _CUDA_DEVICE_RE.match(self.device):
-            raise ConfigError(
-                f"gpu.device: expected an explicit 'cuda:<index>' (the worker's device), got {self.device!r}"
-            )
-        _check_int("gpu.capacity_bytes", self.capacity_bytes, minimum=0)
-        _check_int("gpu.block_bytes", self.block_bytes, minimum=64 * KiB)
-        if self.block_bytes & (self.block_bytes - 1) or self.block_bytes > 64 * MiB:
-            raise ConfigError(
-                f"gpu.block_bytes: must be a power of two between 64 KiB and 64 MiB, got {self.block_bytes}"
-            )
-        if 0 < self.capacity_bytes < self.block_bytes:
-            raise ConfigError(
-                f"gpu.capacity_bytes: {self.capacity_bytes} is less than one block "
-                f"(gpu.block_bytes={self.block_bytes}); use 0 to disable the GPU tier"
-            )
-        _check_policy("gpu.policy", self.policy)
-        _check_int("gpu.copy_streams", self.copy_streams, minimum=1)
-        if self.copy_streams > 8:
-            raise ConfigError(f"gpu.copy_streams: must be <= 8, got {self.copy_streams}")
+            with p.check("gpu.device"):
+                raise ConfigError(
+                    f"gpu.device: expected an explicit 'cuda:<index>' (the worker's device), got {self.device!r}"
+                )
+        with p.check("gpu.capacity_bytes"):
+            _check_int("gpu.capacity_bytes", self.capacity_bytes, minimum=0)
+        with p.check("gpu.block_bytes"):
+            _check_int("gpu.block_bytes", self.block_bytes, minimum=64 * KiB)
+            if self.block_bytes & (self.block_bytes - 1) or self.block_bytes > 64 * MiB:
+                raise ConfigError(
+                    f"gpu.block_bytes: must be a power of two between 64 KiB and 64 MiB, got {self.block_bytes}"
+                )
+        if p.ok("gpu.capacity_bytes", "gpu.block_bytes") and 0 < self.capacity_bytes < self.block_bytes:
+            with p.check("gpu.capacity_bytes"):
+                raise ConfigError(
+                    f"gpu.capacity_bytes: {self.capacity_bytes} is less than one block "
+                    f"(gpu.block_bytes={self.block_bytes}); use 0 to disable the GPU tier"
+                )
+        with p.check("gpu.policy"):
+            _check_policy("gpu.policy", self.policy)
+        with p.check("gpu.copy_streams"):
+            _check_int("gpu.copy_streams", self.copy_streams, minimum=1)
+            if self.copy_streams > 8:
+                raise ConfigError(f"gpu.copy_streams: must be <= 8, got {self.copy_streams}")
+        p.raise_if_any()
 
     @property
     def enabled(self) -> bool:
@@ -255,7 +323,7 @@ class NvmeTierConfig:
         capacity_bytes: byte budget of stored records (payload after compression plus header).
             Default 16 GiB.
         codec: ``"raw"`` (default), ``"zstd"`` or ``"zstd-planes"`` (byte planes split before zstd;
-            ~1.5x on bf16 encoder outputs vs ~1.28x for plain zstd, background.md).
+            ~1.46x on bf16 encoder outputs vs ~1.29x for plain zstd at level 1, docs/benchmarks.md).
         zstd_level: zstd level for the zstd codecs, -7..22. Default 1.
         sync: fsync every commit (durable across power loss). ``False`` keeps crash safety against
             a killed process but may lose the last commits on a system crash. Default ``True``.
@@ -284,34 +352,42 @@ class NvmeTierConfig:
     policy: str = "lru"
 
     def __post_init__(self) -> None:
-        _coerce_bytes(self, "nvme")
+        p = _Problems()
+        _coerce_bytes(self, "nvme", p)
         if self.path is not None:
-            if isinstance(self.path, os.PathLike):
-                object.__setattr__(self, "path", os.fspath(self.path))
-            if not isinstance(self.path, str) or not self.path:
-                raise ConfigError(f"nvme.path: expected a directory path or null, got {self.path!r}")
-        _check_int("nvme.capacity_bytes", self.capacity_bytes, minimum=0)
-        if not isinstance(self.codec, str):
-            raise ConfigError(f"nvme.codec: expected a codec name, got {self.codec!r}")
-        from . import codec as _codec  # pure Python, imports nothing of ours but errors
+            _fspath(self, "path")
+            with p.check("nvme.path"):
+                _check_text("nvme.path", self.path, "a directory path or null")
+        with p.check("nvme.capacity_bytes"):
+            _check_int("nvme.capacity_bytes", self.capacity_bytes, minimum=0)
+        with p.check("nvme.codec"):
+            if not isinstance(self.codec, str):
+                raise ConfigError(f"nvme.codec: expected a codec name, got {self.codec!r}")
+            from . import codec as _codec  # pure Python, imports nothing of ours but errors
 
-        known = sorted(_codec.registered_codecs())
-        if self.codec not in known:
-            raise ConfigError(f"nvme.codec: unknown codec {self.codec!r}; known: {', '.join(known)}")
-        _check_int("nvme.zstd_level", self.zstd_level)
-        if not -7 <= self.zstd_level <= 22:
-            raise ConfigError(f"nvme.zstd_level: must be in -7..22, got {self.zstd_level}")
+            known = sorted(_codec.registered_codecs())
+            if self.codec not in known:
+                raise ConfigError(f"nvme.codec: unknown codec {self.codec!r}; known: {', '.join(known)}")
+        with p.check("nvme.zstd_level"):
+            _check_int("nvme.zstd_level", self.zstd_level)
+            if not -7 <= self.zstd_level <= 22:
+                raise ConfigError(f"nvme.zstd_level: must be in -7..22, got {self.zstd_level}")
         for name in ("sync", "write_through", "flush_on_close"):
-            _check_bool(f"nvme.{name}", getattr(self, name))
-        _check_policy("nvme.policy", self.policy)
-        _check_int("nvme.map_initial_bytes", self.map_initial_bytes, minimum=1 * MiB)
+            with p.check(f"nvme.{name}"):
+                _check_bool(f"nvme.{name}", getattr(self, name))
+        with p.check("nvme.policy"):
+            _check_policy("nvme.policy", self.policy)
+        with p.check("nvme.map_initial_bytes"):
+            _check_int("nvme.map_initial_bytes", self.map_initial_bytes, minimum=1 * MiB)
         if self.map_max_bytes is not None:
-            _check_int("nvme.map_max_bytes", self.map_max_bytes, minimum=1 * MiB)
-            if self.map_max_bytes < self.map_initial_bytes:
-                raise ConfigError(
-                    f"nvme.map_max_bytes: {self.map_max_bytes} is below nvme.map_initial_bytes "
-                    f"{self.map_initial_bytes}"
-                )
+            with p.check("nvme.map_max_bytes"):
+                _check_int("nvme.map_max_bytes", self.map_max_bytes, minimum=1 * MiB)
+                if p.ok("nvme.map_initial_bytes") and self.map_max_bytes < self.map_initial_bytes:
+                    raise ConfigError(
+                        f"nvme.map_max_bytes: {self.map_max_bytes} is below nvme.map_initial_bytes "
+                        f"{self.map_initial_bytes}"
+                    )
+        p.raise_if_any()
 
     @property
     def enabled(self) -> bool:
@@ -367,41 +443,55 @@ class DaemonConfig:
     metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
+        p = _Problems()
         if self.socket_path is not None:
-            if isinstance(self.socket_path, os.PathLike):
-                object.__setattr__(self, "socket_path", os.fspath(self.socket_path))
-            if not isinstance(self.socket_path, str) or not self.socket_path:
-                raise ConfigError(f"daemon.socket_path: expected a path or null, got {self.socket_path!r}")
-            if len(os.fsencode(self.socket_path)) > 107:
-                raise ConfigError("daemon.socket_path: longer than the 107 bytes a Unix socket path may have")
+            _fspath(self, "socket_path")
+            with p.check("daemon.socket_path"):
+                _check_text("daemon.socket_path", self.socket_path, "a path or null")
+                if len(os.fsencode(self.socket_path)) > 107:
+                    raise ConfigError("daemon.socket_path: longer than the 107 bytes a Unix socket path may have")
         if isinstance(self.socket_mode, int) and not isinstance(self.socket_mode, bool):
             object.__setattr__(self, "socket_mode", format(self.socket_mode, "04o"))
-        if not isinstance(self.socket_mode, str) or not re.fullmatch(r"0?o?[0-7]{3,4}", self.socket_mode):
-            raise ConfigError(f"daemon.socket_mode: expected an octal string such as '0600', got {self.socket_mode!r}")
-        if self.socket_mode_bits & 0o007:
-            raise ConfigError(f"daemon.socket_mode: {self.socket_mode} gives access to every user; use 0600 or 0660")
-        if self.allowed_group is not None and (not isinstance(self.allowed_group, str) or not self.allowed_group):
-            raise ConfigError(f"daemon.allowed_group: expected a group name or null, got {self.allowed_group!r}")
-        if not isinstance(self.shm_dir, str) or not self.shm_dir:
-            raise ConfigError(f"daemon.shm_dir: expected a directory path, got {self.shm_dir!r}")
-        _coerce_bytes(self, "daemon")
-        _check_seconds("daemon.lease_s", self.lease_s)
-        if not self.lease_s > 0:
-            raise ConfigError(f"daemon.lease_s: must be > 0, got {self.lease_s}")
-        _check_int("daemon.max_frame_bytes", self.max_frame_bytes, minimum=4 * KiB)
-        _check_int("daemon.max_clients", self.max_clients, minimum=1)
+        with p.check("daemon.socket_mode"):
+            if not isinstance(self.socket_mode, str) or not re.fullmatch(r"0?o?[0-7]{3,4}", self.socket_mode):
+                raise ConfigError(
+                    f"daemon.socket_mode: expected an octal string such as '0600', got {self.socket_mode!r}"
+                )
+            if self.socket_mode_bits & 0o007:
+                raise ConfigError(
+                    f"daemon.socket_mode: {self.socket_mode} gives access to every user; use 0600 or 0660"
+                )
+        if self.allowed_group is not None:
+            with p.check("daemon.allowed_group"):
+                _check_text("daemon.allowed_group", self.allowed_group, "a group name or null")
+        _fspath(self, "shm_dir")
+        with p.check("daemon.shm_dir"):
+            _check_text("daemon.shm_dir", self.shm_dir, "a directory path")
+        _coerce_bytes(self, "daemon", p)
+        with p.check("daemon.lease_s"):
+            _check_seconds("daemon.lease_s", self.lease_s)
+            if not self.lease_s > 0:
+                raise ConfigError(f"daemon.lease_s: must be > 0, got {self.lease_s}")
+        with p.check("daemon.max_frame_bytes"):
+            _check_int("daemon.max_frame_bytes", self.max_frame_bytes, minimum=4 * KiB)
+        with p.check("daemon.max_clients"):
+            _check_int("daemon.max_clients", self.max_clients, minimum=1)
         if self.max_clients_per_uid is not None:
-            _check_int("daemon.max_clients_per_uid", self.max_clients_per_uid, minimum=1)
-            if self.max_clients_per_uid > self.max_clients:
-                raise ConfigError(f"daemon.max_clients_per_uid: must be <= daemon.max_clients ({self.max_clients}), "
-                                  f"got {self.max_clients_per_uid}")
-        _check_seconds("daemon.idle_timeout_s", self.idle_timeout_s)
+            with p.check("daemon.max_clients_per_uid"):
+                _check_int("daemon.max_clients_per_uid", self.max_clients_per_uid, minimum=1)
+                if self.max_clients_per_uid > self.max_clients:
+                    raise ConfigError(f"daemon.max_clients_per_uid: must be <= daemon.max_clients "
+                                      f"({self.max_clients}), got {self.max_clients_per_uid}")
+        with p.check("daemon.idle_timeout_s"):
+            _check_seconds("daemon.idle_timeout_s", self.idle_timeout_s)
         if self.metrics_port is not None:
-            _check_int("daemon.metrics_port", self.metrics_port, minimum=0)
-            if self.metrics_port > 65535:
-                raise ConfigError(f"daemon.metrics_port: must be <= 65535, got {self.metrics_port}")
-        if not isinstance(self.metrics_host, str) or not self.metrics_host:
-            raise ConfigError(f"daemon.metrics_host: expected an address, got {self.metrics_host!r}")
+            with p.check("daemon.metrics_port"):
+                _check_int("daemon.metrics_port", self.metrics_port, minimum=0)
+                if self.metrics_port > 65535:
+                    raise ConfigError(f"daemon.metrics_port: must be <= 65535, got {self.metrics_port}")
+        with p.check("daemon.metrics_host"):
+            _check_text("daemon.metrics_host", self.metrics_host, "an address")
+        p.raise_if_any()
 
     @property
     def socket_mode_bits(self) -> int:
@@ -421,6 +511,13 @@ class DaemonConfig:
         if runtime and os.path.isdir(runtime):
             return os.path.join(runtime, "ectier.sock")
         return f"/tmp/ectier-{os.getuid()}.sock"
+
+
+def _check_namespace(value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"namespace: expected a non-empty string, got {value!r}")
+    if len(value.encode("utf-8", "surrogatepass")) > 4096:
+        raise ConfigError("namespace: longer than 4096 bytes of UTF-8")
 
 
 @dataclass(frozen=True)
@@ -443,18 +540,15 @@ class CacheConfig:
     gpu: GpuTierConfig = field(default_factory=GpuTierConfig)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.namespace, str) or not self.namespace:
-            raise ConfigError(f"namespace: expected a non-empty string, got {self.namespace!r}")
-        if len(self.namespace.encode("utf-8", "surrogatepass")) > 4096:
-            raise ConfigError("namespace: longer than 4096 bytes of UTF-8")
-        if not isinstance(self.host, HostTierConfig):
-            raise ConfigError(f"host: expected HostTierConfig, got {type(self.host).__name__}")
-        if not isinstance(self.nvme, NvmeTierConfig):
-            raise ConfigError(f"nvme: expected NvmeTierConfig, got {type(self.nvme).__name__}")
-        if not isinstance(self.daemon, DaemonConfig):
-            raise ConfigError(f"daemon: expected DaemonConfig, got {type(self.daemon).__name__}")
-        if not isinstance(self.gpu, GpuTierConfig):
-            raise ConfigError(f"gpu: expected GpuTierConfig, got {type(self.gpu).__name__}")
+        p = _Problems()
+        with p.check("namespace"):
+            _check_namespace(self.namespace)
+        for name, cls in (("host", HostTierConfig), ("nvme", NvmeTierConfig), ("daemon", DaemonConfig),
+                          ("gpu", GpuTierConfig)):
+            if not isinstance(getattr(self, name), cls):
+                with p.check(name):
+                    raise ConfigError(f"{name}: expected {cls.__name__}, got {type(getattr(self, name)).__name__}")
+        p.raise_if_any()
         if self.gpu.enabled:
             return  # a GPU-only cache is valid (victims are then dropped)
         if self.host.capacity_bytes == 0 and not self.nvme.enabled:
@@ -465,16 +559,19 @@ class CacheConfig:
             raise ConfigError("host.capacity_bytes and nvme.capacity_bytes: both 0, so no tier could store anything")
 
     # ----------------------------------------------------------------------------------- loaders
+    # (implemented in ectier.config_sources, which imports this module)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CacheConfig":
         """Build from a nested mapping (``{"host": {"capacity_bytes": "4GiB"}, ...}``).
 
         Raises:
-            ConfigError: unknown key (with a close match), wrong type, or invalid value; the
-                message names the dotted field.
+            ConfigError: unknown keys (with a close match), wrong types, invalid values: every one
+                of them at once, one line each, each naming its dotted field.
         """
-        return _build(cls, data, prefix="")
+        from .config_sources import config_from_dict
+
+        return config_from_dict(cls, data)
 
     def to_dict(self) -> dict[str, Any]:
         """The config as plain nested dicts (round-trips through :meth:`from_dict`)."""
@@ -486,35 +583,28 @@ class CacheConfig:
 
     @classmethod
     def from_json(cls, source: str | os.PathLike) -> "CacheConfig":
-        """Build from a JSON file path (or a JSON text that starts with ``{``)."""
-        text = _read_text(source, "JSON")
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"config: invalid JSON in {_describe(source)}: {exc}") from exc
-        return cls.from_dict(_expect_mapping(data, source))
+        """Build from a JSON file path (or a JSON text that starts with ``{``).
+
+        Raises:
+            ConfigError: the file cannot be read or parsed (``config: ...``), or as :meth:`from_dict`.
+        """
+        from .config_sources import config_from_json
+
+        return config_from_json(cls, source)
 
     @classmethod
     def from_yaml(cls, source: str | os.PathLike) -> "CacheConfig":
-        """Build from a YAML file path (or a YAML text containing a newline)."""
-        import yaml
+        """Build from a YAML file path (or a YAML text containing a newline); errors as :meth:`from_json`."""
+        from .config_sources import config_from_yaml
 
-        text = _read_text(source, "YAML")
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config: invalid YAML in {_describe(source)}: {exc}") from exc
-        return cls.from_dict(_expect_mapping(data or {}, source))
+        return config_from_yaml(cls, source)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "CacheConfig":
-        """Build from a ``.json``, ``.yaml`` or ``.yml`` file, chosen by suffix."""
-        suffix = Path(path).suffix.lower()
-        if suffix == ".json":
-            return cls.from_json(Path(path))
-        if suffix in (".yaml", ".yml"):
-            return cls.from_yaml(Path(path))
-        raise ConfigError(f"config: {os.fspath(path)!r} must end in .json, .yaml or .yml")
+        """Build from a ``.json``, ``.yaml`` or ``.yml`` file, chosen by suffix; errors as :meth:`from_json`."""
+        from .config_sources import load_config
+
+        return load_config(cls, path)
 
     @classmethod
     def from_env(
@@ -529,119 +619,12 @@ class CacheConfig:
         ``ECTIER_NAMESPACE=m``, ``ECTIER_HOST__CAPACITY_BYTES=4GiB``, ``ECTIER_NVME__PATH=/nvme/ec``,
         ``ECTIER_NVME__SYNC=false``, ``ECTIER_NVME__MAP_MAX_BYTES=none``. Booleans take
         true/false/1/0/yes/no; ``none``/``null`` sets an optional field to ``None``.
-        ``ECTIER_CONFIG=/path/file.yaml`` loads that file first.
+        ``ECTIER_CONFIG=/path/file.yaml`` loads that file first (when ``base`` is not given).
 
         Raises:
-            ConfigError: unknown variable under the prefix (named), or an invalid value.
+            ConfigError: unknown variables under the prefix (named) and invalid values, all at once;
+                its ``env_vars`` names the variables at fault (``ECTIER_CONFIG`` for a bad file).
         """
-        env = os.environ if environ is None else environ
-        if base is None:
-            file = env.get(prefix + "CONFIG")
-            base = cls.load(file) if file else cls()
-        data = base.to_dict()
-        for name, raw in env.items():
-            if not name.startswith(prefix) or name == prefix + "CONFIG":
-                continue
-            path = name[len(prefix):].lower().split("__")
-            target = data
-            for part in path[:-1]:
-                if not isinstance(target.get(part), dict):
-                    raise ConfigError(f"{name}: no config section {part!r}")
-                target = target[part]
-            leaf = path[-1]
-            if leaf not in target or isinstance(target[leaf], dict):
-                known = [k for k, v in target.items() if not isinstance(v, dict)]
-                hint = difflib.get_close_matches(leaf, known, n=1)
-                raise ConfigError(
-                    f"{name}: unknown setting {'.'.join(path)!r}"
-                    + (f"; did you mean {prefix}{'__'.join(path[:-1] + hint).upper()}?" if hint else "")
-                )
-            target[leaf] = _env_value(name, raw, target[leaf], _field_type(cls, path))
-        return cls.from_dict(data)
+        from .config_sources import config_from_env
 
-
-# --------------------------------------------------------------------------------------- helpers
-
-
-def _field_type(cls: type, path: list[str]) -> str:
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    f = fields[path[0]]
-    if len(path) == 1:
-        return str(f.type)
-    return _field_type(f.default_factory(), path[1:]) if f.default_factory is not dataclasses.MISSING else ""  # type: ignore[misc]
-
-
-def _env_value(name: str, raw: str, current: Any, type_text: str) -> Any:
-    low = raw.strip().lower()
-    if low in ("none", "null") and "None" in type_text:
-        return None
-    if "bool" in type_text and "int" not in type_text:
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{name}: expected true/false, got {raw!r}")
-    if "float" in type_text:
-        try:
-            return float(raw)
-        except ValueError:
-            raise ConfigError(f"{name}: expected a number of seconds, got {raw!r}") from None
-    if "int" in type_text:
-        if name.upper().endswith("_BYTES"):
-            return raw.strip()  # parsed (with units) by from_dict
-        try:
-            return int(raw.strip())
-        except ValueError:
-            raise ConfigError(f"{name}: expected an integer, got {raw!r}") from None
-    return raw
-
-
-def _build(cls: type, data: Mapping[str, Any], *, prefix: str) -> Any:
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        dotted = f"{prefix}{key}"
-        if key not in fields:
-            hint = difflib.get_close_matches(str(key), list(fields), n=1)
-            raise ConfigError(
-                f"{dotted}: unknown setting" + (f"; did you mean {prefix}{hint[0]}?" if hint else "")
-                + f" (known: {', '.join(fields)})"
-            )
-        f = fields[key]
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None  # type: ignore[misc]
-        if dataclasses.is_dataclass(default):
-            if isinstance(value, type(default)):
-                kwargs[key] = value
-            else:
-                kwargs[key] = _build(type(default), value if value is not None else {}, prefix=dotted + ".")
-        elif key.endswith("_bytes") and value is not None:
-            kwargs[key] = parse_bytes(value, field_name=dotted)
-        else:
-            kwargs[key] = value
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:  # pragma: no cover - every field has a default
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {exc}") from exc
-
-
-def _read_text(source: str | os.PathLike, kind: str) -> str:
-    if isinstance(source, str) and (source.lstrip().startswith("{") or "\n" in source):
-        return source
-    try:
-        return Path(source).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"config: cannot read {kind} file {os.fspath(source)!r}: {exc.strerror}") from exc
-    except ValueError as exc:  # a NUL in the path; a file that is not UTF-8 (UnicodeDecodeError)
-        raise ConfigError(f"config: cannot read {kind} file {os.fspath(source)!r}: {exc}") from exc
-
-
-def _describe(source: str | os.PathLike) -> str:
-    return repr(os.fspath(source)) if not (isinstance(source, str) and "\n" in source) else "text"
-
-
-def _expect_mapping(data: Any, source: str | os.PathLike) -> Mapping[str, Any]:
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"config: {_describe(source)} must hold a mapping at top level, got {type(data).__name__}")
-    return data
+        return config_from_env(cls, os.environ if environ is None else environ, prefix, base)

@@ -25,6 +25,8 @@ where there is one, the knob that fixes it.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 __all__ = [
     "EctierError",
     "ConfigError",
@@ -46,7 +48,22 @@ class EctierError(Exception):
 
 
 class ConfigError(EctierError, ValueError):
-    """A configuration value is invalid. The message names the field, e.g. ``nvme.capacity_bytes``."""
+    """A configuration value is invalid. The message names the field, e.g. ``nvme.capacity_bytes``.
+
+    A config with several bad fields is reported at once: :attr:`problems` holds one message per
+    bad field (each starting with its dotted name), first found first, and the error's message is
+    them one a line. :attr:`env_vars` names the environment variables (``ECTIER_*``) that the bad
+    values came from when :meth:`~ectier.config.CacheConfig.from_env` built the config (empty
+    otherwise), so a command line can say which input to fix.
+    """
+
+    def __init__(self, message: str = "", *, problems: Sequence[str] = (), env_vars: Sequence[str] = ()) -> None:
+        problems = tuple(problems) or (message,)
+        super().__init__(message or "\n".join(problems))
+        #: one message per bad field, in the order found
+        self.problems: tuple[str, ...] = problems
+        #: the ``ECTIER_*`` variables the bad values came from (``CacheConfig.from_env``), else ``()``
+        self.env_vars: tuple[str, ...] = tuple(env_vars)
 
 
 class InvalidKeyError(EctierError, ValueError):

@@ -133,8 +133,8 @@ def cuda_available() -> bool:
 def parse_device(device: object, *, arg: str = "device") -> torch.device:
     """Validate a device argument: ``None``/``"cpu"`` or an explicit ``"cuda:<index>"``.
 
-    A bare ``"cuda"`` is refused (docs/architecture.md, CUDA rule 6: device strings are explicit, the calling worker's
-    index), as is an index this machine does not have.
+    A bare ``"cuda"`` is refused (CUDA ordering rule 6 of docs/architecture.md: device strings are
+    explicit, the calling worker's index), as is an index this machine does not have.
 
     Raises:
         InvalidDeviceError: naming ``arg``.

@@ -1,4 +1,4 @@
-"""GPU tests (``pytest -m gpu``): each CUDA trap of background.md, reproduced against the cache.
+"""GPU tests (``pytest -m gpu``): each CUDA trap (docs/architecture.md, CUDA ordering rules), reproduced against the cache.
 
 Skipped cleanly without CUDA. Every test poisons what a wrong ordering would expose (destination
 memory, a reused pinned slot, a freed source block) and compares bytes afterwards, and delays the

@@ -1,6 +1,6 @@
 """Tests for ectier.sizing: token math per model.
 
-Expected numbers come from the project's background notes (shared/background.md, "The tensor":
+Expected numbers come from the project's background notes (docs/architecture.md, "The tensor":
 the three worked examples, N in [64, 16384], Gemma3 256 x 5376) or are worked out by hand from
 the documented smart_resize algorithm (transformers qwen2_vl image processor), with the working
 shown next to each case — never computed by the code under test.
@@ -37,7 +37,7 @@ MAX_PIXELS = 16777216
 
 
 # --------------------------------------------------------------------------------------------
-# Worked examples from background.md (must come out exactly)
+# Worked examples of docs/architecture.md, "The tensor" (must come out exactly)
 # --------------------------------------------------------------------------------------------
 
 # (W, H) -> (resized W, resized H, grid_h, grid_w, patches, N, bytes)

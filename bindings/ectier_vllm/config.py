@@ -167,12 +167,12 @@ def settings_from_extra_config(extra: Mapping[str, Any] | None, *, default_ns: s
         try:
             cache = CacheConfig.load(config_path).replace(namespace=namespace)
         except ConfigError as exc:
-            raise ConfigError(operator_key(str(exc), config_path)) from exc
+            raise ConfigError(problems=[operator_key(m, config_path) for m in exc.problems]) from exc
     else:
         try:
             cache = CacheConfig.from_dict({"namespace": namespace, **tiers})
         except ConfigError as exc:
-            raise ConfigError(operator_key(str(exc), None)) from exc
+            raise ConfigError(problems=[operator_key(m, None) for m in exc.problems]) from exc
     return ConnectorSettings(
         mode=mode, namespace=namespace, cache=cache, socket_path=None,
         daemon_timeout_s=daemon_timeout_s, load_timeout_s=load_timeout_s, config_path=config_path,

@@ -100,7 +100,7 @@ def _common(f):
                      callback=_out_dir, help="directory for JSON, markdown and PNG results")(f)
     f = click.option("--cost-model", default="auto", show_default=True,
                      type=click.Choice(["auto", "fitted", "measured"]),
-                     help="recompute cost: auto = measured with CUDA, else fitted to background.md")(f)
+                     help="recompute cost: auto = measured with CUDA, else fitted to H200 figures (docs/benchmarks.md)")(f)
     f = click.option("--workdir", default=None, type=click.Path(file_okay=False, exists=True, writable=True),
                      help="existing directory where temporary NVMe stores go (default: system temp dir)")(f)
     f = click.option("--quiet", "-q", is_flag=True, help="no progress bars")(f)

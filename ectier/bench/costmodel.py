@@ -2,8 +2,8 @@
 
 Two sources, never mixed within one report (every result carries :attr:`CostModel.source`):
 
-- **fitted** (default without a GPU): ``t(N) = a + b*N + c*N**2`` fitted to background.md's H200
-  measurements of the Qwen3-VL vision tower (27 blocks, random weights, transformers sdpa):
+- **fitted** (default without a GPU): ``t(N) = a + b*N + c*N**2`` fitted to the H200
+  measurements (docs/benchmarks.md, "H200 reference figures") of the Qwen3-VL vision tower (27 blocks, random weights, transformers sdpa):
   19 ms at N=256 and 25 ms at N=1024. Two points identify two parameters, so the fit is
   **linear** (``c = 0``): ``b = (25 - 19) ms / 768 = 7.8125 us/token``, ``a = 19 ms - 256 b =
   17.0 ms`` (launch overhead, patch embedding and the mergers' fixed part dominate at these N).
@@ -34,7 +34,7 @@ __all__ = [
     "BACKGROUND_POINTS",
 ]
 
-#: (N tokens, seconds) measured on one H200 (background.md, "Measured limits").
+#: (N tokens, seconds) measured on one H200 (docs/benchmarks.md, "H200 reference figures").
 BACKGROUND_POINTS: tuple[tuple[int, float], ...] = ((256, 0.019), (1024, 0.025))
 
 
@@ -76,7 +76,7 @@ class CostModel:
 
 
 def fitted_cost_model() -> CostModel:
-    """The linear model through background.md's two H200 points (see the module docstring)."""
+    """The linear model through the two H200 points (see the module docstring)."""
     (n0, t0), (n1, t1) = BACKGROUND_POINTS
     b = (t1 - t0) / (n1 - n0)
     a = t0 - b * n0
@@ -96,7 +96,7 @@ def _torch():
 class VisionTower:
     """A Qwen3-VL-shaped vision tower with random weights, built from torch only (for timing).
 
-    Shape (background.md): patches of ``temporal 2 x 16 x 16 x 3`` pixels -> Linear(1536, 1152);
+    Shape (docs/architecture.md, "The tensor"; Qwen3-VL's vision config): patches of ``temporal 2 x 16 x 16 x 3`` pixels -> Linear(1536, 1152);
     ``depth`` pre-norm blocks (LayerNorm, qkv Linear(1152, 3456), SDPA over 16 heads of 72,
     Linear(1152, 1152), LayerNorm, MLP 1152 -> 4304 -> 1152 with GELU); a main merger and deepstack
     mergers after blocks 8, 16, 24 (each: LayerNorm, 2x2 patches -> Linear(4608, 4608), GELU,

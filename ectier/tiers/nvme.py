@@ -10,7 +10,7 @@ Layout under ``nvme.path``::
         quarantine     digest -> JSON {reason, time, header hex} of records that failed a check
         settings       store format and creation facts, checked on reopen
 
-Contract (docs/operations.md, the NVMe tier):
+Contract (docs/operations.md, "The NVMe tier on disk"):
 
 - **Atomic writes.** Header and payload go in one LMDB write transaction: after a crash at any
   point a record is either wholly there (old or new) or absent, never torn.

@@ -1,0 +1,228 @@
+"""Where a :class:`~ectier.config.CacheConfig` comes from: nested mappings, JSON/YAML files, ``ECTIER_*``.
+
+The ``CacheConfig.from_*`` class methods and ``CacheConfig.load`` call these functions; use those.
+Every bad field of the input is reported at once: one :class:`~ectier.errors.ConfigError` whose
+``problems`` hold one message per field (first found first, each starting with the dotted field
+name or, for a variable that cannot be read at all, the variable's name). Errors from
+:func:`config_from_env` also carry ``env_vars``: the variables the bad values came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+from .config import CacheConfig, _Problems, parse_bytes
+from .errors import ConfigError
+
+__all__ = ["config_from_dict", "config_from_json", "config_from_yaml", "load_config", "config_from_env"]
+
+
+def config_from_dict(cls: type, data: Mapping[str, Any]) -> Any:
+    """Build ``cls`` (a config dataclass) from a nested mapping; see ``CacheConfig.from_dict``."""
+    return _build(cls, data, prefix="")
+
+
+def config_from_json(cls: type, source: str | os.PathLike) -> Any:
+    """Build from a JSON file path (or a JSON text that starts with ``{``)."""
+    text = _read_text(source, "JSON")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config: invalid JSON in {_describe(source)}: {exc}") from exc
+    return config_from_dict(cls, _expect_mapping(data, source))
+
+
+def config_from_yaml(cls: type, source: str | os.PathLike) -> Any:
+    """Build from a YAML file path (or a YAML text containing a newline)."""
+    import yaml
+
+    text = _read_text(source, "YAML")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config: invalid YAML in {_describe(source)}: {exc}") from exc
+    return config_from_dict(cls, _expect_mapping(data or {}, source))
+
+
+def load_config(cls: type, path: str | os.PathLike) -> Any:
+    """Build from a ``.json``, ``.yaml`` or ``.yml`` file, chosen by suffix."""
+    suffix = Path(path).suffix.lower()
+    if suffix == ".json":
+        return config_from_json(cls, Path(path))
+    if suffix in (".yaml", ".yml"):
+        return config_from_yaml(cls, Path(path))
+    raise ConfigError(f"config: {os.fspath(path)!r} must end in .json, .yaml or .yml")
+
+
+def config_from_env(cls: type, env: Mapping[str, str], prefix: str, base: CacheConfig | None) -> Any:
+    """Overlay the ``prefix`` variables of ``env`` on ``base``; see ``CacheConfig.from_env``.
+
+    Raises:
+        ConfigError: every unknown variable and bad value at once; ``env_vars`` names the
+            variables at fault (``<prefix>CONFIG`` when the file it names is bad).
+    """
+    if base is None:
+        file = env.get(prefix + "CONFIG")
+        try:
+            base = load_config(cls, file) if file else cls()
+        except ConfigError as exc:
+            raise ConfigError(problems=exc.problems, env_vars=(prefix + "CONFIG",)) from exc
+    data = base.to_dict()
+    problems: list[str] = []
+    bad_vars: list[str] = []
+    set_by: dict[str, str] = {}  # dotted field -> the variable that set it
+    for name, raw in env.items():
+        if not name.startswith(prefix) or name == prefix + "CONFIG":
+            continue
+        path = name[len(prefix):].lower().split("__")
+        try:
+            target = _env_target(data, name, path, prefix)
+            set_by[".".join(path)] = name
+            target[path[-1]] = _env_value(name, raw, _field_type(cls, path))
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+            bad_vars.append(name)
+    try:
+        config = cls.from_dict(data)
+    except ConfigError as exc:
+        for message in exc.problems:
+            problems.append(message)
+            bad_vars.extend(var for dotted, var in set_by.items() if _names(message, dotted))
+        config = None
+    if problems:
+        raise ConfigError(problems=problems, env_vars=tuple(dict.fromkeys(bad_vars)))
+    return config
+
+
+# --------------------------------------------------------------------------------------- helpers
+
+
+def _names(message: str, dotted: str) -> bool:
+    """Whether ``message`` names the field (or section) ``dotted`` as a whole word."""
+    return re.search(rf"(?<![\w.]){re.escape(dotted)}(?!\w)", message) is not None
+
+
+def _env_target(data: dict[str, Any], name: str, path: list[str], prefix: str) -> dict[str, Any]:
+    """The section dict of ``data`` that the variable ``name`` (split into ``path``) sets a field of."""
+    target = data
+    for part in path[:-1]:
+        if not isinstance(target.get(part), dict):
+            raise ConfigError(f"{name}: no config section {part!r}")
+        target = target[part]
+    leaf = path[-1]
+    if leaf not in target or isinstance(target[leaf], dict):
+        known = [k for k, v in target.items() if not isinstance(v, dict)]
+        hint = difflib.get_close_matches(leaf, known, n=1)
+        raise ConfigError(
+            f"{name}: unknown setting {'.'.join(path)!r}"
+            + (f"; did you mean {prefix}{'__'.join(path[:-1] + hint).upper()}?" if hint else "")
+        )
+    return target
+
+
+def _field_type(cls: type, path: list[str]) -> str:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    f = fields[path[0]]
+    if len(path) == 1:
+        return str(f.type)
+    return _field_type(f.default_factory(), path[1:]) if f.default_factory is not dataclasses.MISSING else ""  # type: ignore[misc]
+
+
+def _env_value(name: str, raw: str, type_text: str) -> Any:
+    low = raw.strip().lower()
+    if low in ("none", "null") and "None" in type_text:
+        return None
+    if "bool" in type_text and "int" not in type_text:
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{name}: expected true/false, got {raw!r}")
+    if "float" in type_text:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"{name}: expected a number of seconds, got {raw!r}") from None
+    if "int" in type_text:
+        if name.upper().endswith("_BYTES"):
+            return raw.strip()  # parsed (with units) by from_dict
+        try:
+            return int(raw.strip())
+        except ValueError:
+            raise ConfigError(f"{name}: expected an integer, got {raw!r}") from None
+    return raw
+
+
+def _build(cls: type, data: Mapping[str, Any], *, prefix: str) -> Any:
+    """``cls(**data)`` with nested sections built recursively; every bad field reported at once."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    p = _Problems()
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            hint = difflib.get_close_matches(str(key), list(fields), n=1)
+            with p.check(dotted):
+                raise ConfigError(
+                    f"{dotted}: unknown setting" + (f"; did you mean {prefix}{hint[0]}?" if hint else "")
+                    + f" (known: {', '.join(fields)})"
+                )
+            continue
+        f = fields[key]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None  # type: ignore[misc]
+        with p.check(dotted):
+            if dataclasses.is_dataclass(default):
+                if isinstance(value, type(default)):
+                    kwargs[key] = value
+                else:
+                    kwargs[key] = _build(type(default), value if value is not None else {}, prefix=dotted + ".")
+            elif key.endswith("_bytes") and value is not None:
+                kwargs[key] = parse_bytes(value, field_name=dotted)
+            else:
+                kwargs[key] = value
+    if p.messages:
+        _check_the_rest(cls, kwargs, p)
+        p.raise_if_any()
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # pragma: no cover - every field has a default
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {exc}") from exc
+
+
+def _check_the_rest(cls: type, kwargs: dict[str, Any], p: _Problems) -> None:
+    """Some fields failed before ``cls`` could be built: build it without them (defaults in their
+    place) to find the problems of the other fields too, dropping any problem that names a failed
+    field (a check across fields would otherwise judge a default the user did not choose)."""
+    try:
+        cls(**kwargs)
+    except ConfigError as exc:
+        p.messages.extend(m for m in exc.problems if not any(_names(m, name) for name in p.failed))
+
+
+def _read_text(source: str | os.PathLike, kind: str) -> str:
+    if isinstance(source, str) and (source.lstrip().startswith("{") or "\n" in source):
+        return source
+    try:
+        return Path(source).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"config: cannot read {kind} file {os.fspath(source)!r}: {exc.strerror}") from exc
+    except ValueError as exc:  # a NUL in the path; a file that is not UTF-8 (UnicodeDecodeError)
+        raise ConfigError(f"config: cannot read {kind} file {os.fspath(source)!r}: {exc}") from exc
+
+
+def _describe(source: str | os.PathLike) -> str:
+    return repr(os.fspath(source)) if not (isinstance(source, str) and "\n" in source) else "text"
+
+
+def _expect_mapping(data: Any, source: str | os.PathLike) -> Mapping[str, Any]:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config: {_describe(source)} must hold a mapping at top level, got {type(data).__name__}")
+    return data

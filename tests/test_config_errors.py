@@ -1,0 +1,195 @@
+"""How config errors reach a user: paths that no file system can hold (a NUL byte), every bad field
+of a mapping or file at once, and errors from ``ECTIER_*`` variables labelled by the variable.
+
+The command-line cases run ``ectier serve`` through click's runner: a bad config must be a usage
+error (exit code 2, a message naming the field and the input at fault, no traceback) before the
+daemon starts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from ectier.cli import main
+from ectier.config import CacheConfig, DaemonConfig, HostTierConfig, NvmeTierConfig
+from ectier.errors import ConfigError
+from ectier_vllm.config import settings_from_extra_config
+
+NUL = "a\0b"
+
+
+# ------------------------------------------------------------------------------ NUL bytes
+
+
+@pytest.mark.parametrize(
+    "section, field",
+    [("nvme", "path"), ("daemon", "socket_path"), ("daemon", "shm_dir"), ("daemon", "allowed_group"),
+     ("daemon", "metrics_host")],
+)
+def test_a_nul_byte_in_a_path_or_name_is_a_config_error_naming_the_field(section, field):
+    with pytest.raises(ConfigError, match=rf"^{section}\.{field}: contains a NUL byte"):
+        CacheConfig.from_dict({section: {field: f"/tmp/{NUL}"}})
+    cls = {"nvme": NvmeTierConfig, "daemon": DaemonConfig}[section]
+    with pytest.raises(ConfigError, match=rf"^{section}\.{field}:"):
+        cls(**{field: f"/tmp/{NUL}"})
+
+
+def test_a_path_that_cannot_be_encoded_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"^nvme\.path: cannot be encoded"):
+        NvmeTierConfig(path="/tmp/\ud800")
+
+
+def test_tiered_cache_with_a_nul_in_nvme_path_raises_config_error(tmp_path):
+    """Before: the config was accepted and the cache's mkdir raised a bare ValueError."""
+    from ectier.cache import TieredCache
+
+    with pytest.raises(ConfigError, match=r"^nvme\.path"):
+        TieredCache(CacheConfig(host=HostTierConfig(capacity_bytes="1MiB"),
+                                nvme=NvmeTierConfig(path=str(tmp_path / NUL))))
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner(env={"COLUMNS": "200"})
+
+
+def _clean_env(monkeypatch) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("ECTIER_"):
+            monkeypatch.delenv(name)
+
+
+def _usage_error(result, *texts: str) -> str:
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert isinstance(result.exception, SystemExit), result.exception
+    error = result.output[result.output.index("Error:"):]
+    for text in texts:
+        assert text in error, result.output
+    return error
+
+
+@pytest.mark.parametrize("section, field", [("nvme", "path"), ("daemon", "socket_path")])
+def test_serve_with_a_nul_byte_in_a_path_is_a_usage_error(runner, tmp_path, monkeypatch, section, field):
+    """Before: `ectier serve` started and died with a ValueError traceback (embedded null byte)."""
+    _clean_env(monkeypatch)
+    cfg = {"host": {"capacity_bytes": "1MiB"}, "nvme": {"path": str(tmp_path / "nvme")},
+           "daemon": {"socket_path": str(tmp_path / "d.sock"), "shm_dir": str(tmp_path)}}
+    cfg[section][field] = str(tmp_path / NUL)
+    path = tmp_path / "daemon.json"
+    path.write_text(json.dumps(cfg))
+    result = runner.invoke(main, ["serve", "--config", str(path)])
+    _usage_error(result, "Invalid value for --config", f"{section}.{field}", "NUL")
+
+
+# ------------------------------------------------------------------- every problem at once
+
+
+def test_from_dict_reports_every_bad_field_at_once_first_one_first():
+    data = {
+        "host": {"capacity_bytes": "lots", "block_bytes": 3, "policy": "mru"},
+        "nvme": {"path": "/nvme", "codec": "brotli", "sinc": True},
+        "daemon": {"lease_s": -1},
+        "namespace": "",
+    }
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.from_dict(data)
+    err = info.value
+    fields = [m.split(":")[0] for m in err.problems]
+    assert fields[0] == "host.capacity_bytes"
+    assert set(fields) == {"host.capacity_bytes", "host.block_bytes", "host.policy", "nvme.codec", "nvme.sinc",
+                           "daemon.lease_s", "namespace"}
+    assert str(err).splitlines() == list(err.problems)
+    assert str(err).startswith("host.capacity_bytes: cannot read 'lots'")
+
+
+def test_a_value_that_fails_to_parse_is_reported_once():
+    with pytest.raises(ConfigError) as info:
+        HostTierConfig(capacity_bytes="8 gigs", block_bytes="4 megs")
+    assert [m.split(":")[0] for m in info.value.problems] == ["host.capacity_bytes", "host.block_bytes"]
+
+
+def test_checks_across_fields_do_not_judge_a_field_that_failed():
+    """nvme.map_initial_bytes failed to parse: the check 'map_max_bytes >= map_initial_bytes' must
+    not compare against the default the user did not choose; nor the root's 'no tier could store'
+    check against a default nvme section."""
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.from_dict({"nvme": {"path": "/nvme", "map_initial_bytes": "big", "map_max_bytes": "2MiB"}})
+    assert [m.split(":")[0] for m in info.value.problems] == ["nvme.map_initial_bytes"]
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.from_dict({"host": {"capacity_bytes": 0}, "nvme": {"path": "/nvme", "codec": "nope"}})
+    assert [m.split(":")[0] for m in info.value.problems] == ["nvme.codec"]
+
+
+def test_a_yaml_file_reports_all_its_errors(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("host:\n  capacity_bytes: 1XB\n  pin_memory: maybe\nnvme:\n  zstd_level: 99\n")
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.load(path)
+    assert [m.split(":")[0] for m in info.value.problems] == ["host.capacity_bytes", "host.pin_memory",
+                                                               "nvme.zstd_level"]
+
+
+def test_connector_settings_prefix_every_problem_with_the_operator_key():
+    with pytest.raises(ConfigError) as info:
+        settings_from_extra_config({"host": {"capacity_bytes": "x", "policy": "y"}}, default_ns="m")
+    lines = str(info.value).splitlines()
+    assert lines == list(info.value.problems)
+    assert len(lines) == 2 and all(line.startswith("ec_connector_extra_config.host.") for line in lines)
+
+
+# ------------------------------------------------------------------------ ECTIER_* variables
+
+
+def test_from_env_reports_every_bad_variable_and_names_them():
+    env = {"ECTIER_HOST__CAPACITY_BYTES": "lots", "ECTIER_NVME__SYNC": "maybe", "ECTIER_BOGUS": "1",
+           "ECTIER_NVME__CODEC": "brotli"}
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.from_env(env)
+    err = info.value
+    assert len(err.problems) == 4
+    assert set(err.env_vars) == set(env)
+
+
+def test_from_env_labels_a_check_across_fields_with_the_variable_that_set_it():
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.from_env({"ECTIER_HOST__CAPACITY_BYTES": "0"})
+    assert info.value.env_vars == ("ECTIER_HOST__CAPACITY_BYTES",)
+
+
+def test_from_env_labels_errors_of_the_config_file_it_loads(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("host:\n  capacity_bytes: lots\n")
+    with pytest.raises(ConfigError, match=r"^host\.capacity_bytes") as info:
+        CacheConfig.from_env({"ECTIER_CONFIG": str(path)})
+    assert info.value.env_vars == ("ECTIER_CONFIG",)
+
+
+def test_serve_labels_an_env_error_by_the_variable_not_config(runner, monkeypatch):
+    """Before: "Invalid value for --config" although no --config was given."""
+    _clean_env(monkeypatch)
+    result = runner.invoke(main, ["serve"], env={"ECTIER_HOST__CAPACITY_BYTES": "lots"})
+    error = _usage_error(result, "Invalid value for ECTIER_HOST__CAPACITY_BYTES", "host.capacity_bytes")
+    assert "--config" not in error
+
+
+def test_serve_with_a_good_config_and_a_bad_variable_names_the_variable(runner, tmp_path, monkeypatch):
+    _clean_env(monkeypatch)
+    path = tmp_path / "c.yaml"
+    path.write_text("host:\n  capacity_bytes: 1MiB\n")
+    result = runner.invoke(main, ["serve", "--config", str(path)], env={"ECTIER_NVME__CODEC": "brotli"})
+    error = _usage_error(result, "Invalid value for ECTIER_NVME__CODEC", "nvme.codec")
+    assert "--config" not in error
+
+
+def test_serve_reports_all_problems_of_its_config_file(runner, tmp_path, monkeypatch):
+    _clean_env(monkeypatch)
+    path = tmp_path / "c.yaml"
+    path.write_text("host:\n  capacity_bytes: lots\nnvme:\n  codec: brotli\ndaemon:\n  max_clients: 0\n")
+    result = runner.invoke(main, ["serve", "--config", str(path)])
+    _usage_error(result, "Invalid value for --config", "host.capacity_bytes", "nvme.codec", "daemon.max_clients")
