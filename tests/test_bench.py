@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -161,3 +162,19 @@ def test_bench_tokens_list_is_a_usage_error_not_a_traceback(tmp_path, command, t
     assert "--tokens" in res.output and says in res.output
     assert res.exception is None or isinstance(res.exception, SystemExit)
     assert not any(tmp_path.iterdir())  # nothing measured, nothing written
+
+
+@pytest.mark.parametrize("args, written", [
+    (["replay", *SMALL, "--curve-scale", "64"], ["replay.json", "replay.md"]),
+    (["tiers", "--tokens", "64", "--budget-bytes", "2MiB", "-q", "--no-sync"], ["tiers.json", "tiers.md"]),
+    (["crossover", "--tokens", "64", "--budget-bytes", "2MiB", "-q", "--cost-model", "fitted"],
+     ["crossover.json", "crossover.md"]),
+])
+def test_bench_without_matplotlib_writes_results_and_one_note(tmp_path, monkeypatch, args, written):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ModuleNotFoundError
+    res = CliRunner().invoke(main, ["bench", *args, "--out", str(tmp_path)])
+    assert res.exit_code == 0 and res.exception is None, res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(written)  # results, no PNG
+    json.loads((tmp_path / written[0]).read_text())
+    notes = [line for line in res.output.splitlines() if "matplotlib is not installed" in line]
+    assert len(notes) == 1 and "ectier[bench]" in notes[0]

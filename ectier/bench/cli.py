@@ -95,6 +95,18 @@ def _out_dir(ctx, param, value):
     return value
 
 
+def _plot(console: Console, written: list[str], path: str, draw) -> None:
+    """Run ``draw()`` (which writes the PNG at ``path``) after the JSON and markdown are on disk;
+    without matplotlib print one note line instead, so the command still exits 0 with its results."""
+    from .report import try_plot
+
+    reason = try_plot(draw)
+    if reason is None:
+        written.append(os.path.basename(path))
+    else:
+        console.print(f"note: {reason}", soft_wrap=True, highlight=False, markup=False)
+
+
 def _common(f):
     f = click.option("--out", "out", default="bench-results", show_default=True, type=click.Path(file_okay=False),
                      callback=_out_dir, help="directory for JSON, markdown and PNG results")(f)
@@ -230,18 +242,20 @@ def replay_cmd(out, cost_model, workdir, quiet, trace, requests, items, zipf, se
                         + [fmt(sel[p]["saved_fraction"], "pct") for p in policies])
         print_table(console, f"hit rate vs capacity (entries scaled 1/{curve_scale} in width, budgets alike)", ch, crow)
         md += ["\n", markdown_table(ch, crow)]
-        plot_curve(points, os.path.join(out, "replay_curve.png"), f"({summ['requests']} requests)")
     if comparison.get("text"):
         console.print(comparison["text"])
         md.append("\n" + comparison["text"] + "\n")
     if any(r["mismatches"] for r in runs) or any(q["mismatches"] for q in points):
         console.print("[red]byte mismatches on hits: see replay.json[/red]")
-    console.print(f"wrote {out}/replay.json, replay.md{', replay_curve.png' if points else ''} "
-                  f"in {result['elapsed_s']:.1f} s")
     result["elapsed_s"] = time.perf_counter() - t_all
     write_json(result, os.path.join(out, "replay.json"))
     with open(os.path.join(out, "replay.md"), "w") as f:
         f.write("".join(md))
+    written = ["replay.json", "replay.md"]
+    if points:
+        png = os.path.join(out, "replay_curve.png")
+        _plot(console, written, png, lambda: plot_curve(points, png, f"({summ['requests']} requests)"))
+    console.print(f"wrote {out}/{', '.join(written)} in {result['elapsed_s']:.1f} s")
 
 
 def _compare(runs: list[dict[str, Any]], points: list[dict[str, Any]]) -> dict[str, Any]:
@@ -390,11 +404,13 @@ def tiers_cmd(out, workdir, quiet, max_tokens, tokens, sync, budget_bytes) -> No
     data.update(command="tiers", machine=_machine(), elapsed_s=time.perf_counter() - t0)
     os.makedirs(out, exist_ok=True)
     write_json(data, os.path.join(out, "tiers.json"))
-    plot_tiers(data["rows"], os.path.join(out, "tiers.png"))
     with open(os.path.join(out, "tiers.md"), "w") as f:
         f.write("### tiers\n\n" + markdown_table(headers, rows)
                 + "".join(f"\nskipped {s['what']}: {s['reason']}\n" for s in data["skipped"]))
-    console.print(f"wrote {out}/tiers.json, tiers.md, tiers.png in {data['elapsed_s']:.1f} s")
+    written = ["tiers.json", "tiers.md"]
+    png = os.path.join(out, "tiers.png")
+    _plot(console, written, png, lambda: plot_tiers(data["rows"], png))
+    console.print(f"wrote {out}/{', '.join(written)} in {data['elapsed_s']:.1f} s")
 
 
 # ================================================================================= crossover
@@ -438,9 +454,11 @@ def crossover_cmd(out, cost_model, workdir, quiet, tiers_json, max_tokens, token
               "skipped": data.get("skipped", []), "elapsed_s": time.perf_counter() - t0}
     os.makedirs(out, exist_ok=True)
     write_json(result, os.path.join(out, "crossover.json"))
-    grid = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-    plot_crossover(cross, [(n, cost.seconds(n)) for n in grid if n <= max_tokens], os.path.join(out, "crossover.png"),
-                   cost.source)
     with open(os.path.join(out, "crossover.md"), "w") as f:
         f.write(f"### crossover\n\n{title}\n\n" + markdown_table(headers, rows))
-    console.print(f"wrote {out}/crossover.json, crossover.md, crossover.png in {result['elapsed_s']:.1f} s")
+    grid = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+    written = ["crossover.json", "crossover.md"]
+    png = os.path.join(out, "crossover.png")
+    _plot(console, written, png, lambda: plot_crossover(cross, [(n, cost.seconds(n)) for n in grid if n <= max_tokens],
+                                                        png, cost.source))
+    console.print(f"wrote {out}/{', '.join(written)} in {result['elapsed_s']:.1f} s")

@@ -1,15 +1,38 @@
-"""Output of ``ectier bench``: JSON, markdown tables, rich tables on the console, PNG plots (Agg)."""
+"""Output of ``ectier bench``: JSON, markdown tables, rich tables on the console, PNG plots (Agg).
+
+Plots need matplotlib (the ``demo`` and ``bench`` extras bring it). Without it every ``plot_*``
+raises :class:`PlotsUnavailable`; :func:`try_plot` turns that into a one-line reason, so a command
+still writes its JSON and markdown (they are written before any plot).
+"""
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["write_json", "markdown_table", "print_table", "fmt", "plot_curve", "plot_tiers", "plot_crossover"]
+__all__ = ["write_json", "markdown_table", "print_table", "fmt", "plot_curve", "plot_tiers", "plot_crossover",
+           "plot_baseline", "PlotsUnavailable", "try_plot"]
+
+#: What to install for the plots.
+PLOT_HINT = "pip install 'ectier[bench]' (or 'ectier[demo]')"
+
+
+class PlotsUnavailable(ImportError):
+    """matplotlib cannot be imported; the message says what to install."""
+
+
+def try_plot(plot: Callable[..., None], *args: Any, **kwargs: Any) -> str | None:
+    """Call ``plot(*args, **kwargs)``; None once it wrote its file, else the reason it could not
+    (matplotlib missing: :class:`PlotsUnavailable`'s message). Other errors propagate."""
+    try:
+        plot(*args, **kwargs)
+    except PlotsUnavailable as exc:
+        return str(exc)
+    return None
 
 
 def fmt(v: Any, kind: str = "") -> str:
@@ -56,7 +79,10 @@ def print_table(console: Console, title: str, headers: Sequence[str], rows: Sequ
 
 
 def _plt():
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise PlotsUnavailable(f"matplotlib is not installed ({exc}); plots skipped ({PLOT_HINT})") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
