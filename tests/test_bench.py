@@ -178,3 +178,18 @@ def test_bench_without_matplotlib_writes_results_and_one_note(tmp_path, monkeypa
     json.loads((tmp_path / written[0]).read_text())
     notes = [line for line in res.output.splitlines() if "matplotlib is not installed" in line]
     assert len(notes) == 1 and "ectier[bench]" in notes[0]
+
+
+def test_demo_sh_installs_what_the_readmes_bench_command_plots_with():
+    """./scripts/demo.sh bootstraps the `demo` extra; README then runs `ectier bench replay` (PNG plots)."""
+    import ast
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    assert re.search(r"bootstrap\.sh demo\b", (root / "scripts" / "demo.sh").read_text())
+    assert "ectier bench replay" in (root / "README.md").read_text()
+    call = next(n for n in ast.walk(ast.parse((root / "setup.py").read_text()))
+                if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    extras = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "extras_require"))
+    assert any(req.startswith("matplotlib") for req in extras["demo"])
