@@ -28,7 +28,8 @@ What happens, step by step
        bytes, GB/s inside the cache calls, encoder time spent and saved, ectier vs baseline.
 
 Entry points: :func:`run_demo` (returns the summary dict), :func:`print_summary` (rich tables),
-:class:`DemoOptions` (the report itself lives in :mod:`ectier.demo_report`). The ``ectier demo`` command in :mod:`ectier.cli` wires them to options.
+:class:`DemoOptions` (the report itself lives in :mod:`ectier.demo_report`). The ``ectier demo``
+command in :mod:`ectier.cli` wires them to options.
 """
 
 from __future__ import annotations

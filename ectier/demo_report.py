@@ -97,7 +97,8 @@ def _tier_flags(ect: dict[str, Any]) -> list[str]:
     host, nv = ect["stats"]["tiers"].get("host"), ect["stats"]["tiers"].get("nvme")
     extra = []
     if host is not None and (host["skipped_too_large"] or host["admission_timeouts"]):
-        extra.append(f"host skipped_too_large={host['skipped_too_large']} admission_timeouts={host['admission_timeouts']}")
+        extra.append(f"host skipped_too_large={host['skipped_too_large']} "
+                     f"admission_timeouts={host['admission_timeouts']}")
     if nv is not None:
         flagged = {k: nv[k] for k in ("skipped_too_large", "write_failures", "read_failures", "checksum_failures",
                                       "quarantined") if nv.get(k)}
