@@ -102,6 +102,56 @@ def test_bench_baseline_smoke(tmp_path):
     for s in data["stores"]:
         assert 0 <= s["hit_rate"] <= 1 and s["encoder_saved_s"] >= 0
     assert data["stores"][0]["ratio_vs_recompute"] == pytest.approx(1.0)
+    # H200-fitted encoder seconds vs cache I/O measured here: the output says it mixes two machines
+    assert "NOT like with like" in out and data["comparison"]["like_with_like"] is False
+    assert (tmp_path / "baseline.png").stat().st_size > 0
+
+
+def test_bench_baseline_default_compares_like_with_like(tmp_path):
+    """Without --cost-model the encoder is timed on this machine (CPU: one block, scaled), as the I/O is."""
+    out = _run(["baseline", *[a for a in SMALL if a not in ("--cost-model", "fitted")]], tmp_path)
+    data = json.loads((tmp_path / "baseline.json").read_text())
+    assert data["cost_model"]["source"] in ("scaled", "measured")
+    assert data["comparison"]["like_with_like"] is True
+    assert "like with like" in out and "NOT like with like" not in out
+    assert (tmp_path / "baseline.png").stat().st_size > 0
+    stores = data["stores"]
+    assert stores[0]["ratio_vs_recompute"] == 1.0
+    assert all(s["encoder_plus_io_s"] == pytest.approx(s["encoder_spent_s"] + s["get_s"] + s["put_s"]) for s in stores)
+
+
+def test_compare_stores_says_which_machine_the_encoder_seconds_come_from():
+    from ectier.bench.baseline import compare_stores
+    from ectier.bench.costmodel import CostModel
+
+    def rows():
+        return [{"encoder_total_s": 10.0, "encoder_spent_s": 10.0, "get_s": 0.0, "put_s": 0.0},
+                {"encoder_total_s": 10.0, "encoder_spent_s": 4.0, "get_s": 1.0, "put_s": 0.5}]
+
+    here = CostModel(0.1, 1e-3, 0.0, "scaled", "timed here")
+    for cost, like in ((fitted_cost_model(), False), (here, True), (CostModel(0, 0, 0, "measured", "cuda"), True)):
+        r = rows()
+        c = compare_stores(r, cost)
+        assert c["like_with_like"] is like and cost.on_this_machine is like
+        assert ("NOT like with like" in c["text"]) is not like and cost.description in c["text"]
+        assert r[1]["ratio_vs_recompute"] == pytest.approx(0.55)
+
+
+def test_scaled_cost_model_times_one_block_here_and_scales_by_flops():
+    from ectier.bench.costmodel import scaled_cost_model, tower_flop_terms
+
+    m = scaled_cost_model((2, 4), blocks=1)
+    assert m.source == "scaled" and m.on_this_machine and "1 of 27" in m.description
+    assert m.a_s >= 0 and m.b_s_per_token > 0 and m.c_s_per_token2 > 0
+    assert 0 < m.seconds(64) < m.seconds(1024) < m.seconds(16384)
+    lin1, quad1 = tower_flop_terms(1)
+    lin27, quad27 = tower_flop_terms(27)
+    assert 15 * lin1 < lin27 < 27 * lin1 and quad27 == 27 * quad1  # 27 blocks (+3 mergers, 1 patch embed)
+    assert m.c_s_per_token2 / m.b_s_per_token == pytest.approx(quad27 / lin27)
+    with pytest.raises(ValueError, match="tokens"):
+        scaled_cost_model((4,))
+    with pytest.raises(ValueError, match="cpu_fallback"):
+        resolve_cost_model("auto", cpu_fallback="guess")
 
 
 def test_bench_tiers_and_crossover_smoke(tmp_path):

@@ -62,11 +62,11 @@ def _machine() -> dict[str, Any]:
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
-def _cost(choice: str):
+def _cost(choice: str, cpu_fallback: str = "fitted"):
     from .costmodel import resolve_cost_model
 
     try:
-        return resolve_cost_model(choice)
+        return resolve_cost_model(choice, cpu_fallback=cpu_fallback)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--cost-model") from None
 
@@ -111,8 +111,10 @@ def _common(f):
     f = click.option("--out", "out", default="bench-results", show_default=True, type=click.Path(file_okay=False),
                      callback=_out_dir, help="directory for JSON, markdown and PNG results")(f)
     f = click.option("--cost-model", default="auto", show_default=True,
-                     type=click.Choice(["auto", "fitted", "measured"]),
-                     help="recompute cost: auto = measured with CUDA, else fitted to background.md")(f)
+                     type=click.Choice(["auto", "fitted", "measured", "scaled"]),
+                     help="recompute cost: auto = measured with CUDA, else fitted to background.md's H200 figures "
+                          "(baseline: else scaled, i.e. timed on this CPU); scaled = 1 ViT block timed here, "
+                          "scaled to 27")(f)
     f = click.option("--workdir", default=None, type=click.Path(file_okay=False, exists=True, writable=True),
                      help="existing directory where temporary NVMe stores go (default: system temp dir)")(f)
     f = click.option("--quiet", "-q", is_flag=True, help="no progress bars")(f)
@@ -294,14 +296,18 @@ def _compare(runs: list[dict[str, Any]], points: list[dict[str, Any]]) -> dict[s
 @click.option("--nvme-bytes", callback=_bytes, default=None, help="ectier NVMe budget (default as replay)")
 def baseline_cmd(out, cost_model, workdir, quiet, trace, requests, items, zipf, seed, max_tokens, host_bytes,
                  nvme_bytes) -> None:
-    """The same stream through the safetensors-per-item store, recomputation, and ectier (LRU, GDSF)."""
-    from .baseline import recompute_only, replay_safetensors
+    """The same stream through the safetensors-per-item store, recomputation, and ectier (LRU, GDSF).
+
+    Encoder seconds come from this machine by default (CUDA: the measured tower; else one block timed
+    on the CPU and scaled), like the cache I/O; the output says whether the comparison is like with like."""
+    from .baseline import baseline_rows, compare_stores, recompute_only, replay_safetensors
     from .replay import default_budgets, replay_stream
+    from .report import plot_baseline
     from .workload import stream_summary
 
     console = _console()
     t_all = time.perf_counter()
-    cost = _cost(cost_model)
+    cost = _cost(cost_model, cpu_fallback="scaled")  # like with like: this machine's encoder seconds
     stream, source = _stream(trace, requests, items, zipf, seed, max_tokens)
     summ = stream_summary(stream)
     dh, dn = default_budgets(summ["unique_bytes"])
@@ -315,30 +321,22 @@ def baseline_cmd(out, cost_model, workdir, quiet, trace, requests, items, zipf, 
             t = prog.add_task(f"ectier {p}", total=len(stream))
             rows_out.append(replay_stream(stream, cost, policy=p, host_bytes=host_bytes, nvme_bytes=nvme_bytes,
                                           workdir=workdir, advance=lambda k, t=t: prog.advance(t, k)))
-    rec = rows_out[0]["encoder_total_s"]
-    headers = ["store", "hit %", "encoder s", "cache I/O s", "encoder + I/O s", "vs recompute", "get p50 ms",
-               "put p50 ms", "disk used"]
-    rows = []
-    for r in rows_out:
-        total = r["encoder_spent_s"] + r["get_s"] + r["put_s"]
-        r["encoder_plus_io_s"] = total
-        r["ratio_vs_recompute"] = total / rec if rec else None
-        disk = r.get("disk_bytes", r.get("nvme_bytes"))
-        rows.append([r["policy"] if "host_bytes" not in r else f"ectier {r['policy']}", fmt(r["hit_rate"], "pct"),
-                     fmt(r["encoder_spent_s"], "s"), fmt(r["get_s"] + r["put_s"], "s"), fmt(total, "s"),
-                     f"{r['ratio_vs_recompute']:.2f}x" if r["ratio_vs_recompute"] is not None else "-",
-                     fmt(r.get("get_hit_p50_s"), "ms"), fmt(r.get("put_p50_s"), "ms"),
-                     format_bytes(disk) + (" (budget)" if "host_bytes" in r else "") if disk is not None else "-"])
+    comparison = compare_stores(rows_out, cost)
+    headers, rows = baseline_rows(rows_out)
     title = (f"baseline: {summ['requests']} requests, working set {format_bytes(summ['unique_bytes'])}; "
              f"encoder seconds from {cost.description}; cache I/O measured on this machine")
     print_table(console, title, headers, rows)
-    result = {"command": "baseline", "machine": _machine(), "cost_model": cost.to_dict(),
+    console.print(comparison["text"], style=None if comparison["like_with_like"] else "yellow", markup=False)
+    result = {"command": "baseline", "machine": _machine(), "cost_model": cost.to_dict(), "comparison": comparison,
               "workload": {**source, **summ}, "stores": rows_out, "elapsed_s": time.perf_counter() - t_all}
     os.makedirs(out, exist_ok=True)
     write_json(result, os.path.join(out, "baseline.json"))
     with open(os.path.join(out, "baseline.md"), "w") as f:
-        f.write(f"### baseline\n\n{title}\n\n" + markdown_table(headers, rows))
-    console.print(f"wrote {out}/baseline.json, baseline.md in {result['elapsed_s']:.1f} s")
+        f.write(f"### baseline\n\n{title}\n\n" + markdown_table(headers, rows) + f"\n{comparison['text']}\n")
+    written = ["baseline.json", "baseline.md"]
+    png = os.path.join(out, "baseline.png")
+    _plot(console, written, png, lambda: plot_baseline(rows_out, png, comparison))
+    console.print(f"wrote {out}/{', '.join(written)} in {result['elapsed_s']:.1f} s")
 
 
 # ===================================================================================== tiers

@@ -152,3 +152,35 @@ def plot_crossover(cross: dict[str, Any], cost_points: list[tuple[int, float]], 
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def plot_baseline(stores: list[dict[str, Any]], path: str | os.PathLike, comparison: dict[str, Any]) -> None:
+    """Per store: encoder seconds still spent + cache I/O seconds (stacked), and the ratio to recomputing
+    everything; the title says whether both come from this machine (``comparison["like_with_like"]``)."""
+    plt = _plt()
+    names = [r["policy"] if "host_bytes" not in r else f"ectier {r['policy']}" for r in stores]
+    enc = [r["encoder_spent_s"] for r in stores]
+    io = [r["get_s"] + r["put_s"] for r in stores]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), dpi=80)
+    y = list(range(len(stores)))
+    axes[0].barh(y, enc, label="encoder (misses)")
+    axes[0].barh(y, io, left=enc, label="cache I/O")
+    axes[0].set_xlabel("seconds")
+    axes[0].legend(fontsize=7)
+    ratios = [r["ratio_vs_recompute"] or 0.0 for r in stores]
+    axes[1].barh(y, ratios, color="grey")
+    axes[1].axvline(1.0, color="k", linewidth=0.8)
+    axes[1].set_xlim(0, 1.3 * max(ratios + [1.0]))
+    axes[1].set_xlabel("encoder + I/O vs recompute (x)")
+    for ax in axes:
+        ax.set_yticks(y)
+        ax.set_yticklabels(names if ax is axes[0] else [""] * len(y), fontsize=7)
+        ax.invert_yaxis()
+        ax.grid(alpha=0.3, axis="x")
+    for i, r in enumerate(ratios):
+        axes[1].text(r, i, f" {r:.3g}x", va="center", fontsize=7)
+    kind = "like with like (this machine)" if comparison["like_with_like"] else "NOT like with like (two machines)"
+    fig.suptitle(f"baseline: {kind}\nencoder: {comparison['encoder_seconds']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
