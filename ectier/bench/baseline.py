@@ -137,7 +137,8 @@ def baseline_rows(stores: list[dict[str, Any]]) -> tuple[list[str], list[list[st
         disk = r.get("disk_bytes", r.get("nvme_bytes"))
         ratio = r["ratio_vs_recompute"]
         rows.append([r["policy"] if "host_bytes" not in r else f"ectier {r['policy']}", fmt(r["hit_rate"], "pct"),
-                     fmt(r["encoder_spent_s"], "s"), fmt(r["get_s"] + r["put_s"], "s"), fmt(r["encoder_plus_io_s"], "s"),
+                     fmt(r["encoder_spent_s"], "s"), fmt(r["get_s"] + r["put_s"], "s"),
+                     fmt(r["encoder_plus_io_s"], "s"),
                      f"{ratio:.3g}x" if ratio is not None else "-",
                      fmt(r.get("get_hit_p50_s"), "ms"), fmt(r.get("put_p50_s"), "ms"),
                      format_bytes(disk) + (" (budget)" if "host_bytes" in r else "") if disk is not None else "-"])
