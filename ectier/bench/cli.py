@@ -342,11 +342,28 @@ def baseline_cmd(out, cost_model, workdir, quiet, trace, requests, items, zipf, 
 # ===================================================================================== tiers
 
 
+def _noise_cell(r: dict[str, Any]) -> str:
+    if "noise" not in r:  # a tiers.json from before noise detection
+        return "?"
+    tries = f" ({r['attempts']} tries)" if r["attempts"] > 1 else ""
+    return ("NOISY" if r["noisy"] else "ok") + tries
+
+
 def _tiers_rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    headers = ["tier", "op", "impl", "N", "entry", "GB/s", "p50 ms", "p99 ms", "reps"]
+    headers = ["tier", "op", "impl", "N", "entry", "GB/s", "p50 ms", "p99 ms", "reps", "noise"]
     rows = [[r["tier"], r["op"], r["impl"], str(r["num_tokens"]), format_bytes(r["nbytes"]), fmt(r["gbps"], "gbps"),
-             fmt(r["p50_s"], "ms"), fmt(r["p99_s"], "ms"), str(r["reps"])] for r in data["rows"]]
+             fmt(r["p50_s"], "ms"), fmt(r["p99_s"], "ms"), str(r["reps"]), _noise_cell(r)] for r in data["rows"]]
     return headers, rows
+
+
+def _noise_warning(console: Console, data: dict[str, Any]) -> str | None:
+    """Print (yellow) and return the noisy-run line of a tiers result, if any."""
+    from .noise import noise_summary
+
+    text = noise_summary(data["rows"], (data.get("noise") or {}).get("other_cpu"))
+    if text:
+        console.print(text, style="yellow", markup=False, highlight=False)
+    return text
 
 
 def _tokens_list(ctx, param, value):
@@ -364,7 +381,7 @@ def _tokens_list(ctx, param, value):
     return tuple(sorted(set(ns)))
 
 
-def _run_tiers(console, quiet, max_tokens, tokens, sync, workdir, budget):
+def _run_tiers(console, quiet, max_tokens, tokens, sync, workdir, budget, retries=2):
     from .tiers import DEFAULT_TOKENS, FULL_TOKENS, measure_tiers
 
     if tokens:
@@ -374,7 +391,8 @@ def _run_tiers(console, quiet, max_tokens, tokens, sync, workdir, budget):
                    if n <= (max_tokens or 4096))
     with _progress(console, quiet) as prog:
         t = prog.add_task("tiers", total=2 * len(ns))
-        return measure_tiers(ns, sync=sync, workdir=workdir, budget_bytes=budget, advance=lambda k: prog.advance(t, k))
+        return measure_tiers(ns, sync=sync, workdir=workdir, budget_bytes=budget, retries=retries,
+                             advance=lambda k: prog.advance(t, k))
 
 
 @bench.command("tiers")
@@ -388,23 +406,30 @@ def _run_tiers(console, quiet, max_tokens, tokens, sync, workdir, budget):
 @click.option("--sync/--no-sync", default=True, show_default=True, help="fsync NVMe writes (LMDB and raw)")
 @click.option("--budget-bytes", callback=_bytes, default="512MiB", show_default=True,
               help="about how many bytes each measurement moves")
-def tiers_cmd(out, workdir, quiet, max_tokens, tokens, sync, budget_bytes) -> None:
-    """put/get GB/s and p50/p99 per tier vs its physical reference (memcpy, raw file I/O, O_DIRECT, pinned copies)."""
+@click.option("--retries", default=2, show_default=True, type=click.IntRange(0),
+              help="repeat a noisy measurement (spread, disturbed median, other load) up to this many times")
+def tiers_cmd(out, workdir, quiet, max_tokens, tokens, sync, budget_bytes, retries) -> None:
+    """put/get GB/s and p50/p99 per tier vs its physical reference (memcpy, raw file I/O, O_DIRECT, pinned copies).
+
+    Noisy measurements are repeated, and what stays noisy is flagged in the table, the JSON and one warning line."""
     from .report import plot_tiers
 
     console = _console()
     t0 = time.perf_counter()
-    data = _run_tiers(console, quiet, max_tokens, tokens, sync, workdir, budget_bytes)
+    data = _run_tiers(console, quiet, max_tokens, tokens, sync, workdir, budget_bytes, retries)
     headers, rows = _tiers_rows(data)
     print_table(console, f"tiers (sync={sync})", headers, rows)
     for s in data["skipped"]:
         console.print(f"skipped {s['what']}: {s['reason']}")
+    warning = _noise_warning(console, data)
+    data["noise"]["warning"] = warning
     data.update(command="tiers", machine=_machine(), elapsed_s=time.perf_counter() - t0)
     os.makedirs(out, exist_ok=True)
     write_json(data, os.path.join(out, "tiers.json"))
     with open(os.path.join(out, "tiers.md"), "w") as f:
         f.write("### tiers\n\n" + markdown_table(headers, rows)
-                + "".join(f"\nskipped {s['what']}: {s['reason']}\n" for s in data["skipped"]))
+                + "".join(f"\nskipped {s['what']}: {s['reason']}\n" for s in data["skipped"])
+                + (f"\n**{warning}**\n" if warning else ""))
     written = ["tiers.json", "tiers.md"]
     png = os.path.join(out, "tiers.png")
     _plot(console, written, png, lambda: plot_tiers(data["rows"], png))
@@ -448,12 +473,15 @@ def crossover_cmd(out, cost_model, workdir, quiet, tiers_json, max_tokens, token
              d["verdict"]] for t, d in cross.items()]
     title = f"crossover (recompute: {cost.description}; load: measured on this machine, sync writes irrelevant)"
     print_table(console, title, headers, rows)
+    warning = _noise_warning(console, data)
     result = {"command": "crossover", "machine": _machine(), "cost_model": cost.to_dict(), "tiers": cross,
-              "skipped": data.get("skipped", []), "elapsed_s": time.perf_counter() - t0}
+              "skipped": data.get("skipped", []), "noise": {**(data.get("noise") or {}), "warning": warning},
+              "elapsed_s": time.perf_counter() - t0}
     os.makedirs(out, exist_ok=True)
     write_json(result, os.path.join(out, "crossover.json"))
     with open(os.path.join(out, "crossover.md"), "w") as f:
-        f.write(f"### crossover\n\n{title}\n\n" + markdown_table(headers, rows))
+        f.write(f"### crossover\n\n{title}\n\n" + markdown_table(headers, rows)
+                + (f"\n**{warning}**\n" if warning else ""))
     grid = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
     written = ["crossover.json", "crossover.md"]
     png = os.path.join(out, "crossover.png")
