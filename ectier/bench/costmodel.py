@@ -250,6 +250,8 @@ def scaled_cost_model(
     """Time a ``blocks``-block :class:`VisionTower` on this CPU, scale to ``full_depth`` by FLOPs.
 
     Takes a few seconds with the defaults (weights about 0.2 GB, float32). See the module docstring.
+    A noisy timing (not growing with N, or other processes using most of the CPU meanwhile) is
+    kept but said in the description: ``(NOISY: ...)``.
 
     Args:
         tokens: N values to time (>= 1 each, at least 2 distinct).
@@ -267,8 +269,13 @@ def scaled_cost_model(
         raise ValueError(f"tokens: need at least 2 distinct values >= 1, got {list(tokens)}")
     if blocks < 1:
         raise ValueError(f"blocks: must be >= 1, got {blocks}")
+    from .noise import CpuProbe, NoiseThresholds
+
     tower = VisionTower("cpu", depth=blocks)
+    probe = CpuProbe()
+    probe.start()
     pts = tuple((n, tower.time_forward(n, repeats=repeats, warmup=1 if i == 0 else 0)) for i, n in enumerate(ns))
+    other = probe.stop()
     lin, quad = tower_flop_terms(blocks)
     flops = np.array([lin * n + quad * n * n for n, _ in pts])
     secs = np.array([t for _, t in pts])
@@ -278,6 +285,13 @@ def scaled_cost_model(
     full_lin, full_quad = tower_flop_terms(full_depth)
     desc = (f"{blocks} of {full_depth} ViT blocks timed on this machine's CPU at N={','.join(map(str, ns))} "
             f"({1e-9 / alpha:.1f} GFLOP/s), scaled to {full_depth} blocks by FLOPs")
+    noise = []
+    if any(t1 <= t0 for (_, t0), (_, t1) in zip(pts, pts[1:])):
+        noise.append("timings do not grow with N")
+    if other is not None and other > NoiseThresholds().max_other_cpu:
+        noise.append(f"other processes used {other:.0%} of the CPU")
+    if noise:
+        desc += f" (NOISY: {'; '.join(noise)})"
     return CostModel(float(a), float(alpha * full_lin), float(alpha * full_quad), "scaled", desc, pts)
 
 
