@@ -226,7 +226,8 @@ def models(as_json: bool) -> None:
 @click.option("--nvme-bytes", type=ByteSize(), default=None,
               help="NVMe tier budget, e.g. 256MiB (default: 60% of the unique bytes; 0 disables).")
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
-              help="Where the stores go (a fresh subdirectory, removed afterwards). Default: the temp dir.")
+              help="An existing directory where the stores go (a fresh subdirectory, removed afterwards; "
+                   "the directory itself is never created). Default: the temp dir.")
 @click.option("--codec", type=click.Choice(["raw", "zstd", "zstd-planes"]), default="raw", show_default=True,
               help="NVMe tier codec.")
 @click.option("--sync/--no-sync", default=False, show_default=True,

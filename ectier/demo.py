@@ -28,7 +28,8 @@ What happens, step by step
        bytes, GB/s inside the cache calls, encoder time spent and saved, ectier vs baseline.
 
 Entry points: :func:`run_demo` (returns the summary dict), :func:`print_summary` (rich tables),
-:class:`DemoOptions`. The ``ectier demo`` command in :mod:`ectier.cli` wires them to options.
+:class:`DemoOptions` (the report itself lives in :mod:`ectier.demo_report`). The ``ectier demo``
+command in :mod:`ectier.cli` wires them to options.
 """
 
 from __future__ import annotations
@@ -50,11 +51,11 @@ import torch
 import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from .cache import TieredCache
-from .config import CacheConfig, HostTierConfig, NvmeTierConfig, format_bytes
+from .config import CacheConfig, HostTierConfig, NvmeTierConfig
 from .errors import ConfigError, EntryTooLargeError, TierWriteError
+from .demo_report import print_summary
 from .sizing import ModelSpec, get_model, image_tokens
 
 __all__ = [
@@ -468,8 +469,9 @@ class DemoOptions:
             (at least the largest entry); 0 disables the host tier.
         nvme_bytes: NVMe tier budget in bytes; ``None`` = 60 % of the unique bytes (at least the
             largest entry plus header room); 0 disables the NVMe tier.
-        dir: parent directory for the run's stores (a fresh subdirectory, removed at the end);
-            ``None`` = the system temp directory. Put it on the NVMe you want measured.
+        dir: an existing parent directory for the run's stores (a fresh subdirectory, removed at
+            the end; ``dir`` itself is never created); ``None`` = the system temp directory. Put it
+            on the NVMe you want measured.
         codec: NVMe codec, ``"raw"``, ``"zstd"`` or ``"zstd-planes"``.
         sync: fsync every NVMe commit (the baseline never fsyncs; off by default to compare alike).
         baseline: also run the safetensors-file-per-item baseline.
@@ -740,10 +742,15 @@ def run_demo(
         replay loop) and ``wall_s`` (everything, image loading included), all in seconds.
 
     Raises:
-        ConfigError: an invalid option (the message names it), e.g. an unknown model or codec.
+        ConfigError: an invalid option (the message names it), e.g. an unknown model or codec, or
+            a ``dir`` that is not an existing directory.
         EctierError: the cache could not be opened in ``opts.dir``.
     """
     wall0 = time.perf_counter()
+    if opts.dir is not None and not os.path.isdir(opts.dir):
+        # never create a directory the user named: a typo would leave a stray tree behind
+        raise ConfigError(f"dir (--dir): {opts.dir!r} is not an existing directory; create it first "
+                          "(the demo makes a fresh subdirectory inside it and removes that afterwards)")
     console = console if console is not None else Console()
     note = (lambda msg: None) if quiet else (lambda msg: console.print(f"[yellow]note:[/] {msg}", highlight=False))
     spec = get_model(opts.model)
@@ -767,8 +774,6 @@ def run_demo(
         else:
             baseline_available = True
 
-    if opts.dir is not None:
-        Path(opts.dir).mkdir(parents=True, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="ectier-demo-", dir=opts.dir)
     try:
         config = CacheConfig(
@@ -825,161 +830,6 @@ def run_demo(
         "replay_s": replay_s,
         "wall_s": time.perf_counter() - wall0,
     }
-
-
-# ================================================================================== report
-
-
-def _fmt_gbps(v: Optional[float]) -> str:
-    return "—" if v is None else f"{v:.2f} GB/s"
-
-
-def _fmt_s(v: float) -> str:
-    return f"{v * 1e3:.0f} ms" if v < 1 else f"{v:.2f} s"
-
-
-def print_summary(summary: dict[str, Any], console: Console) -> None:
-    """Render a :func:`run_demo` summary as rich tables on ``console``."""
-    model = summary["model"]
-    ect = summary["ectier"]
-    stats = ect["stats"]
-    budgets = summary["budgets"]
-    unique = summary["unique_bytes"]
-    opts = summary["options"]
-    console.print(
-        f"[bold]ectier demo[/] — {model['name']}, encoder output (N, {model['embed_dim']}) {model['dtype']}; "
-        f"{len(summary['images'])} images from {summary['image_source']}, {format_bytes(unique)} unique; "
-        f"{opts['requests']} requests, Zipf s={opts['zipf']}, seed {opts['seed']}",
-        highlight=False,
-    )
-    if summary["image_source"] == "synthetic":
-        console.print("[yellow]images are synthetic pixels (scikit-image unavailable)[/]")
-
-    imgs = Table(title="working set", title_justify="left", show_edge=False, pad_edge=False)
-    for col, just in (("image", "left"), ("W×H", "right"), ("tokens", "right"), ("bytes", "right"),
-                      ("requests", "right")):
-        imgs.add_column(col, justify=just)
-    for im in sorted(summary["images"], key=lambda r: -r["requests"]):
-        imgs.add_row(im["name"], f"{im['width']}×{im['height']}", str(im["tokens"]),
-                     format_bytes(im["nbytes"]), str(im["requests"]))
-    console.print(imgs)
-
-    def share(x: int) -> str:
-        return f"{x / unique:.0%} of unique" if unique else ""
-
-    console.print(
-        f"budgets: host {format_bytes(budgets['host_bytes'])} ({share(budgets['host_bytes'])}), "
-        f"NVMe {format_bytes(budgets['nvme_bytes'])} ({share(budgets['nvme_bytes'])}), codec {budgets['codec']}, "
-        f"nvme.sync={budgets['sync']}, stores under {budgets['dir']}",
-        highlight=False,
-    )
-
-    tiers = Table(title="tiers (from TieredCache.stats())", title_justify="left", show_edge=False, pad_edge=False)
-    tiers.add_column("")
-    host = stats["tiers"].get("host")
-    nv = stats["tiers"].get("nvme")
-    host_lookups = ect["requests"]
-    nvme_lookups = host_lookups - (host["hits"] if host is not None else 0)
-    cols = []
-    if host is not None:
-        tiers.add_column("host", justify="right")
-        cols.append(("host", host, host_lookups))
-    if nv is not None:
-        tiers.add_column("nvme", justify="right")
-        cols.append(("nvme", nv, nvme_lookups))
-
-    def row(label: str, fn) -> None:
-        tiers.add_row(label, *(fn(name, st, lk) for name, st, lk in cols))
-
-    row("lookups", lambda n, st, lk: str(lk))
-    row("hits", lambda n, st, lk: str(st["hits"]))
-    row("misses", lambda n, st, lk: str(lk - st["hits"]))
-    row("hit bytes", lambda n, st, lk: format_bytes(st["hit_bytes"]))
-    row("puts", lambda n, st, lk: str(st["puts"]))
-    row("put bytes", lambda n, st, lk: format_bytes(st["put_bytes"]))
-    row("evictions", lambda n, st, lk: str(st["evictions"]))
-    row("demotions (to nvme)", lambda n, st, lk: str(st["demotions"]) if n == "host" else "—")
-    row("promotions (to host)", lambda n, st, lk: str(st["promotions"]) if n == "host" else "—")
-    row("drops (lost)", lambda n, st, lk: str(st["drops"]) if n == "host" else "—")
-    row("entries now", lambda n, st, lk: str(st["entries"]))
-    row("used / capacity", lambda n, st, lk: f"{format_bytes(st['used_bytes'])} / {format_bytes(st['capacity_bytes'])}")
-    console.print(tiers)
-    extra = []
-    if host is not None and (host["skipped_too_large"] or host["admission_timeouts"]):
-        extra.append(f"host skipped_too_large={host['skipped_too_large']} admission_timeouts={host['admission_timeouts']}")
-    if nv is not None:
-        flagged = {k: nv[k] for k in ("skipped_too_large", "write_failures", "read_failures", "checksum_failures",
-                                      "quarantined") if nv.get(k)}
-        if flagged:
-            extra.append("nvme " + " ".join(f"{k}={v}" for k, v in flagged.items()))
-    for line in extra:
-        console.print(f"[yellow]{line}[/]", highlight=False)
-
-    res = Table(title="ectier results", title_justify="left", show_header=False, show_edge=False, pad_edge=False)
-    res.add_column("what")
-    res.add_column("value")
-    res.add_row("hit rate (items)", f"{ect['hit_rate']:.1%}  ({ect['hits']} hits: {ect['host_hits']} host, "
-                f"{ect['nvme_hits']} NVMe; {ect['misses']} misses)")
-    res.add_row("hit rate (bytes)", f"{ect['byte_hit_rate']:.1%}  ({format_bytes(ect['hit_bytes'])} of "
-                f"{format_bytes(ect['requested_bytes'])} requested)")
-    res.add_row("get", f"{_fmt_gbps(ect['get_gbps'])}  ({format_bytes(ect['hit_bytes'])} in {_fmt_s(ect['get_s'])}; "
-                f"host hits {_fmt_gbps(ect['get_host_gbps'])}, NVMe hits {_fmt_gbps(ect['get_nvme_gbps'])} "
-                f"incl. promotion)")
-    res.add_row("put", f"{_fmt_gbps(ect['put_gbps'])}  ({format_bytes(ect['put_bytes'])} in {_fmt_s(ect['put_s'])}, "
-                f"evictions and demotions included)")
-    if ect["put_refused"]:
-        res.add_row("puts refused", f"[yellow]{ect['put_refused']} (not cached, request served): "
-                    + "; ".join(f"{k}: {v}" for k, v in ect["put_refusal_reasons"].items()) + "[/]")
-    res.add_row("encoder (stand-in)", f"{_fmt_s(ect['encoder_s'])} spent on {ect['misses']} misses, "
-                f"{_fmt_s(ect['encoder_saved_s'])} saved by {ect['hits']} hits")
-    verdict = ("[green]all byte-exact[/]" if ect["mismatches"] == 0
-               else f"[bold red]{ect['mismatches']} MISMATCHED[/]")
-    res.add_row("verification", f"{ect['hits']} hits vs recomputation: {verdict}")
-    for ex in ect["mismatch_examples"]:
-        res.add_row("", f"[red]request {ex['request']}: {ex['image']} ({ex['tier']} hit) {ex['mm_hash'][:16]}…[/]")
-    res.add_row("time", f"replay {_fmt_s(summary['replay_s'])}, of which ectier cache calls {_fmt_s(ect['cache_s'])}")
-    console.print(res)
-
-    base = summary["baseline"]
-    if base is not None:
-        sp = summary["speedup"]
-        cmp_ = Table(title="vs safetensors file per item (like vLLM's ECExampleConnector)", title_justify="left",
-                     show_edge=False, pad_edge=False)
-        for col in ("op", "ectier", "safetensors per item", "ectier speed-up per byte"):
-            cmp_.add_column(col, justify="left" if col == "op" else "right")
-
-        def speed(x: Optional[float]) -> str:
-            return "—" if x is None else f"{x:.1f}x"
-
-        cmp_.add_row("load", f"{format_bytes(ect['hit_bytes'])} in {_fmt_s(ect['get_s'])}",
-                     f"{format_bytes(base['hit_bytes'])} in {_fmt_s(base['load_s'])}", speed(sp["load"]))
-        cmp_.add_row("save", f"{format_bytes(ect['put_bytes'])} in {_fmt_s(ect['put_s'])}",
-                     f"{format_bytes(base['save_bytes'])} in {_fmt_s(base['save_s'])}", speed(sp["save"]))
-        cmp_.add_row("total", f"{format_bytes(ect['hit_bytes'] + ect['put_bytes'])} in {_fmt_s(ect['cache_s'])}",
-                     f"{format_bytes(base['hit_bytes'] + base['save_bytes'])} in {_fmt_s(base['cache_s'])}",
-                     speed(sp["total"]))
-        console.print(cmp_)
-        for op, word in (("load", "load"), ("save", "save"), ("total", "load+save")):
-            x = sp[op]
-            if x is not None:
-                rel = f"{x:.1f}x faster than" if x >= 1 else f"{1 / x:.1f}x slower than"
-                console.print(f"ectier {word} {rel} safetensors-per-item (seconds per byte)", highlight=False)
-        console.print(
-            "baseline load = load_file + copy out of its lazy file mapping (vLLM loads to the GPU, which "
-            "reads every byte); both sides' page cache is warm",
-            highlight=False,
-        )
-        console.print(
-            f"baseline: {base['hits']} hits / {base['misses']} misses (unbounded disk, never evicts); "
-            f"{base['mismatches']} mismatches; both stores served each request back to back, in alternating order",
-            highlight=False,
-        )
-    ok = summary["ok"]
-    console.print(
-        f"[bold {'green' if ok else 'red'}]{'OK' if ok else 'FAIL'}[/]: {summary['mismatches']} mismatches; "
-        f"total {_fmt_s(summary['wall_s'])}",
-        highlight=False,
-    )
 
 
 def write_json(summary: dict[str, Any], path: str | os.PathLike) -> None:

@@ -6,6 +6,7 @@ budgets far below that, so entries are evicted from the host arena, demoted to N
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import types
@@ -43,6 +44,7 @@ def _run(runner, tmp_path, *args):
 
 
 def test_small_demo_evicts_demotes_promotes_and_verifies(runner, tmp_path):
+    (tmp_path / "stores").mkdir()  # --dir must exist (the demo never creates it)
     result, s = _run(runner, tmp_path, *SMALL, "--quiet", "--dir", str(tmp_path / "stores"))
     assert result.exit_code == 0, result.output
     assert result.output.startswith("OK:")
@@ -84,6 +86,30 @@ def test_demo_prints_the_report(runner, tmp_path):
         assert text in out, text
     assert s["budgets"]["codec"] == "zstd-planes"
     assert s["ectier"]["stats"]["tiers"]["nvme"]["codec"] == "zstd-planes"
+
+
+def test_demo_report_tables_fit_in_80_columns(tmp_path):
+    runner = CliRunner(env={"COLUMNS": "80"})
+    result, s = _run(runner, tmp_path, *SMALL)
+    assert result.exit_code == 0, result.output
+    assert max(len(line) for line in result.output.splitlines()) <= 80
+    # ... and not because rich folded cells: rendered 200 wide, every table line is still <= 80
+    wide = Console(width=200, record=True, file=io.StringIO())
+    demo.print_summary(s, wide)
+    table_lines = [line.rstrip() for line in wide.export_text().splitlines() if any(c in line for c in "│┃━")]
+    assert len(table_lines) > 20
+    assert max(len(line) for line in table_lines) <= 80, max(table_lines, key=len)
+
+
+def test_demo_dir_that_does_not_exist_is_refused_not_created(runner, tmp_path):
+    missing = tmp_path / "no" / "such"
+    result = runner.invoke(main, ["demo", *SMALL, "--quiet", "--dir", str(missing)])
+    assert result.exit_code == 2, result.output
+    assert "--dir" in result.output and "not an existing directory" in result.output
+    assert not (tmp_path / "no").exists()
+    with pytest.raises(ConfigError, match="dir"):
+        demo.run_demo(demo.DemoOptions(dir=str(missing), images=1, requests=1), quiet=True)
+    assert not (tmp_path / "no").exists()
 
 
 def test_demo_verification_catches_altered_bytes(runner, tmp_path, monkeypatch):

@@ -6,6 +6,12 @@
 - **recompute**: no cache; every request costs the encoder time of the cost model.
 
 Per request the store's ``has``/``load`` (hit) or ``save`` (miss) is timed, as ectier's get/put are.
+
+:func:`compare_stores` puts them side by side: encoder seconds still spent plus cache I/O seconds,
+against recomputing everything. That ratio means something only when both come from one machine:
+cache I/O is always measured here, so the cost model must be too (``measured`` or ``scaled``,
+:attr:`CostModel.on_this_machine`); with the H200-fitted model the result says it is *not* like
+with like.
 """
 
 from __future__ import annotations
@@ -15,12 +21,14 @@ import tempfile
 import time
 from typing import Any, Callable, Sequence
 
+from ..config import format_bytes
 from ..demo import SafetensorsPerItemStore
 from .costmodel import CostModel
 from .replay import EntryFactory, percentile
+from .report import fmt
 from .workload import Request
 
-__all__ = ["replay_safetensors", "recompute_only"]
+__all__ = ["replay_safetensors", "recompute_only", "compare_stores", "baseline_rows"]
 
 
 def replay_safetensors(
@@ -94,3 +102,44 @@ def recompute_only(stream: Sequence[Request], cost: CostModel) -> dict[str, Any]
     return {"policy": "recompute (no cache)", "requests": len(stream), "hits": 0, "misses": len(stream),
             "hit_rate": 0.0, "byte_hit_rate": 0.0, "encoder_total_s": total, "encoder_saved_s": 0.0,
             "encoder_spent_s": total, "saved_fraction": 0.0, "get_s": 0.0, "put_s": 0.0}
+
+
+def compare_stores(stores: list[dict[str, Any]], cost: CostModel) -> dict[str, Any]:
+    """Set ``encoder_plus_io_s`` and ``ratio_vs_recompute`` on every row of ``stores`` (in place;
+    the first row is :func:`recompute_only`'s) and say whether the comparison is like with like.
+
+    Returns:
+        ``{"like_with_like": bool, "encoder_seconds": str, "cache_io": str, "text": str}``: like
+        with like when ``cost`` was timed on this machine (cache I/O always is).
+    """
+    rec = stores[0]["encoder_total_s"]
+    for r in stores:
+        r["encoder_plus_io_s"] = r["encoder_spent_s"] + r["get_s"] + r["put_s"]
+        r["ratio_vs_recompute"] = r["encoder_plus_io_s"] / rec if rec else None
+    like = cost.on_this_machine
+    if like:
+        text = (f"like with like: encoder seconds and cache I/O both from this machine "
+                f"(encoder: {cost.description}).")
+    else:
+        text = (f"NOT like with like: encoder seconds are {cost.description}, cache I/O is measured on this "
+                "machine, so 'vs recompute' mixes two machines (--cost-model auto, scaled or measured times "
+                "the encoder here).")
+    return {"like_with_like": like, "encoder_seconds": cost.description, "cache_io": "measured on this machine",
+            "text": text}
+
+
+def baseline_rows(stores: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """Table headers and rows of :func:`compare_stores`'s output (seconds, %, bytes as text)."""
+    headers = ["store", "hit %", "encoder s", "cache I/O s", "encoder + I/O s", "vs recompute", "get p50 ms",
+               "put p50 ms", "disk used"]
+    rows = []
+    for r in stores:
+        disk = r.get("disk_bytes", r.get("nvme_bytes"))
+        ratio = r["ratio_vs_recompute"]
+        rows.append([r["policy"] if "host_bytes" not in r else f"ectier {r['policy']}", fmt(r["hit_rate"], "pct"),
+                     fmt(r["encoder_spent_s"], "s"), fmt(r["get_s"] + r["put_s"], "s"),
+                     fmt(r["encoder_plus_io_s"], "s"),
+                     f"{ratio:.3g}x" if ratio is not None else "-",
+                     fmt(r.get("get_hit_p50_s"), "ms"), fmt(r.get("put_p50_s"), "ms"),
+                     format_bytes(disk) + (" (budget)" if "host_bytes" in r else "") if disk is not None else "-"])
+    return headers, rows

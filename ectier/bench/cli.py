@@ -62,11 +62,11 @@ def _machine() -> dict[str, Any]:
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
-def _cost(choice: str):
+def _cost(choice: str, cpu_fallback: str = "fitted"):
     from .costmodel import resolve_cost_model
 
     try:
-        return resolve_cost_model(choice)
+        return resolve_cost_model(choice, cpu_fallback=cpu_fallback)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--cost-model") from None
 
@@ -95,12 +95,26 @@ def _out_dir(ctx, param, value):
     return value
 
 
+def _plot(console: Console, written: list[str], path: str, draw) -> None:
+    """Run ``draw()`` (which writes the PNG at ``path``) after the JSON and markdown are on disk;
+    without matplotlib print one note line instead, so the command still exits 0 with its results."""
+    from .report import try_plot
+
+    reason = try_plot(draw)
+    if reason is None:
+        written.append(os.path.basename(path))
+    else:
+        console.print(f"note: {reason}", soft_wrap=True, highlight=False, markup=False)
+
+
 def _common(f):
     f = click.option("--out", "out", default="bench-results", show_default=True, type=click.Path(file_okay=False),
                      callback=_out_dir, help="directory for JSON, markdown and PNG results")(f)
     f = click.option("--cost-model", default="auto", show_default=True,
-                     type=click.Choice(["auto", "fitted", "measured"]),
-                     help="recompute cost: auto = measured with CUDA, else fitted to H200 figures (docs/benchmarks.md)")(f)
+                     type=click.Choice(["auto", "fitted", "measured", "scaled"]),
+                     help="recompute cost: auto = measured with CUDA, else fitted to H200 figures (docs/benchmarks.md) "
+                          "(baseline: else scaled, i.e. timed on this CPU); scaled = 1 ViT block timed here, "
+                          "scaled to 27")(f)
     f = click.option("--workdir", default=None, type=click.Path(file_okay=False, exists=True, writable=True),
                      help="existing directory where temporary NVMe stores go (default: system temp dir)")(f)
     f = click.option("--quiet", "-q", is_flag=True, help="no progress bars")(f)
@@ -230,18 +244,20 @@ def replay_cmd(out, cost_model, workdir, quiet, trace, requests, items, zipf, se
                         + [fmt(sel[p]["saved_fraction"], "pct") for p in policies])
         print_table(console, f"hit rate vs capacity (entries scaled 1/{curve_scale} in width, budgets alike)", ch, crow)
         md += ["\n", markdown_table(ch, crow)]
-        plot_curve(points, os.path.join(out, "replay_curve.png"), f"({summ['requests']} requests)")
     if comparison.get("text"):
         console.print(comparison["text"])
         md.append("\n" + comparison["text"] + "\n")
     if any(r["mismatches"] for r in runs) or any(q["mismatches"] for q in points):
         console.print("[red]byte mismatches on hits: see replay.json[/red]")
-    console.print(f"wrote {out}/replay.json, replay.md{', replay_curve.png' if points else ''} "
-                  f"in {result['elapsed_s']:.1f} s")
     result["elapsed_s"] = time.perf_counter() - t_all
     write_json(result, os.path.join(out, "replay.json"))
     with open(os.path.join(out, "replay.md"), "w") as f:
         f.write("".join(md))
+    written = ["replay.json", "replay.md"]
+    if points:
+        png = os.path.join(out, "replay_curve.png")
+        _plot(console, written, png, lambda: plot_curve(points, png, f"({summ['requests']} requests)"))
+    console.print(f"wrote {out}/{', '.join(written)} in {result['elapsed_s']:.1f} s")
 
 
 def _compare(runs: list[dict[str, Any]], points: list[dict[str, Any]]) -> dict[str, Any]:
@@ -280,14 +296,18 @@ def _compare(runs: list[dict[str, Any]], points: list[dict[str, Any]]) -> dict[s
 @click.option("--nvme-bytes", callback=_bytes, default=None, help="ectier NVMe budget (default as replay)")
 def baseline_cmd(out, cost_model, workdir, quiet, trace, requests, items, zipf, seed, max_tokens, host_bytes,
                  nvme_bytes) -> None:
-    """The same stream through the safetensors-per-item store, recomputation, and ectier (LRU, GDSF)."""
-    from .baseline import recompute_only, replay_safetensors
+    """The same stream through the safetensors-per-item store, recomputation, and ectier (LRU, GDSF).
+
+    Encoder seconds come from this machine by default (CUDA: the measured tower; else one block timed
+    on the CPU and scaled), like the cache I/O; the output says whether the comparison is like with like."""
+    from .baseline import baseline_rows, compare_stores, recompute_only, replay_safetensors
     from .replay import default_budgets, replay_stream
+    from .report import plot_baseline
     from .workload import stream_summary
 
     console = _console()
     t_all = time.perf_counter()
-    cost = _cost(cost_model)
+    cost = _cost(cost_model, cpu_fallback="scaled")  # like with like: this machine's encoder seconds
     stream, source = _stream(trace, requests, items, zipf, seed, max_tokens)
     summ = stream_summary(stream)
     dh, dn = default_budgets(summ["unique_bytes"])
@@ -301,40 +321,49 @@ def baseline_cmd(out, cost_model, workdir, quiet, trace, requests, items, zipf, 
             t = prog.add_task(f"ectier {p}", total=len(stream))
             rows_out.append(replay_stream(stream, cost, policy=p, host_bytes=host_bytes, nvme_bytes=nvme_bytes,
                                           workdir=workdir, advance=lambda k, t=t: prog.advance(t, k)))
-    rec = rows_out[0]["encoder_total_s"]
-    headers = ["store", "hit %", "encoder s", "cache I/O s", "encoder + I/O s", "vs recompute", "get p50 ms",
-               "put p50 ms", "disk used"]
-    rows = []
-    for r in rows_out:
-        total = r["encoder_spent_s"] + r["get_s"] + r["put_s"]
-        r["encoder_plus_io_s"] = total
-        r["ratio_vs_recompute"] = total / rec if rec else None
-        disk = r.get("disk_bytes", r.get("nvme_bytes"))
-        rows.append([r["policy"] if "host_bytes" not in r else f"ectier {r['policy']}", fmt(r["hit_rate"], "pct"),
-                     fmt(r["encoder_spent_s"], "s"), fmt(r["get_s"] + r["put_s"], "s"), fmt(total, "s"),
-                     f"{r['ratio_vs_recompute']:.2f}x" if r["ratio_vs_recompute"] is not None else "-",
-                     fmt(r.get("get_hit_p50_s"), "ms"), fmt(r.get("put_p50_s"), "ms"),
-                     format_bytes(disk) + (" (budget)" if "host_bytes" in r else "") if disk is not None else "-"])
+    comparison = compare_stores(rows_out, cost)
+    headers, rows = baseline_rows(rows_out)
     title = (f"baseline: {summ['requests']} requests, working set {format_bytes(summ['unique_bytes'])}; "
              f"encoder seconds from {cost.description}; cache I/O measured on this machine")
     print_table(console, title, headers, rows)
-    result = {"command": "baseline", "machine": _machine(), "cost_model": cost.to_dict(),
+    console.print(comparison["text"], style=None if comparison["like_with_like"] else "yellow", markup=False)
+    result = {"command": "baseline", "machine": _machine(), "cost_model": cost.to_dict(), "comparison": comparison,
               "workload": {**source, **summ}, "stores": rows_out, "elapsed_s": time.perf_counter() - t_all}
     os.makedirs(out, exist_ok=True)
     write_json(result, os.path.join(out, "baseline.json"))
     with open(os.path.join(out, "baseline.md"), "w") as f:
-        f.write(f"### baseline\n\n{title}\n\n" + markdown_table(headers, rows))
-    console.print(f"wrote {out}/baseline.json, baseline.md in {result['elapsed_s']:.1f} s")
+        f.write(f"### baseline\n\n{title}\n\n" + markdown_table(headers, rows) + f"\n{comparison['text']}\n")
+    written = ["baseline.json", "baseline.md"]
+    png = os.path.join(out, "baseline.png")
+    _plot(console, written, png, lambda: plot_baseline(rows_out, png, comparison))
+    console.print(f"wrote {out}/{', '.join(written)} in {result['elapsed_s']:.1f} s")
 
 
 # ===================================================================================== tiers
 
 
+def _noise_cell(r: dict[str, Any]) -> str:
+    if "noise" not in r:  # a tiers.json from before noise detection
+        return "?"
+    tries = f" ({r['attempts']} tries)" if r["attempts"] > 1 else ""
+    return ("NOISY" if r["noisy"] else "ok") + tries
+
+
 def _tiers_rows(data: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    headers = ["tier", "op", "impl", "N", "entry", "GB/s", "p50 ms", "p99 ms", "reps"]
+    headers = ["tier", "op", "impl", "N", "entry", "GB/s", "p50 ms", "p99 ms", "reps", "noise"]
     rows = [[r["tier"], r["op"], r["impl"], str(r["num_tokens"]), format_bytes(r["nbytes"]), fmt(r["gbps"], "gbps"),
-             fmt(r["p50_s"], "ms"), fmt(r["p99_s"], "ms"), str(r["reps"])] for r in data["rows"]]
+             fmt(r["p50_s"], "ms"), fmt(r["p99_s"], "ms"), str(r["reps"]), _noise_cell(r)] for r in data["rows"]]
     return headers, rows
+
+
+def _noise_warning(console: Console, data: dict[str, Any]) -> str | None:
+    """Print (yellow) and return the noisy-run line of a tiers result, if any."""
+    from .noise import noise_summary
+
+    text = noise_summary(data["rows"], (data.get("noise") or {}).get("other_cpu"))
+    if text:
+        console.print(text, style="yellow", markup=False, highlight=False)
+    return text
 
 
 def _tokens_list(ctx, param, value):
@@ -352,7 +381,7 @@ def _tokens_list(ctx, param, value):
     return tuple(sorted(set(ns)))
 
 
-def _run_tiers(console, quiet, max_tokens, tokens, sync, workdir, budget):
+def _run_tiers(console, quiet, max_tokens, tokens, sync, workdir, budget, retries=2):
     from .tiers import DEFAULT_TOKENS, FULL_TOKENS, measure_tiers
 
     if tokens:
@@ -362,7 +391,8 @@ def _run_tiers(console, quiet, max_tokens, tokens, sync, workdir, budget):
                    if n <= (max_tokens or 4096))
     with _progress(console, quiet) as prog:
         t = prog.add_task("tiers", total=2 * len(ns))
-        return measure_tiers(ns, sync=sync, workdir=workdir, budget_bytes=budget, advance=lambda k: prog.advance(t, k))
+        return measure_tiers(ns, sync=sync, workdir=workdir, budget_bytes=budget, retries=retries,
+                             advance=lambda k: prog.advance(t, k))
 
 
 @bench.command("tiers")
@@ -376,25 +406,34 @@ def _run_tiers(console, quiet, max_tokens, tokens, sync, workdir, budget):
 @click.option("--sync/--no-sync", default=True, show_default=True, help="fsync NVMe writes (LMDB and raw)")
 @click.option("--budget-bytes", callback=_bytes, default="512MiB", show_default=True,
               help="about how many bytes each measurement moves")
-def tiers_cmd(out, workdir, quiet, max_tokens, tokens, sync, budget_bytes) -> None:
-    """put/get GB/s and p50/p99 per tier vs its physical reference (memcpy, raw file I/O, O_DIRECT, pinned copies)."""
+@click.option("--retries", default=2, show_default=True, type=click.IntRange(0),
+              help="repeat a noisy measurement (spread, disturbed median, other load) up to this many times")
+def tiers_cmd(out, workdir, quiet, max_tokens, tokens, sync, budget_bytes, retries) -> None:
+    """put/get GB/s and p50/p99 per tier vs its physical reference (memcpy, raw file I/O, O_DIRECT, pinned copies).
+
+    Noisy measurements are repeated, and what stays noisy is flagged in the table, the JSON and one warning line."""
     from .report import plot_tiers
 
     console = _console()
     t0 = time.perf_counter()
-    data = _run_tiers(console, quiet, max_tokens, tokens, sync, workdir, budget_bytes)
+    data = _run_tiers(console, quiet, max_tokens, tokens, sync, workdir, budget_bytes, retries)
     headers, rows = _tiers_rows(data)
     print_table(console, f"tiers (sync={sync})", headers, rows)
     for s in data["skipped"]:
         console.print(f"skipped {s['what']}: {s['reason']}")
+    warning = _noise_warning(console, data)
+    data["noise"]["warning"] = warning
     data.update(command="tiers", machine=_machine(), elapsed_s=time.perf_counter() - t0)
     os.makedirs(out, exist_ok=True)
     write_json(data, os.path.join(out, "tiers.json"))
-    plot_tiers(data["rows"], os.path.join(out, "tiers.png"))
     with open(os.path.join(out, "tiers.md"), "w") as f:
         f.write("### tiers\n\n" + markdown_table(headers, rows)
-                + "".join(f"\nskipped {s['what']}: {s['reason']}\n" for s in data["skipped"]))
-    console.print(f"wrote {out}/tiers.json, tiers.md, tiers.png in {data['elapsed_s']:.1f} s")
+                + "".join(f"\nskipped {s['what']}: {s['reason']}\n" for s in data["skipped"])
+                + (f"\n**{warning}**\n" if warning else ""))
+    written = ["tiers.json", "tiers.md"]
+    png = os.path.join(out, "tiers.png")
+    _plot(console, written, png, lambda: plot_tiers(data["rows"], png))
+    console.print(f"wrote {out}/{', '.join(written)} in {data['elapsed_s']:.1f} s")
 
 
 # ================================================================================= crossover
@@ -434,13 +473,18 @@ def crossover_cmd(out, cost_model, workdir, quiet, tiers_json, max_tokens, token
              d["verdict"]] for t, d in cross.items()]
     title = f"crossover (recompute: {cost.description}; load: measured on this machine, sync writes irrelevant)"
     print_table(console, title, headers, rows)
+    warning = _noise_warning(console, data)
     result = {"command": "crossover", "machine": _machine(), "cost_model": cost.to_dict(), "tiers": cross,
-              "skipped": data.get("skipped", []), "elapsed_s": time.perf_counter() - t0}
+              "skipped": data.get("skipped", []), "noise": {**(data.get("noise") or {}), "warning": warning},
+              "elapsed_s": time.perf_counter() - t0}
     os.makedirs(out, exist_ok=True)
     write_json(result, os.path.join(out, "crossover.json"))
-    grid = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-    plot_crossover(cross, [(n, cost.seconds(n)) for n in grid if n <= max_tokens], os.path.join(out, "crossover.png"),
-                   cost.source)
     with open(os.path.join(out, "crossover.md"), "w") as f:
-        f.write(f"### crossover\n\n{title}\n\n" + markdown_table(headers, rows))
-    console.print(f"wrote {out}/crossover.json, crossover.md, crossover.png in {result['elapsed_s']:.1f} s")
+        f.write(f"### crossover\n\n{title}\n\n" + markdown_table(headers, rows)
+                + (f"\n**{warning}**\n" if warning else ""))
+    grid = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+    written = ["crossover.json", "crossover.md"]
+    png = os.path.join(out, "crossover.png")
+    _plot(console, written, png, lambda: plot_crossover(cross, [(n, cost.seconds(n)) for n in grid if n <= max_tokens],
+                                                        png, cost.source))
+    console.print(f"wrote {out}/{', '.join(written)} in {result['elapsed_s']:.1f} s")

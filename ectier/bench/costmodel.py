@@ -16,6 +16,14 @@ Two sources, never mixed within one report (every result carries :attr:`CostMode
   ``torch.nn.functional.scaled_dot_product_attention`` at several N; ``a + b*N + c*N**2`` is then a
   least-squares fit of those timings. No ``transformers`` needed. On a CPU this takes seconds per
   forward pass, so it is only used when asked for (``--cost-model measured``) or on CUDA (``auto``).
+- **scaled** (this machine, in seconds): the same tower cut to ``blocks`` blocks (default 1) and
+  timed on this machine's CPU at a few small N; the timings give seconds per FLOP (least squares
+  ``t = a + alpha * flops(N)``, ``a >= 0``), which :func:`tower_flop_terms` turns into the full
+  27-block tower's ``b`` and ``c``. Matmuls and attention only (layer norms, GELU and copies are
+  left out), and small-N efficiency is applied at every N, so it is an estimate of what running
+  the real tower here would take - but it is *this* machine's, comparable with I/O measured here.
+  ``ectier bench baseline`` uses it by default without CUDA, so that "vs recompute" compares like
+  with like.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ __all__ = [
     "fitted_cost_model",
     "measured_cost_model",
     "resolve_cost_model",
+    "scaled_cost_model",
+    "tower_flop_terms",
     "VisionTower",
     "BACKGROUND_POINTS",
 ]
@@ -46,7 +56,8 @@ class CostModel:
         a_s: fixed seconds per encoder call.
         b_s_per_token: seconds per token.
         c_s_per_token2: seconds per token squared (attention); 0 for the fitted model.
-        source: ``"fitted"`` or ``"measured"``.
+        source: ``"fitted"``, ``"measured"`` or ``"scaled"``; the last two are on this machine
+            (:attr:`on_this_machine`).
         description: what the report prints, e.g. ``"model fitted to background.md H200 figures"``
             or ``"measured on cuda:0 (NVIDIA H200)"``.
         points: the ``(N, seconds)`` pairs it was fitted to.
@@ -58,6 +69,11 @@ class CostModel:
     source: str
     description: str
     points: tuple[tuple[int, float], ...] = field(default=())
+
+    @property
+    def on_this_machine(self) -> bool:
+        """True when the seconds come from timings on the machine running the benchmark."""
+        return self.source in ("measured", "scaled")
 
     def seconds(self, num_tokens: int) -> float:
         """Recompute seconds for an image of ``num_tokens`` tokens (>= 0). Raises ValueError if negative."""
@@ -213,18 +229,92 @@ def measured_cost_model(
     return CostModel(float(a), float(b), float(c), "measured", desc, pts)
 
 
-def resolve_cost_model(choice: str = "auto", **measure_kw: Any) -> CostModel:
-    """``"fitted"`` -> :func:`fitted_cost_model`; ``"measured"`` -> :func:`measured_cost_model`;
-    ``"auto"`` -> measured when CUDA is available, else fitted (measuring on a CPU is slow).
+def tower_flop_terms(depth: int = 27) -> tuple[float, float]:
+    """FLOPs of :class:`VisionTower` of ``depth`` blocks as ``(per_token, per_token_squared)``:
+    ``flops(N) = per_token * N + per_token_squared * N**2`` (matmuls: 2 FLOPs per multiply-add;
+    attention over ``4N`` patches: ``QK^T`` and ``AV``, ``2 * (4N)**2 * hidden`` each per block;
+    a main merger plus one per deepstack tap reached). Raises ValueError if ``depth < 0``."""
+    if depth < 0:
+        raise ValueError(f"depth: must be >= 0, got {depth}")
+    t = VisionTower
+    h, p = t.HIDDEN, 4  # 4 patches per token (merge 2x2)
+    taps = sum(1 for d in t.DEEPSTACK if d <= depth)
+    per_token = (2 * p * t.PATCH_IN * h + depth * 2 * p * (4 * h * h + 2 * h * t.MLP)
+                 + (1 + taps) * 2 * (t.MERGE_IN * t.MERGE_IN + t.MERGE_IN * t.OUT))
+    return float(per_token), float(depth * 4 * p * p * h)
+
+
+def scaled_cost_model(
+    tokens: Sequence[int] = (16, 32, 64), *, blocks: int = 1, repeats: int = 1, full_depth: int = 27
+) -> CostModel:
+    """Time a ``blocks``-block :class:`VisionTower` on this CPU, scale to ``full_depth`` by FLOPs.
+
+    Takes a few seconds with the defaults (weights about 0.2 GB, float32). See the module docstring.
+    A noisy timing (not growing with N, or other processes using most of the CPU meanwhile) is
+    kept but said in the description: ``(NOISY: ...)``.
+
+    Args:
+        tokens: N values to time (>= 1 each, at least 2 distinct).
+        blocks: blocks of the timed stack (>= 1; its one merger is timed too).
+        repeats: timed passes per N (median taken; one warm-up pass before the first N).
+        full_depth: blocks of the tower whose cost is modelled (27 = Qwen3-VL).
 
     Raises:
-        ValueError: an unknown ``choice``.
+        ValueError: fewer than 2 distinct ``tokens``, or ``blocks`` < 1.
     """
+    import numpy as np
+
+    ns = sorted(set(int(n) for n in tokens))
+    if len(ns) < 2 or ns[0] < 1:
+        raise ValueError(f"tokens: need at least 2 distinct values >= 1, got {list(tokens)}")
+    if blocks < 1:
+        raise ValueError(f"blocks: must be >= 1, got {blocks}")
+    from .noise import CpuProbe, NoiseThresholds
+
+    tower = VisionTower("cpu", depth=blocks)
+    probe = CpuProbe()
+    probe.start()
+    pts = tuple((n, tower.time_forward(n, repeats=repeats, warmup=1 if i == 0 else 0)) for i, n in enumerate(ns))
+    other = probe.stop()
+    lin, quad = tower_flop_terms(blocks)
+    flops = np.array([lin * n + quad * n * n for n, _ in pts])
+    secs = np.array([t for _, t in pts])
+    alpha, a = np.polyfit(flops, secs, 1)
+    if a < 0 or alpha <= 0:  # noise: fall back to a line through the origin
+        a, alpha = 0.0, float(np.dot(flops, secs) / np.dot(flops, flops))
+    full_lin, full_quad = tower_flop_terms(full_depth)
+    desc = (f"{blocks} of {full_depth} ViT blocks timed on this machine's CPU at N={','.join(map(str, ns))} "
+            f"({1e-9 / alpha:.1f} GFLOP/s), scaled to {full_depth} blocks by FLOPs")
+    noise = []
+    if any(t1 <= t0 for (_, t0), (_, t1) in zip(pts, pts[1:])):
+        noise.append("timings do not grow with N")
+    if other is not None and other > NoiseThresholds().max_other_cpu:
+        noise.append(f"other processes used {other:.0%} of the CPU")
+    if noise:
+        desc += f" (NOISY: {'; '.join(noise)})"
+    return CostModel(float(a), float(alpha * full_lin), float(alpha * full_quad), "scaled", desc, pts)
+
+
+def resolve_cost_model(choice: str = "auto", *, cpu_fallback: str = "fitted", **measure_kw: Any) -> CostModel:
+    """``"fitted"`` -> :func:`fitted_cost_model`; ``"measured"`` -> :func:`measured_cost_model`;
+    ``"scaled"`` -> :func:`scaled_cost_model`; ``"auto"`` -> measured when CUDA is available, else
+    ``cpu_fallback`` (``"fitted"``: measuring the whole tower on a CPU is slow; ``"scaled"``: this
+    machine's seconds, for comparisons with I/O measured here).
+
+    Raises:
+        ValueError: an unknown ``choice`` or ``cpu_fallback``.
+    """
+    if cpu_fallback not in ("fitted", "scaled"):
+        raise ValueError(f"cpu_fallback: expected fitted or scaled, got {cpu_fallback!r}")
     if choice == "fitted":
         return fitted_cost_model()
     if choice == "measured":
         return measured_cost_model(**measure_kw)
+    if choice == "scaled":
+        return scaled_cost_model(**measure_kw)
     if choice == "auto":
         torch = _torch()
-        return measured_cost_model(**measure_kw) if torch.cuda.is_available() else fitted_cost_model()
-    raise ValueError(f"cost model: expected auto, fitted or measured, got {choice!r}")
+        if torch.cuda.is_available():
+            return measured_cost_model(**measure_kw)
+        return fitted_cost_model() if cpu_fallback == "fitted" else scaled_cost_model(**measure_kw)
+    raise ValueError(f"cost model: expected auto, fitted, measured or scaled, got {choice!r}")

@@ -4,6 +4,8 @@ Load time per tier is the measured ``get`` p50 of ``ectier`` rows of :func:`ecti
 (``gpu`` rows: the ``h2d`` op), interpolated linearly between measured N (and extrapolated from the
 last two points up to ``max_tokens``); recompute time is the :class:`CostModel`. The crossover is the
 smallest N on a dense grid where ``load(N) >= recompute(N)``; ``None`` = "never within range".
+Load rows that :mod:`ectier.bench.noise` flagged ``noisy`` are listed per tier (``noisy_tokens``)
+and named in the verdict: a crossover from them is not to be trusted.
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ def crossover(tier_rows: list[dict[str, Any]], cost: CostModel, *, min_tokens: i
 
     Returns:
         ``{tier: {"points": [[N, load_s, recompute_s], ...], "crossover_tokens": int | None,
-        "verdict": str}}`` for each tier with at least one ``ectier`` load row.
+        "verdict": str, "noisy_tokens": [N, ...]}}`` for each tier with at least one ``ectier`` load
+        row (``noisy_tokens``: the N whose load row is flagged ``noisy``).
     """
     out: dict[str, Any] = {}
     for tier, op in (("host", "get"), ("nvme", "get"), ("gpu", "h2d")):
-        pts = sorted((r["num_tokens"], r["p50_s"]) for r in tier_rows
-                     if r["tier"] == tier and r["op"] == op and r["impl"] == "ectier")
+        mine = [r for r in tier_rows if r["tier"] == tier and r["op"] == op and r["impl"] == "ectier"]
+        pts = sorted((r["num_tokens"], r["p50_s"]) for r in mine)
+        noisy = sorted(r["num_tokens"] for r in mine if r.get("noisy"))
         if not pts:
             continue
         ns = np.array([p[0] for p in pts], dtype=float)
@@ -53,7 +57,9 @@ def crossover(tier_rows: list[dict[str, Any]], cost: CostModel, *, min_tokens: i
         n_x = int(grid[worse[0]]) if len(worse) else None
         verdict = (f"loading stops winning at N = {n_x} tokens" if n_x is not None
                    else f"never within range (loading wins for all N in {min_tokens}..{max_tokens})")
+        if noisy:
+            verdict += f" (NOISY load rows at N = {', '.join(map(str, noisy))}: unreliable)"
         out[tier] = {"points": [[int(n), float(t), cost.seconds(int(n))] for n, t in pts],
-                     "crossover_tokens": n_x, "verdict": verdict,
+                     "crossover_tokens": n_x, "verdict": verdict, "noisy_tokens": noisy,
                      "extrapolated_above_tokens": int(ns[-1])}
     return out

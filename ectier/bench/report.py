@@ -1,15 +1,38 @@
-"""Output of ``ectier bench``: JSON, markdown tables, rich tables on the console, PNG plots (Agg)."""
+"""Output of ``ectier bench``: JSON, markdown tables, rich tables on the console, PNG plots (Agg).
+
+Plots need matplotlib (the ``demo`` and ``bench`` extras bring it). Without it every ``plot_*``
+raises :class:`PlotsUnavailable`; :func:`try_plot` turns that into a one-line reason, so a command
+still writes its JSON and markdown (they are written before any plot).
+"""
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["write_json", "markdown_table", "print_table", "fmt", "plot_curve", "plot_tiers", "plot_crossover"]
+__all__ = ["write_json", "markdown_table", "print_table", "fmt", "plot_curve", "plot_tiers", "plot_crossover",
+           "plot_baseline", "PlotsUnavailable", "try_plot"]
+
+#: What to install for the plots.
+PLOT_HINT = "pip install 'ectier[bench]' (or 'ectier[demo]')"
+
+
+class PlotsUnavailable(ImportError):
+    """matplotlib cannot be imported; the message says what to install."""
+
+
+def try_plot(plot: Callable[..., None], *args: Any, **kwargs: Any) -> str | None:
+    """Call ``plot(*args, **kwargs)``; None once it wrote its file, else the reason it could not
+    (matplotlib missing: :class:`PlotsUnavailable`'s message). Other errors propagate."""
+    try:
+        plot(*args, **kwargs)
+    except PlotsUnavailable as exc:
+        return str(exc)
+    return None
 
 
 def fmt(v: Any, kind: str = "") -> str:
@@ -56,7 +79,10 @@ def print_table(console: Console, title: str, headers: Sequence[str], rows: Sequ
 
 
 def _plt():
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise PlotsUnavailable(f"matplotlib is not installed ({exc}); plots skipped ({PLOT_HINT})") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -123,6 +149,38 @@ def plot_crossover(cross: dict[str, Any], cost_points: list[tuple[int, float]], 
     ax.set_title(f"load vs recompute ({cost_label})", fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_baseline(stores: list[dict[str, Any]], path: str | os.PathLike, comparison: dict[str, Any]) -> None:
+    """Per store: encoder seconds still spent + cache I/O seconds (stacked), and the ratio to recomputing
+    everything; the title says whether both come from this machine (``comparison["like_with_like"]``)."""
+    plt = _plt()
+    names = [r["policy"] if "host_bytes" not in r else f"ectier {r['policy']}" for r in stores]
+    enc = [r["encoder_spent_s"] for r in stores]
+    io = [r["get_s"] + r["put_s"] for r in stores]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), dpi=80)
+    y = list(range(len(stores)))
+    axes[0].barh(y, enc, label="encoder (misses)")
+    axes[0].barh(y, io, left=enc, label="cache I/O")
+    axes[0].set_xlabel("seconds")
+    axes[0].legend(fontsize=7)
+    ratios = [r["ratio_vs_recompute"] or 0.0 for r in stores]
+    axes[1].barh(y, ratios, color="grey")
+    axes[1].axvline(1.0, color="k", linewidth=0.8)
+    axes[1].set_xlim(0, 1.3 * max(ratios + [1.0]))
+    axes[1].set_xlabel("encoder + I/O vs recompute (x)")
+    for ax in axes:
+        ax.set_yticks(y)
+        ax.set_yticklabels(names if ax is axes[0] else [""] * len(y), fontsize=7)
+        ax.invert_yaxis()
+        ax.grid(alpha=0.3, axis="x")
+    for i, r in enumerate(ratios):
+        axes[1].text(r, i, f" {r:.3g}x", va="center", fontsize=7)
+    kind = "like with like (this machine)" if comparison["like_with_like"] else "NOT like with like (two machines)"
+    fig.suptitle(f"baseline: {kind}\nencoder: {comparison['encoder_seconds']}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -12,7 +12,10 @@ For every entry size N (tokens; an entry is ``(N, 8192)`` bfloat16 = ``N * 16 Ki
   CUDA tensor vs the reference, raw pinned ``copy_`` H2D / D2H. Skipped with a reason otherwise.
 
 Each row: ``tier, op, impl ("ectier" | "reference" | "reference-odirect"), num_tokens, nbytes,
-gbps (bytes / median seconds / 1e9), p50_s, p99_s, reps``.
+gbps (bytes / median seconds / 1e9), p50_s, p99_s, reps``, plus noise detection
+(:mod:`ectier.bench.noise`): ``noisy`` (bool), ``attempts`` (a noisy measurement is repeated up to
+``retries`` times, the cleanest kept) and ``noise`` (spread p90/p50, p50/min, other processes'
+CPU share, reasons). The host memcpy reference must beat ``min_reference_gbps``: slower is noise.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 
 from ..cache import TieredCache
 from ..config import CacheConfig, HostTierConfig, NvmeTierConfig
+from .noise import CpuProbe, NoiseThresholds, measure_until_quiet
 
 __all__ = ["DEFAULT_TOKENS", "FULL_TOKENS", "measure_tiers", "reps_for"]
 
@@ -51,16 +55,34 @@ def _row(tier: str, op: str, impl: str, n: int, nbytes: int, times: list[float])
             "p50_s": med, "p99_s": float(np.percentile(arr, 99)), "reps": len(times)}
 
 
-def _timeit(fn: Callable[[int], None], reps: int, sync: Callable[[], None] = lambda: None) -> list[float]:
+def _timeit(fn: Callable[[int], None], reps: int, sync: Callable[[], None], clock: Callable[[], float]) -> list[float]:
     fn(-1)  # warm-up
     sync()
     out = []
     for i in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn(i)
         sync()
-        out.append(time.perf_counter() - t0)
+        out.append(clock() - t0)
     return out
+
+
+class _Timer:
+    """Times one (tier, op, impl, N) measurement into a row, repeating it while it is noisy."""
+
+    def __init__(self, clock: Callable[[], float], probe: CpuProbe | None, thresholds: NoiseThresholds,
+                 retries: int) -> None:
+        self.clock, self.probe, self.thresholds, self.retries = clock, probe, thresholds, retries
+
+    def row(self, tier: str, op: str, impl: str, n: int, nbytes: int, fn: Callable[[int], None], reps: int,
+            sync: Callable[[], None] = lambda: None) -> dict[str, Any]:
+        floor = None
+        if tier == "host" and impl == "reference":  # memcpy: the hardware beats this for sure
+            floor = nbytes / (self.thresholds.min_reference_gbps * 1e9)
+        times, noise = measure_until_quiet(lambda: _timeit(fn, reps, sync, self.clock), probe=self.probe,
+                                           thresholds=self.thresholds, retries=self.retries, max_p50_s=floor)
+        return {**_row(tier, op, impl, n, nbytes, times), "noisy": noise["noisy"], "attempts": noise["attempts"],
+                "noise": noise}
 
 
 def _aligned(nbytes: int) -> tuple[mmap.mmap, memoryview]:
@@ -97,6 +119,10 @@ def measure_tiers(
     workdir: str | None = None,
     budget_bytes: int = 512 * MiB,
     advance: Callable[[int], None] | None = None,
+    retries: int = 2,
+    thresholds: NoiseThresholds = NoiseThresholds(),
+    clock: Callable[[], float] = time.perf_counter,
+    probe: CpuProbe | None = None,
 ) -> dict[str, Any]:
     """Measure every tier at every N in ``tokens``; see the module docstring.
 
@@ -107,15 +133,26 @@ def measure_tiers(
             the disk you want to measure.
         budget_bytes: about how many bytes each (tier, op, N) moves (sets the repetitions).
         advance: called with 1 after each (N, tier) step.
+        retries: extra attempts of a measurement that came out noisy (>= 0).
+        thresholds: what counts as noisy (:class:`~ectier.bench.noise.NoiseThresholds`).
+        clock: seconds, monotonic (injectable for tests).
+        probe: other processes' CPU share (default: a ``/proc/stat`` :class:`~ectier.bench.noise.CpuProbe`).
 
     Returns:
-        ``{"rows": [...], "skipped": [{"what", "reason"}], "sync": bool, "workdir": str}``.
+        ``{"rows": [...], "skipped": [{"what", "reason"}], "sync": bool, "workdir": str,
+        "noise": {"noisy_rows", "retries", "thresholds", "other_cpu" (whole run; None if unknown)}}``.
 
     Raises:
-        ValueError: a token count < 1. Errors from torch / LMDB / the OS propagate.
+        ValueError: a token count < 1, or ``retries`` < 0. Errors from torch / LMDB / the OS propagate.
     """
     if any(n < 1 for n in tokens):
         raise ValueError(f"tokens: each must be >= 1, got {list(tokens)}")
+    if retries < 0:
+        raise ValueError(f"retries: must be >= 0, got {retries}")
+    probe = probe if probe is not None else CpuProbe()
+    timer = _Timer(clock, probe, thresholds, retries)
+    run_probe = CpuProbe()
+    run_probe.start()
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
     tmp = tempfile.mkdtemp(prefix="ectier-tiers-", dir=workdir)
@@ -133,16 +170,14 @@ def measure_tiers(
             src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8).view(torch.bfloat16).view(n, WIDTH)
             dst = torch.empty_like(src)
             # ---- host: reference memcpy, then the host tier
-            rows.append(_row("host", "put", "reference", n, nbytes, _timeit(lambda i: dst.copy_(src), reps)))
-            rows.append(_row("host", "get", "reference", n, nbytes, _timeit(lambda i: dst.copy_(src), reps)))
+            rows.append(timer.row("host", "put", "reference", n, nbytes, lambda i: dst.copy_(src), reps))
+            rows.append(timer.row("host", "get", "reference", n, nbytes, lambda i: dst.copy_(src), reps))
             cap = max(4 * MiB, 2 * nbytes + MiB)
             with TieredCache(CacheConfig(host=HostTierConfig(capacity_bytes=-(-cap // MiB) * MiB))) as c:
-                rows.append(_row("host", "put", "ectier", n, nbytes,
-                                 _timeit(lambda i: c.put(keys[i + 1], src), reps)))
-                rows.append(_row("host", "get", "ectier", n, nbytes,
-                                 _timeit(lambda i: c.get(keys[reps], out=dst), reps)))
+                rows.append(timer.row("host", "put", "ectier", n, nbytes, lambda i: c.put(keys[i + 1], src), reps))
+                rows.append(timer.row("host", "get", "ectier", n, nbytes, lambda i: c.get(keys[reps], out=dst), reps))
                 if cuda:
-                    rows.extend(_gpu_rows(c, keys, src, n, nbytes, reps))
+                    rows.extend(_gpu_rows(timer, c, keys, src, n, nbytes, reps))
             if advance:
                 advance(1)
             # ---- nvme: raw files, O_DIRECT, then the NVMe tier
@@ -160,28 +195,30 @@ def measure_tiers(
                 with open(path, "rb", buffering=0) as f:
                     f.readinto(rbuf)
 
-            rows.append(_row("nvme", "put", "reference", n, nbytes, _timeit(raw_write, reps)))
-            rows.append(_row("nvme", "get", "reference", n, nbytes, _timeit(raw_read, reps)))
+            rows.append(timer.row("nvme", "put", "reference", n, nbytes, raw_write, reps))
+            rows.append(timer.row("nvme", "get", "reference", n, nbytes, raw_read, reps))
             if odirect is None:
-                rows.extend(_odirect_rows(path, buf, n, nbytes, reps, sync))
+                rows.extend(_odirect_rows(timer, path, buf, n, nbytes, reps, sync))
             os.unlink(path)
             store = os.path.join(tmp, f"lmdb-{n}")
             cfg = CacheConfig(host=HostTierConfig(capacity_bytes=0),
                               nvme=NvmeTierConfig(path=store, capacity_bytes=(reps + 2) * (nbytes + MiB),
                                                   sync=sync, flush_on_close=False))
             with TieredCache(cfg) as c:
-                rows.append(_row("nvme", "put", "ectier", n, nbytes, _timeit(lambda i: c.put(keys[i + 1], src), reps)))
-                rows.append(_row("nvme", "get", "ectier", n, nbytes,
-                                 _timeit(lambda i: c.get(keys[reps], out=dst), reps)))
+                rows.append(timer.row("nvme", "put", "ectier", n, nbytes, lambda i: c.put(keys[i + 1], src), reps))
+                rows.append(timer.row("nvme", "get", "ectier", n, nbytes, lambda i: c.get(keys[reps], out=dst), reps))
             shutil.rmtree(store, ignore_errors=True)
             if advance:
                 advance(1)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return {"rows": rows, "skipped": skipped, "sync": sync, "workdir": workdir or tempfile.gettempdir()}
+    noise = {"noisy_rows": sum(r["noisy"] for r in rows), "retries": retries, "thresholds": thresholds.to_dict(),
+             "other_cpu": run_probe.stop()}
+    return {"rows": rows, "skipped": skipped, "sync": sync, "workdir": workdir or tempfile.gettempdir(), "noise": noise}
 
 
-def _odirect_rows(path: str, buf: np.ndarray, n: int, nbytes: int, reps: int, sync: bool) -> list[dict[str, Any]]:
+def _odirect_rows(timer: _Timer, path: str, buf: np.ndarray, n: int, nbytes: int, reps: int,
+                  sync: bool) -> list[dict[str, Any]]:
     size = -(-nbytes // 4096) * 4096  # O_DIRECT moves whole aligned blocks
     m, view = _aligned(size)
     view[:nbytes] = buf.tobytes() if nbytes < 1 << 20 else memoryview(buf)
@@ -202,23 +239,24 @@ def _odirect_rows(path: str, buf: np.ndarray, n: int, nbytes: int, reps: int, sy
         finally:
             os.close(fd)
 
-    out = [_row("nvme", "put", "reference-odirect", n, nbytes, _timeit(w, reps)),
-           _row("nvme", "get", "reference-odirect", n, nbytes, _timeit(r, reps))]
+    out = [timer.row("nvme", "put", "reference-odirect", n, nbytes, w, reps),
+           timer.row("nvme", "get", "reference-odirect", n, nbytes, r, reps)]
     del view
     m.close()
     return out
 
 
-def _gpu_rows(c: TieredCache, keys: list[str], src: torch.Tensor, n: int, nbytes: int, reps: int) -> list[dict]:
+def _gpu_rows(timer: _Timer, c: TieredCache, keys: list[str], src: torch.Tensor, n: int, nbytes: int,
+              reps: int) -> list[dict]:
     dev = torch.device("cuda:0")
     sync = lambda: torch.cuda.synchronize(dev)  # noqa: E731
     pinned = src.pin_memory()
     gsrc = src.to(dev)
     gdst = torch.empty_like(gsrc)
     rows = [
-        _row("gpu", "h2d", "reference", n, nbytes, _timeit(lambda i: gdst.copy_(pinned, non_blocking=True), reps, sync)),
-        _row("gpu", "d2h", "reference", n, nbytes, _timeit(lambda i: pinned.copy_(gsrc, non_blocking=True), reps, sync)),
-        _row("gpu", "h2d", "ectier", n, nbytes, _timeit(lambda i: c.get(keys[reps], device="cuda:0"), reps, sync)),
-        _row("gpu", "d2h", "ectier", n, nbytes, _timeit(lambda i: c.put(keys[i + 1], gsrc), reps, sync)),
+        timer.row("gpu", "h2d", "reference", n, nbytes, lambda i: gdst.copy_(pinned, non_blocking=True), reps, sync),
+        timer.row("gpu", "d2h", "reference", n, nbytes, lambda i: pinned.copy_(gsrc, non_blocking=True), reps, sync),
+        timer.row("gpu", "h2d", "ectier", n, nbytes, lambda i: c.get(keys[reps], device="cuda:0"), reps, sync),
+        timer.row("gpu", "d2h", "ectier", n, nbytes, lambda i: c.put(keys[i + 1], gsrc), reps, sync),
     ]
     return rows
