@@ -22,7 +22,9 @@ Contract (``design.md``, "NVMe tier contract"):
   payload are quarantined, payloads without a header are reclaimed as orphans; a damaged payload
   is caught by the checks of its first read.
 - **Map growth.** The map starts at ``nvme.map_initial_bytes`` and doubles when LMDB reports it full,
-  up to ``nvme.map_ceiling_bytes``; beyond that a write fails with :class:`TierWriteError`.
+  up to ``nvme.map_ceiling_bytes``; beyond that a write fails with :class:`TierWriteError`. Before
+  growing, a write that found the map full commits a marker (``settings``) and retries once, so
+  that pages freed by earlier deletes become reusable (LMDB reuses them only after a later commit).
 - **Disk full / I/O errors** fail that one write with :class:`TierWriteError`; reads and the other
   tiers keep working.
 
@@ -69,6 +71,9 @@ log = logging.getLogger(__name__)
 
 #: Version of the directory layout (bumped only for incompatible changes).
 STORE_FORMAT = 1
+
+#: ``settings`` key rewritten by a write that found the map full, so that LMDB reuses freed pages.
+RELEASE_MARKER = b"freed_pages_released"
 
 
 @dataclass(frozen=True)
@@ -346,6 +351,7 @@ class NvmeTier:
                 nothing stored is changed.
         """
         version = record.header.version
+        released = False  # one commit per write may make pages freed by earlier deletes reusable
         for _ in range(64):
             with self._rw.shared(), self._write_lock:
                 assert self._env is not None
@@ -361,7 +367,11 @@ class NvmeTier:
                         txn.put(digest, record.payload, db=self._data)
                         txn.put(digest, record.header_bytes, db=self._meta)
                 except lmdb.MapFullError:
-                    pass  # grow below, outside the write lock
+                    if not released:
+                        released = True
+                        if self._release_freed_pages():
+                            continue  # retry once before growing: the freed pages may be enough
+                    # else grow below, outside the write lock
                 except lmdb.Error as exc:
                     self.counters["write_errors"] += 1
                     raise TierWriteError(self._write_error_text(exc, record.stored_bytes)) from None
@@ -370,6 +380,22 @@ class NvmeTier:
                     return True
             self._grow(record.stored_bytes)
         raise TierWriteError("nvme tier: map still full after growing")  # pragma: no cover
+
+    def _release_freed_pages(self) -> bool:
+        """Commit a tiny marker write so that pages freed by earlier transactions become reusable.
+
+        LMDB hands out pages freed by transaction T only to a write transaction that starts after
+        a later one (T+1) committed; an aborted write does not move that point. Without this, at the
+        map ceiling a put after a delete of the same size failed until some unrelated write
+        committed. Called with the write lock held; returns False if even the marker did not fit.
+        """
+        assert self._env is not None
+        try:
+            with self._env.begin(write=True) as txn:
+                txn.put(RELEASE_MARKER, str(time.time_ns()).encode(), db=self._settings)
+        except lmdb.Error:
+            return False
+        return True
 
     def _write_error_text(self, exc: lmdb.Error, need_bytes: int) -> str:
         text = str(exc)
