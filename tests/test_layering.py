@@ -63,7 +63,7 @@ LAYERS: tuple[Layer, ...] = (
     Layer(
         "frontends",
         4,
-        ("ectier.cli", "ectier.demo", "ectier.__main__", "ectier.daemon", "ectier.daemon.*",
+        ("ectier.cli", "ectier.demo", "ectier.fsck", "ectier.__main__", "ectier.daemon", "ectier.daemon.*",
          "ectier.bench", "ectier.bench.*"),
     ),
 )
