@@ -86,7 +86,6 @@ _DAMAGE_ERRORS = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError
                   lmdb.IncompatibleError, lmdb.BadChecksumError)
 
 
-
 def _damaged_hint(path: Path) -> str:
     return (f"the store is damaged: run `ectier fsck --path {str(path)!r} --repair` to keep its intact "
             "records, or set nvme.on_damaged: reset to start with an empty store (the damaged one is "
