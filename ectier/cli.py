@@ -416,6 +416,8 @@ def fsck(path: str, do_repair: bool, as_json: bool) -> None:
             result, report = None, fsck_mod.check(path)
     except EctierError as exc:
         raise _CannotCheck(str(exc)) from None
+    except OSError as exc:
+        raise _CannotCheck(f"--path: {exc}") from None
     if as_json:
         click.echo(json.dumps(result.to_dict() if result is not None else report.to_dict(), indent=2))
     else:
