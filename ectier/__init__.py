@@ -22,6 +22,7 @@ from .errors import (
     InvalidTensorError,
     StoreLockedError,
     StoreOpenError,
+    StoreDamagedError,
     TierWriteError,
     UnknownCodecError,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "InvalidTensorError",
     "StoreLockedError",
     "StoreOpenError",
+    "StoreDamagedError",
     "TierWriteError",
     "UnknownCodecError",
     "__version__",

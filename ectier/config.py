@@ -314,6 +314,10 @@ class GpuTierConfig:
         return int(self.device.split(":")[1])
 
 
+#: Values of ``nvme.on_damaged``.
+ON_DAMAGED = ("fail", "reset")
+
+
 @dataclass(frozen=True)
 class NvmeTierConfig:
     """NVMe tier: an LMDB environment under ``path``; records are self-describing and checksummed.
@@ -338,6 +342,13 @@ class NvmeTierConfig:
             Set it below ``capacity_bytes`` and writes fail with ``TierWriteError`` once the map is
             full, before the budget evicts anything.
         policy: eviction policy of the tier, ``"lru"`` (default) or ``"gdsf"`` (as ``host.policy``).
+        allow_network_fs: open a store on a network or FUSE filesystem (NFS, CIFS/SMB, 9p, Ceph,
+            GlusterFS, Lustre, GPFS, ``fuse.*``, ...). Default ``False``: such a ``path`` is refused
+            with ``ConfigError`` at open, because LMDB's locks and shared memory map are unsafe there.
+        on_damaged: what opening a damaged store (LMDB refuses it, or ``data.mdb`` is truncated)
+            does. ``"fail"`` (default): ``StoreDamagedError``; repair it with ``ectier fsck --repair``.
+            ``"reset"``: move it aside to ``<path>/damaged-<time>/`` with one warning and start with
+            an empty store (an engine always starts; the records are lost to it).
     """
 
     path: str | None = None
@@ -350,6 +361,8 @@ class NvmeTierConfig:
     map_initial_bytes: int = 256 * MiB
     map_max_bytes: int | None = None
     policy: str = "lru"
+    allow_network_fs: bool = False
+    on_damaged: str = "fail"
 
     def __post_init__(self) -> None:
         p = _Problems()
@@ -372,9 +385,12 @@ class NvmeTierConfig:
             _check_int("nvme.zstd_level", self.zstd_level)
             if not -7 <= self.zstd_level <= 22:
                 raise ConfigError(f"nvme.zstd_level: must be in -7..22, got {self.zstd_level}")
-        for name in ("sync", "write_through", "flush_on_close"):
+        for name in ("sync", "write_through", "flush_on_close", "allow_network_fs"):
             with p.check(f"nvme.{name}"):
                 _check_bool(f"nvme.{name}", getattr(self, name))
+        with p.check("nvme.on_damaged"):
+            if self.on_damaged not in ON_DAMAGED:
+                raise ConfigError(f"nvme.on_damaged: expected one of {', '.join(ON_DAMAGED)}, got {self.on_damaged!r}")
         with p.check("nvme.policy"):
             _check_policy("nvme.policy", self.policy)
         with p.check("nvme.map_initial_bytes"):

@@ -15,6 +15,7 @@ standard class as well, so ordinary ``except ValueError`` code keeps working.
     ├── EntryTooLargeError(ValueError)   an entry larger than every tier's whole budget
     ├── StoreLockedError                 the NVMe directory is held by another process
     ├── StoreOpenError                   the NVMe directory cannot be created, opened or read
+    │   └── StoreDamagedError            its LMDB environment is damaged (``ectier fsck``)
     ├── TierWriteError                   a tier could not store an entry (disk full, map full)
     ├── CorruptRecordError               a stored record failed its checks (read as a miss)
     └── UnknownCodecError(ValueError)    a codec name or id that is not registered
@@ -36,6 +37,7 @@ __all__ = [
     "EntryTooLargeError",
     "StoreLockedError",
     "StoreOpenError",
+    "StoreDamagedError",
     "TierWriteError",
     "CorruptRecordError",
     "UnknownCodecError",
@@ -88,6 +90,12 @@ class StoreLockedError(EctierError):
 
 class StoreOpenError(EctierError):
     """The NVMe tier's directory is missing, not a directory, not writable, or not an ectier store."""
+
+
+class StoreDamagedError(StoreOpenError):
+    """The NVMe tier's LMDB environment is damaged: LMDB refuses it (meta or B-tree pages
+    destroyed) or ``data.mdb`` is truncated. ``ectier fsck --path DIR --repair`` salvages the intact
+    records; ``nvme.on_damaged: reset`` lets the cache start with an empty store instead."""
 
 
 class TierWriteError(EctierError):

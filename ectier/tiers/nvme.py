@@ -22,7 +22,9 @@ Contract (docs/operations.md, "The NVMe tier on disk"):
   payload are quarantined, payloads without a header are reclaimed as orphans; a damaged payload
   is caught by the checks of its first read.
 - **Map growth.** The map starts at ``nvme.map_initial_bytes`` and doubles when LMDB reports it full,
-  up to ``nvme.map_ceiling_bytes``; beyond that a write fails with :class:`TierWriteError`.
+  up to ``nvme.map_ceiling_bytes``; beyond that a write fails with :class:`TierWriteError`. Before
+  growing, a write that found the map full commits a marker (``settings``) and retries once, so
+  that pages freed by earlier deletes become reusable (LMDB reuses them only after a later commit).
 - **Disk full / I/O errors** fail that one write with :class:`TierWriteError`; reads and the other
   tiers keep working.
 
@@ -61,17 +63,40 @@ from ..codec import (
 )
 from ..config import NvmeTierConfig
 from ..entry import DTYPE_ITEMSIZE, EntryMeta, entry_digest
+from ..errors import (
+    CorruptRecordError,
+    StoreDamagedError,
+    StoreLockedError,
+    StoreOpenError,
+    TierWriteError,
+    UnknownCodecError,
+)
 from ..policy import make_policy
 from .base import Tier
 from .nvme_index import NvmeIndex, NvmeRecord
-from ..errors import CorruptRecordError, StoreLockedError, StoreOpenError, TierWriteError, UnknownCodecError
+from .storedir import check_local_filesystem, move_aside
 
-__all__ = ["NvmeTier", "NvmeRecord", "EncodedRecord", "STORE_FORMAT"]
+__all__ = ["NvmeTier", "NvmeRecord", "EncodedRecord", "STORE_FORMAT", "check_record"]
 
 log = logging.getLogger(__name__)
 
 #: Version of the directory layout (bumped only for incompatible changes).
 STORE_FORMAT = 1
+
+#: LMDB errors at open that mean the environment itself is damaged (others, such as a permission
+#: error or a library of another version, are not: ``nvme.on_damaged: reset`` never moves those).
+_DAMAGE_ERRORS = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadTxnError,
+                  lmdb.IncompatibleError, lmdb.BadChecksumError)
+
+
+def _damaged_hint(path: Path) -> str:
+    return (f"the store is damaged: run `ectier fsck --path {str(path)!r} --repair` to keep its intact "
+            "records, or set nvme.on_damaged: reset to start with an empty store (the damaged one is "
+            "moved aside)")
+
+
+#: ``settings`` key rewritten by a write that found the map full, so that LMDB reuses freed pages.
+RELEASE_MARKER = b"freed_pages_released"
 
 
 @dataclass(frozen=True)
@@ -86,6 +111,47 @@ class EncodedRecord:
     @property
     def stored_bytes(self) -> int:
         return len(self.header_bytes) + self.header.payload_nbytes
+
+
+def check_record(digest: bytes, raw_header: object, payload: object | None, *, decode: bool = False) -> RecordHeader:
+    """Make the checks a read makes on one stored record, outside a tier (``ectier fsck``).
+
+    Args:
+        digest: the 32-byte key the record is stored under.
+        raw_header: the stored header bytes (bytes-like).
+        payload: the stored payload bytes (bytes-like), or ``None`` if none was found.
+        decode: also decode the payload into a scratch buffer (catches a damaged zstd frame whose
+            checksum still matches: never seen, but a read would catch it too).
+
+    Returns:
+        The parsed :class:`~ectier.codec.RecordHeader`.
+
+    Raises:
+        CorruptRecordError: the header fails its own checks or does not belong to ``digest``, its
+            dtype/shape/size disagree, its codec is unknown, the payload is missing, or the payload's
+            length or xxh3-64 checksum (or its decoding) fails.
+    """
+    header = unpack_header(raw_header)
+    if entry_digest(header.namespace, header.key) != digest:
+        raise CorruptRecordError("header identity does not match its digest")
+    itemsize = DTYPE_ITEMSIZE.get(header.dtype)
+    if itemsize is None:
+        raise CorruptRecordError(f"unknown dtype {header.dtype!r}")
+    expected = itemsize
+    for d in header.shape:
+        expected *= d
+    if expected != header.raw_nbytes:
+        raise CorruptRecordError("raw size does not match dtype and shape")
+    try:
+        codec = get_codec(header.codec_id)
+    except UnknownCodecError as exc:
+        raise CorruptRecordError(str(exc)) from None
+    if payload is None:
+        raise CorruptRecordError("payload missing")
+    verify_payload(header, payload)
+    if decode:
+        codec.decode_into(payload, np.empty(header.raw_nbytes, dtype=np.uint8), itemsize)
+    return header
 
 
 class _RWLock:
@@ -135,8 +201,10 @@ class NvmeTier(Tier):
     Raises:
         StoreOpenError: the path cannot be created or is not a directory, is not writable, or holds
             an LMDB store of another format.
+        StoreDamagedError: the LMDB environment is damaged and ``nvme.on_damaged`` is ``"fail"``
+            (with ``"reset"`` it is moved aside, one warning is logged, and the tier starts empty).
         StoreLockedError: another process has the store open.
-        ConfigError: never here (the config validated itself).
+        ConfigError: the path is on a network or FUSE filesystem and ``nvme.allow_network_fs`` is off.
     """
 
     name = "nvme"
@@ -153,7 +221,7 @@ class NvmeTier(Tier):
         self._write_lock = threading.Lock()
         self.index = NvmeIndex(config.capacity_bytes, make_policy(config.policy))
         self.counters = {"checksum_failures": 0, "quarantined": 0, "orphans_reclaimed": 0,
-                         "write_errors": 0, "map_growths": 0}
+                         "write_errors": 0, "map_growths": 0, "damaged_resets": 0}
         self._open()
 
     # ------------------------------------------------------------------------------- opening
@@ -165,6 +233,21 @@ class NvmeTier(Tier):
         return get_codec(config.codec, level=config.zstd_level)
 
     def _open(self) -> None:
+        check_local_filesystem(self.path, allow=self.config.allow_network_fs)
+        try:
+            self._lock_directory()
+            try:
+                self._open_env()
+            except StoreDamagedError as exc:
+                if self.config.on_damaged != "reset":
+                    raise
+                self._reset_damaged(exc)
+        except BaseException:
+            self.close()
+            raise
+
+    def _lock_directory(self) -> None:
+        """Create ``nvme.path`` if needed and take its ``flock`` (StoreOpenError / StoreLockedError)."""
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except FileExistsError:
@@ -186,6 +269,15 @@ class NvmeTier(Tier):
                 f"nvme.path: {str(self.path)!r} is in use by another process; give each cache its own "
                 "directory, or share one store through the ectier daemon"
             ) from None
+
+    def _open_env(self) -> None:
+        """Open LMDB under the held lock and load the headers.
+
+        Raises:
+            StoreDamagedError: LMDB reports the environment damaged, or ``data.mdb`` is truncated
+                (the environment is closed again; the lock stays held).
+            StoreOpenError: another LMDB error, or a store of another format.
+        """
         try:
             self._env = lmdb.open(
                 str(self.path / "lmdb"),
@@ -208,14 +300,35 @@ class NvmeTier(Tier):
             self._check_settings()
             self._scan()
         except lmdb.Error as exc:
-            self.close()
-            raise StoreOpenError(
-                f"nvme.path: cannot open LMDB store in {str(self.path)!r}: {exc}; the store is damaged: "
-                "move or delete the directory to start with an empty NVMe tier"
-            ) from None
+            self._close_env()
+            if isinstance(exc, _DAMAGE_ERRORS):
+                raise StoreDamagedError(
+                    f"nvme.path: cannot open LMDB store in {str(self.path)!r}: {exc}; {_damaged_hint(self.path)}") from None
+            raise StoreOpenError(f"nvme.path: cannot open LMDB store in {str(self.path)!r}: {exc}") from None
         except BaseException:
-            self.close()
+            self._close_env()
             raise
+
+    def _close_env(self) -> None:
+        if self._env is not None:
+            with self._rw.exclusive():
+                self._env.close()
+                self._env = None
+
+    def _reset_damaged(self, exc: StoreDamagedError) -> None:
+        """``nvme.on_damaged: reset``: move the damaged environment aside, open an empty one."""
+        try:
+            moved = move_aside(self.path)
+        except OSError as err:
+            raise StoreOpenError(
+                f"{exc}; nvme.on_damaged is 'reset' but the store cannot be moved aside: {err}") from None
+        self.index.load({})
+        log.warning(
+            "nvme tier: the store in %s is damaged (%s); nvme.on_damaged is 'reset': moved it to %s and "
+            "started with an empty store (salvage or inspect it with `ectier fsck --path %s`, then delete it)",
+            self.path, str(exc).split("; ")[0], moved, moved)
+        self._open_env()
+        self.counters["damaged_resets"] += 1
 
     def _check_file_size(self) -> None:
         """Refuse a data file shorter than the pages LMDB says it holds: reading such a page
@@ -226,9 +339,9 @@ class NvmeTier(Tier):
         data_file = self.path / "lmdb" / "data.mdb"
         size = data_file.stat().st_size
         if size < needed:
-            raise StoreOpenError(
-                f"nvme.path: {str(data_file)!r} is truncated ({size} bytes, LMDB needs {needed}); the "
-                "store is damaged: move or delete the directory to start with an empty NVMe tier"
+            raise StoreDamagedError(
+                f"nvme.path: {str(data_file)!r} is truncated ({size} bytes, LMDB needs {needed}); "
+                + _damaged_hint(self.path)
             )
 
     def _check_settings(self) -> None:
@@ -355,6 +468,7 @@ class NvmeTier(Tier):
                 nothing stored is changed.
         """
         version = record.header.version
+        released = False  # one commit per write may make pages freed by earlier deletes reusable
         for _ in range(64):
             with self._rw.shared(), self._write_lock:
                 assert self._env is not None
@@ -370,7 +484,11 @@ class NvmeTier(Tier):
                         txn.put(digest, record.payload, db=self._data)
                         txn.put(digest, record.header_bytes, db=self._meta)
                 except lmdb.MapFullError:
-                    pass  # grow below, outside the write lock
+                    if not released:
+                        released = True
+                        if self._release_freed_pages():
+                            continue  # retry once before growing: the freed pages may be enough
+                    # else grow below, outside the write lock
                 except lmdb.Error as exc:
                     self.counters["write_errors"] += 1
                     raise TierWriteError(self._write_error_text(exc, record.stored_bytes)) from None
@@ -379,6 +497,22 @@ class NvmeTier(Tier):
                     return True
             self._grow(record.stored_bytes)
         raise TierWriteError("nvme tier: map still full after growing")  # pragma: no cover
+
+    def _release_freed_pages(self) -> bool:
+        """Commit a tiny marker write so that pages freed by earlier transactions become reusable.
+
+        LMDB hands out pages freed by transaction T only to a write transaction that starts after
+        a later one (T+1) committed; an aborted write does not move that point. Without this, at the
+        map ceiling a put after a delete of the same size failed until some unrelated write
+        committed. Called with the write lock held; returns False if even the marker did not fit.
+        """
+        assert self._env is not None
+        try:
+            with self._env.begin(write=True) as txn:
+                txn.put(RELEASE_MARKER, str(time.time_ns()).encode(), db=self._settings)
+        except lmdb.Error:
+            return False
+        return True
 
     def _write_error_text(self, exc: lmdb.Error, need_bytes: int) -> str:
         text = str(exc)

@@ -1,0 +1,430 @@
+"""``ectier fsck``: check an NVMe store directory, and salvage its intact records into a fresh store.
+
+:func:`check` reads every record of a store that no process has open (it takes the store's
+``ectier.lock``) and makes the checks a read makes (:func:`ectier.tiers.nvme.check_record`: the
+header's own checksum, the identity, the sizes, the payload's xxh3-64 checksum, decoding). It
+reads through LMDB when LMDB can open and walk the whole store ("lmdb" mode). When it cannot —
+meta pages zeroed, garbage in B-tree pages, a truncated ``data.mdb`` — it reads the file's pages
+directly (:mod:`ectier.tiers.lmdbpages`, "page-scan" mode) and keeps, per key, the newest record
+whose checksums hold.
+
+:func:`repair` writes every intact, checksum-valid record (with its header as it was: codec,
+write version, creation time) into a fresh LMDB environment built next to the damaged one, keeps
+the ``settings`` (store format, creation facts, plus a ``repaired`` note), moves the damaged
+environment aside to ``<dir>/damaged-<UTC time>/lmdb`` (a store directory ``check`` can read
+again) and puts the fresh one in its place. The directory lock is held throughout, so no cache
+can open the store half-way. A healthy store is left alone.
+
+In page-scan mode the file no longer says which pages were live: a record deleted or evicted
+shortly before the damage may come back (its bytes are the bytes once put under its key, and its
+checksums hold), and an overwritten key comes back with its newest surviving version.
+
+See docs/operations.md ("Damaged store: ectier fsck") and docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import lmdb
+
+from .codec import RECORD_MAGIC, RecordHeader, checksum, unpack_header
+from .config import GiB, MiB, NvmeTierConfig
+from .entry import entry_digest
+from .errors import CorruptRecordError, StoreLockedError, StoreOpenError
+from .tiers.lmdbpages import LeafValue, PageFile
+from .tiers.nvme import RELEASE_MARKER, STORE_FORMAT, EncodedRecord, NvmeTier, check_record
+from .tiers.storedir import damaged_copies, move_aside
+
+__all__ = ["FsckReport", "RepairResult", "check", "repair"]
+
+#: Problems listed by name in a report (the counts cover all).
+MAX_LISTED = 50
+_MAX_HEADER_GUESS = 64 * 1024  # page scan: values up to this size are tried as headers
+_KEPT_SETTINGS = (b"format", b"created")
+
+# (digest, raw header, payload) of one intact record
+Sink = Callable[[bytes, bytes, memoryview], None]
+
+
+@dataclass
+class FsckReport:
+    """What :func:`check` found in one store directory.
+
+    Fields: ``path``; ``mode`` (``"lmdb"`` or ``"page-scan"``); ``lmdb_error`` (why LMDB could
+    not read the whole store, or ``None``); ``entries`` (records found: headers), ``intact``
+    (records that pass every check), ``intact_bytes`` (their header + payload bytes),
+    ``checksum_failed`` (a header or payload present but failing its checks), ``unreadable``
+    (a header whose payload could not be read at all); ``orphans`` (payloads without a header,
+    reclaimed at open: not damage), ``quarantined`` (records already in quarantine),
+    ``damaged_pages`` (page scan: pages that are neither an LMDB page of their number nor overflow
+    data); ``problems`` (the first :data:`MAX_LISTED`: ``{digest, namespace, key, problem}``);
+    ``settings`` (the store's ``settings`` database, decoded); ``damaged_copies`` (``damaged-*``
+    directories left in the store directory earlier).
+    """
+
+    path: str
+    mode: str = "lmdb"
+    lmdb_error: str | None = None
+    entries: int = 0
+    intact: int = 0
+    intact_bytes: int = 0
+    checksum_failed: int = 0
+    unreadable: int = 0
+    orphans: int = 0
+    quarantined: int = 0
+    damaged_pages: int = 0
+    problems: list[dict] = field(default_factory=list)
+    settings: dict[str, str] = field(default_factory=dict)
+    damaged_copies: list[str] = field(default_factory=list)
+
+    @property
+    def damaged(self) -> bool:
+        """True when LMDB cannot read the store whole, or a record fails its checks."""
+        return self.lmdb_error is not None or self.checksum_failed > 0 or self.unreadable > 0
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), damaged=self.damaged)
+
+    def _problem(self, digest: bytes, header: RecordHeader | None, problem: str, *, unreadable: bool) -> None:
+        if unreadable:
+            self.unreadable += 1
+        else:
+            self.checksum_failed += 1
+        if len(self.problems) < MAX_LISTED:
+            self.problems.append({"digest": digest.hex(), "namespace": header.namespace if header else None,
+                                  "key": header.key if header else None, "problem": problem})
+
+
+@dataclass
+class RepairResult:
+    """What :func:`repair` did: the ``report`` of the check before it; ``repaired`` (False when the
+    store was healthy: nothing changed); ``salvaged`` records (``salvaged_bytes``) in the fresh
+    store; ``lost`` (records found but not salvaged); ``moved_to`` (the ``damaged-*`` directory
+    now holding the old environment, or ``None``)."""
+
+    report: FsckReport
+    repaired: bool = False
+    salvaged: int = 0
+    salvaged_bytes: int = 0
+    lost: int = 0
+    moved_to: str | None = None
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), report=self.report.to_dict())
+
+
+# =============================================================================== entry points
+
+
+def check(path: str | os.PathLike) -> FsckReport:
+    """Check the store in ``path`` (an ``nvme.path`` directory); changes nothing.
+
+    Raises:
+        StoreOpenError: ``path`` is not a store directory (no ``lmdb/data.mdb``) or cannot be read.
+        StoreLockedError: a process has the store open (stop it first).
+    """
+    store = Path(path)
+    with _locked(store):
+        return _check(store)
+
+
+def repair(path: str | os.PathLike) -> RepairResult:
+    """Check the store in ``path`` and, if it is damaged, rebuild it from its intact records (see
+    the module docstring). Needs free space for the salvaged records on the store's filesystem.
+
+    Raises:
+        StoreOpenError: as :func:`check`; or the store holds another store format; or the fresh
+            store cannot be written or swapped in (the damaged store is then left as it was, or,
+            if only the last rename failed, the message says where both are).
+        StoreLockedError: a process has the store open.
+        TierWriteError: the fresh store ran out of disk space (nothing changed).
+    """
+    store = Path(path)
+    with _locked(store):
+        report = _check(store)
+        result = RepairResult(report)
+        if not report.damaged:
+            return result
+        fmt = report.settings.get("format")
+        if fmt is not None and fmt != str(STORE_FORMAT):
+            raise StoreOpenError(f"--path: {str(store)!r} holds store format {fmt}; this ectier repairs "
+                                 f"format {STORE_FORMAT} only")
+        for stale in store.glob(".repair-*"):  # left by a repair that was killed (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
+        staging = store / f".repair-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}"
+        try:
+            result.salvaged, result.salvaged_bytes = _build(store, staging, report)
+            result.moved_to = str(move_aside(store))
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        try:
+            os.rename(staging / "lmdb", store / "lmdb")
+        except OSError as exc:
+            raise StoreOpenError(f"--path: the damaged store was moved to {result.moved_to!r} but the repaired "
+                                 f"one could not be moved into place: rename {str(staging / 'lmdb')!r} to "
+                                 f"{str(store / 'lmdb')!r} by hand ({exc.strerror})") from None
+        shutil.rmtree(staging, ignore_errors=True)
+        result.repaired = True
+        result.lost = report.entries - result.salvaged
+        return result
+
+
+# =============================================================================== checking
+
+
+@contextmanager
+def _locked(store: Path) -> Iterator[None]:
+    data_file = store / "lmdb" / "data.mdb"
+    if not data_file.is_file():
+        raise StoreOpenError(f"--path: {str(store)!r} is not an ectier store directory (no lmdb/data.mdb in it)")
+    try:
+        lock = open(store / "ectier.lock", "a+")
+    except OSError as exc:
+        raise StoreOpenError(f"--path: cannot lock {str(store)!r}: {exc.strerror}") from None
+    try:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StoreLockedError(f"--path: {str(store)!r} is in use by another process (a cache or the "
+                                   "daemon); stop it before running ectier fsck") from None
+        yield
+    finally:
+        lock.close()
+
+
+def _check(store: Path) -> FsckReport:
+    report = FsckReport(path=str(store), damaged_copies=[str(p) for p in damaged_copies(store)])
+    error = _lmdb_pass(store / "lmdb", report)
+    if error is not None:
+        report = FsckReport(path=report.path, mode="page-scan", lmdb_error=error,
+                            damaged_copies=report.damaged_copies)
+        _page_pass(store / "lmdb" / "data.mdb", report)
+    return report
+
+
+def _open_readonly(lmdb_dir: Path) -> lmdb.Environment:
+    env = lmdb.open(str(lmdb_dir), readonly=True, lock=False, subdir=True, max_dbs=4)
+    try:
+        info, psize = env.info(), env.stat()["psize"]
+        size = (lmdb_dir / "data.mdb").stat().st_size
+        if size < (info["last_pgno"] + 1) * psize:  # reading past the end through the map is a SIGBUS
+            raise lmdb.CorruptedError(f"data.mdb is truncated ({size} bytes, LMDB needs "
+                                      f"{(info['last_pgno'] + 1) * psize})")
+    except BaseException:
+        env.close()
+        raise
+    return env
+
+
+def _lmdb_pass(lmdb_dir: Path, report: FsckReport, sink: Sink | None = None) -> str | None:
+    """Walk the store through LMDB, filling ``report`` (and feeding ``sink`` every intact record).
+    Returns LMDB's error when it cannot read the store whole, else ``None``."""
+    try:
+        env = _open_readonly(lmdb_dir)
+    except (lmdb.Error, OSError) as exc:
+        return str(exc)
+    try:
+        dbs = [env.open_db(name) for name in (b"meta", b"data", b"quarantine", b"settings")]
+        meta, data, quarantine, settings = dbs
+        with env.begin(buffers=True) as txn:
+            report.settings = {bytes(k).decode(errors="replace"): bytes(v).decode(errors="replace")
+                               for k, v in txn.cursor(db=settings)}
+            report.quarantined = sum(1 for _ in txn.cursor(db=quarantine).iternext(values=False))
+            headers = set()
+            for digest, raw in txn.cursor(db=meta):
+                digest = bytes(digest)
+                headers.add(digest)
+                _check_one(report, digest, raw, txn.get(digest, db=data), sink)
+            report.orphans = sum(1 for k in txn.cursor(db=data).iternext(values=False) if bytes(k) not in headers)
+    except lmdb.Error as exc:
+        return str(exc)
+    finally:
+        env.close()
+    return None
+
+
+def _check_one(report: FsckReport, digest: bytes, raw: object, payload: object | None, sink: Sink | None) -> None:
+    report.entries += 1
+    try:
+        header = check_record(digest, raw, payload, decode=True)
+    except CorruptRecordError as exc:
+        try:
+            header = unpack_header(raw)
+        except CorruptRecordError:
+            header = None
+        report._problem(digest, header, str(exc), unreadable=payload is None)
+        return
+    report.intact += 1
+    report.intact_bytes += len(raw) + header.payload_nbytes
+    if sink is not None:
+        sink(digest, bytes(raw), memoryview(payload))
+
+
+def _page_pass(data_file: Path, report: FsckReport, sink: Sink | None = None) -> None:
+    """Salvage by reading ``data.mdb`` page by page: per digest, the newest header whose payload
+    (among the values found under that digest) passes every check."""
+    try:
+        pf = PageFile(data_file)
+    except OSError as exc:
+        raise StoreOpenError(f"--path: cannot read {str(data_file)!r}: {exc.strerror}") from None
+    with pf:
+        headers: dict[bytes, dict[bytes, RecordHeader]] = {}
+        payloads: dict[bytes, dict[tuple, LeafValue]] = {}
+        for value in pf.iter_leaf_values():
+            if len(value.key) != 32:
+                if value.key in _KEPT_SETTINGS and value.inline is not None:
+                    report.settings[value.key.decode()] = value.inline.decode(errors="replace")
+                continue
+            header_raw = _as_header(pf, value)
+            if header_raw is not None:
+                headers.setdefault(value.key, {})[header_raw[0]] = header_raw[1]
+                continue
+            ident = ("o", value.overflow_pgno, value.size) if value.inline is None else ("i", value.inline)
+            payloads.setdefault(value.key, {})[ident] = value
+        report.damaged_pages = pf.damaged_pages
+        unmatched: dict[bytes, tuple[dict[bytes, RecordHeader], str | None]] = {}
+        for digest, found in headers.items():
+            report.entries += 1
+            matched, error = _salvage_one(report, pf, digest, found, list(payloads.get(digest, {}).values()), sink)
+            if not matched:
+                unmatched[digest] = (found, error)
+        _salvage_from_runs(report, pf, unmatched, sink)
+
+
+def _as_header(pf: PageFile, value: LeafValue) -> tuple[bytes, RecordHeader] | None:
+    if value.size > _MAX_HEADER_GUESS:
+        return None
+    raw = pf.read_value(value)
+    if raw is None or raw[:4] != RECORD_MAGIC:
+        return None
+    try:
+        header = unpack_header(raw)
+    except CorruptRecordError:
+        return None
+    return (raw, header) if entry_digest(header.namespace, header.key) == value.key else None
+
+
+def _salvage_one(report: FsckReport, pf: PageFile, digest: bytes, found: dict[bytes, RecordHeader],
+                 candidates: list[LeafValue], sink: Sink | None) -> tuple[bool, str | None]:
+    """Try the values found under ``digest``, newest header first; (salvaged?, last check error)."""
+    last_error = None
+    for raw, header in sorted(found.items(), key=lambda kv: -kv[1].version):
+        for cand in candidates:
+            if cand.size != header.payload_nbytes:
+                continue
+            payload = pf.read_value(cand)
+            if payload is None:
+                continue
+            try:
+                check_record(digest, raw, payload, decode=True)
+            except CorruptRecordError as exc:
+                last_error = str(exc)
+                continue
+            _salvaged(report, raw, header, payload, digest, sink)
+            return True, None
+    return False, last_error
+
+
+def _salvaged(report: FsckReport, raw: bytes, header: RecordHeader, payload: bytes, digest: bytes,
+              sink: Sink | None) -> None:
+    report.intact += 1
+    report.intact_bytes += len(raw) + header.payload_nbytes
+    if sink is not None:
+        sink(digest, raw, memoryview(payload))
+
+
+def _salvage_from_runs(report: FsckReport, pf: PageFile, unmatched: dict, sink: Sink | None) -> None:
+    """Headers whose payload's leaf was destroyed: look for the payload among the overflow runs of
+    its exact page count, by its checksum (each run is read once per payload size wanted); per
+    digest the newest header that matches wins."""
+    by_size: dict[int, dict[int, list[tuple[bytes, bytes, RecordHeader]]]] = {}
+    for digest, (found, _) in unmatched.items():
+        for raw, header in found.items():
+            by_size.setdefault(header.payload_nbytes, {}).setdefault(header.payload_checksum, []).append(
+                (digest, raw, header))
+    best: dict[bytes, tuple[bytes, RecordHeader, int]] = {}
+    for size, wanted in by_size.items():
+        if size <= 0:
+            continue
+        pages = pf.overflow_pages(size)
+        for pgno, n in pf.overflow_runs:
+            payload = pf.read_value(LeafValue(b"", size, overflow_pgno=pgno)) if n == pages else None
+            if payload is None:
+                continue
+            for digest, raw, header in wanted.get(checksum(payload), []):
+                if digest in best and best[digest][1].version >= header.version:
+                    continue
+                try:
+                    check_record(digest, raw, payload, decode=True)
+                except CorruptRecordError:
+                    continue
+                best[digest] = (raw, header, pgno)
+    for digest, (found, error) in unmatched.items():
+        if digest in best:
+            raw, header, pgno = best[digest]
+            payload = pf.read_value(LeafValue(b"", header.payload_nbytes, overflow_pgno=pgno))
+            _salvaged(report, raw, header, payload, digest, sink)
+            continue
+        newest = max(found.values(), key=lambda h: h.version)
+        if error is not None:
+            report._problem(digest, newest, error, unreadable=False)
+        else:
+            report._problem(digest, newest, "payload not found in any readable page", unreadable=True)
+
+
+# =============================================================================== repairing
+
+
+def _build(store: Path, staging: Path, report: FsckReport) -> tuple[int, int]:
+    """Write the intact records into a fresh store under ``staging`` (its ``lmdb`` is swapped in
+    later); returns (records, bytes)."""
+    capacity = max(16 * GiB, report.intact_bytes)
+    tier = NvmeTier(NvmeTierConfig(path=str(staging), capacity_bytes=capacity, sync=False,
+                                   map_initial_bytes=max(64 * MiB, min(capacity, report.intact_bytes * 2)),
+                                   allow_network_fs=True))  # only fsck has this directory open
+    written = [0, 0]
+
+    def sink(digest: bytes, raw: bytes, payload: memoryview) -> None:
+        header = unpack_header(raw)
+        if tier.write(digest, EncodedRecord(header, raw, payload, payload)):
+            written[0] += 1
+            written[1] += len(raw) + header.payload_nbytes
+
+    try:
+        if report.mode == "lmdb":
+            error = _lmdb_pass(store / "lmdb", FsckReport(path=str(store)), sink)
+            if error is not None:
+                raise StoreOpenError(f"--path: LMDB failed while copying {str(store)!r}: {error}")
+        else:
+            _page_pass(store / "lmdb" / "data.mdb", FsckReport(path=str(store)), sink)
+    finally:
+        tier.close()
+    _write_settings(staging / "lmdb", report, written[0])
+    return written[0], written[1]
+
+
+def _write_settings(lmdb_dir: Path, report: FsckReport, salvaged: int) -> None:
+    map_size = (lmdb_dir / "data.mdb").stat().st_size + 64 * MiB  # room for the settings write
+    env = lmdb.open(str(lmdb_dir), subdir=True, max_dbs=4, sync=True, map_size=map_size)
+    try:
+        settings = env.open_db(b"settings")
+        with env.begin(write=True) as txn:
+            for name, value in report.settings.items():
+                if name.encode() != RELEASE_MARKER and name != "format":
+                    txn.put(name.encode(), value.encode(), db=settings)
+            note = {"time": time.time(), "mode": report.mode, "lmdb_error": report.lmdb_error,
+                    "found": report.entries, "salvaged": salvaged}
+            txn.put(b"repaired", json.dumps(note).encode(), db=settings)
+        env.sync(True)
+    finally:
+        env.close()

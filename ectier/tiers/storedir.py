@@ -1,0 +1,191 @@
+"""The directory an NVMe store lives in, seen from outside LMDB: which filesystem holds it, and
+moving a damaged LMDB environment aside.
+
+- :func:`mount_of` finds the mount holding a path in ``/proc/self/mountinfo`` text (the longest
+  mount point that is a prefix of the resolved path; of equal ones, the last mounted). It is a
+  pure function of its ``mountinfo`` argument, which tests pass in.
+- :func:`check_local_filesystem` refuses a store on a network or FUSE filesystem (NFS, CIFS/SMB,
+  9p, Ceph, GlusterFS, Lustre, GPFS, ``fuse.*``, ...): LMDB relies on POSIX locks and a shared
+  memory map that such filesystems do not keep coherent (LMDB's documentation: "do not use LMDB
+  databases on remote filesystems"). ``nvme.allow_network_fs: true`` opts out.
+- :func:`move_aside` renames ``<store>/lmdb`` to ``<store>/damaged-<UTC time>/lmdb`` (used by
+  ``nvme.on_damaged: reset`` and ``ectier fsck --repair``). The copy stays inside the store
+  directory: on the same filesystem (a rename, no copy), and possible when the store directory is
+  itself a mount point.
+
+See docs/operations.md ("The NVMe tier on disk").
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+
+__all__ = ["Mount", "NETWORK_FS_TYPES", "parse_mountinfo", "mount_of", "is_network_fs",
+           "check_local_filesystem", "move_aside", "damaged_copies", "MOUNTINFO_PATH"]
+
+MOUNTINFO_PATH = "/proc/self/mountinfo"
+
+#: Filesystem types (``/proc/self/mountinfo``'s type field) on which LMDB's locking is unsafe:
+#: network and cluster filesystems, and FUSE (any ``fuse.<name>`` too).
+NETWORK_FS_TYPES = frozenset({
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "ncpfs", "9p", "afs", "coda", "davfs",
+    "ceph", "glusterfs", "lustre", "gpfs", "beegfs", "orangefs", "pvfs2", "panfs", "wekafs",
+    "ocfs2", "gfs2", "virtiofs", "fuse", "fuseblk",
+})
+
+_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+@dataclass(frozen=True)
+class Mount:
+    """One line of mountinfo: ``mount_point`` (absolute), ``fstype`` (e.g. ``"ext4"``,
+    ``"fuse.sshfs"``) and ``source`` (e.g. ``"server:/export"``)."""
+
+    mount_point: str
+    fstype: str
+    source: str
+
+
+def _unescape(field: str) -> str:
+    return _ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), field)
+
+
+def parse_mountinfo(text: str) -> list[Mount]:
+    """Parse ``/proc/self/mountinfo`` text (``proc(5)``) into mounts, in file order.
+
+    Lines that do not have the documented shape are skipped (never an error). Octal escapes in
+    mount points (``\\040`` for a space) are decoded.
+    """
+    mounts = []
+    for line in text.splitlines():
+        fields = line.split(" ")
+        try:
+            sep = fields.index("-", 6)
+        except ValueError:
+            continue
+        if len(fields) < sep + 3 or not fields[4].startswith("/"):
+            continue
+        mounts.append(Mount(_unescape(fields[4]), _unescape(fields[sep + 1]), _unescape(fields[sep + 2])))
+    return mounts
+
+
+def _contains(mount_point: str, path: str) -> bool:
+    if mount_point == "/":
+        return True
+    mp = mount_point.rstrip("/")
+    return path == mp or path.startswith(mp + "/")
+
+
+def mount_of(path: str | os.PathLike, mountinfo: str | None = None) -> Mount | None:
+    """The mount that holds ``path`` (resolved: symlinks followed, made absolute; the path itself
+    need not exist yet).
+
+    Args:
+        path: a file or directory path.
+        mountinfo: mountinfo text; ``None`` (default) reads ``/proc/self/mountinfo``.
+
+    Returns:
+        The :class:`Mount`, or ``None`` when mountinfo cannot be read (not Linux) or lists no
+        mount holding the path.
+    """
+    if mountinfo is None:
+        try:
+            with open(MOUNTINFO_PATH, encoding="utf-8", errors="surrogateescape") as f:
+                mountinfo = f.read()
+        except OSError:
+            return None
+    resolved = os.path.realpath(os.fspath(path))
+    best: Mount | None = None
+    for mount in parse_mountinfo(mountinfo):
+        if _contains(mount.mount_point, resolved) and (
+                best is None or len(mount.mount_point.rstrip("/")) >= len(best.mount_point.rstrip("/"))):
+            best = mount
+    return best
+
+
+def is_network_fs(fstype: str) -> bool:
+    """True for a network, cluster or FUSE filesystem type (see :data:`NETWORK_FS_TYPES`)."""
+    return fstype in NETWORK_FS_TYPES or fstype.startswith("fuse.")
+
+
+def check_local_filesystem(path: str | os.PathLike, *, allow: bool, mountinfo: str | None = None) -> Mount | None:
+    """Refuse a store directory on a network or FUSE filesystem unless ``allow``.
+
+    Args:
+        path: the store directory (``nvme.path``).
+        allow: ``nvme.allow_network_fs``; when true nothing is refused.
+        mountinfo: mountinfo text for tests; ``None`` reads ``/proc/self/mountinfo``.
+
+    Returns:
+        The mount holding ``path`` (``None`` if unknown).
+
+    Raises:
+        ConfigError: ``path`` is on a network/FUSE filesystem; the message names ``nvme.path``, the
+            filesystem type and mount point, and ``nvme.allow_network_fs``.
+    """
+    mount = mount_of(path, mountinfo)
+    if mount is not None and is_network_fs(mount.fstype) and not allow:
+        raise ConfigError(
+            f"nvme.path: {os.fspath(path)!r} is on a {mount.fstype} filesystem (mounted at "
+            f"{mount.mount_point!r} from {mount.source!r}); LMDB's locks and shared memory map are not "
+            "safe on network or FUSE filesystems. Put the store on a local disk, or set "
+            "nvme.allow_network_fs: true if this filesystem keeps fcntl locks and mmap coherent "
+            "(and only one host opens the store)"
+        )
+    return mount
+
+
+def damaged_copies(store_dir: str | os.PathLike) -> list[Path]:
+    """The ``damaged-*`` directories left in ``store_dir`` by :func:`move_aside`, oldest first."""
+    d = Path(store_dir)
+    try:
+        return sorted(p for p in d.iterdir() if p.name.startswith("damaged-") and p.is_dir())
+    except OSError:
+        return []
+
+
+def move_aside(store_dir: str | os.PathLike) -> Path:
+    """Rename ``store_dir/lmdb`` to ``store_dir/damaged-<YYYYmmddTHHMMSSZ>[-n]/lmdb``.
+
+    The caller holds the store's directory lock and has closed the LMDB environment.
+
+    Returns:
+        The new ``damaged-*`` directory (a store directory of its own: ``ectier fsck --path`` reads it).
+
+    Raises:
+        OSError: the rename failed (the environment stays where it was).
+    """
+    d = Path(store_dir)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = d / f"damaged-{stamp}"
+    n = 0
+    while target.exists():
+        n += 1
+        target = d / f"damaged-{stamp}-{n}"
+    target.mkdir()
+    try:
+        os.rename(d / "lmdb", target / "lmdb")
+    except OSError:
+        target.rmdir()
+        raise
+    _fsync_dir(d)
+    return target
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,284 @@
+"""A damaged LMDB store (issue 16, item 5): ``ectier fsck --path DIR`` reports it, ``--repair``
+salvages every intact record into a fresh store (the damaged one moved to ``DIR/damaged-*``), and
+``nvme.on_damaged: reset`` lets a cache start with an empty store and one warning.
+
+Damage is done to real stores: both meta pages zeroed (the first two pages of ``data.mdb``), garbage
+written over B-tree pages (found by LMDB's page header: page number, flags), a truncated file, a
+flipped payload byte. Salvaged records are checked byte-exact through ``TieredCache.get``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from ectier import StoreDamagedError, StoreOpenError, TieredCache
+from ectier.cli import main
+from ectier.fsck import check, repair
+
+from click.testing import CliRunner
+from conftest import KiB, MiB, assert_same, digest, filled, make_config, open_lmdb
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIZES = (300, 3000, 40 * KiB)  # inline in a leaf, one overflow page, many overflow pages
+N = 60  # enough headers for the meta database to need branch pages
+P_BRANCH, P_LEAF = 0x01, 0x02
+
+
+def _value(i: int):
+    return filled(SIZES[i % len(SIZES)], i)
+
+
+def _build_store(path, codec: str = "raw"):
+    cfg = make_config(path, host_bytes=0, nvme_bytes=64 * MiB, codec=codec)
+    with TieredCache(cfg) as cache:
+        for i in range(N):
+            cache.put(f"k{i}", _value(i))
+    env = open_lmdb(path)[0]
+    try:
+        psize = env.stat()["psize"]
+    finally:
+        env.close()
+    return cfg, psize
+
+
+def _pages(data_file, psize, flag):
+    """Numbers of the pages in ``data_file`` that carry their own number and ``flag`` (LMDB page header)."""
+    raw = data_file.read_bytes()
+    out = []
+    for pgno in range(2, len(raw) // psize):
+        own, _pad, flags = struct.unpack_from("<QHH", raw, pgno * psize)
+        if own == pgno and flags & flag:
+            out.append(pgno)
+    return out
+
+
+def _overwrite(data_file, psize, pages, rng):
+    with open(data_file, "r+b") as f:
+        for pgno in pages:
+            f.seek(pgno * psize)
+            f.write(rng.randbytes(psize))
+
+
+def zero_meta(path, psize):
+    with open(path / "lmdb" / "data.mdb", "r+b") as f:
+        f.write(bytes(2 * psize))
+
+
+def garbage_branches(path, psize, seed=0):
+    pages = _pages(path / "lmdb" / "data.mdb", psize, P_BRANCH)
+    assert pages, "the test store has no branch pages to damage"
+    _overwrite(path / "lmdb" / "data.mdb", psize, pages, random.Random(seed))
+
+
+def garbage_branches_and_leaves(path, psize, seed=0):
+    data = path / "lmdb" / "data.mdb"
+    rng = random.Random(seed)
+    leaves = _pages(data, psize, P_LEAF)
+    _overwrite(data, psize, _pages(data, psize, P_BRANCH) + rng.sample(leaves, max(1, len(leaves) // 4)), rng)
+
+
+def _served(cfg):
+    """key -> value served by a fresh cache on ``cfg`` (misses left out); every hit must be exact."""
+    out = {}
+    with TieredCache(cfg) as cache:
+        for i in range(N):
+            got = cache.get(f"k{i}")
+            if got is not None:
+                assert_same(got, _value(i))
+                out[f"k{i}"] = got
+        assert cache.stats()["tiers"]["nvme"]["checksum_failures"] == 0
+    return out
+
+
+@pytest.fixture
+def runner():
+    return CliRunner()
+
+
+# ============================================================================ open, report, repair
+
+
+@pytest.mark.parametrize("damage", [zero_meta, garbage_branches], ids=["zeroed-meta", "garbage-branches"])
+@pytest.mark.parametrize("codec", ["raw", "zstd-planes"])
+def test_damaged_store_is_reported_and_repair_salvages_every_record(tmp_path, runner, damage, codec):
+    store = tmp_path / "nvme"
+    cfg, psize = _build_store(store, codec)
+    created = check(store).settings["created"]
+    damage(store, psize)
+
+    with pytest.raises(StoreDamagedError) as exc:  # a StoreOpenError, as before, naming the way out
+        TieredCache(cfg)
+    assert isinstance(exc.value, StoreOpenError)
+    assert "nvme.path" in str(exc.value) and "ectier fsck" in str(exc.value) and "nvme.on_damaged" in str(exc.value)
+
+    result = runner.invoke(main, ["fsck", "--path", str(store), "--json"])
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.output)
+    assert report["damaged"] and report["mode"] == "page-scan" and report["lmdb_error"]
+    assert (report["entries"], report["intact"], report["checksum_failed"], report["unreadable"]) == (N, N, 0, 0)
+
+    result = runner.invoke(main, ["fsck", "--path", str(store), "--repair"])
+    assert result.exit_code == 0, result.output
+    assert "repaired" in result.output and f"{N} records" in result.output
+    assert len(_served(cfg)) == N  # every record back, byte-exact
+    after = check(store)
+    assert not after.damaged and after.mode == "lmdb" and after.intact == N
+    assert after.settings["created"] == created and "repaired" in after.settings
+    assert [os.path.basename(d) for d in after.damaged_copies] == [p.name for p in store.glob("damaged-*")]
+    assert len(after.damaged_copies) == 1
+    assert check(after.damaged_copies[0]).intact == N  # the moved copy is a store directory fsck reads
+
+
+def test_garbage_in_branch_and_leaf_pages_salvages_what_survived(tmp_path):
+    store = tmp_path / "nvme"
+    cfg, psize = _build_store(store)
+    garbage_branches_and_leaves(store, psize, seed=3)
+    with pytest.raises(StoreDamagedError):
+        TieredCache(cfg)
+    report = check(store)
+    assert report.damaged and report.mode == "page-scan" and report.damaged_pages > 0
+    assert 0 < report.intact <= report.entries <= N
+    result = repair(store)
+    assert result.repaired and result.salvaged == report.intact and result.lost == report.entries - report.intact
+    served = _served(cfg)  # no wrong bytes: every hit exact (checked inside), the rest misses
+    assert len(served) == result.salvaged
+
+
+def test_a_record_failing_its_checksum_is_reported_and_dropped_by_repair(tmp_path, runner):
+    store = tmp_path / "nvme"
+    cfg, _ = _build_store(store)
+    env, _meta, data, _q, _s = open_lmdb(store)
+    try:
+        with env.begin(write=True) as txn:
+            bad = bytearray(txn.get(digest("k4"), db=data))
+            bad[len(bad) // 2] ^= 0x40
+            txn.put(digest("k4"), bytes(bad), db=data)
+            txn.delete(digest("k7"), db=data)  # a header without its payload
+    finally:
+        env.close()
+    result = runner.invoke(main, ["fsck", "--path", str(store)])
+    assert result.exit_code == 1
+    assert "test/k4" in result.output and "checksum" in result.output and "test/k7" in result.output
+    report = check(store)
+    assert report.mode == "lmdb" and report.lmdb_error is None
+    assert (report.entries, report.intact, report.checksum_failed, report.unreadable) == (N, N - 2, 1, 1)
+    res = repair(store)
+    assert res.repaired and res.salvaged == N - 2 and res.lost == 2
+    served = _served(cfg)
+    assert set(served) == {f"k{i}" for i in range(N)} - {"k4", "k7"}
+
+
+def test_healthy_store_passes_and_repair_changes_nothing(tmp_path, runner):
+    store = tmp_path / "nvme"
+    cfg, _ = _build_store(store)
+    before = (store / "lmdb" / "data.mdb").read_bytes()
+    result = runner.invoke(main, ["fsck", "--path", str(store)])
+    assert result.exit_code == 0, result.output
+    assert "healthy" in result.output
+    result = runner.invoke(main, ["fsck", "--path", str(store), "--repair", "--json"])
+    assert result.exit_code == 0
+    out = json.loads(result.output)
+    assert out["repaired"] is False and out["report"]["intact"] == N and out["moved_to"] is None
+    assert (store / "lmdb" / "data.mdb").read_bytes() == before and not list(store.glob("damaged-*"))
+    assert len(_served(cfg)) == N
+
+
+def test_fsck_refuses_a_store_in_use_and_a_directory_that_is_no_store(tmp_path, runner):
+    store = tmp_path / "nvme"
+    cfg, _ = _build_store(store)
+    with TieredCache(cfg):
+        result = runner.invoke(main, ["fsck", "--path", str(store)])
+        assert result.exit_code == 2 and "in use" in result.output, result.output
+        result = runner.invoke(main, ["fsck", "--path", str(store), "--repair"])
+        assert result.exit_code == 2 and "in use" in result.output
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = runner.invoke(main, ["fsck", "--path", str(empty)])
+    assert result.exit_code == 2 and "not an ectier store" in result.output
+    assert not (empty / "lmdb").exists()
+
+
+_TRUNCATED = """
+import os, sys
+data = os.path.join(sys.argv[1], "lmdb", "data.mdb")
+os.truncate(data, os.path.getsize(data) * 2 // 3)
+"""
+
+
+def test_truncated_store_is_reported_and_repaired_in_a_child(tmp_path):
+    """A truncated data.mdb would SIGBUS a reader of its missing pages: fsck runs in a child here."""
+    store = tmp_path / "nvme"
+    cfg, _ = _build_store(store)
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    subprocess.run([sys.executable, "-c", _TRUNCATED, str(store)], check=True, env=env)
+    cli = [sys.executable, "-m", "ectier.cli", "fsck", "--path", str(store), "--json"]
+    proc = subprocess.run(cli, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert "truncated" in report["lmdb_error"] and report["mode"] == "page-scan" and report["intact"] > 0
+    proc = subprocess.run(cli + ["--repair"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["salvaged"] == report["intact"]
+    assert len(_served(cfg)) == report["intact"]
+
+
+# ============================================================================ nvme.on_damaged
+
+
+def test_on_damaged_reset_starts_fresh_with_one_warning(tmp_path, caplog):
+    store = tmp_path / "nvme"
+    cfg, psize = _build_store(store)
+    zero_meta(store, psize)
+    reset = make_config(store, host_bytes=0, nvme_bytes=64 * MiB, on_damaged="reset")
+    with caplog.at_level(logging.WARNING, logger="ectier"):
+        cache = TieredCache(reset)
+    try:
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]
+        moved = list(store.glob("damaged-*"))
+        assert len(moved) == 1
+        text = warnings[0].getMessage()
+        assert "damaged" in text and "nvme.on_damaged" in text and str(moved[0]) in text and "ectier fsck" in text
+        assert len(cache) == 0 and cache.get("k0") is None
+        assert cache.stats()["tiers"]["nvme"]["damaged_resets"] == 1
+        cache.put("new", filled(3000, 1))
+        assert_same(cache.get("new"), filled(3000, 1))
+    finally:
+        cache.close()
+    with TieredCache(cfg) as again:  # the fresh store is a normal store now, even with on_damaged=fail
+        assert_same(again.get("new"), filled(3000, 1))
+    assert check(moved[0]).intact == N  # nothing was thrown away: the damaged copy can still be read
+
+
+def test_on_damaged_reset_leaves_a_store_that_is_not_damaged_alone(tmp_path):
+    store = tmp_path / "nvme"
+    cfg, _ = _build_store(store)
+    env, _m, _d, _q, settings = open_lmdb(store)
+    try:
+        with env.begin(write=True) as txn:
+            txn.put(b"format", b"99", db=settings)
+    finally:
+        env.close()
+    reset = make_config(store, host_bytes=0, nvme_bytes=64 * MiB, on_damaged="reset")
+    with pytest.raises(StoreOpenError, match="format") as exc:
+        TieredCache(reset)
+    assert not isinstance(exc.value, StoreDamagedError)
+    assert not list(store.glob("damaged-*"))
+
+
+def test_on_damaged_is_a_checked_config_field():
+    from ectier import CacheConfig, ConfigError
+    from ectier.config import NvmeTierConfig
+
+    assert NvmeTierConfig().on_damaged == "fail"
+    with pytest.raises(ConfigError, match="nvme.on_damaged"):
+        NvmeTierConfig(on_damaged="ignore")
+    assert CacheConfig.from_env({"ECTIER_NVME__ON_DAMAGED": "reset"}).nvme.on_damaged == "reset"
