@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 import os
 from typing import Any, Mapping
 
@@ -24,7 +23,7 @@ import torch
 from .catalog import Catalog
 from .config import CacheConfig
 from .copy import CopyEngine, Engines
-from .entry import EntryMeta, dtype_itemsize, entry_digest, next_version, validate_key, validate_namespace
+from .entry import entry_digest, next_version, validate_key, validate_namespace
 from .errors import (ConfigError, EctierError, EntryTooLargeError, InvalidDeviceError, InvalidKeyError,
                      InvalidTensorError, ProcessForkedError, TierWriteError)
 from .handles import LoadHandle, PutHandle, ReadLease, WriteLease
@@ -32,7 +31,7 @@ from .moves.serve import Reads
 from .mover import Mover
 from .stack import TierStack
 from .stats import Counters
-from .tensors import byte_view, empty_for, meta_for, parse_device
+from .tensors import byte_view, meta_for, meta_from_spec, parse_device
 
 __all__ = ["TieredCache", "WriteLease", "ReadLease", "PutHandle", "LoadHandle"]
 
@@ -210,7 +209,7 @@ class TieredCache:
             if done:
                 handle.finish(v is not None)
             else:
-                self._mover.prefetch_later(handle, digest, ns, key, target)
+                self._reads.prefetch_later(handle, digest, ns, key, target)
             handles.append(handle)
         return handles
 
@@ -231,13 +230,7 @@ class TieredCache:
             TierWriteError: no room could be made within ``host.admit_wait_s``.
         """
         ns, key = self._identity(key, namespace)
-        try:  # ints (numpy's too); a float or a bool is refused, never truncated
-            if any(isinstance(d, bool) for d in shape):
-                raise TypeError
-            dims = tuple(operator.index(d) for d in shape)
-        except (TypeError, ValueError):
-            raise InvalidTensorError(f"shape: expected a sequence of ints, got {shape!r}") from None
-        meta = EntryMeta(ns, key, dtype, dims, math.prod(dims) * dtype_itemsize(dtype))
+        meta = meta_from_spec(ns, key, dtype, shape)
         self._check_open()
         host = self._host
         if host is None or not host.fits(meta.nbytes):
@@ -402,7 +395,7 @@ class TieredCache:
             self._closed = True
             return
         try:
-            self._mover.quiesce()
+            self._reads.quiesce()
             if self.config.nvme.flush_on_close:
                 try:
                     self.flush()

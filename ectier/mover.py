@@ -26,7 +26,6 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -48,7 +47,7 @@ from .tiers.base import Tier
 __all__ = ["Mover", "Commit", "RETRIES"]
 
 if TYPE_CHECKING:
-    from .handles import LoadHandle, PutHandle
+    from .handles import PutHandle
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +111,6 @@ class Mover:
         self.counters = counters
         self.engine_for = engine_for
         self.completer = Completer()
-        self._prefetch_pool: ThreadPoolExecutor | None = None
         self.write_through = config.nvme.write_through
         self.arena = ArenaMoves(self)
         store = stack.get("nvme")
@@ -368,6 +366,12 @@ class Mover:
                     promoted.add(t.name)
         return meta, data, promoted
 
+    def promote_slot(self, src: ArenaTier, slot: Slot, dst: Tier) -> bool:
+        """Copy a pinned slot of ``src`` up into ``dst`` through the registered edge (a failed or
+        missing edge is False, never an error)."""
+        handler = self._promotions.get((src.name, dst.name))
+        return handler is not None and bool(self._run(f"promotion {src.name} -> {dst.name}", handler, src, slot))
+
     def _promote_data_into_host(self, digest: bytes, meta: EntryMeta, version: int, data: torch.Tensor) -> bool:
         host = self.stack.get("host")
         if not host.fits(meta.nbytes):
@@ -391,74 +395,6 @@ class Mover:
         if g is not None:
             self.unpin(gpu, g)
         return g is not None
-
-    def promote(self, digest: bytes, ns: str, key: str, target: Tier | None) -> bool:
-        """Move ``digest`` up to ``target`` (the GPU tier, or the host tier) — a prefetch.
-
-        True if the key is present afterwards (promoted as far as room allowed)."""
-        gpu = self.stack.device_tier()
-        want_gpu = target is not None and target is gpu
-        host = self.stack.get("host")
-        for _ in range(RETRIES):
-            hslot = None
-            with self.cond:
-                v = self.catalog.version(digest)
-                if v is None:
-                    return False
-                if gpu is not None and gpu.holds(digest, v) and (want_gpu or not self.stack.lower_holds(gpu, digest, v)):
-                    return True
-                s = host.current(digest, v) if host is not None else None
-                if s is not None:
-                    host.touch(s)
-                    if not want_gpu:
-                        return True
-                    hslot = s
-                    host.pin(s)
-                else:
-                    if self.nvme is None or not self.nvme.tier.holds(digest, v):
-                        return digest in self.catalog
-                    self.nvme.index.touch(digest)
-                    host_fits = host is not None and host.fits(self.nvme.tier.record(digest).header.raw_nbytes)
-                    if not want_gpu and not host_fits:
-                        return True  # it stays where it is: NVMe is the highest tier it fits
-            if hslot is not None:
-                try:
-                    self._run("promotion host -> gpu", self._promotions[("host", "gpu")], host, hslot)
-                finally:
-                    self.unpin(host, hslot)
-                return True
-            result = self.promote_from_store(digest, ns, key, v, target)
-            if result is RETRY:
-                continue
-            return result is not None
-        with self.cond:
-            return digest in self.catalog
-
-    def prefetch_later(self, handle: "LoadHandle", digest: bytes, ns: str, key: str, target: Tier | None) -> None:
-        """Run :meth:`promote` in the prefetch pool (two threads, started at the first call) and
-        finish ``handle`` with its result (an unexpected error: False, in ``handle.error``)."""
-        with self.cond:
-            if self._prefetch_pool is None:
-                self._prefetch_pool = ThreadPoolExecutor(2, thread_name_prefix="ectier-prefetch")
-            pool = self._prefetch_pool
-        pool.submit(self._prefetch_one, handle, digest, ns, key, target)
-
-    def _prefetch_one(self, handle: "LoadHandle", digest: bytes, ns: str, key: str, target: Tier | None) -> None:
-        try:
-            self.catalog.wait_inflight(digest)
-            handle.finish(self.promote(digest, ns, key, target))
-        except Exception as exc:  # noqa: BLE001 - reported through the handle, and logged
-            log.warning("prefetch of a key failed: %s", exc)
-            handle.finish(False, exc)
-
-    def quiesce(self, timeout_s: float | None = None) -> bool:
-        """Wait for prefetches and copy completions in flight (the pool restarts on the next
-        prefetch). False if the completions did not all run within ``timeout_s``."""
-        with self.cond:
-            pool, self._prefetch_pool = self._prefetch_pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
-        return self.completer.drain(timeout_s)
 
     # ------------------------------------------------------------------------- flush, close
     def flush(self) -> int:

@@ -7,10 +7,11 @@ pure-Python layers (entry, index, policy, codec) stay free of torch.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
-from .entry import DTYPE_ITEMSIZE, EntryMeta
+from .entry import DTYPE_ITEMSIZE, EntryMeta, dtype_itemsize
 from .errors import InvalidDeviceError, InvalidTensorError
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "byte_view",
     "empty_for",
     "output_for",
+    "meta_from_spec",
     "tensor_from_bytes",
     "parse_device",
     "cuda_available",
@@ -65,6 +67,22 @@ def meta_for(namespace: str, key: str, tensor: object, *, arg: str = "tensor") -
     name = dtype_name(tensor.dtype)
     shape = tuple(int(d) for d in tensor.shape)
     return EntryMeta(namespace, key, name, shape, math.prod(shape) * DTYPE_ITEMSIZE[name])
+
+
+def meta_from_spec(namespace: str, key: str, dtype: str, shape: object) -> EntryMeta:
+    """Describe an entry of ``dtype`` and ``shape`` that is not a tensor yet (a shared-memory put).
+
+    Raises:
+        InvalidTensorError: ``shape`` is not a sequence of ints (a float or a bool dimension is
+            refused, never truncated), or ``dtype`` is unknown.
+    """
+    try:  # ints (numpy's too)
+        if any(isinstance(d, bool) for d in shape):
+            raise TypeError
+        dims = tuple(operator.index(d) for d in shape)
+    except (TypeError, ValueError):
+        raise InvalidTensorError(f"shape: expected a sequence of ints, got {shape!r}") from None
+    return EntryMeta(namespace, key, dtype, dims, math.prod(dims) * dtype_itemsize(dtype))
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:

@@ -160,7 +160,7 @@ def pins(cache: TieredCache, tier_name: str = "host") -> int:
 
 def drain(cache: TieredCache, timeout_s: float | None = 10.0) -> bool:
     """Wait until every copy completion and prefetch in flight has run; False on timeout."""
-    return cache._mover.quiesce(timeout_s)
+    return cache._reads.quiesce(timeout_s)
 
 
 @contextlib.contextmanager

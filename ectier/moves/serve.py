@@ -1,4 +1,5 @@
-"""Serving reads: find the highest tier holding a key's current version, read from it, promote on the way.
+"""Serving reads and read-ahead: find the highest tier holding a key's current version, read from
+it, promote on the way; prefetch (promotion in the background).
 
 One lookup for ``get`` and ``acquire`` (:meth:`Reads.locate`), one retry loop (a concurrent
 overwrite between lookup and read: look again, :data:`~ectier.mover.RETRIES` times), and the one
@@ -7,6 +8,8 @@ promotion sequence of the mover for store-tier hits.
 
 from __future__ import annotations
 
+import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,9 +22,12 @@ from ..tiers.base import Tier
 from .nvme import RETRY
 
 if TYPE_CHECKING:
+    from ..handles import LoadHandle
     from ..mover import Mover
 
 __all__ = ["Reads", "Located"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,6 +44,7 @@ class Reads:
 
     def __init__(self, m: "Mover") -> None:
         self.m = m
+        self._prefetch_pool: ThreadPoolExecutor | None = None
 
     def locate(self, digest: bytes, *, start: Tier | None = None):
         """The highest tier (from ``start`` down) holding ``digest``'s current version, its slot
@@ -129,6 +136,71 @@ class Reads:
         m.counters.count("cache", misses=1)
         return None
 
-    def read_host_into(self, host: ArenaTier, slot: Slot, out: torch.Tensor) -> None:
-        """Copy a pinned host slot into ``out`` (its flat bytes)."""
-        host.read_into(slot, byte_view(out))
+    def promote(self, digest: bytes, ns: str, key: str, target: Tier | None) -> bool:
+        """Move ``digest`` up to ``target`` (the GPU tier, or the host tier) — a prefetch.
+
+        True if the key is present afterwards (promoted as far as room allowed)."""
+        m = self.m
+        gpu = m.stack.device_tier()
+        want_gpu = target is not None and target is gpu
+        host = m.stack.get("host")
+        for _ in range(m.RETRIES):
+            hslot = None
+            with m.cond:
+                v = m.catalog.version(digest)
+                if v is None:
+                    return False
+                if gpu is not None and gpu.holds(digest, v) and (want_gpu or not m.stack.lower_holds(gpu, digest, v)):
+                    return True
+                s = host.current(digest, v) if host is not None else None
+                if s is not None:
+                    host.touch(s)
+                    if not want_gpu:
+                        return True
+                    hslot = s
+                    host.pin(s)
+                else:
+                    if m.nvme is None or not m.nvme.tier.holds(digest, v):
+                        return digest in m.catalog
+                    m.nvme.index.touch(digest)
+                    host_fits = host is not None and host.fits(m.nvme.tier.record(digest).header.raw_nbytes)
+                    if not want_gpu and not host_fits:
+                        return True  # it stays where it is: NVMe is the highest tier it fits
+            if hslot is not None:
+                try:
+                    m.promote_slot(host, hslot, gpu)
+                finally:
+                    m.unpin(host, hslot)
+                return True
+            result = m.promote_from_store(digest, ns, key, v, target)
+            if result is RETRY:
+                continue
+            return result is not None
+        with m.cond:
+            return digest in m.catalog
+
+    def prefetch_later(self, handle: "LoadHandle", digest: bytes, ns: str, key: str, target: Tier | None) -> None:
+        """Run :meth:`promote` in the prefetch pool (two threads, started at the first call) and
+        finish ``handle`` with its result (an unexpected error: False, in ``handle.error``)."""
+        with self.m.cond:
+            if self._prefetch_pool is None:
+                self._prefetch_pool = ThreadPoolExecutor(2, thread_name_prefix="ectier-prefetch")
+            pool = self._prefetch_pool
+        pool.submit(self._prefetch_one, handle, digest, ns, key, target)
+
+    def _prefetch_one(self, handle: "LoadHandle", digest: bytes, ns: str, key: str, target: Tier | None) -> None:
+        try:
+            self.m.catalog.wait_inflight(digest)
+            handle.finish(self.promote(digest, ns, key, target))
+        except Exception as exc:  # noqa: BLE001 - reported through the handle, and logged
+            log.warning("prefetch of a key failed: %s", exc)
+            handle.finish(False, exc)
+
+    def quiesce(self, timeout_s: float | None = None) -> bool:
+        """Wait for prefetches and copy completions in flight (the pool restarts on the next
+        prefetch). False if the completions did not all run within ``timeout_s``."""
+        with self.m.cond:
+            pool, self._prefetch_pool = self._prefetch_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        return self.m.completer.drain(timeout_s)
