@@ -18,6 +18,7 @@ from click.testing import CliRunner
 from rich.console import Console
 
 import ectier.demo as demo
+import ectier.demo_workload as demo_workload
 from ectier.cache import TieredCache
 from ectier.cli import main
 from ectier.errors import ConfigError
@@ -174,7 +175,7 @@ def test_demo_without_scikit_image_uses_synthetic_pixels(tmp_path, monkeypatch):
     def no_skimage():
         raise ImportError("No module named 'skimage'")
 
-    monkeypatch.setattr(demo, "_import_skimage", no_skimage)
+    monkeypatch.setattr(demo_workload, "_import_skimage", no_skimage)
     console = Console(record=True, width=200)
     s = demo.run_demo(demo.DemoOptions(images=5, requests=15, host_bytes=3 << 20, nvme_bytes=8 << 20,
                                        dir=str(tmp_path)), console=console)
@@ -188,7 +189,7 @@ def test_demo_without_scikit_image_uses_synthetic_pixels(tmp_path, monkeypatch):
 
 
 def test_load_images_skips_photographs_that_need_a_download(monkeypatch):
-    real = demo._import_skimage()
+    real = demo_workload._import_skimage()
 
     def offline(exc):
         def loader():
@@ -198,7 +199,7 @@ def test_load_images_skips_photographs_that_need_a_download(monkeypatch):
     fake = types.SimpleNamespace(**{name: getattr(real, name) for name in demo.SKIMAGE_PHOTOS})
     fake.camera = offline(ModuleNotFoundError("requires pooch"))
     fake.coffee = offline(ConnectionError("network is unreachable"))
-    monkeypatch.setattr(demo, "_import_skimage", lambda: fake)
+    monkeypatch.setattr(demo_workload, "_import_skimage", lambda: fake)
     notes = []
     images, origin = demo.load_images(warn=notes.append)
     names = [im.name for im in images]

@@ -1,6 +1,6 @@
 """The same stream through the demo's safetensors-file-per-item store and through pure recomputation.
 
-- **safetensors**: :class:`ectier.demo.SafetensorsPerItemStore` (vLLM's ``ECExampleConnector``
+- **safetensors**: :class:`ectier.demo_baseline.SafetensorsPerItemStore` (vLLM's ``ECExampleConnector``
   behaviour: one file per ``mm_hash``, synchronous, no eviction - its disk use is unbounded, so its
   hit rate is the best any cache could reach on the stream).
 - **recompute**: no cache; every request costs the encoder time of the cost model.
@@ -22,7 +22,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from ..config import format_bytes
-from ..demo import SafetensorsPerItemStore
+from ..demo_baseline import SafetensorsPerItemStore
 from .costmodel import CostModel
 from .replay import EntryFactory, percentile
 from .report import fmt

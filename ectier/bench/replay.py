@@ -113,6 +113,118 @@ def _host_block(width_scale: int) -> int:
     return max(4096, 1 << (block.bit_length() - 1))
 
 
+def _scaled_config(policy: str, host_bytes: int, nvme_bytes: int, width_scale: int, sync: bool,
+                   codec: str) -> tuple[CacheConfig, int]:
+    """The replay's cache config at ``1 / width_scale`` of the budgets, and the scaled NVMe budget.
+
+    The NVMe path is a placeholder (``"/nonexistent"``, or ``None`` when the scaled NVMe budget is
+    not positive) so that the budgets are validated before anything is created on disk.
+
+    Raises:
+        ConfigError: budgets too small for a block.
+    """
+    block = _host_block(width_scale)
+    hb = (host_bytes // width_scale) // block * block
+    nb = nvme_bytes // width_scale
+    cfg = CacheConfig(
+        host=HostTierConfig(capacity_bytes=hb, block_bytes=block, policy=policy, admit_wait_s=0.0),
+        nvme=NvmeTierConfig(path="/nonexistent" if nb > 0 else None, capacity_bytes=max(nb, 0), codec=codec,
+                            sync=sync, flush_on_close=False, policy=policy, map_initial_bytes=64 * MiB),
+    )
+    return cfg, nb
+
+
+class _Tally:
+    """What one replay counted: ``n`` counts, ``b`` bytes (at full width), ``enc`` encoder seconds
+    (from the cost model) and ``lat`` latency samples in seconds."""
+
+    def __init__(self) -> None:
+        self.n = dict(hits=0, host_hits=0, nvme_hits=0, misses=0, mismatches=0, put_refused=0)
+        self.b = dict(requested=0, hit=0, host_hit=0, nvme_hit=0, put=0)
+        self.enc = dict(total=0.0, saved=0.0, spent=0.0)
+        self.lat: dict[str, list[float]] = dict(get=[], hit=[], host=[], nvme=[], put=[])
+
+
+def _serve(cache: TieredCache, factory: EntryFactory, r: Request, width: int, cost: CostModel,
+           tally: _Tally) -> None:
+    """One request: ``get``; on a hit check the bytes, on a miss ``put`` the entry (refusals counted)."""
+    n, b, enc, lat = tally.n, tally.b, tally.enc, tally.lat
+    full = r.num_tokens * width * 2
+    c = cost.seconds(r.num_tokens)
+    enc["total"] += c
+    b["requested"] += full
+    before = cache.stats()["tiers"].get("host", {}).get("hits", 0)
+    t0 = time.perf_counter()
+    got = cache.get(r.mm_hash, out=factory.out(r.num_tokens))
+    dt = time.perf_counter() - t0
+    lat["get"].append(dt)
+    if got is not None:
+        tier = "host" if cache.stats()["tiers"].get("host", {}).get("hits", 0) > before else "nvme"
+        if not factory.check(r.mm_hash, r.num_tokens, got):
+            n["mismatches"] += 1
+        n["hits"] += 1
+        n[f"{tier}_hits"] += 1
+        b["hit"] += full
+        b[f"{tier}_hit"] += full
+        lat["hit"].append(dt)
+        lat[tier].append(dt)
+        enc["saved"] += c
+    else:
+        n["misses"] += 1
+        enc["spent"] += c
+        t0 = time.perf_counter()
+        try:
+            cache.put(r.mm_hash, factory.entry(r.mm_hash, r.num_tokens), cost_s=c)
+            b["put"] += full
+        except (EntryTooLargeError, TierWriteError):
+            n["put_refused"] += 1  # a connector logs and goes on: the entry is not cached
+        lat["put"].append(time.perf_counter() - t0)
+
+
+def _metrics(tally: _Tally, st: dict[str, Any], requests: int, wall: float, *, policy: str, host_bytes: int,
+             nvme_bytes: int, width_scale: int) -> dict[str, Any]:
+    """The dict :func:`replay_stream` returns, from its tally and the cache's final tier stats."""
+    n, b, enc, lat = tally.n, tally.b, tally.enc, tally.lat
+    rb = b["requested"] or 1
+    nv = st.get("nvme", {})
+    return {
+        "policy": policy,
+        "host_bytes": host_bytes,
+        "nvme_bytes": nvme_bytes,
+        "width_scale": width_scale,
+        "requests": requests,
+        **n,
+        "requested_bytes": b["requested"],
+        "hit_bytes": b["hit"],
+        "host_hit_bytes": b["host_hit"],
+        "nvme_hit_bytes": b["nvme_hit"],
+        "put_bytes": b["put"],
+        "demoted_bytes": int(nv.get("put_bytes", 0)) * width_scale,
+        "promotions": int(st.get("host", {}).get("promotions", 0)),
+        "bytes_moved": b["hit"] + b["put"] + int(nv.get("put_bytes", 0)) * width_scale,
+        "hit_rate": n["hits"] / requests,
+        "host_hit_rate": n["host_hits"] / requests,
+        "nvme_hit_rate": n["nvme_hits"] / requests,
+        "byte_hit_rate": b["hit"] / rb,
+        "host_byte_hit_rate": b["host_hit"] / rb,
+        "nvme_byte_hit_rate": b["nvme_hit"] / rb,
+        "encoder_total_s": enc["total"],
+        "encoder_saved_s": enc["saved"],
+        "encoder_spent_s": enc["spent"],
+        "saved_fraction": enc["saved"] / enc["total"] if enc["total"] else 0.0,
+        "get_s": sum(lat["get"]),
+        "put_s": sum(lat["put"]),
+        "get_hit_p50_s": percentile(lat["hit"], 50),
+        "get_hit_p99_s": percentile(lat["hit"], 99),
+        "get_host_p50_s": percentile(lat["host"], 50),
+        "get_nvme_p50_s": percentile(lat["nvme"], 50),
+        "get_p99_s": percentile(lat["get"], 99),
+        "put_p50_s": percentile(lat["put"], 50),
+        "put_p99_s": percentile(lat["put"], 99),
+        "wall_s": wall,
+    }
+
+
 def replay_stream(
     stream: Sequence[Request],
     cost: CostModel,
@@ -164,22 +276,11 @@ def replay_stream(
     max_tokens = max(r.num_tokens for r in stream)
     if factory is None or factory.width != w or factory.scratch.numel() < max_tokens * w * 2:
         factory = EntryFactory(max_tokens * w * 2, w)
-    block = _host_block(width_scale)
-    hb = (host_bytes // width_scale) // block * block
-    nb = nvme_bytes // width_scale
-    # validate the budgets before anything is created on disk
-    cfg = CacheConfig(
-        host=HostTierConfig(capacity_bytes=hb, block_bytes=block, policy=policy, admit_wait_s=0.0),
-        nvme=NvmeTierConfig(path="/nonexistent" if nb > 0 else None, capacity_bytes=max(nb, 0), codec=codec,
-                            sync=sync, flush_on_close=False, policy=policy, map_initial_bytes=64 * MiB),
-    )
+    cfg, nb = _scaled_config(policy, host_bytes, nvme_bytes, width_scale, sync, codec)
     tmp = tempfile.mkdtemp(prefix="ectier-bench-", dir=workdir)
     if nb > 0:
         cfg = cfg.replace(nvme=dataclasses.replace(cfg.nvme, path=tmp))
-    n = dict(hits=0, host_hits=0, nvme_hits=0, misses=0, mismatches=0, put_refused=0)
-    b = dict(requested=0, hit=0, host_hit=0, nvme_hit=0, put=0)
-    enc = dict(total=0.0, saved=0.0, spent=0.0)
-    lat: dict[str, list[float]] = dict(get=[], hit=[], host=[], nvme=[], put=[])
+    tally = _Tally()
     t_start = time.perf_counter()
     try:
         cache = TieredCache(cfg)
@@ -188,36 +289,7 @@ def replay_stream(
         raise
     try:
         for r in stream:
-            full = r.num_tokens * width * 2
-            c = cost.seconds(r.num_tokens)
-            enc["total"] += c
-            b["requested"] += full
-            before = cache.stats()["tiers"].get("host", {}).get("hits", 0)
-            t0 = time.perf_counter()
-            got = cache.get(r.mm_hash, out=factory.out(r.num_tokens))
-            dt = time.perf_counter() - t0
-            lat["get"].append(dt)
-            if got is not None:
-                tier = "host" if cache.stats()["tiers"].get("host", {}).get("hits", 0) > before else "nvme"
-                if not factory.check(r.mm_hash, r.num_tokens, got):
-                    n["mismatches"] += 1
-                n["hits"] += 1
-                n[f"{tier}_hits"] += 1
-                b["hit"] += full
-                b[f"{tier}_hit"] += full
-                lat["hit"].append(dt)
-                lat[tier].append(dt)
-                enc["saved"] += c
-            else:
-                n["misses"] += 1
-                enc["spent"] += c
-                t0 = time.perf_counter()
-                try:
-                    cache.put(r.mm_hash, factory.entry(r.mm_hash, r.num_tokens), cost_s=c)
-                    b["put"] += full
-                except (EntryTooLargeError, TierWriteError):
-                    n["put_refused"] += 1  # a connector logs and goes on: the entry is not cached
-                lat["put"].append(time.perf_counter() - t0)
+            _serve(cache, factory, r, width, cost, tally)
             if advance is not None:
                 advance(1)
         st = cache.stats()["tiers"]
@@ -225,42 +297,5 @@ def replay_stream(
         cache.close()
         shutil.rmtree(tmp, ignore_errors=True)
     wall = time.perf_counter() - t_start
-    reqs = len(stream)
-    rb = b["requested"] or 1
-    nv = st.get("nvme", {})
-    return {
-        "policy": policy,
-        "host_bytes": host_bytes,
-        "nvme_bytes": nvme_bytes,
-        "width_scale": width_scale,
-        "requests": reqs,
-        **n,
-        "requested_bytes": b["requested"],
-        "hit_bytes": b["hit"],
-        "host_hit_bytes": b["host_hit"],
-        "nvme_hit_bytes": b["nvme_hit"],
-        "put_bytes": b["put"],
-        "demoted_bytes": int(nv.get("put_bytes", 0)) * width_scale,
-        "promotions": int(st.get("host", {}).get("promotions", 0)),
-        "bytes_moved": b["hit"] + b["put"] + int(nv.get("put_bytes", 0)) * width_scale,
-        "hit_rate": n["hits"] / reqs,
-        "host_hit_rate": n["host_hits"] / reqs,
-        "nvme_hit_rate": n["nvme_hits"] / reqs,
-        "byte_hit_rate": b["hit"] / rb,
-        "host_byte_hit_rate": b["host_hit"] / rb,
-        "nvme_byte_hit_rate": b["nvme_hit"] / rb,
-        "encoder_total_s": enc["total"],
-        "encoder_saved_s": enc["saved"],
-        "encoder_spent_s": enc["spent"],
-        "saved_fraction": enc["saved"] / enc["total"] if enc["total"] else 0.0,
-        "get_s": sum(lat["get"]),
-        "put_s": sum(lat["put"]),
-        "get_hit_p50_s": percentile(lat["hit"], 50),
-        "get_hit_p99_s": percentile(lat["hit"], 99),
-        "get_host_p50_s": percentile(lat["host"], 50),
-        "get_nvme_p50_s": percentile(lat["nvme"], 50),
-        "get_p99_s": percentile(lat["get"], 99),
-        "put_p50_s": percentile(lat["put"], 50),
-        "put_p99_s": percentile(lat["put"], 99),
-        "wall_s": wall,
-    }
+    return _metrics(tally, st, len(stream), wall, policy=policy, host_bytes=host_bytes, nvme_bytes=nvme_bytes,
+                    width_scale=width_scale)
