@@ -126,12 +126,12 @@ class TieredCache:
             raise ValueError(f"cost_s: expected a finite number of seconds >= 0, got {cost_s!r}")
         start = self._entry_tier(tensor.device)
         digest = entry_digest(ns, key)
-        with self._cond:
-            self._catalog.set_cost(digest, cost_s)
         tiers = self._stack.from_(start)
         if not any(t.fits(meta.nbytes) for t in tiers):
             raise EntryTooLargeError(f"entry of {meta.nbytes} bytes is larger than every tier's whole budget "
                                      f"({self._stack.budgets_text()})")
+        with self._cond:
+            self._catalog.set_cost(digest, cost_s)
         version, src, handle = next_version(), byte_view(tensor), PutHandle(key)
         for t in tiers:
             if not t.fits(meta.nbytes):
@@ -330,19 +330,7 @@ class TieredCache:
         """
         ns, key = self._identity(key, namespace)
         self._check_open()
-        digest = entry_digest(ns, key)
-        nvme = self._mover.nvme
-        with self._cond:
-            existed = self._catalog.forget(digest)
-            existed = self._catalog.cancel_pending(digest) or existed  # ordered before this delete
-            for t in self._stack.arenas():
-                if t.delete(digest):
-                    self._cond.notify_all()
-            self._catalog.set_cost(digest, None)
-            stale = nvme.claim_locked(digest) if nvme is not None else None
-        if stale is not None:
-            nvme.delete_claimed(digest, stale)
-        return existed
+        return self._mover.delete(entry_digest(ns, key))
 
     def __len__(self) -> int:
         """Number of entries stored (all tiers, counted once)."""

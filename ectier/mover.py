@@ -168,6 +168,9 @@ class Mover:
                 adm = tier.admit(digest, meta, version, cost_s=self.catalog.cost(digest), clean_only=clean_only)
                 if adm.granted:
                     return adm.entry
+                if adm.too_large:
+                    self.counters.count(tier.name, skipped_too_large=1)
+                    return None
                 if adm.blocked:
                     remaining = deadline - time.monotonic()
                     if promotion or remaining <= 0:
@@ -272,6 +275,23 @@ class Mover:
             # the key's older record goes before put returns, so a restart never serves it
             self.nvme.delete_claimed(d, v)
         return Commit.COMMITTED
+
+    def delete(self, digest: bytes) -> bool:
+        """Remove ``digest`` from every tier (a write in flight is cancelled: its commit becomes an
+        abort, ordered before this delete). True if it was stored or in flight."""
+        stale = None
+        with self.cond:
+            existed = self.catalog.forget(digest)
+            existed = self.catalog.cancel_pending(digest) or existed
+            for t in self.stack.arenas():
+                if t.delete(digest):
+                    self.cond.notify_all()
+            self.catalog.set_cost(digest, None)
+            if self.nvme is not None:
+                stale = self.nvme.claim_locked(digest)
+        if stale is not None:
+            self.nvme.delete_claimed(digest, stale)
+        return existed
 
     def after_put(self, tier: ArenaTier, slot: "Slot | _Committed") -> None:
         """A put committed into ``tier``: count it and write it through to NVMe if configured."""

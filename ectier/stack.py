@@ -53,10 +53,6 @@ class TierStack:
         """Tiers under ``tier``, nearest first."""
         return self._tiers[self._tiers.index(tier) + 1 :]
 
-    def above(self, tier: Tier) -> list[Tier]:
-        """Tiers over ``tier``, nearest first."""
-        return self._tiers[: self._tiers.index(tier)][::-1]
-
     def between(self, low: Tier, high: Tier) -> list[Tier]:
         """Tiers from just above ``low`` up to ``high`` included, bottom-up (a promotion's path)."""
         lo, hi = self._tiers.index(low), self._tiers.index(high)

@@ -192,3 +192,12 @@ def test_pinned_entries_are_never_victims_and_abort_returns_room(memory):
     assert adm.granted and t.used_bytes == used + BLOCK
     t.abort(adm.entry)
     assert t.used_bytes == used and t.lookup(entry_digest("test", "y")) is None
+
+
+def test_admit_refuses_an_entry_larger_than_the_whole_tier_before_evicting_anything(memory):
+    t = memory.tier
+    for i in range(4):
+        memory.store(f"k{i}", _bytes(BLOCK, i))
+    adm = t.admit(entry_digest("test", "huge"), _meta("huge", t.capacity_bytes + 1), next_version())
+    assert adm.too_large and not adm.granted and not adm.victims
+    assert len(t) == 4 and all(memory.read(f"k{i}") is not None for i in range(4))

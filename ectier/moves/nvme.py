@@ -63,7 +63,7 @@ class NvmeMoves:
         if over <= 0:
             return
         with self.m.cond:
-            victims = self.index.policy.victims(over) or list(self.index)
+            victims = self.index.victims(over)
             doomed = self._claim_victims_locked(victims)
         for digest, version in doomed:
             self.tier.delete(digest, only_version=version)
@@ -156,7 +156,7 @@ class NvmeMoves:
                 # a newer version was committed (or the key deleted) while this write ran: this
                 # record is stale, and goes even with nvme.write_through
                 stale = version
-                self.index.deleting += 1
+                self.index.begin_delete()
                 self.index.untrack(digest)
         if stale is not None:
             self.delete_claimed(digest, stale)
@@ -190,7 +190,7 @@ class NvmeMoves:
         if rec is None or (older_than is not None and rec.version >= older_than):
             return None
         self.index.untrack(digest)
-        self.index.deleting += 1
+        self.index.begin_delete()
         return rec.version
 
     def delete_claimed(self, digest: bytes, version: int) -> None:
@@ -200,7 +200,7 @@ class NvmeMoves:
                 self.after_delete(digest, version)
         finally:
             with self.m.cond:
-                self.index.deleting -= 1
+                self.index.end_delete()
                 self.m.cond.notify_all()
 
     def drop_older(self, digest: bytes, version: int) -> None:

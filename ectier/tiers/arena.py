@@ -72,10 +72,12 @@ class ArenaTier(Tier):
 
         Victims (least valuable first, all or nothing, unpinned only; with ``clean_only`` only
         entries a lower tier already holds) are marked leaving and pinned for the caller, who
-        moves them down and calls :meth:`release_victim` for each. The caller checked
-        :meth:`fits` first.
+        moves them down and calls :meth:`release_victim` for each. An entry larger than the whole
+        budget is refused (``Admission(too_large=True)``) before anything is chosen.
         """
         idx = self.index
+        if not idx.fits(meta.nbytes):
+            return Admission(too_large=True)
         slot = idx.reserve(digest, meta, version)
         if slot is not None:
             slot.cost_s = cost_s

@@ -36,6 +36,7 @@ class Admission:
 
     entry: Any = None
     victims: list = field(default_factory=list)
+    too_large: bool = False  #: larger than the tier's whole budget: never admitted, nothing evicted
 
     @property
     def granted(self) -> bool:

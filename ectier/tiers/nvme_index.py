@@ -138,6 +138,18 @@ class NvmeIndex:
         return self.policy.victims(
             need, protected=lambda d: d == digest or d == protect or d in self._writing or d not in self._records)
 
+    def victims(self, need_bytes: int) -> list[bytes]:
+        """Tracked digests covering ``need_bytes`` (least valuable first; all of them if they do
+        not cover it) — to trim the tier back within budget."""
+        return self.policy.victims(need_bytes) or list(self.policy)
+
+    def begin_delete(self) -> None:
+        """A delete of an untracked record starts: its bytes still count in ``used_bytes``."""
+        self.deleting += 1
+
+    def end_delete(self) -> None:
+        self.deleting -= 1
+
     def begin_write(self, digest: bytes, size: int) -> None:
         self.reserved_bytes += size
         self._writing[digest] += 1
