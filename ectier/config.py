@@ -15,9 +15,10 @@
           socket_path, socket_mode, allowed_group, shm_dir, lease_s, max_frame_bytes,
           max_clients, max_clients_per_uid, idle_timeout_s, metrics_port, metrics_host
 
-Every field is checked in ``__post_init__``; a bad value raises :class:`~ectier.errors.ConfigError`
-whose message starts with the dotted field name (``host.capacity_bytes: ...``). Every bad field of
-a section, a mapping or a file is reported at once (one line each, in ``ConfigError.problems``).
+Every field is checked in ``__post_init__`` (the checks are in :mod:`ectier.config_checks`); a bad
+value raises :class:`~ectier.errors.ConfigError` whose message starts with the dotted field name
+(``host.capacity_bytes: ...``). Every bad field of a section, a mapping or a file is reported at
+once (one line each, in ``ConfigError.problems``).
 The field reference in docs/operations.md is generated from the docstrings below
 (:mod:`ectier.configdoc`).
 
@@ -34,14 +35,25 @@ Unknown keys are errors (with a "did you mean" hint), never silently ignored.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import re
 from dataclasses import dataclass, field
-from fractions import Fraction
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
+from .config_checks import (
+    ON_DAMAGED,
+    GiB,
+    KiB,
+    MiB,
+    Problems,
+    check_daemon,
+    check_gpu,
+    check_host,
+    check_namespace,
+    check_nvme,
+    format_bytes,
+    parse_bytes,
+)
 from .errors import ConfigError
 
 __all__ = [
@@ -54,138 +66,8 @@ __all__ = [
     "format_bytes",
 ]
 
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4,
-    "kib": KiB, "mib": MiB, "gib": GiB, "tib": 1 << 40,
-}
-_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_bytes(value: int | str, *, field_name: str = "value") -> int:
-    """Parse a byte count: an ``int`` or a string such as ``"64GiB"``, ``"512 MB"``, ``"1048576"``.
-
-    IEC suffixes (KiB, MiB, GiB, TiB) are powers of 1024; SI suffixes (KB, MB, GB, TB, or K/M/G/T)
-    are powers of 1000. Returns bytes as ``int``.
-
-    Raises:
-        ConfigError: naming ``field_name`` when the value is negative, fractional in bytes, of the
-            wrong type, or has an unknown unit.
-    """
-    if isinstance(value, bool):
-        raise ConfigError(f"{field_name}: expected a byte count, got bool {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{field_name}: must be >= 0 bytes, got {value}")
-        return value
-    if isinstance(value, str):
-        m = _BYTES_RE.match(value)
-        if m is None or m.group(2).lower() not in _UNITS:
-            raise ConfigError(
-                f"{field_name}: cannot read {value!r} as bytes; use an int or e.g. '512MiB', '4GiB', '2GB'"
-            )
-        number = Fraction(m.group(1)) * _UNITS[m.group(2).lower()]  # exact: float loses bytes past 2**53
-        if number.denominator != 1:
-            raise ConfigError(f"{field_name}: {value!r} is not a whole number of bytes")
-        return int(number)
-    raise ConfigError(f"{field_name}: expected int or str byte count, got {type(value).__name__}")
-
-
-def format_bytes(n: int | float) -> str:
-    """Render a byte count with IEC units, e.g. ``33423360 -> '31.9 MiB'``."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-class _Problems:
-    """Runs the independent checks of a config and collects their errors, so that every bad field
-    is reported at once. ``with problems.check(field): ...`` records a :class:`ConfigError` raised
-    in the block under ``field`` (only the first one per field: a value that failed to parse is not
-    reported again by the type check after it)."""
-
-    def __init__(self) -> None:
-        self.messages: list[str] = []
-        self.failed: set[str] = set()
-
-    @contextlib.contextmanager
-    def check(self, name: str) -> Iterator[None]:
-        try:
-            yield
-        except ConfigError as exc:
-            if name not in self.failed:
-                self.failed.add(name)
-                self.messages.extend(exc.problems)
-
-    def ok(self, *names: str) -> bool:
-        """True when none of ``names`` failed (cross-field checks run only on good values)."""
-        return not self.failed.intersection(names)
-
-    def raise_if_any(self) -> None:
-        if self.messages:
-            raise ConfigError(problems=self.messages)
-
-
-def _check_int(name: str, value: Any, *, minimum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name}: expected int, got {type(value).__name__} {value!r}")
-    if minimum is not None and value < minimum:
-        raise ConfigError(f"{name}: must be >= {minimum}, got {value}")
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name}: expected true/false, got {type(value).__name__} {value!r}")
-
-
-def _coerce_bytes(obj: Any, section: str, problems: _Problems) -> None:
-    """Let ``*_bytes`` fields of a frozen config take strings such as ``"4GiB"`` too."""
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if f.name.endswith("_bytes") and isinstance(value, str):
-            with problems.check(f"{section}.{f.name}"):
-                object.__setattr__(obj, f.name, parse_bytes(value, field_name=f"{section}.{f.name}"))
-
-
-def _check_seconds(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-        raise ConfigError(f"{name}: expected a finite number of seconds >= 0, got {value!r}")
-
-
-def _check_policy(name: str, value: Any) -> None:
-    from .policy import POLICY_NAMES  # pure Python, imports nothing of ours
-
-    if value not in POLICY_NAMES:
-        raise ConfigError(f"{name}: expected one of {', '.join(POLICY_NAMES)}, got {value!r}")
-
-
-def _check_text(name: str, value: Any, what: str) -> None:
-    """A non-empty string that can reach the operating system: no NUL byte (every path and name
-    of the C library ends at one; Python raises a bare ValueError), encodable to bytes."""
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{name}: expected {what}, got {value!r}")
-    if "\0" in value:
-        raise ConfigError(f"{name}: contains a NUL byte (\\0), which no path or name may hold: {value!r}")
-    try:
-        os.fsencode(value)
-    except UnicodeEncodeError:
-        raise ConfigError(f"{name}: cannot be encoded for the file system: {value!r}") from None
-
-
-def _fspath(obj: Any, name: str) -> None:
-    """Turn an ``os.PathLike`` value of field ``name`` into its ``str``."""
-    value = getattr(obj, name)
-    if isinstance(value, os.PathLike):
-        object.__setattr__(obj, name, os.fspath(value))
+# KiB, MiB, GiB, ON_DAMAGED, parse_bytes and format_bytes live in ectier.config_checks and are
+# importable from here too.
 
 
 @dataclass(frozen=True)
@@ -218,35 +100,7 @@ class HostTierConfig:
     policy: str = "lru"
 
     def __post_init__(self) -> None:
-        p = _Problems()
-        _coerce_bytes(self, "host", p)
-        with p.check("host.capacity_bytes"):
-            _check_int("host.capacity_bytes", self.capacity_bytes, minimum=0)
-        with p.check("host.block_bytes"):
-            _check_int("host.block_bytes", self.block_bytes, minimum=4 * KiB)
-            if self.block_bytes & (self.block_bytes - 1) or self.block_bytes > 64 * MiB:
-                raise ConfigError(
-                    f"host.block_bytes: must be a power of two between 4 KiB and 64 MiB, got {self.block_bytes}"
-                )
-        if p.ok("host.capacity_bytes", "host.block_bytes") and 0 < self.capacity_bytes < self.block_bytes:
-            with p.check("host.capacity_bytes"):
-                raise ConfigError(
-                    f"host.capacity_bytes: {self.capacity_bytes} is less than one block "
-                    f"(host.block_bytes={self.block_bytes}); use 0 to disable the host tier"
-                )
-        if self.pin_memory is not None:
-            with p.check("host.pin_memory"):
-                _check_bool("host.pin_memory", self.pin_memory)
-        with p.check("host.admit_wait_s"):
-            _check_seconds("host.admit_wait_s", self.admit_wait_s)
-        with p.check("host.promote_clean_only"):
-            _check_bool("host.promote_clean_only", self.promote_clean_only)
-        with p.check("host.policy"):
-            _check_policy("host.policy", self.policy)
-        p.raise_if_any()
-
-
-_CUDA_DEVICE_RE = re.compile(r"^cuda:(0|[1-9][0-9]{0,3})$")
+        check_host(self)
 
 
 @dataclass(frozen=True)
@@ -274,34 +128,7 @@ class GpuTierConfig:
     copy_streams: int = 2
 
     def __post_init__(self) -> None:
-        p = _Problems()
-        _coerce_bytes(self, "gpu", p)
-        if not isinstance(self.device, str) or not _CUDA_DEVICE_RE.match(self.device):
-            with p.check("gpu.device"):
-                raise ConfigError(
-                    f"gpu.device: expected an explicit 'cuda:<index>' (the worker's device), got {self.device!r}"
-                )
-        with p.check("gpu.capacity_bytes"):
-            _check_int("gpu.capacity_bytes", self.capacity_bytes, minimum=0)
-        with p.check("gpu.block_bytes"):
-            _check_int("gpu.block_bytes", self.block_bytes, minimum=64 * KiB)
-            if self.block_bytes & (self.block_bytes - 1) or self.block_bytes > 64 * MiB:
-                raise ConfigError(
-                    f"gpu.block_bytes: must be a power of two between 64 KiB and 64 MiB, got {self.block_bytes}"
-                )
-        if p.ok("gpu.capacity_bytes", "gpu.block_bytes") and 0 < self.capacity_bytes < self.block_bytes:
-            with p.check("gpu.capacity_bytes"):
-                raise ConfigError(
-                    f"gpu.capacity_bytes: {self.capacity_bytes} is less than one block "
-                    f"(gpu.block_bytes={self.block_bytes}); use 0 to disable the GPU tier"
-                )
-        with p.check("gpu.policy"):
-            _check_policy("gpu.policy", self.policy)
-        with p.check("gpu.copy_streams"):
-            _check_int("gpu.copy_streams", self.copy_streams, minimum=1)
-            if self.copy_streams > 8:
-                raise ConfigError(f"gpu.copy_streams: must be <= 8, got {self.copy_streams}")
-        p.raise_if_any()
+        check_gpu(self)
 
     @property
     def enabled(self) -> bool:
@@ -312,10 +139,6 @@ class GpuTierConfig:
     def device_index(self) -> int:
         """The ``<index>`` of ``device``."""
         return int(self.device.split(":")[1])
-
-
-#: Values of ``nvme.on_damaged``.
-ON_DAMAGED = ("fail", "reset")
 
 
 @dataclass(frozen=True)
@@ -365,45 +188,7 @@ class NvmeTierConfig:
     on_damaged: str = "fail"
 
     def __post_init__(self) -> None:
-        p = _Problems()
-        _coerce_bytes(self, "nvme", p)
-        if self.path is not None:
-            _fspath(self, "path")
-            with p.check("nvme.path"):
-                _check_text("nvme.path", self.path, "a directory path or null")
-        with p.check("nvme.capacity_bytes"):
-            _check_int("nvme.capacity_bytes", self.capacity_bytes, minimum=0)
-        with p.check("nvme.codec"):
-            if not isinstance(self.codec, str):
-                raise ConfigError(f"nvme.codec: expected a codec name, got {self.codec!r}")
-            from . import codec as _codec  # pure Python, imports nothing of ours but errors
-
-            known = sorted(_codec.registered_codecs())
-            if self.codec not in known:
-                raise ConfigError(f"nvme.codec: unknown codec {self.codec!r}; known: {', '.join(known)}")
-        with p.check("nvme.zstd_level"):
-            _check_int("nvme.zstd_level", self.zstd_level)
-            if not -7 <= self.zstd_level <= 22:
-                raise ConfigError(f"nvme.zstd_level: must be in -7..22, got {self.zstd_level}")
-        for name in ("sync", "write_through", "flush_on_close", "allow_network_fs"):
-            with p.check(f"nvme.{name}"):
-                _check_bool(f"nvme.{name}", getattr(self, name))
-        with p.check("nvme.on_damaged"):
-            if self.on_damaged not in ON_DAMAGED:
-                raise ConfigError(f"nvme.on_damaged: expected one of {', '.join(ON_DAMAGED)}, got {self.on_damaged!r}")
-        with p.check("nvme.policy"):
-            _check_policy("nvme.policy", self.policy)
-        with p.check("nvme.map_initial_bytes"):
-            _check_int("nvme.map_initial_bytes", self.map_initial_bytes, minimum=1 * MiB)
-        if self.map_max_bytes is not None:
-            with p.check("nvme.map_max_bytes"):
-                _check_int("nvme.map_max_bytes", self.map_max_bytes, minimum=1 * MiB)
-                if p.ok("nvme.map_initial_bytes") and self.map_max_bytes < self.map_initial_bytes:
-                    raise ConfigError(
-                        f"nvme.map_max_bytes: {self.map_max_bytes} is below nvme.map_initial_bytes "
-                        f"{self.map_initial_bytes}"
-                    )
-        p.raise_if_any()
+        check_nvme(self)
 
     @property
     def enabled(self) -> bool:
@@ -459,55 +244,7 @@ class DaemonConfig:
     metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
-        p = _Problems()
-        if self.socket_path is not None:
-            _fspath(self, "socket_path")
-            with p.check("daemon.socket_path"):
-                _check_text("daemon.socket_path", self.socket_path, "a path or null")
-                if len(os.fsencode(self.socket_path)) > 107:
-                    raise ConfigError("daemon.socket_path: longer than the 107 bytes a Unix socket path may have")
-        if isinstance(self.socket_mode, int) and not isinstance(self.socket_mode, bool):
-            object.__setattr__(self, "socket_mode", format(self.socket_mode, "04o"))
-        with p.check("daemon.socket_mode"):
-            if not isinstance(self.socket_mode, str) or not re.fullmatch(r"0?o?[0-7]{3,4}", self.socket_mode):
-                raise ConfigError(
-                    f"daemon.socket_mode: expected an octal string such as '0600', got {self.socket_mode!r}"
-                )
-            if self.socket_mode_bits & 0o007:
-                raise ConfigError(
-                    f"daemon.socket_mode: {self.socket_mode} gives access to every user; use 0600 or 0660"
-                )
-        if self.allowed_group is not None:
-            with p.check("daemon.allowed_group"):
-                _check_text("daemon.allowed_group", self.allowed_group, "a group name or null")
-        _fspath(self, "shm_dir")
-        with p.check("daemon.shm_dir"):
-            _check_text("daemon.shm_dir", self.shm_dir, "a directory path")
-        _coerce_bytes(self, "daemon", p)
-        with p.check("daemon.lease_s"):
-            _check_seconds("daemon.lease_s", self.lease_s)
-            if not self.lease_s > 0:
-                raise ConfigError(f"daemon.lease_s: must be > 0, got {self.lease_s}")
-        with p.check("daemon.max_frame_bytes"):
-            _check_int("daemon.max_frame_bytes", self.max_frame_bytes, minimum=4 * KiB)
-        with p.check("daemon.max_clients"):
-            _check_int("daemon.max_clients", self.max_clients, minimum=1)
-        if self.max_clients_per_uid is not None:
-            with p.check("daemon.max_clients_per_uid"):
-                _check_int("daemon.max_clients_per_uid", self.max_clients_per_uid, minimum=1)
-                if self.max_clients_per_uid > self.max_clients:
-                    raise ConfigError(f"daemon.max_clients_per_uid: must be <= daemon.max_clients "
-                                      f"({self.max_clients}), got {self.max_clients_per_uid}")
-        with p.check("daemon.idle_timeout_s"):
-            _check_seconds("daemon.idle_timeout_s", self.idle_timeout_s)
-        if self.metrics_port is not None:
-            with p.check("daemon.metrics_port"):
-                _check_int("daemon.metrics_port", self.metrics_port, minimum=0)
-                if self.metrics_port > 65535:
-                    raise ConfigError(f"daemon.metrics_port: must be <= 65535, got {self.metrics_port}")
-        with p.check("daemon.metrics_host"):
-            _check_text("daemon.metrics_host", self.metrics_host, "an address")
-        p.raise_if_any()
+        check_daemon(self)
 
     @property
     def socket_mode_bits(self) -> int:
@@ -527,13 +264,6 @@ class DaemonConfig:
         if runtime and os.path.isdir(runtime):
             return os.path.join(runtime, "ectier.sock")
         return f"/tmp/ectier-{os.getuid()}.sock"
-
-
-def _check_namespace(value: Any) -> None:
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"namespace: expected a non-empty string, got {value!r}")
-    if len(value.encode("utf-8", "surrogatepass")) > 4096:
-        raise ConfigError("namespace: longer than 4096 bytes of UTF-8")
 
 
 @dataclass(frozen=True)
@@ -556,9 +286,9 @@ class CacheConfig:
     gpu: GpuTierConfig = field(default_factory=GpuTierConfig)
 
     def __post_init__(self) -> None:
-        p = _Problems()
+        p = Problems()
         with p.check("namespace"):
-            _check_namespace(self.namespace)
+            check_namespace(self.namespace)
         for name, cls in (("host", HostTierConfig), ("nvme", NvmeTierConfig), ("daemon", DaemonConfig),
                           ("gpu", GpuTierConfig)):
             if not isinstance(getattr(self, name), cls):

@@ -17,7 +17,8 @@ import re
 from pathlib import Path
 from typing import Any, Mapping
 
-from .config import CacheConfig, _Problems, parse_bytes
+from .config import CacheConfig
+from .config_checks import Problems, parse_bytes
 from .errors import ConfigError
 
 __all__ = ["config_from_dict", "config_from_json", "config_from_yaml", "load_config", "config_from_env"]
@@ -165,7 +166,7 @@ def _build(cls: type, data: Mapping[str, Any], *, prefix: str) -> Any:
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
-    p = _Problems()
+    p = Problems()
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if key not in fields:
@@ -197,7 +198,7 @@ def _build(cls: type, data: Mapping[str, Any], *, prefix: str) -> Any:
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {exc}") from exc
 
 
-def _check_the_rest(cls: type, kwargs: dict[str, Any], p: _Problems) -> None:
+def _check_the_rest(cls: type, kwargs: dict[str, Any], p: Problems) -> None:
     """Some fields failed before ``cls`` could be built: build it without them (defaults in their
     place) to find the problems of the other fields too, dropping any problem that names a failed
     field (a check across fields would otherwise judge a default the user did not choose)."""

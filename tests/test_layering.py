@@ -49,6 +49,7 @@ LAYERS: tuple[Layer, ...] = (
         1,
         (
             "ectier.config",
+            "ectier.config_checks",
             "ectier.config_sources",
             "ectier.configdoc",
             "ectier.entry",

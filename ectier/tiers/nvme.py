@@ -28,6 +28,11 @@ Contract (docs/operations.md, "The NVMe tier on disk"):
 - **Disk full / I/O errors** fail that one write with :class:`TierWriteError`; reads and the other
   tiers keep working.
 
+Code: this module is the tier (the Tier protocol, record I/O, quarantine);
+:mod:`ectier.tiers.nvme_env` opens, locks, scans, grows and closes the LMDB environment;
+:mod:`ectier.tiers.nvme_record` encodes records and holds the checks of every read (also used by
+``ectier fsck``); :mod:`ectier.tiers.nvme_index` is the in-memory index (records, policy, budget).
+
 Threads: the tier is safe to share between threads. Writes are serialised (LMDB has one writer);
 reads run in parallel with each other and with the writer (MVCC snapshots), so a record deleted or
 replaced while it is read is still read whole and consistent. Map growth briefly excludes everyone.
@@ -36,160 +41,26 @@ Fork: do not use a tier across ``fork()``; open it in the child (LMDB's rule).
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import logging
-import os
-import threading
-import time
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import lmdb
-import numpy as np
 import torch
 
-from ..codec import (
-    Codec,
-    RecordHeader,
-    get_codec,
-    pack_header,
-    unpack_header,
-    verify_payload,
-    checksum,
-)
+from ..codec import Codec, RecordHeader, get_codec, unpack_header
 from ..config import NvmeTierConfig
-from ..entry import DTYPE_ITEMSIZE, EntryMeta, entry_digest
-from ..errors import (
-    CorruptRecordError,
-    StoreDamagedError,
-    StoreLockedError,
-    StoreOpenError,
-    TierWriteError,
-    UnknownCodecError,
-)
+from ..entry import EntryMeta
+from ..errors import CorruptRecordError, StoreOpenError, TierWriteError
 from ..policy import make_policy
 from .base import Tier
+from .nvme_env import RELEASE_MARKER, STORE_FORMAT, NvmeEnv, free_disk_bytes, write_error_text
 from .nvme_index import NvmeIndex, NvmeRecord
-from .storedir import check_local_filesystem, move_aside
+from .nvme_record import EncodedRecord, check_record, encode_record, verify_record
 
-__all__ = ["NvmeTier", "NvmeRecord", "EncodedRecord", "STORE_FORMAT", "check_record"]
+__all__ = ["NvmeTier", "NvmeRecord", "EncodedRecord", "STORE_FORMAT", "RELEASE_MARKER", "check_record"]
 
 log = logging.getLogger(__name__)
-
-#: Version of the directory layout (bumped only for incompatible changes).
-STORE_FORMAT = 1
-
-#: LMDB errors at open that mean the environment itself is damaged (others, such as a permission
-#: error or a library of another version, are not: ``nvme.on_damaged: reset`` never moves those).
-_DAMAGE_ERRORS = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadTxnError,
-                  lmdb.IncompatibleError, lmdb.BadChecksumError)
-
-
-def _damaged_hint(path: Path) -> str:
-    return (f"the store is damaged: run `ectier fsck --path {str(path)!r} --repair` to keep its intact "
-            "records, or set nvme.on_damaged: reset to start with an empty store (the damaged one is "
-            "moved aside)")
-
-
-#: ``settings`` key rewritten by a write that found the map full, so that LMDB reuses freed pages.
-RELEASE_MARKER = b"freed_pages_released"
-
-
-@dataclass(frozen=True)
-class EncodedRecord:
-    """A record ready to write: packed header, payload (zero-copy for the raw codec), sizes."""
-
-    header: RecordHeader
-    header_bytes: bytes
-    payload: object  # bytes-like
-    keepalive: object  # the source the payload may point into
-
-    @property
-    def stored_bytes(self) -> int:
-        return len(self.header_bytes) + self.header.payload_nbytes
-
-
-def check_record(digest: bytes, raw_header: object, payload: object | None, *, decode: bool = False) -> RecordHeader:
-    """Make the checks a read makes on one stored record, outside a tier (``ectier fsck``).
-
-    Args:
-        digest: the 32-byte key the record is stored under.
-        raw_header: the stored header bytes (bytes-like).
-        payload: the stored payload bytes (bytes-like), or ``None`` if none was found.
-        decode: also decode the payload into a scratch buffer (catches a damaged zstd frame whose
-            checksum still matches: never seen, but a read would catch it too).
-
-    Returns:
-        The parsed :class:`~ectier.codec.RecordHeader`.
-
-    Raises:
-        CorruptRecordError: the header fails its own checks or does not belong to ``digest``, its
-            dtype/shape/size disagree, its codec is unknown, the payload is missing, or the payload's
-            length or xxh3-64 checksum (or its decoding) fails.
-    """
-    header = unpack_header(raw_header)
-    if entry_digest(header.namespace, header.key) != digest:
-        raise CorruptRecordError("header identity does not match its digest")
-    itemsize = DTYPE_ITEMSIZE.get(header.dtype)
-    if itemsize is None:
-        raise CorruptRecordError(f"unknown dtype {header.dtype!r}")
-    expected = itemsize
-    for d in header.shape:
-        expected *= d
-    if expected != header.raw_nbytes:
-        raise CorruptRecordError("raw size does not match dtype and shape")
-    try:
-        codec = get_codec(header.codec_id)
-    except UnknownCodecError as exc:
-        raise CorruptRecordError(str(exc)) from None
-    if payload is None:
-        raise CorruptRecordError("payload missing")
-    verify_payload(header, payload)
-    if decode:
-        codec.decode_into(payload, np.empty(header.raw_nbytes, dtype=np.uint8), itemsize)
-    return header
-
-
-class _RWLock:
-    """Many shared holders or one exclusive holder (used only around LMDB map resizes)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._shared = 0
-        self._exclusive = False
-
-    @contextmanager
-    def shared(self) -> Iterator[None]:
-        with self._cond:
-            while self._exclusive:
-                self._cond.wait()
-            self._shared += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._shared -= 1
-                if self._shared == 0:
-                    self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        with self._cond:
-            while self._exclusive:
-                self._cond.wait()
-            self._exclusive = True
-            while self._shared:
-                self._cond.wait()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._exclusive = False
-                self._cond.notify_all()
 
 
 class NvmeTier(Tier):
@@ -215,16 +86,13 @@ class NvmeTier(Tier):
         self.config = config
         self.path = Path(config.path)
         self.codec: Codec = self._make_codec(config)
-        self._lock_file = None
-        self._env: lmdb.Environment | None = None
-        self._rw = _RWLock()
-        self._write_lock = threading.Lock()
         self.index = NvmeIndex(config.capacity_bytes, make_policy(config.policy))
         self.counters = {"checksum_failures": 0, "quarantined": 0, "orphans_reclaimed": 0,
                          "write_errors": 0, "map_growths": 0, "damaged_resets": 0}
-        self._open()
-
-    # ------------------------------------------------------------------------------- opening
+        self._store = NvmeEnv(config, self.index, self.counters)
+        self._rw = self._store.rw
+        self._write_lock = self._store.write_lock
+        self._store.open()
 
     @staticmethod
     def _make_codec(config: NvmeTierConfig) -> Codec:
@@ -232,166 +100,24 @@ class NvmeTier(Tier):
             return get_codec("raw")
         return get_codec(config.codec, level=config.zstd_level)
 
-    def _open(self) -> None:
-        check_local_filesystem(self.path, allow=self.config.allow_network_fs)
-        try:
-            self._lock_directory()
-            try:
-                self._open_env()
-            except StoreDamagedError as exc:
-                if self.config.on_damaged != "reset":
-                    raise
-                self._reset_damaged(exc)
-        except BaseException:
-            self.close()
-            raise
+    # The environment and its databases under the names ectier.testing's fault injection uses
+    # (``lmdb_of``, ``set_lmdb_env``): whatever is set here is what every transaction begins on.
 
-    def _lock_directory(self) -> None:
-        """Create ``nvme.path`` if needed and take its ``flock`` (StoreOpenError / StoreLockedError)."""
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-        except FileExistsError:
-            raise StoreOpenError(f"nvme.path: {str(self.path)!r} exists and is not a directory") from None
-        except OSError as exc:
-            raise StoreOpenError(f"nvme.path: cannot create {str(self.path)!r}: {exc.strerror}") from None
-        if not self.path.is_dir():
-            raise StoreOpenError(f"nvme.path: {str(self.path)!r} is not a directory")
-        try:
-            self._lock_file = open(self.path / "ectier.lock", "a+")
-        except OSError as exc:
-            raise StoreOpenError(f"nvme.path: cannot write in {str(self.path)!r}: {exc.strerror}") from None
-        try:
-            fcntl.flock(self._lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock_file.close()
-            self._lock_file = None
-            raise StoreLockedError(
-                f"nvme.path: {str(self.path)!r} is in use by another process; give each cache its own "
-                "directory, or share one store through the ectier daemon"
-            ) from None
+    @property
+    def _env(self) -> lmdb.Environment | None:
+        return self._store.env
 
-    def _open_env(self) -> None:
-        """Open LMDB under the held lock and load the headers.
+    @_env.setter
+    def _env(self, env: lmdb.Environment | None) -> None:
+        self._store.env = env
 
-        Raises:
-            StoreDamagedError: LMDB reports the environment damaged, or ``data.mdb`` is truncated
-                (the environment is closed again; the lock stays held).
-            StoreOpenError: another LMDB error, or a store of another format.
-        """
-        try:
-            self._env = lmdb.open(
-                str(self.path / "lmdb"),
-                map_size=self.config.map_initial_bytes,
-                subdir=True,
-                max_dbs=4,
-                sync=self.config.sync,
-                metasync=self.config.sync,
-                writemap=False,  # with writemap a full disk is SIGBUS; without it, ENOSPC
-                readahead=True,  # payloads are read whole and in order: let the kernel read ahead
-                meminit=False,
-                max_readers=1024,
-                lock=True,
-            )
-            self._check_file_size()
-            self._meta = self._env.open_db(b"meta")
-            self._data = self._env.open_db(b"data")
-            self._quarantine = self._env.open_db(b"quarantine")
-            self._settings = self._env.open_db(b"settings")
-            self._check_settings()
-            self._scan()
-        except lmdb.Error as exc:
-            self._close_env()
-            if isinstance(exc, _DAMAGE_ERRORS):
-                raise StoreDamagedError(
-                    f"nvme.path: cannot open LMDB store in {str(self.path)!r}: {exc}; {_damaged_hint(self.path)}") from None
-            raise StoreOpenError(f"nvme.path: cannot open LMDB store in {str(self.path)!r}: {exc}") from None
-        except BaseException:
-            self._close_env()
-            raise
+    @property
+    def _meta(self) -> object:
+        return self._store.meta_db
 
-    def _close_env(self) -> None:
-        if self._env is not None:
-            with self._rw.exclusive():
-                self._env.close()
-                self._env = None
-
-    def _reset_damaged(self, exc: StoreDamagedError) -> None:
-        """``nvme.on_damaged: reset``: move the damaged environment aside, open an empty one."""
-        try:
-            moved = move_aside(self.path)
-        except OSError as err:
-            raise StoreOpenError(
-                f"{exc}; nvme.on_damaged is 'reset' but the store cannot be moved aside: {err}") from None
-        self.index.load({})
-        log.warning(
-            "nvme tier: the store in %s is damaged (%s); nvme.on_damaged is 'reset': moved it to %s and "
-            "started with an empty store (salvage or inspect it with `ectier fsck --path %s`, then delete it)",
-            self.path, str(exc).split("; ")[0], moved, moved)
-        self._open_env()
-        self.counters["damaged_resets"] += 1
-
-    def _check_file_size(self) -> None:
-        """Refuse a data file shorter than the pages LMDB says it holds: reading such a page
-        through the map would kill the process with SIGBUS instead of raising an error."""
-        assert self._env is not None
-        info = self._env.info()
-        needed = (info["last_pgno"] + 1) * self._env.stat()["psize"]
-        data_file = self.path / "lmdb" / "data.mdb"
-        size = data_file.stat().st_size
-        if size < needed:
-            raise StoreDamagedError(
-                f"nvme.path: {str(data_file)!r} is truncated ({size} bytes, LMDB needs {needed}); "
-                + _damaged_hint(self.path)
-            )
-
-    def _check_settings(self) -> None:
-        assert self._env is not None
-        with self._env.begin(write=True) as txn:
-            fmt = txn.get(b"format", db=self._settings)
-            if fmt is None:
-                txn.put(b"format", str(STORE_FORMAT).encode(), db=self._settings)
-                txn.put(b"created", json.dumps({"time": time.time()}).encode(), db=self._settings)
-            elif fmt != str(STORE_FORMAT).encode():
-                raise StoreOpenError(
-                    f"nvme.path: {str(self.path)!r} holds store format {fmt.decode(errors='replace')}, "
-                    f"this ectier reads format {STORE_FORMAT}"
-                )
-
-    def _scan(self) -> None:
-        """Load every header into memory; quarantine bad ones; reclaim orphans."""
-        assert self._env is not None
-        bad: list[tuple[bytes, bytes, str]] = []
-        orphans: list[bytes] = []
-        found: dict[bytes, NvmeRecord] = {}
-        with self._env.begin(buffers=True) as txn:
-            # keys only: fetching a payload would touch every one of its pages (a full read of the
-            # store at open); its length and checksum are checked on every read instead
-            payload_keys = {bytes(k) for k in txn.cursor(db=self._data).iternext(keys=True, values=False)}
-            for digest, raw in txn.cursor(db=self._meta):
-                digest = bytes(digest)
-                try:
-                    header = unpack_header(raw)
-                    if entry_digest(header.namespace, header.key) != digest:
-                        raise CorruptRecordError("header identity does not match its digest")
-                    if digest not in payload_keys:
-                        raise CorruptRecordError("payload missing")
-                except CorruptRecordError as exc:
-                    bad.append((digest, bytes(raw), str(exc)))
-                    continue
-                found[digest] = NvmeRecord(header, len(raw) + header.payload_nbytes)
-            bad_digests = {b[0] for b in bad}
-            orphans = [d for d in payload_keys if d not in found and d not in bad_digests]
-        self.index.load(found)
-        if bad or orphans:
-            with self._env.begin(write=True) as txn:
-                for digest, raw, reason in bad:
-                    self._quarantine_in(txn, digest, raw, reason)
-                for digest in orphans:
-                    txn.delete(digest, db=self._data)
-            self.counters["orphans_reclaimed"] += len(orphans)
-            for digest, _, reason in bad:
-                log.warning("nvme tier: quarantined record %s at open: %s", digest.hex()[:16], reason)
-        log.info("nvme tier: opened %s with %d records, %d bytes", self.path, len(self.index), self.used_bytes)
+    @property
+    def _data(self) -> object:
+        return self._store.data_db
 
     # ------------------------------------------------------------------------------- queries
 
@@ -441,23 +167,7 @@ class NvmeTier(Tier):
 
     def encode(self, meta: EntryMeta, src: torch.Tensor, version: int) -> EncodedRecord:
         """Encode ``src`` (flat ``uint8`` CPU tensor of ``meta.nbytes``) into a record. No disk I/O."""
-        data = src.numpy() if src.numel() else np.empty(0, dtype=np.uint8)
-        payload = self.codec.encode(data, meta.itemsize)
-        view = memoryview(payload)
-        header = RecordHeader(
-            codec_id=self.codec.codec_id,
-            dtype=meta.dtype,
-            shape=tuple(meta.shape),
-            namespace=meta.namespace,
-            key=meta.key,
-            raw_nbytes=meta.nbytes,
-            payload_nbytes=view.nbytes,
-            payload_checksum=checksum(view),
-            version=version,
-            created_ns=time.time_ns(),
-            codec_config={k: v for k, v in self.codec.get_config().items() if k != "name"},
-        )
-        return EncodedRecord(header, pack_header(header), view, src)
+        return encode_record(self.codec, meta, src, version)
 
     def write(self, digest: bytes, record: EncodedRecord) -> bool:
         """Store ``record`` under ``digest`` atomically, unless a record of an equal or newer write
@@ -486,7 +196,7 @@ class NvmeTier(Tier):
                 except lmdb.MapFullError:
                     if not released:
                         released = True
-                        if self._release_freed_pages():
+                        if self._store.release_freed_pages():
                             continue  # retry once before growing: the freed pages may be enough
                     # else grow below, outside the write lock
                 except lmdb.Error as exc:
@@ -495,58 +205,14 @@ class NvmeTier(Tier):
                 else:
                     self._set_record(digest, NvmeRecord(record.header, record.stored_bytes))
                     return True
-            self._grow(record.stored_bytes)
+            self._store.grow(record.stored_bytes)
         raise TierWriteError("nvme tier: map still full after growing")  # pragma: no cover
 
-    def _release_freed_pages(self) -> bool:
-        """Commit a tiny marker write so that pages freed by earlier transactions become reusable.
-
-        LMDB hands out pages freed by transaction T only to a write transaction that starts after
-        a later one (T+1) committed; an aborted write does not move that point. Without this, at the
-        map ceiling a put after a delete of the same size failed until some unrelated write
-        committed. Called with the write lock held; returns False if even the marker did not fit.
-        """
-        assert self._env is not None
-        try:
-            with self._env.begin(write=True) as txn:
-                txn.put(RELEASE_MARKER, str(time.time_ns()).encode(), db=self._settings)
-        except lmdb.Error:
-            return False
-        return True
-
     def _write_error_text(self, exc: lmdb.Error, need_bytes: int) -> str:
-        text = str(exc)
-        free = self._free_disk_bytes()
-        # LMDB reports a short write of its pages (a file system filling up mid-commit, as tmpfs
-        # and most file systems do) as EIO, not ENOSPC: look at the free space to tell them apart
-        if ("No space" in text or getattr(exc, "errno", None) == errno.ENOSPC
-                or (free is not None and free < need_bytes + (1 << 20))):
-            return (f"nvme tier: disk full under {str(self.path)!r} ({text}; {free} bytes free, the record "
-                    f"needs {need_bytes}); free space on that file system or lower nvme.capacity_bytes")
-        return f"nvme tier: write failed under {str(self.path)!r}: {text}"
+        return write_error_text(self.path, exc, need_bytes, self._free_disk_bytes())
 
     def _free_disk_bytes(self) -> int | None:
-        try:
-            st = os.statvfs(self.path)
-        except OSError:
-            return None
-        return st.f_bavail * st.f_frsize
-
-    def _grow(self, need_bytes: int) -> None:
-        ceiling = self.config.map_ceiling_bytes
-        with self._rw.exclusive():
-            assert self._env is not None
-            current = self._env.info()["map_size"]
-            if current >= ceiling:
-                self.counters["write_errors"] += 1
-                raise TierWriteError(
-                    f"nvme tier: LMDB map full at its ceiling of {ceiling} bytes; raise nvme.map_max_bytes "
-                    f"or lower nvme.capacity_bytes"
-                )
-            new = min(ceiling, max(2 * current, current + 2 * need_bytes + (16 << 20)))
-            self._env.set_mapsize(new)
-            self.counters["map_growths"] += 1
-            log.info("nvme tier: LMDB map grown from %d to %d bytes", current, new)
+        return free_disk_bytes(self.path)
 
     def _set_record(self, digest: bytes, rec: NvmeRecord | None) -> None:
         self.index.set_record(digest, rec)
@@ -599,28 +265,11 @@ class NvmeTier(Tier):
                 raw = txn.get(digest, db=self._meta)
                 if raw is not None:
                     try:
-                        header = unpack_header(raw)
-                        if header.namespace != namespace or header.key != key:
-                            raise CorruptRecordError("record identity does not match the requested key")
-                        itemsize = DTYPE_ITEMSIZE.get(header.dtype)
-                        if itemsize is None:
-                            raise CorruptRecordError(f"unknown dtype {header.dtype!r}")
-                        expected = itemsize
-                        for d in header.shape:
-                            expected *= d
-                        if expected != header.raw_nbytes:
-                            raise CorruptRecordError("raw size does not match dtype and shape")
                         payload = txn.get(digest, db=self._data)
-                        if payload is None:
-                            raise CorruptRecordError("payload missing")
-                        verify_payload(header, payload)
-                        out = torch.empty(header.raw_nbytes, dtype=torch.uint8)
-                        try:
-                            codec = self.codec if header.codec_id == self.codec.codec_id else get_codec(header.codec_id)
-                        except UnknownCodecError as exc:
-                            raise CorruptRecordError(str(exc)) from None
-                        codec.decode_into(payload, out.numpy(), itemsize)
-                        return header, out
+                        rec = verify_record((namespace, key), raw, payload, codec=self.codec)
+                        out = torch.empty(rec.header.raw_nbytes, dtype=torch.uint8)
+                        rec.codec.decode_into(payload, out.numpy(), rec.itemsize)
+                        return rec.header, out
                     except CorruptRecordError as exc:
                         failure = (bytes(raw), str(exc))
         if failure is None:
@@ -647,7 +296,7 @@ class NvmeTier(Tier):
                     current = txn.get(digest, db=self._meta)
                     replaced = current is not None and bytes(current) != raw_header
                     if current is not None and not replaced:
-                        self._quarantine_in(txn, digest, raw_header, reason)
+                        self._store.quarantine_in(txn, digest, raw_header, reason)
             except lmdb.Error as exc:
                 log.error("nvme tier: quarantine failed: %s", exc)
                 replaced = False
@@ -663,13 +312,6 @@ class NvmeTier(Tier):
                 if txn.get(digest, db=self._meta) is None:
                     self._set_record(digest, None)
 
-    def _quarantine_in(self, txn: lmdb.Transaction, digest: bytes, raw_header: bytes, reason: str) -> None:
-        note = {"reason": reason, "time": time.time(), "header": raw_header[:4096].hex()}
-        txn.put(digest, json.dumps(note).encode(), db=self._quarantine)
-        txn.delete(digest, db=self._meta)
-        txn.delete(digest, db=self._data)
-        self.counters["quarantined"] += 1
-
     def stored_keys(self) -> tuple[set[bytes], set[bytes]]:
         """The digests LMDB holds headers for, and those it holds payloads for (a consistency
         check: both equal the in-memory records when the tier is idle)."""
@@ -683,22 +325,13 @@ class NvmeTier(Tier):
         """Digest -> ``{"reason", "time", "header"}`` of every quarantined record."""
         assert self._env is not None
         with self._env.begin() as txn:
-            return {bytes(k): json.loads(v) for k, v in txn.cursor(db=self._quarantine)}
+            return {bytes(k): json.loads(v) for k, v in txn.cursor(db=self._store.quarantine_db)}
 
     # ------------------------------------------------------------------------------- closing
 
     def close(self) -> None:
         """Close LMDB (committed data is already durable) and release the directory lock. Idempotent."""
-        if self._env is not None:
-            with self._rw.exclusive():
-                self._env.close()
-                self._env = None
-        if self._lock_file is not None:
-            try:
-                fcntl.flock(self._lock_file.fileno(), fcntl.LOCK_UN)
-            finally:
-                self._lock_file.close()
-                self._lock_file = None
+        self._store.close()
 
     @property
     def closed(self) -> bool:

@@ -1,0 +1,366 @@
+"""The LMDB environment of one NVMe store directory, for :class:`~ectier.tiers.nvme.NvmeTier`.
+
+:class:`NvmeEnv` takes the directory lock, opens the environment (file size, store format, scan of
+the headers into the tier's index), handles a damaged store (``nvme.on_damaged``), grows the map,
+and closes it all again. The layout and the contract are in :mod:`ectier.tiers.nvme`.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import lmdb
+
+from ..codec import unpack_header
+from ..config import NvmeTierConfig
+from ..entry import entry_digest
+from ..errors import CorruptRecordError, StoreDamagedError, StoreLockedError, StoreOpenError, TierWriteError
+from .nvme_index import NvmeIndex, NvmeRecord
+from .storedir import check_local_filesystem, move_aside
+
+__all__ = ["NvmeEnv", "RWLock", "STORE_FORMAT", "RELEASE_MARKER", "write_error_text", "free_disk_bytes"]
+
+log = logging.getLogger("ectier.tiers.nvme")  # the tier's logger: where these messages always came from
+
+#: Version of the directory layout (bumped only for incompatible changes).
+STORE_FORMAT = 1
+
+#: ``settings`` key rewritten by a write that found the map full, so that LMDB reuses freed pages.
+RELEASE_MARKER = b"freed_pages_released"
+
+#: LMDB errors at open that mean the environment itself is damaged (others, such as a permission
+#: error or a library of another version, are not: ``nvme.on_damaged: reset`` never moves those).
+_DAMAGE_ERRORS = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadTxnError,
+                  lmdb.IncompatibleError, lmdb.BadChecksumError)
+
+
+def _damaged_hint(path: Path) -> str:
+    return (f"the store is damaged: run `ectier fsck --path {str(path)!r} --repair` to keep its intact "
+            "records, or set nvme.on_damaged: reset to start with an empty store (the damaged one is "
+            "moved aside)")
+
+
+class RWLock:
+    """Many shared holders or one exclusive holder (used only around LMDB map resizes)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                if self._shared == 0:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._exclusive = True
+            while self._shared:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+def free_disk_bytes(path: Path) -> int | None:
+    """Bytes free to an unprivileged user on the file system of ``path``, or ``None`` if unknown."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def write_error_text(path: Path, exc: lmdb.Error, need_bytes: int, free: int | None) -> str:
+    """The message of the :class:`TierWriteError` for a write of ``need_bytes`` under ``path`` that
+    failed with ``exc`` while ``free`` bytes were free there: "disk full" with the knob to turn
+    when the disk is (nearly) full, else LMDB's error."""
+    text = str(exc)
+    # LMDB reports a short write of its pages (a file system filling up mid-commit, as tmpfs
+    # and most file systems do) as EIO, not ENOSPC: look at the free space to tell them apart
+    if ("No space" in text or getattr(exc, "errno", None) == errno.ENOSPC
+            or (free is not None and free < need_bytes + (1 << 20))):
+        return (f"nvme tier: disk full under {str(path)!r} ({text}; {free} bytes free, the record "
+                f"needs {need_bytes}); free space on that file system or lower nvme.capacity_bytes")
+    return f"nvme tier: write failed under {str(path)!r}: {text}"
+
+
+class NvmeEnv:
+    """The directory lock and the LMDB environment under ``config.path``, and their life cycle.
+
+    Args:
+        config: :class:`~ectier.config.NvmeTierConfig` with ``path`` set.
+        index: the tier's index; :meth:`open` loads every stored header into it.
+        counters: the tier's counters (``quarantined``, ``orphans_reclaimed``, ``write_errors``,
+            ``map_growths``, ``damaged_resets`` are counted here).
+
+    Attributes ``env``, ``meta_db``, ``data_db``, ``quarantine_db`` and ``settings_db`` are the
+    environment and its four databases once open (``env`` is ``None`` when closed). ``rw`` is
+    held shared by every transaction and exclusively by a map resize or close; ``write_lock``
+    serialises the writers.
+    """
+
+    def __init__(self, config: NvmeTierConfig, index: NvmeIndex, counters: dict[str, int]) -> None:
+        self.config = config
+        self.path = Path(config.path)
+        self.index = index
+        self.counters = counters
+        self.env: lmdb.Environment | None = None
+        self.meta_db = self.data_db = self.quarantine_db = self.settings_db = None
+        self.rw = RWLock()
+        self.write_lock = threading.Lock()
+        self._lock_file = None
+
+    # ------------------------------------------------------------------------------- opening
+
+    def open(self) -> None:
+        """Lock the directory, open the environment and load the headers into the index.
+
+        Raises:
+            StoreOpenError, StoreDamagedError, StoreLockedError, ConfigError: as
+                :class:`~ectier.tiers.nvme.NvmeTier`; nothing stays open or locked then.
+        """
+        check_local_filesystem(self.path, allow=self.config.allow_network_fs)
+        try:
+            self._lock_directory()
+            try:
+                self._open_env()
+            except StoreDamagedError as exc:
+                if self.config.on_damaged != "reset":
+                    raise
+                self._reset_damaged(exc)
+        except BaseException:
+            self.close()
+            raise
+
+    def _lock_directory(self) -> None:
+        """Create ``nvme.path`` if needed and take its ``flock`` (StoreOpenError / StoreLockedError)."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise StoreOpenError(f"nvme.path: {str(self.path)!r} exists and is not a directory") from None
+        except OSError as exc:
+            raise StoreOpenError(f"nvme.path: cannot create {str(self.path)!r}: {exc.strerror}") from None
+        if not self.path.is_dir():
+            raise StoreOpenError(f"nvme.path: {str(self.path)!r} is not a directory")
+        try:
+            self._lock_file = open(self.path / "ectier.lock", "a+")
+        except OSError as exc:
+            raise StoreOpenError(f"nvme.path: cannot write in {str(self.path)!r}: {exc.strerror}") from None
+        try:
+            fcntl.flock(self._lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            self._lock_file = None
+            raise StoreLockedError(
+                f"nvme.path: {str(self.path)!r} is in use by another process; give each cache its own "
+                "directory, or share one store through the ectier daemon"
+            ) from None
+
+    def _open_env(self) -> None:
+        """Open LMDB under the held lock and load the headers.
+
+        Raises:
+            StoreDamagedError: LMDB reports the environment damaged, or ``data.mdb`` is truncated
+                (the environment is closed again; the lock stays held).
+            StoreOpenError: another LMDB error, or a store of another format.
+        """
+        try:
+            self.env = lmdb.open(
+                str(self.path / "lmdb"),
+                map_size=self.config.map_initial_bytes,
+                subdir=True,
+                max_dbs=4,
+                sync=self.config.sync,
+                metasync=self.config.sync,
+                writemap=False,  # with writemap a full disk is SIGBUS; without it, ENOSPC
+                readahead=True,  # payloads are read whole and in order: let the kernel read ahead
+                meminit=False,
+                max_readers=1024,
+                lock=True,
+            )
+            self._check_file_size()
+            self.meta_db = self.env.open_db(b"meta")
+            self.data_db = self.env.open_db(b"data")
+            self.quarantine_db = self.env.open_db(b"quarantine")
+            self.settings_db = self.env.open_db(b"settings")
+            self._check_settings()
+            self._scan()
+        except lmdb.Error as exc:
+            self._close_env()
+            if isinstance(exc, _DAMAGE_ERRORS):
+                raise StoreDamagedError(
+                    f"nvme.path: cannot open LMDB store in {str(self.path)!r}: {exc}; {_damaged_hint(self.path)}") from None
+            raise StoreOpenError(f"nvme.path: cannot open LMDB store in {str(self.path)!r}: {exc}") from None
+        except BaseException:
+            self._close_env()
+            raise
+
+    def _close_env(self) -> None:
+        if self.env is not None:
+            with self.rw.exclusive():
+                self.env.close()
+                self.env = None
+
+    def _reset_damaged(self, exc: StoreDamagedError) -> None:
+        """``nvme.on_damaged: reset``: move the damaged environment aside, open an empty one."""
+        try:
+            moved = move_aside(self.path)
+        except OSError as err:
+            raise StoreOpenError(
+                f"{exc}; nvme.on_damaged is 'reset' but the store cannot be moved aside: {err}") from None
+        self.index.load({})
+        log.warning(
+            "nvme tier: the store in %s is damaged (%s); nvme.on_damaged is 'reset': moved it to %s and "
+            "started with an empty store (salvage or inspect it with `ectier fsck --path %s`, then delete it)",
+            self.path, str(exc).split("; ")[0], moved, moved)
+        self._open_env()
+        self.counters["damaged_resets"] += 1
+
+    def _check_file_size(self) -> None:
+        """Refuse a data file shorter than the pages LMDB says it holds: reading such a page
+        through the map would kill the process with SIGBUS instead of raising an error."""
+        assert self.env is not None
+        info = self.env.info()
+        needed = (info["last_pgno"] + 1) * self.env.stat()["psize"]
+        data_file = self.path / "lmdb" / "data.mdb"
+        size = data_file.stat().st_size
+        if size < needed:
+            raise StoreDamagedError(
+                f"nvme.path: {str(data_file)!r} is truncated ({size} bytes, LMDB needs {needed}); "
+                + _damaged_hint(self.path)
+            )
+
+    def _check_settings(self) -> None:
+        assert self.env is not None
+        with self.env.begin(write=True) as txn:
+            fmt = txn.get(b"format", db=self.settings_db)
+            if fmt is None:
+                txn.put(b"format", str(STORE_FORMAT).encode(), db=self.settings_db)
+                txn.put(b"created", json.dumps({"time": time.time()}).encode(), db=self.settings_db)
+            elif fmt != str(STORE_FORMAT).encode():
+                raise StoreOpenError(
+                    f"nvme.path: {str(self.path)!r} holds store format {fmt.decode(errors='replace')}, "
+                    f"this ectier reads format {STORE_FORMAT}"
+                )
+
+    def _scan(self) -> None:
+        """Load every header into the index; quarantine bad ones; reclaim orphans."""
+        assert self.env is not None
+        bad: list[tuple[bytes, bytes, str]] = []
+        orphans: list[bytes] = []
+        found: dict[bytes, NvmeRecord] = {}
+        with self.env.begin(buffers=True) as txn:
+            # keys only: fetching a payload would touch every one of its pages (a full read of the
+            # store at open); its length and checksum are checked on every read instead
+            payload_keys = {bytes(k) for k in txn.cursor(db=self.data_db).iternext(keys=True, values=False)}
+            for digest, raw in txn.cursor(db=self.meta_db):
+                digest = bytes(digest)
+                try:
+                    header = unpack_header(raw)
+                    if entry_digest(header.namespace, header.key) != digest:
+                        raise CorruptRecordError("header identity does not match its digest")
+                    if digest not in payload_keys:
+                        raise CorruptRecordError("payload missing")
+                except CorruptRecordError as exc:
+                    bad.append((digest, bytes(raw), str(exc)))
+                    continue
+                found[digest] = NvmeRecord(header, len(raw) + header.payload_nbytes)
+            bad_digests = {b[0] for b in bad}
+            orphans = [d for d in payload_keys if d not in found and d not in bad_digests]
+        self.index.load(found)
+        if bad or orphans:
+            with self.env.begin(write=True) as txn:
+                for digest, raw, reason in bad:
+                    self.quarantine_in(txn, digest, raw, reason)
+                for digest in orphans:
+                    txn.delete(digest, db=self.data_db)
+            self.counters["orphans_reclaimed"] += len(orphans)
+            for digest, _, reason in bad:
+                log.warning("nvme tier: quarantined record %s at open: %s", digest.hex()[:16], reason)
+        log.info("nvme tier: opened %s with %d records, %d bytes", self.path, len(self.index), self.index.used_bytes)
+
+    # ------------------------------------------------------------------------------- in service
+
+    def quarantine_in(self, txn: lmdb.Transaction, digest: bytes, raw_header: bytes, reason: str) -> None:
+        """In write transaction ``txn``: move the record of ``digest`` out of ``meta``/``data`` and
+        note ``reason`` (and the header) under ``quarantine``."""
+        note = {"reason": reason, "time": time.time(), "header": raw_header[:4096].hex()}
+        txn.put(digest, json.dumps(note).encode(), db=self.quarantine_db)
+        txn.delete(digest, db=self.meta_db)
+        txn.delete(digest, db=self.data_db)
+        self.counters["quarantined"] += 1
+
+    def release_freed_pages(self) -> bool:
+        """Commit a tiny marker write so that pages freed by earlier transactions become reusable.
+
+        LMDB hands out pages freed by transaction T only to a write transaction that starts after
+        a later one (T+1) committed; an aborted write does not move that point. Without this, at the
+        map ceiling a put after a delete of the same size failed until some unrelated write
+        committed. Called with the write lock held; returns False if even the marker did not fit.
+        """
+        assert self.env is not None
+        try:
+            with self.env.begin(write=True) as txn:
+                txn.put(RELEASE_MARKER, str(time.time_ns()).encode(), db=self.settings_db)
+        except lmdb.Error:
+            return False
+        return True
+
+    def grow(self, need_bytes: int) -> None:
+        """Grow the map (doubling, at least ``need_bytes`` of room), excluding every transaction.
+
+        Raises:
+            TierWriteError: the map is already at ``nvme.map_ceiling_bytes``.
+        """
+        ceiling = self.config.map_ceiling_bytes
+        with self.rw.exclusive():
+            assert self.env is not None
+            current = self.env.info()["map_size"]
+            if current >= ceiling:
+                self.counters["write_errors"] += 1
+                raise TierWriteError(
+                    f"nvme tier: LMDB map full at its ceiling of {ceiling} bytes; raise nvme.map_max_bytes "
+                    f"or lower nvme.capacity_bytes"
+                )
+            new = min(ceiling, max(2 * current, current + 2 * need_bytes + (16 << 20)))
+            self.env.set_mapsize(new)
+            self.counters["map_growths"] += 1
+            log.info("nvme tier: LMDB map grown from %d to %d bytes", current, new)
+
+    # ------------------------------------------------------------------------------- closing
+
+    def close(self) -> None:
+        """Close LMDB (committed data is already durable) and release the directory lock. Idempotent."""
+        self._close_env()
+        if self._lock_file is not None:
+            try:
+                fcntl.flock(self._lock_file.fileno(), fcntl.LOCK_UN)
+            finally:
+                self._lock_file.close()
+                self._lock_file = None
