@@ -209,7 +209,8 @@ class DaemonConfig:
 
     Fields:
         socket_path: Unix socket to listen on. ``None`` (default) = ``$XDG_RUNTIME_DIR/ectier.sock``
-            when that directory exists, else ``/tmp/ectier-<uid>.sock``.
+            when that directory exists, else ``/tmp/ectier-<uid>.sock``. A missing parent
+            directory is created by ``ectier serve``.
         socket_mode: permission bits of the socket file as an octal string, default ``"0600"``
             (owner only); ``"0660"`` with ``allowed_group`` lets a group in.
         allowed_group: name of a group whose members may connect besides the daemon's own user

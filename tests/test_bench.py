@@ -25,7 +25,7 @@ def _run(args, tmp_path):
 def test_cost_model_fits_background_points():
     m = fitted_cost_model()
     assert m.seconds(256) == pytest.approx(0.019) and m.seconds(1024) == pytest.approx(0.025)
-    assert m.seconds(16384) > m.seconds(1024) and "background.md" in m.description
+    assert m.seconds(16384) > m.seconds(1024) and "docs/benchmarks.md" in m.description
     assert resolve_cost_model("auto").source in ("fitted", "measured")
     with pytest.raises(ValueError):
         resolve_cost_model("guess")
@@ -354,3 +354,14 @@ def test_noise_summary_and_crossover_name_noisy_rows():
     assert text.startswith("NOISY RUN") and "nvme get ectier N=64" in text and "p50/min" in text
     c = crossover(mixed, fitted_cost_model())["nvme"]
     assert c["noisy_tokens"] == [64] and "NOISY" in c["verdict"]
+
+
+def test_replay_tables_fit_the_columns_the_user_asked_for(tmp_path, monkeypatch):
+    """COLUMNS=80 with piped output: every printed line fits 80 characters (it used to be a fixed
+    160 for non-terminals, whatever COLUMNS said)."""
+    monkeypatch.setenv("COLUMNS", "80")
+    res = CliRunner().invoke(main, ["bench", "replay", "--requests", "20", "--items", "10", "--no-curve",
+                                    "--out", str(tmp_path)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    widest = max(len(line) for line in res.output.splitlines())
+    assert widest <= 80, f"a line of {widest} characters"

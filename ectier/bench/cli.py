@@ -49,8 +49,11 @@ def _progress(console: Console, quiet: bool) -> Progress:
 
 
 def _console() -> Console:
+    """A terminal's own width; ``COLUMNS`` when set; else 160 columns for piped output (logs)."""
     c = Console(highlight=False)
-    return c if c.is_terminal else Console(highlight=False, width=160)
+    if c.is_terminal or os.environ.get("COLUMNS", "").isdigit():
+        return c
+    return Console(highlight=False, width=160)
 
 
 def _machine() -> dict[str, Any]:

@@ -58,7 +58,7 @@ class CostModel:
         c_s_per_token2: seconds per token squared (attention); 0 for the fitted model.
         source: ``"fitted"``, ``"measured"`` or ``"scaled"``; the last two are on this machine
             (:attr:`on_this_machine`).
-        description: what the report prints, e.g. ``"model fitted to background.md H200 figures"``
+        description: what the report prints, e.g. ``"model fitted to the H200 figures of docs/benchmarks.md"``
             or ``"measured on cuda:0 (NVIDIA H200)"``.
         points: the ``(N, seconds)`` pairs it was fitted to.
     """
@@ -96,7 +96,7 @@ def fitted_cost_model() -> CostModel:
     (n0, t0), (n1, t1) = BACKGROUND_POINTS
     b = (t1 - t0) / (n1 - n0)
     a = t0 - b * n0
-    return CostModel(a, b, 0.0, "fitted", "model fitted to background.md H200 figures (linear, 2 points)",
+    return CostModel(a, b, 0.0, "fitted", "model fitted to the H200 figures of docs/benchmarks.md (linear, 2 points)",
                      BACKGROUND_POINTS)
 
 
