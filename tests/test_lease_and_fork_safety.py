@@ -80,3 +80,25 @@ def test_a_cache_used_in_a_forked_child_is_refused_and_the_parent_is_untouched(t
         assert not cache.contains("from-child")
         assert torch.equal(cache.get("k"), torch.arange(8))  # the parent still works
         testing.check_invariants(cache)
+
+
+def test_load_of_a_lease_to_the_cpu_never_waits_on_the_copy_engine(tmp_path):
+    """A lease loaded onto the CPU is a plain copy done before ``load`` returns — it must not wait
+    on the copy engine (a deferred engine would never run it: a deadlock in the vLLM worker)."""
+    engine = testing.DeferredCopyEngine()
+    cfg = CacheConfig(namespace="test", host=HostTierConfig(capacity_bytes=2 * 64 * KiB, block_bytes=64 * KiB,
+                                                           pin_memory=False))
+    cache = testing.make_cache(cfg, copy_engine=engine)
+    try:
+        value = torch.arange(1000, dtype=torch.int32)
+        h = cache.put("k", value)
+        engine.complete()
+        assert h.wait(5)
+        lease = cache.acquire("k")
+        before = engine.submitted
+        assert torch.equal(cache.load(lease, device="cpu"), value)
+        assert engine.submitted == before  # nothing was queued on the engine
+        cache.release(lease)
+    finally:
+        engine.complete()
+        cache.close()

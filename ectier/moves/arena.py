@@ -218,19 +218,17 @@ class ArenaMoves:
         return buf
 
     def copy_out(self, host: ArenaTier, slot: Slot, dev: torch.device) -> torch.Tensor:
-        """A copy of a slot its caller keeps pinned (a lease) on ``dev``, on the copy engine's h2d
-        lane: for CUDA ready on the caller's current stream, no host sync (rule 4)."""
+        """A copy of a slot its caller keeps pinned (a lease) on ``dev``: to a CUDA device on the
+        copy engine's h2d lane, ready on the caller's current stream, no host sync (rule 4); to
+        the CPU a plain copy before this returns."""
         result = empty_for(slot.meta, dev)
         pairs = host.pairs_with(slot, byte_view(result), into_arena=False)
-        engine = self.m.engine_for(dev)
-        if engine is None:
+        if dev.type != "cuda":  # a host-to-host copy: done here, now
             for dst, src in pairs:
                 dst.copy_(src)
             return result
-        h = engine.copy(pairs, lane="h2d")
+        h = self.m.engine_for(dev).copy(pairs, lane="h2d")
         h.wait_stream(dev)
-        if dev.type != "cuda":
-            h.wait()
         return result
 
     # ------------------------------------------------------------------------- serving hits
