@@ -53,11 +53,14 @@ per-item warning at most once per ``WARN_INTERVAL_S``, with a count of the ones 
 
 from __future__ import annotations
 
+import enum
+
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from ectier.tensors import dtype_name
 from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorBase,
     ECConnectorMetadata,
@@ -87,10 +90,6 @@ STORE_ERRORS = (EctierError, OSError, RuntimeError)
 #: per-item warnings (misses, failed saves and loads) of one kind are written at most once per
 #: this many seconds, with a count of the ones left out (a daemon that is down fails every item)
 WARN_INTERVAL_S = 10.0
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def encoder_output_widths(model_config: Any) -> frozenset[int] | None:
@@ -123,6 +122,15 @@ def encoder_output_widths(model_config: Any) -> frozenset[int] | None:
     except Exception:  # noqa: BLE001 - an unusual config: fall back to the rows+dtype check
         return None
     return frozenset(widths) if all(w > 0 for w in widths) else None
+
+
+class Promotion(enum.Enum):
+    """Where an item stands for the scheduler (``ECTierConnector._promotion``)."""
+
+    MISS = "miss"  #: not stored: vLLM encodes it
+    WAIT = "wait"  #: a promotion towards the worker is in flight: the request waits this step
+    TIMEOUT = "timeout"  #: the promotion ran past ``load_timeout_s``: re-encode
+    READY = "ready"  #: ready to pin
 
 
 @dataclass
@@ -309,33 +317,31 @@ class ECTierConnector(ECConnectorBase):
                 state.req_ids.add(request.request_id)
                 continue
             status = self._promotion(mm_hash)
-            if status == "wait":
+            if status is Promotion.WAIT:
                 ready = False
-            elif status == "timeout":
+            elif status is Promotion.TIMEOUT:
                 self._settled.setdefault(request.request_id, set()).add(mm_hash)
-            elif status == "pin":
+            elif status is Promotion.READY:
                 self._try_pin(request, index, mm_hash)
         if not ready:
             self._count(deferrals=1)
         return ready
 
-    def _promotion(self, mm_hash: str) -> str:
-        """Where ``mm_hash`` stands: ``"miss"`` (not stored), ``"wait"`` (a promotion is in
-        flight: the request waits), ``"timeout"`` (it ran past ``load_timeout_s``: re-encode), or
-        ``"pin"`` (ready to pin). In-process, ``TieredCache.prefetch`` towards the worker's device
+    def _promotion(self, mm_hash: str) -> "Promotion":
+        """Where ``mm_hash`` stands (a :class:`Promotion`). In-process, ``TieredCache.prefetch`` towards the worker's device
         gives ``LoadHandle`` s; the daemon has no prefetch (``None``): ``acquire`` promotes there,
         synchronously."""
         pf = self._prefetching.get(mm_hash)
         if pf is None:
             try:
                 if not self._store.contains(mm_hash):
-                    return "miss"
+                    return Promotion.MISS
                 handles = self._store.prefetch([mm_hash], self._target_device())
             except STORE_ERRORS as exc:
                 self._miss("lookup", mm_hash, exc)
-                return "miss"
+                return Promotion.MISS
             if handles is None:
-                return "pin"
+                return Promotion.READY
             pf = self._prefetching[mm_hash] = _Prefetch(handles, time.monotonic())
         if all(h.done() for h in pf.handles):
             del self._prefetching[mm_hash]
@@ -343,14 +349,14 @@ class ECTierConnector(ECConnectorBase):
                 if not h.wait(0):  # done: False = gone meanwhile (evicted, deleted, failed copy)
                     if h.error is not None:
                         self._miss("prefetch", mm_hash, h.error)
-                    return "miss"
-            return "pin"
+                    return Promotion.MISS
+            return Promotion.READY
         if time.monotonic() - pf.started > self.settings.load_timeout_s:
             del self._prefetching[mm_hash]
             self._count(rejected=1)
             self._miss(f"promotion still running after load_timeout_s={self.settings.load_timeout_s}", mm_hash)
-            return "timeout"
-        return "wait"
+            return Promotion.TIMEOUT
+        return Promotion.WAIT
 
     def _repair(self, request: "Request", index: int, mm_hash: str) -> bool:
         """Load a poisoned item for ``request`` from the store (pinned; True), or give up (False)."""

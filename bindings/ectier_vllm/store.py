@@ -98,7 +98,9 @@ class InProcessStore:
         tensor = self.cache.get(key, device=device)
         if tensor is None:
             return None
-        return Pin(tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), None, tensor)
+        from ectier.tensors import dtype_name
+
+        return Pin(tuple(tensor.shape), dtype_name(tensor.dtype), None, tensor)
 
     def release(self, pin: Pin) -> None:
         if pin.lease is not None:
