@@ -52,7 +52,8 @@ def _no_cuda_reason() -> str | None:
 def run_tests(timeout_s: int) -> dict:
     """pytest -m gpu in a child process (fresh interpreter: nothing is forked after CUDA init here)."""
     t0 = time.monotonic()
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "tests/test_gpu.py", "tests/test_gpu_tier_cpu.py"]
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "tests/test_gpu.py", "tests/test_gpu_tier_cpu.py",
+           "tests/test_gpu_tier_copies.py"]
     try:
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
         out, rc = r.stdout + r.stderr, r.returncode

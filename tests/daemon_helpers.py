@@ -4,7 +4,10 @@ Every daemon runs as a real process (``ectier serve`` or ``python -m ectier.daem
 in a short temporary directory under ``/tmp`` (AF_UNIX paths are limited to 107 bytes), with its
 host arena (``daemon.shm_dir``) and NVMe store in the same directory, so nothing is left in
 ``/dev/shm``. :class:`DaemonProcess` objects are registered and killed at interpreter exit if a
-test forgot them; fixtures stop them in ``finally`` blocks.
+test forgot them; fixtures stop them in ``finally`` blocks. The daemons that several test modules
+share are context managers here (:func:`main_daemon_process`, :func:`restricted_daemon_process`),
+each module wrapping them in its own module-scoped fixture. The exception to "a real process":
+:func:`serve_in_thread`, a server in a thread of the test process, for tests that look inside it.
 
 The child jobs (:func:`producer`, :func:`consumer`, :func:`die_holding_reservation`,
 :func:`die_holding_get_lease`) are module-level functions so that a ``spawn`` multiprocessing
@@ -14,10 +17,13 @@ context can import them; they take seeds and specs, never tensors, and import to
 from __future__ import annotations
 
 import atexit
+import contextlib
+import grp
 import hashlib
 import json
 import math
 import mmap
+import multiprocessing
 import os
 import shutil
 import signal
@@ -25,9 +31,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import msgpack
 
@@ -183,6 +190,76 @@ def _kill_leftovers() -> None:  # a last resort if a fixture could not run its f
 
 def remove_dir(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+# ----------------------------------------------------------- the daemons of the test modules
+
+#: a multiprocessing context for client processes (they receive seeds, never tensors)
+SPAWN = multiprocessing.get_context("spawn")
+IS_ROOT = os.geteuid() == 0
+
+
+def nogroup() -> str | None:
+    """The name of group 65534 (``nogroup``/``nobody``), or None if there is none."""
+    try:
+        return grp.getgrgid(65534).gr_name
+    except KeyError:
+        return None
+
+
+@contextlib.contextmanager
+def main_daemon_process() -> Iterator[DaemonProcess]:
+    """The ``main`` daemon (via the ``ectier`` script): 32 MiB host, 64 MiB NVMe, metrics on an
+    ephemeral port, 64 KiB frame cap, default lease (30 s). Yields the running process, with
+    ``.dir`` (its directory) and ``.cfg`` (its config mapping); stopped and removed after."""
+    d = short_tmpdir()
+    try:
+        cfg = daemon_config(d, host_bytes=32 * MiB, nvme_bytes=64 * MiB, metrics_port=0, max_frame_bytes=64 * KiB)
+        proc = DaemonProcess(write_config(os.path.join(d, "cfg.yaml"), cfg), cfg["daemon"]["socket_path"],
+                             via="script")
+        proc.dir, proc.cfg = d, cfg
+        try:
+            proc.start()
+            yield proc
+        finally:
+            proc.stop()
+    finally:
+        remove_dir(d)
+
+
+@contextlib.contextmanager
+def restricted_daemon_process() -> Iterator[DaemonProcess]:
+    """The ``restricted`` daemon: 8 MiB host, no NVMe, lease_s 0.5, max_clients 4, socket mode
+    0660 (group :func:`nogroup` when run as root: ``.group``, else None). Its directory is 0711,
+    so the socket's own mode decides who may connect."""
+    d = short_tmpdir()
+    os.chmod(d, 0o711)  # other users may traverse (not list) it: the socket's own mode decides
+    group = nogroup() if IS_ROOT else None
+    try:
+        cfg = daemon_config(d, host_bytes=8 * MiB, nvme=False, lease_s=0.5, max_clients=4, socket_mode="0660",
+                            allowed_group=group)
+        proc = DaemonProcess(write_config(os.path.join(d, "cfg.json"), cfg), cfg["daemon"]["socket_path"])
+        proc.dir, proc.cfg, proc.group = d, cfg, group
+        try:
+            proc.start()
+            yield proc
+        finally:
+            proc.stop()
+    finally:
+        remove_dir(d)
+
+
+def serve_in_thread(cfg):
+    """A started :class:`~ectier.daemon.server.DaemonServer` for ``cfg`` (a ``CacheConfig``) serving
+    in a daemon thread of this process; returns ``(server, thread)``: stop with
+    ``server.stop(); thread.join(10)``."""
+    from ectier.daemon.server import DaemonServer
+
+    server = DaemonServer(cfg)
+    server.start()
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    return server, t
 
 
 # ------------------------------------------------------------------------------ raw protocol
@@ -341,6 +418,14 @@ def raw_bytes(t) -> bytes:
     flat = torch.empty(t.shape, dtype=t.dtype)
     flat.copy_(t)
     return flat.reshape(-1).view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def assert_same(got, expected) -> None:
+    """``got`` (a tensor, or None for a miss) has ``expected``'s dtype, shape and bytes."""
+    assert got is not None, "miss"
+    assert got.dtype == expected.dtype
+    assert tuple(got.shape) == tuple(expected.shape)
+    assert raw_bytes(got) == raw_bytes(expected)
 
 
 def tensor_digest(t) -> str:

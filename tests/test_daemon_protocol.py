@@ -179,6 +179,22 @@ def test_every_op_parses_with_its_required_arguments():
         assert set(req.args) == set(args)
 
 
+def test_every_op_has_a_handler_taking_exactly_its_schema_arguments():
+    """The daemon calls ``HANDLERS[op](server, conn, **args)`` with the arguments the schema
+    let through: a missing handler, or one without a parameter the schema allows (or with a
+    required one it does not require), would answer a valid request with an error."""
+    import inspect
+
+    from ectier.daemon.handlers import HANDLERS
+
+    assert set(HANDLERS) == set(OPS)
+    for op, schema in OPS.items():
+        params = list(inspect.signature(HANDLERS[op]).parameters.values())[2:]  # after (server, conn)
+        assert {p.name for p in params} == set(schema), op
+        required = {p.name for p in params if p.default is inspect.Parameter.empty}
+        assert required == {name for name, (_, req) in schema.items() if req}, op
+
+
 def test_optional_arguments_and_reserve_shape_becomes_a_tuple():
     req = parse_request({**RESERVE, "namespace": "ns"})
     assert req.args == {"key": "k", "dtype": "bfloat16", "shape": (2040, 8192), "namespace": "ns"}

@@ -131,7 +131,7 @@ def one_input(data: bytes) -> None:
     host = testing.tier(cache, "host")
     assert host.index.reserved_bytes == 0, "a reservation outlived its connection"
     assert testing.pins(cache, "host") == 0, "a pin outlived its connection"
-    assert not server._leases, "a lease outlived its connection"
+    assert not server.leases, "a lease outlived its connection"
     torch, byte_view = _STATE["torch"], _STATE["byte_view"]
     for k, t in _STATE["known"].items():
         got = cache.get(k)

@@ -8,7 +8,8 @@ the client copies out and releases.
 
 Threads: the accept loop runs in the caller's thread (:meth:`DaemonServer.serve_forever`); each
 connection gets a thread; one reaper thread expires leases. The daemon is a thin shell around
-:class:`~ectier.cache.TieredCache`, which is thread-safe.
+:class:`~ectier.cache.TieredCache`, which is thread-safe. Requests are answered by
+:mod:`ectier.daemon.handlers`; the lease records live in :mod:`ectier.daemon.leases`.
 
 Connections: ``hello`` must be a connection's first request (any other op before it is refused
 with a ``ProtocolError``, so no client skips the version check); a connection that sends nothing
@@ -33,37 +34,21 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from .. import __version__
-from ..cache import ReadLease, TieredCache, WriteLease
+from ..cache import TieredCache
 from ..config import CacheConfig
 from ..errors import EctierError
 from .connections import Connection, admission, peer_credentials
 from .files import claim_socket_path, reclaim_stale_arenas
-from .protocol import (
-    PROTOCOL_VERSION,
-    FrameDecoder,
-    ProtocolError,
-    encode_frame,
-    error_reply,
-    ok_reply,
-    parse_request,
-)
+from .handlers import handle
+from .leases import LeaseBook, end_lease
+from .protocol import FrameDecoder, ProtocolError, encode_frame, error_reply
 
 __all__ = ["DaemonServer", "run_daemon"]
 
 log = logging.getLogger("ectier.daemon")
-
-
-@dataclass(eq=False)
-class _Lease:
-    id: int
-    kind: str  # "put" | "get"
-    conn: Connection
-    deadline: float
-    handle: WriteLease | ReadLease
 
 
 class DaemonServer:
@@ -97,8 +82,8 @@ class DaemonServer:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._conns: dict[int, Connection] = {}
-        self._leases: dict[int, _Lease] = {}
-        self._next_id = 1
+        self._next_id = 1  # of the next connection or lease
+        self.leases = LeaseBook(self._lock, config.daemon.lease_s, self._new_id_locked)
         self._threads: list[threading.Thread] = []
         self._allowed_gid = self._resolve_group(config.daemon.allowed_group)
         self._metrics_server = None
@@ -234,11 +219,8 @@ class DaemonServer:
                 pass
         for t in self._threads:
             t.join(timeout=10)
-        with self._lock:
-            leases = list(self._leases.values())
-            self._leases.clear()
-        for lease in leases:
-            self._end_lease(lease, commit=False)
+        for lease in self.leases.take_all():
+            end_lease(self.cache, lease, commit=False)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
@@ -256,6 +238,12 @@ class DaemonServer:
 
     # ------------------------------------------------------------------------- connections
 
+    def _new_id_locked(self) -> int:
+        """A fresh id for a connection or a lease (one counter: an id names one thing)."""
+        new_id = self._next_id
+        self._next_id += 1
+        return new_id
+
     def _admit(self, sock: socket.socket) -> None:
         pid, uid, gid = peer_credentials(sock)
         victim = None
@@ -269,8 +257,7 @@ class DaemonServer:
                     if victim is not None:  # idle: no request in progress, no lease; see admission()
                         victim.closed = True
                         self.counters["evicted"] += 1
-                    conn = Connection(self._next_id, sock, pid, uid, gid)
-                    self._next_id += 1
+                    conn = Connection(self._new_id_locked(), sock, pid, uid, gid)
                     self._conns[conn.id] = conn
                     self.counters["connections"] += 1
         if reason is not None:
@@ -373,11 +360,10 @@ class DaemonServer:
     def _disconnect(self, conn: Connection) -> None:
         with self._lock:
             self._conns.pop(conn.id, None)
-            leases = [self._leases.pop(i) for i in list(conn.leases) if i in self._leases]
-            conn.leases.clear()
+            leases = self.leases.take_of_locked(conn)
             conn.closed = True
         for lease in leases:
-            self._end_lease(lease, commit=False)
+            end_lease(self.cache, lease, commit=False)
         try:
             conn.sock.close()
         except OSError:
@@ -388,123 +374,8 @@ class DaemonServer:
     # ------------------------------------------------------------------------------ requests
 
     def _handle(self, conn: Connection, msg: dict[str, Any] | ProtocolError) -> dict[str, Any]:
-        rid = msg.get("id") if isinstance(msg, dict) and isinstance(msg.get("id"), int) else None
-        try:
-            if isinstance(msg, ProtocolError):
-                raise msg
-            req = parse_request(msg)
-            conn.requests += 1
-            if not conn.greeted and req.op != "hello":
-                raise ProtocolError(f"{req.op}: the first request on a connection must be 'hello' "
-                                    f"(version {PROTOCOL_VERSION}); send it before anything else")
-            handler = getattr(self, f"_op_{req.op}")
-            return ok_reply(req.id, **handler(conn, **req.args))
-        except ProtocolError as exc:
-            self.counters["protocol_errors"] += 1
-            return error_reply(rid, "ProtocolError", str(exc))
-        except EctierError as exc:
-            return error_reply(rid, type(exc).__name__, str(exc))
-        except (ValueError, TypeError) as exc:  # validation errors from the cache's inputs
-            return error_reply(rid, type(exc).__name__, str(exc))
-        except Exception as exc:  # keep serving everyone else; this request failed
-            log.exception("request %r failed", msg if isinstance(msg, dict) else None)
-            return error_reply(rid, "InternalError", f"{type(exc).__name__}: {exc}")
-
-    def _op_hello(self, conn: Connection, version: int, client: str = "") -> dict[str, Any]:
-        if version != PROTOCOL_VERSION:
-            raise ProtocolError(f"hello: client speaks protocol {version}, daemon speaks {PROTOCOL_VERSION}")
-        conn.name = client[:200]
-        conn.greeted = True
-        return {
-            "version": PROTOCOL_VERSION,
-            "server": f"ectier {__version__}",
-            "namespace": self.config.namespace,
-            "arena": {"path": self.arena_path, "nbytes": self.cache.host_arena_bytes,
-                      "block_bytes": self.config.host.block_bytes},
-            "lease_s": self.config.daemon.lease_s,
-        }
-
-    def _op_ping(self, conn: Connection) -> dict[str, Any]:
-        return {}
-
-    def _new_lease(self, conn: Connection, kind: str, handle: WriteLease | ReadLease) -> int:
-        with self._lock:
-            lease = _Lease(self._next_id, kind, conn, time.monotonic() + self.config.daemon.lease_s, handle)
-            self._next_id += 1
-            self._leases[lease.id] = lease
-            conn.leases.add(lease.id)
-        return lease.id
-
-    def _take_lease(self, conn: Connection, lease_id: int, kind: str) -> _Lease | None:
-        with self._lock:
-            lease = self._leases.get(lease_id)
-            if lease is None or lease.conn is not conn or lease.kind != kind:
-                return None
-            del self._leases[lease_id]
-            conn.leases.discard(lease_id)
-            return lease
-
-    def _end_lease(self, lease: _Lease, *, commit: bool) -> None:
-        assert self.cache is not None
-        try:
-            if lease.kind == "put":
-                if commit:
-                    self.cache.commit(lease.handle)
-                else:
-                    self.cache.abort(lease.handle)
-            else:
-                self.cache.release(lease.handle)
-        except EctierError:
-            if commit:
-                raise
-            log.exception("ending a %s lease failed", lease.kind)
-
-    def _op_reserve(self, conn: Connection, key: str, dtype: str, shape: tuple, namespace: str | None = None) -> dict[str, Any]:
-        assert self.cache is not None
-        handle = self.cache.reserve(key, dtype=dtype, shape=shape, namespace=namespace)
-        lease_id = self._new_lease(conn, "put", handle)
-        return {"lease": lease_id, "nbytes": handle.meta.nbytes, "extents": [list(e) for e in handle.extents]}
-
-    def _op_commit(self, conn: Connection, lease: int) -> dict[str, Any]:
-        held = self._take_lease(conn, lease, "put")
-        if held is None:
-            raise EctierError(f"commit: lease {lease} is unknown or expired; the put was aborted, retry it")
-        self._end_lease(held, commit=True)
-        return {}
-
-    def _op_abort(self, conn: Connection, lease: int) -> dict[str, Any]:
-        held = self._take_lease(conn, lease, "put")
-        if held is not None:
-            self._end_lease(held, commit=False)
-        return {"aborted": held is not None}
-
-    def _op_get(self, conn: Connection, key: str, namespace: str | None = None) -> dict[str, Any]:
-        assert self.cache is not None
-        handle = self.cache.acquire(key, namespace=namespace)
-        if handle is None:
-            return {"hit": False}
-        lease_id = self._new_lease(conn, "get", handle)
-        meta = handle.meta
-        return {"hit": True, "lease": lease_id, "dtype": meta.dtype, "shape": list(meta.shape),
-                "nbytes": meta.nbytes, "extents": [list(e) for e in handle.extents]}
-
-    def _op_release(self, conn: Connection, lease: int) -> dict[str, Any]:
-        held = self._take_lease(conn, lease, "get")
-        if held is not None:
-            self._end_lease(held, commit=False)
-        # valid=False: the lease expired before release, so the bytes copied may be foreign
-        return {"valid": held is not None}
-
-    def _op_contains(self, conn: Connection, key: str, namespace: str | None = None) -> dict[str, Any]:
-        assert self.cache is not None
-        return {"found": self.cache.contains(key, namespace=namespace)}
-
-    def _op_delete(self, conn: Connection, key: str, namespace: str | None = None) -> dict[str, Any]:
-        assert self.cache is not None
-        return {"deleted": self.cache.delete(key, namespace=namespace)}
-
-    def _op_stats(self, conn: Connection) -> dict[str, Any]:
-        return {"stats": self.stats()}
+        """The reply to one request of ``conn`` (:func:`ectier.daemon.handlers.handle`)."""
+        return handle(self, conn, msg)
 
     def stats(self) -> dict[str, Any]:
         """The cache's stats plus daemon facts: socket, arena, clients, leases, counters."""
@@ -517,8 +388,7 @@ class DaemonServer:
                 "arena": self.arena_path,
                 "metrics": ({"host": self.metrics_address[0], "port": self.metrics_address[1]}
                             if self.metrics_address else None),
-                "leases": {"put": sum(1 for l in self._leases.values() if l.kind == "put"),
-                           "get": sum(1 for l in self._leases.values() if l.kind == "get")},
+                "leases": self.leases.counts_locked(),
                 "clients": [
                     {"id": c.id, "name": c.name, "pid": c.pid, "uid": c.uid, "connected_s": round(now - c.since, 3),
                      "requests": c.requests, "leases": len(c.leases)}
@@ -528,7 +398,7 @@ class DaemonServer:
             }
         return out
 
-    # -------------------------------------------------------------------------------- leases
+    # ------------------------------------------------------------------------ lease expiry
 
     def _reap_loop(self) -> None:
         interval = min(1.0, self.config.daemon.lease_s / 4)
@@ -539,15 +409,12 @@ class DaemonServer:
         """End every lease past its deadline and close its connection. Returns how many expired."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            expired = [l for l in self._leases.values() if l.deadline <= now]
-            for lease in expired:
-                del self._leases[lease.id]
-                lease.conn.leases.discard(lease.id)
+            expired = self.leases.take_expired_locked(now)
             self.counters["leases_expired"] += len(expired)
         for lease in expired:
             log.warning("lease %d (%s) of client %s (pid %d) expired after daemon.lease_s=%s; reclaimed",
                         lease.id, lease.kind, lease.conn.name, lease.conn.pid, self.config.daemon.lease_s)
-            self._end_lease(lease, commit=False)
+            end_lease(self.cache, lease, commit=False)
             lease.conn.closed = True
             _shutdown(lease.conn.sock)
         return len(expired)

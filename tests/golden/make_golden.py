@@ -2,7 +2,7 @@
 
 Each ``<name>.bin`` is one whole record as the NVMe tier stores it, ``pack_header(header) + payload``
 (see :mod:`ectier.codec`), of a small deterministic bf16-like tensor. The files are checked in and
-``tests/test_codec.py`` decodes them with today's code: they prove that new code reads old bytes.
+``tests/test_record.py`` decodes them with today's code: they prove that new code reads old bytes.
 
 Never regenerate an existing file to make a test pass: a golden file that no longer decodes means
 the format changed, which needs a new ``RECORD_FORMAT_VERSION`` (old files stay, new ones are added

@@ -1,0 +1,125 @@
+"""The daemon's leases: one per reservation (``put``) or read pin (``get``) a client holds.
+
+A lease belongs to one connection and has a deadline (monotonic seconds, ``daemon.lease_s`` after
+it was granted). :class:`LeaseBook` keeps the live ones by id; :func:`end_lease` ends one on the
+cache (commit or abort a reservation, release a pin). Who ends which lease when (disconnect,
+expiry, shutdown) is the server's business (:mod:`ectier.daemon.server`).
+
+Locking: the book is guarded by the server's lock, which also guards the connections, so that a
+connection's lease set and the book change together. :meth:`LeaseBook.grant`,
+:meth:`LeaseBook.take` and :meth:`LeaseBook.take_all` take that lock; the methods named
+``*_locked`` expect the caller to hold it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from ..cache import ReadLease, TieredCache, WriteLease
+from ..errors import EctierError
+from .connections import Connection
+
+__all__ = ["Lease", "LeaseBook", "end_lease"]
+
+log = logging.getLogger("ectier.daemon")
+
+
+@dataclass(eq=False)
+class Lease:
+    """One lease: ``kind`` is ``"put"`` (``handle`` a :class:`WriteLease`) or ``"get"``
+    (a :class:`ReadLease`); ``deadline`` is in :func:`time.monotonic` seconds."""
+
+    id: int
+    kind: str  # "put" | "get"
+    conn: Connection
+    deadline: float
+    handle: WriteLease | ReadLease
+
+
+class LeaseBook:
+    """The live leases by id (see the module docstring for the locking).
+
+    Args:
+        lock: the server's lock.
+        lease_s: seconds from grant to deadline (``daemon.lease_s``).
+        new_id_locked: returns a fresh id, called with ``lock`` held (the server's counter, shared
+            with connection ids, so that an id names one thing).
+    """
+
+    def __init__(self, lock: threading.Lock, lease_s: float, new_id_locked: Callable[[], int]) -> None:
+        self._lock = lock
+        self._lease_s = lease_s
+        self._new_id_locked = new_id_locked
+        self._by_id: dict[int, Lease] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def grant(self, conn: Connection, kind: str, handle: WriteLease | ReadLease) -> int:
+        """Record a new lease of ``conn``; returns its id."""
+        with self._lock:
+            lease = Lease(self._new_id_locked(), kind, conn, time.monotonic() + self._lease_s, handle)
+            self._by_id[lease.id] = lease
+            conn.leases.add(lease.id)
+        return lease.id
+
+    def take(self, conn: Connection, lease_id: int, kind: str) -> Lease | None:
+        """Remove and return lease ``lease_id`` if it is ``conn``'s and of ``kind``; else None
+        (unknown, expired, another connection's, or the other kind)."""
+        with self._lock:
+            lease = self._by_id.get(lease_id)
+            if lease is None or lease.conn is not conn or lease.kind != kind:
+                return None
+            del self._by_id[lease_id]
+            conn.leases.discard(lease_id)
+            return lease
+
+    def take_all(self) -> list[Lease]:
+        """Remove and return every lease (at shutdown)."""
+        with self._lock:
+            leases = list(self._by_id.values())
+            self._by_id.clear()
+        return leases
+
+    def take_of_locked(self, conn: Connection) -> list[Lease]:
+        """Remove and return every lease of ``conn`` (at its disconnect); clears ``conn.leases``."""
+        leases = [self._by_id.pop(i) for i in list(conn.leases) if i in self._by_id]
+        conn.leases.clear()
+        return leases
+
+    def take_expired_locked(self, now: float) -> list[Lease]:
+        """Remove and return every lease whose deadline is ``<= now`` (monotonic seconds)."""
+        expired = [l for l in self._by_id.values() if l.deadline <= now]
+        for lease in expired:
+            del self._by_id[lease.id]
+            lease.conn.leases.discard(lease.id)
+        return expired
+
+    def counts_locked(self) -> dict[str, int]:
+        """``{"put": n, "get": n}``: live leases by kind."""
+        return {"put": sum(1 for l in self._by_id.values() if l.kind == "put"),
+                "get": sum(1 for l in self._by_id.values() if l.kind == "get")}
+
+
+def end_lease(cache: TieredCache, lease: Lease, *, commit: bool) -> None:
+    """End ``lease`` on ``cache``: commit (``commit=True``) or abort a reservation, release a pin.
+
+    Raises:
+        EctierError: from :meth:`TieredCache.commit` when ``commit``; otherwise errors are logged.
+    """
+    try:
+        if lease.kind == "put":
+            if commit:
+                cache.commit(lease.handle)
+            else:
+                cache.abort(lease.handle)
+        else:
+            cache.release(lease.handle)
+    except EctierError:
+        if commit:
+            raise
+        log.exception("ending a %s lease failed", lease.kind)

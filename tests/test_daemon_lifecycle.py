@@ -1,0 +1,449 @@
+"""The daemon's lifecycle: start, stop, restart, crash. A daemon killed with ``kill -9`` mid-put
+serves its committed entries after a restart; SIGTERM flushes; clients fail fast while it is down
+and reconnect (and remap a new arena) when it is back; stale sockets and arenas of dead daemons
+are reclaimed, live ones and foreign files never touched; ``ectier serve`` start-up errors are
+one line. Helpers: tests/daemon_helpers.py.
+
+Daemons:
+- ``main``: 32 MiB host, NVMe, metrics on an ephemeral port, 64 KiB frame cap, lease 30 s (only
+  for "a second daemon on its socket").
+- one-off daemon processes for kill -9 / SIGTERM restarts, and servers in a thread of this
+  process (:func:`daemon_helpers.serve_in_thread`) where a test looks inside one.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import time
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from daemon_helpers import (
+    KiB,
+    MiB,
+    PYTHON,
+    DaemonProcess,
+    assert_same,
+    clean_env,
+    daemon_config,
+    daemon_stats,
+    main_daemon_process,
+    make_tensor,
+    raw_bytes,
+    remove_dir,
+    serve_in_thread,
+    short_tmpdir,
+    spec_digest,
+    tensor_digest,
+    wait_for,
+    write_arena,
+    write_config,
+)
+from ectier import CacheConfig
+from ectier.cli import main as cli_main
+from ectier.daemon.client import DaemonClient, DaemonUnavailableError
+from ectier.daemon.server import DaemonServer
+from ectier.errors import EctierError
+
+
+# ================================================================================== fixtures
+
+
+@pytest.fixture(scope="module")
+def main_daemon():
+    with main_daemon_process() as proc:
+        yield proc
+
+
+# ====================================================================== daemon crash/restart
+
+
+DURABLE = [
+    ("d-bf16", 201, "bfloat16", (37, 8192)),
+    ("d-fp32", 202, "float32", (1000, 3)),
+    ("d-int8", 203, "int8", (4 * MiB,)),
+    ("d-empty", 204, "bfloat16", (0, 8192)),
+]
+
+
+def test_daemon_killed_mid_put_serves_committed_entries_after_restart():
+    d = short_tmpdir()
+    daemons: list[DaemonProcess] = []
+    c = fresh = None
+    try:
+        cfg = daemon_config(d, write_through=True, host_bytes=16 * MiB)
+        path = write_config(os.path.join(d, "cfg.json"), cfg)
+        sock = cfg["daemon"]["socket_path"]
+        daemons.append(DaemonProcess(path, sock).start())
+        c = DaemonClient(sock, connect_retry_s=10)
+        for key, seed, dtype, shape in DURABLE:
+            c.put(key, make_tensor(seed, dtype, shape))
+        assert c.stats()["tiers"]["nvme"]["entries"] == len(DURABLE)  # written through
+        r = c.call("reserve", key="uncommitted", dtype="uint8", shape=[MiB])
+        old_arena = c.server_info["arena"]["path"]
+        write_arena(old_arena, r["extents"], b"\xcd" * (MiB // 2))  # half written
+        daemons[0].kill9()
+        assert stat.S_ISSOCK(os.stat(sock).st_mode)  # a stale socket file is left behind
+
+        daemons.append(DaemonProcess(path, sock).start())  # same socket path, same NVMe store
+        fresh = DaemonClient(sock)
+        for spec in DURABLE:
+            got = fresh.get(spec[0])
+            assert got is not None and tensor_digest(got) == spec_digest(spec), spec[0]
+        assert not fresh.contains("uncommitted")
+        assert fresh.get("uncommitted") is None
+        # the client that lost its daemon reconnects by itself
+        assert tensor_digest(c.get("d-bf16")) == spec_digest(DURABLE[0])
+        # the dead daemon's arena file does not leak (it would hold host.capacity_bytes of RAM in /dev/shm)
+        assert not os.path.exists(old_arena)
+        arenas = [f for f in os.listdir(d) if f.endswith(".arena")]
+        assert arenas == [os.path.basename(fresh.server_info["arena"]["path"])]
+    finally:
+        for x in (c, fresh):
+            if x is not None:
+                x.close()
+        for dp in daemons:
+            dp.stop()
+        remove_dir(d)
+
+
+def test_sigterm_flushes_and_the_same_client_reconnects():
+    d = short_tmpdir()
+    daemons: list[DaemonProcess] = []
+    c = None
+    try:
+        cfg = daemon_config(d, write_through=False, flush_on_close=True)
+        path = write_config(os.path.join(d, "cfg.yaml"), cfg)
+        sock = cfg["daemon"]["socket_path"]
+        daemons.append(DaemonProcess(path, sock).start())
+        c = DaemonClient(sock, connect_retry_s=30)
+        for key, seed, dtype, shape in DURABLE:
+            c.put(key, make_tensor(seed, dtype, shape))
+        assert c.stats()["tiers"]["nvme"]["entries"] == 0  # host only: only the flush saves them
+        arena = c.server_info["arena"]["path"]
+
+        assert daemons[0].terminate() == 0
+        assert not os.path.exists(sock)
+        assert not os.path.exists(arena)
+        assert "Traceback" not in daemons[0].log()
+
+        # the next call waits for the new daemon (connect_retry_s) and goes on with the same object
+        daemons.append(DaemonProcess(path, sock).launch())
+        assert c.contains("d-bf16")
+        for spec in DURABLE:
+            got = c.get(spec[0])
+            assert got is not None and tensor_digest(got) == spec_digest(spec), spec[0]
+        assert c.server_info["arena"]["path"] != arena
+        t = make_tensor(205, "float16", (33, 77))
+        c.put("after-restart", t)
+        assert_same(c.get("after-restart"), t)
+        assert daemons[1].terminate() == 0
+    finally:
+        if c is not None:
+            c.close()
+        for dp in daemons:
+            dp.stop()
+        remove_dir(d)
+
+
+def test_client_of_an_unreachable_daemon_fails_fast_then_reconnects():
+    """A daemon that is down (or a wrong socket path) costs one connect_retry_s wait, not one per
+    call: after a failed attempt calls raise at once for backoff_s, then each makes one immediate
+    attempt; a daemon that comes up is used by the first call after the window."""
+    d = short_tmpdir()
+    server = t = None
+    c = DaemonClient(os.path.join(d, "d.sock"), connect_retry_s=0.5, backoff_s=1.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailableError, match="cannot reach"):
+            c.contains("k")
+        assert 0.4 <= time.monotonic() - t0 < 3.0  # the one wait
+        assert c.unreachable
+        t0 = time.monotonic()
+        for i in range(50):
+            with pytest.raises(DaemonUnavailableError, match="cannot reach"):
+                c.contains(f"k{i}") if i % 2 else c.put(f"k{i}", torch.zeros(4, dtype=torch.uint8))
+        assert time.monotonic() - t0 < 0.5  # no waits, no attempts
+        time.sleep(1.1)
+        c.backoff_s = 60.0  # the next window outlasts the daemon's start below, however slow
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailableError):
+            c.stats()  # window over: one immediate attempt, no connect_retry_s wait
+        assert time.monotonic() - t0 < 0.3
+
+        # a start-up probe: one attempt, no wait; a failure opens the window too
+        probe = DaemonClient(os.path.join(d, "d.sock"), connect_retry_s=5.0)
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailableError):
+            probe.connect(wait=False)
+        with pytest.raises(DaemonUnavailableError):
+            probe.contains("k")
+        assert time.monotonic() - t0 < 0.5 and probe.unreachable
+        probe.close()
+
+        server, t = serve_in_thread(CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=4 * MiB)))
+        with pytest.raises(DaemonUnavailableError):
+            c.contains("k")  # still inside the window opened by the last failure
+        c.backoff_s = 0.2
+        time.sleep(0.3)
+        c.put("k", torch.ones(8, dtype=torch.uint8))  # the first call after the window connects
+        assert not c.unreachable and c.contains("k")
+    finally:
+        c.close()
+        if server is not None:
+            server.stop()
+            t.join(10)
+        remove_dir(d)
+
+
+def test_client_lets_go_of_a_stopped_daemons_arena_at_its_next_call():
+    """A client idle across a daemon stop keeps the old (unlinked) arena mapped, so its pages stay
+    allocated in daemon.shm_dir; at its next call, which cannot reach the daemon, it unmaps it, so
+    a restarted daemon finds room for its own arena."""
+    d = short_tmpdir()
+    server = t = c = None
+    try:
+        cfg = CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=4 * MiB))
+        server, t = serve_in_thread(cfg)
+        c = DaemonClient(cfg.daemon.socket_path, connect_retry_s=0.2, backoff_s=0.1)
+        c.put("a", make_tensor(1, "uint8", (64 * KiB,)))
+        assert c._arena_mmap is not None
+        old_arena = server.arena_path
+        server.stop()
+        t.join(10)
+        server = None
+        assert not os.path.exists(old_arena)
+        with pytest.raises(DaemonUnavailableError):
+            c.contains("a")
+        assert c._arena is None and c._arena_mmap is None, "the stopped daemon's arena is still mapped"
+        server, t = serve_in_thread(cfg)
+        time.sleep(0.15)
+        b = make_tensor(2, "uint8", (64 * KiB,))
+        c.put("b", b)  # maps the new arena
+        assert_same(c.get("b"), b)
+    finally:
+        if c is not None:
+            c.close()
+        if server is not None:
+            server.stop()
+            t.join(10)
+        remove_dir(d)
+
+
+def test_a_relative_shm_dir_reaches_clients_as_an_absolute_arena_path(monkeypatch):
+    """daemon.shm_dir given relative to the daemon's working directory: a client running elsewhere
+    must still map the arena (the daemon sends it an absolute path)."""
+    d = short_tmpdir()
+    os.mkdir(os.path.join(d, "shm"))
+    server = t = c = None
+    try:
+        monkeypatch.chdir(d)
+        cfg = CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=4 * MiB, shm_dir="shm"))
+        server, t = serve_in_thread(cfg)
+        assert os.path.isabs(server.arena_path) and os.path.dirname(server.arena_path) == os.path.join(d, "shm")
+        monkeypatch.chdir("/")
+        c = DaemonClient(cfg.daemon.socket_path)
+        x = make_tensor(3, "uint8", (4 * KiB,))
+        c.put("x", x)
+        assert_same(c.get("x"), x)
+    finally:
+        if c is not None:
+            c.close()
+        if server is not None:
+            server.stop()
+            t.join(10)
+        remove_dir(d)
+
+
+def test_client_remaps_the_arena_when_a_restarted_daemon_reuses_its_path():
+    """A daemon that restarts with the same pid (PID 1 of a container) creates its arena under the
+    same file name: the client must map the new file, not keep writing into the old one."""
+    d = short_tmpdir()
+    servers = []
+    c = other = None
+    try:
+        cfg = CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=4 * MiB))
+        s1, t1 = serve_in_thread(cfg)
+        servers.append((s1, t1))
+        c = DaemonClient(cfg.daemon.socket_path, connect_retry_s=5)
+        c.put("a", make_tensor(1, "uint8", (1000,)))
+        s1.stop()
+        t1.join(10)
+        s2, t2 = serve_in_thread(cfg)
+        servers.append((s2, t2))
+        assert s2.arena_path == s1.arena_path  # same process, same name
+        b = make_tensor(2, "uint8", (64 * KiB,))
+        c.put("b", b)  # through a reconnect
+        lease = s2.cache.acquire("b")
+        try:
+            arena = s2.cache.host_arena
+            stored = b"".join(arena[o:o + n].numpy().tobytes() for o, n in lease.extents)
+        finally:
+            s2.cache.release(lease)
+        assert stored == raw_bytes(b)
+        other = DaemonClient(cfg.daemon.socket_path)
+        assert_same(other.get("b"), b)
+        assert_same(c.get("b"), b)
+    finally:
+        for x in (c, other):
+            if x is not None:
+                x.close()
+        for s, t in servers:
+            s.stop()
+            t.join(10)
+        remove_dir(d)
+
+
+# ===================================================================== start-up and shutdown
+
+
+def test_a_file_that_is_not_a_socket_is_never_deleted():
+    d = short_tmpdir()
+    try:
+        precious = os.path.join(d, "precious.txt")
+        with open(precious, "w") as f:
+            f.write("keep me")
+        cfg = CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=1 * MiB, socket_path=precious))
+        server = DaemonServer(cfg)
+        try:
+            with pytest.raises(EctierError, match="socket_path"):
+                server.start()
+        finally:
+            if server._listener is not None:  # started after all: clean up
+                server.stop()
+                server._shutdown()
+        with open(precious) as f:
+            assert f.read() == "keep me"
+    finally:
+        remove_dir(d)
+
+
+def test_stale_arenas_are_reclaimed_and_live_ones_kept():
+    d = short_tmpdir()
+    server = thread = None
+    held = None
+    try:
+        uid = os.getuid()
+        gone = [subprocess.Popen(["true"]) for _ in range(2)]
+        for g in gone:
+            g.wait()
+        dead, dead2 = (g.pid for g in gone)  # pids that no longer run
+        paths = {
+            # a crashed earlier incarnation with this very name (a PID-1 daemon restarted)
+            "mine": os.path.join(d, f"ectier-{uid}-{os.getpid()}.arena"),
+            "dead": os.path.join(d, f"ectier-{uid}-{dead}.arena"),
+            "dead-but-locked": os.path.join(d, f"ectier-{uid}-{dead2}.arena"),
+            "live-pid": os.path.join(d, f"ectier-{uid}-1.arena"),  # pid 1 runs: never touched
+            "other-user": os.path.join(d, f"ectier-{uid + 1}-{dead}.arena"),
+            "unrelated": os.path.join(d, "ectier-notes.txt"),
+        }
+        for p in paths.values():
+            with open(p, "wb") as f:
+                f.write(b"old")
+        import fcntl
+
+        held = os.open(paths["dead-but-locked"], os.O_RDONLY)
+        fcntl.flock(held, fcntl.LOCK_EX)  # as a live daemon holds its arena
+        cfg = CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=1 * MiB))
+        server, thread = serve_in_thread(cfg)
+        assert server.arena_path == paths["mine"]
+        assert os.path.getsize(paths["mine"]) == 1 * MiB  # created afresh
+        assert not os.path.exists(paths["dead"])
+        for name in ("dead-but-locked", "live-pid", "other-user", "unrelated"):
+            assert os.path.exists(paths[name]), name
+    finally:
+        if held is not None:
+            os.close(held)
+        if server is not None:
+            server.stop()
+            thread.join(10)
+        remove_dir(d)
+
+
+def test_sigterm_right_after_the_socket_appears_still_cleans_up():
+    d = short_tmpdir()
+    proc = None
+    try:
+        cfg = daemon_config(d, nvme=False, host_bytes=4 * MiB, metrics_port=0)
+        sock = cfg["daemon"]["socket_path"]
+        proc = DaemonProcess(write_config(os.path.join(d, "cfg.json"), cfg), sock).launch()
+        wait_for(lambda: os.path.exists(sock) or proc.proc.poll() is not None, timeout=30, interval=0.001,
+                 what="the socket file")
+        assert proc.terminate() == 0, proc.log()
+        assert not os.path.exists(sock)
+        assert [f for f in os.listdir(d) if f.endswith(".arena")] == []
+    finally:
+        if proc is not None:
+            proc.stop()
+        remove_dir(d)
+
+
+def test_second_daemon_on_a_live_socket_exits_cleanly(main_daemon):
+    r = subprocess.run([PYTHON, "-m", "ectier.daemon", "--config", main_daemon.config_path],
+                       capture_output=True, text=True, timeout=60, env=clean_env())
+    assert r.returncode == 1, r.stderr
+    assert "already listening" in r.stderr
+    assert "Traceback" not in r.stderr + r.stdout
+    assert daemon_stats(main_daemon.socket_path)["namespace"] == "test"  # the first one is untouched
+
+
+def test_serve_with_a_bad_config_is_a_usage_error():
+    d = short_tmpdir()
+    try:
+        path = write_config(os.path.join(d, "bad.json"), {"daemon": {"lease_s": -1}})
+        r = CliRunner().invoke(cli_main, ["serve", "--config", path])
+        assert r.exit_code == 2
+        assert "daemon.lease_s" in r.output and "Traceback" not in r.output
+    finally:
+        remove_dir(d)
+
+
+def test_serve_errors_are_clean(monkeypatch):
+    """Start-up failures of `ectier serve` are one line naming the field, exit 1, no traceback,
+    and leave no signal handler behind (run_daemon installs them before start())."""
+    import signal
+
+    d = short_tmpdir()
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        runner = CliRunner()
+        cfg = daemon_config(d, nvme=False, host_bytes=1 * MiB, shm_dir=os.path.join(d, "no", "such", "dir"))
+        r = runner.invoke(cli_main, ["serve", "--config", write_config(os.path.join(d, "a.json"), cfg)])
+        assert r.exit_code == 1, r.output
+        assert "daemon.shm_dir" in r.output and "Traceback" not in r.output
+        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+        with open(os.path.join(d, "afile"), "w") as f:
+            f.write("x")
+        cfg = daemon_config(d, nvme=False, host_bytes=1 * MiB, socket_path=os.path.join(d, "afile", "s", "d.sock"))
+        r = runner.invoke(cli_main, ["serve", "--config", write_config(os.path.join(d, "b.json"), cfg)])
+        assert r.exit_code == 1, r.output
+        assert "daemon.socket_path" in r.output and "Traceback" not in r.output
+        assert [f for f in os.listdir(d) if f.endswith(".arena")] == []
+    finally:
+        remove_dir(d)
+
+
+def test_serve_with_its_metrics_port_taken_is_one_line_and_leaves_nothing_behind():
+    """A metrics port already in use: exit 1 naming daemon.metrics_port, no traceback, and no
+    arena file or socket left in the directory (the arena holds RAM in /dev/shm)."""
+    import socket as socket_mod
+
+    d = short_tmpdir()
+    taken = socket_mod.socket(socket_mod.AF_INET, socket_mod.SOCK_STREAM)
+    try:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        cfg = daemon_config(d, nvme=False, host_bytes=1 * MiB, metrics_port=port)
+        r = CliRunner().invoke(cli_main, ["serve", "--config", write_config(os.path.join(d, "m.json"), cfg)])
+        assert r.exit_code == 1, r.output
+        assert "daemon.metrics_port" in r.output and str(port) in r.output
+        assert "Traceback" not in r.output
+        assert sorted(os.listdir(d)) == ["m.json"], "a failed start left files behind"
+    finally:
+        taken.close()
+        remove_dir(d)
