@@ -477,3 +477,30 @@ def test_crash_campaign_bad_arguments_are_usage_errors(args, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "usage:" in err and args[0] in err, err
+
+
+def test_failed_nvme_open_removes_the_shared_arena_file(tmp_path):
+    """The NVMe tier fails to open (its store is in use): the host tier opened before it is closed
+    again, so the daemon's shared arena file does not leak."""
+    from ectier.errors import StoreLockedError
+
+    cfg = CacheConfig.from_dict({"host": {"capacity_bytes": "1MiB", "block_bytes": "64KiB", "pin_memory": False},
+                                 "nvme": {"path": str(tmp_path / "nvme"), "capacity_bytes": "16MiB"}})
+    arena = tmp_path / "arena.shm"
+    with TieredCache(cfg):  # holds the store's lock
+        with pytest.raises(StoreLockedError):
+            TieredCache(cfg, host_shm_path=str(arena))
+        assert not arena.exists(), "the shared arena file leaked"
+
+
+@pytest.mark.parametrize("content", [b"host: {capacity_bytes: 1MiB}\n\xff\xfe not utf-8\n",
+                                     b"nvme: {path: \"a\\0b\"}\n"], ids=["not-utf8", "nul-in-path"])
+def test_config_file_that_is_not_utf8_or_a_nul_path_is_a_config_error(tmp_path, content):
+    from ectier.errors import ConfigError
+
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError):
+        CacheConfig.load(str(path))
+    res = CliRunner().invoke(cli_main, ["serve", "--config", str(path)])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output

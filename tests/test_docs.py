@@ -224,3 +224,24 @@ def test_module_docstrings_cite_only_documents_the_repository_has():
         if re.search(r"design rule \d", doc):
             bad.append(f"{rel}: 'design rule N' (cite docs/architecture.md's CUDA ordering rules)")
     assert bad == []
+
+
+def test_every_test_the_docs_name_exists():
+    """docs/*.md and the README cite tests as ``tests/file.py::name`` (globs allowed): each must
+    name a file and match at least one test function in it."""
+    import ast
+    import fnmatch
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    names: dict[str, set[str]] = {}
+    for f in list((root / "tests").glob("*.py")) + list((root / "tests_vllm").glob("*.py")):
+        tree = ast.parse(f.read_text())
+        names[str(f.relative_to(root))] = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    broken = []
+    for doc in list((root / "docs").glob("*.md")) + [root / "README.md"]:
+        for m in re.finditer(r"(tests(?:_vllm)?/[\w/]+\.py)::([\w*]+)", doc.read_text()):
+            file, name = m.group(1), m.group(2)
+            if file not in names or not any(fnmatch.fnmatchcase(t, name) for t in names[file]):
+                broken.append(f"{doc.name}: {file}::{name}")
+    assert not broken, broken
