@@ -254,7 +254,7 @@ class TieredCache:
         result = self._mover.commit(self._host, lease.slot, promotion=False,
                                     keep_older_record=self._mover.write_through)
         if result.stands:
-            self._mover.after_put(self._host, lease.slot)
+            self._mover.after_put(self._host, lease.slot.digest, lease.slot.version, lease.meta.nbytes)
 
     def abort(self, lease: WriteLease) -> None:
         """Give up a reservation: its bytes return to the arena, nothing becomes visible.

@@ -26,7 +26,6 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -57,15 +56,6 @@ RETRIES = 3
 #: exceptions a move may raise that make it a failed move (counted, logged), never an error of
 #: the call that triggered it: ectier's own, device errors (CUDA OOM is a RuntimeError), I/O errors
 MOVE_ERRORS = (EctierError, RuntimeError, OSError)
-
-
-@dataclass(frozen=True)
-class _Committed:
-    """What :meth:`Mover.after_put` needs of a committed put."""
-
-    digest: bytes
-    version: int
-    meta: EntryMeta
 
 
 class Commit(enum.Enum):
@@ -248,8 +238,10 @@ class Mover:
                 self.cond.notify_all()
                 return Commit.CANCELLED
             current = self.catalog.version(digest)
-            newer_below = any((sv := t.stored_version(digest)) is not None and sv > version
-                              for t in self.stack.stores())
+            newer_below = False
+            for t in self.stack.stores():
+                sv = t.stored_version(digest)
+                newer_below = newer_below or (sv is not None and sv > version)
             if promotion:
                 superseded = current != version or tier.lookup(digest) is not None or newer_below
             else:
@@ -293,16 +285,16 @@ class Mover:
             self.nvme.delete_claimed(digest, stale)
         return existed
 
-    def after_put(self, tier: ArenaTier, slot: "Slot | _Committed") -> None:
+    def after_put(self, tier: ArenaTier, digest: bytes, version: int, nbytes: int) -> None:
         """A put committed into ``tier``: count it and write it through to NVMe if configured."""
-        self.counters.count(tier.name, puts=1, put_bytes=slot.meta.nbytes)
-        if self.nvme is not None and self.write_through and tier.name == "host":
-            self.nvme.write_through(tier, slot.digest, slot.version)
+        self.counters.count(tier.name, puts=1, put_bytes=nbytes)
+        if self.write_through and self.nvme is not None and tier.name == "host":
+            self.nvme.write_through(tier, digest, version)
 
     def drop_older_locked(self, digest: bytes, version: int, *, besides: Tier | None = None) -> None:
         """Remove memory copies of ``digest`` older than ``version`` (a newer one was committed)."""
         for t in self.stack.arenas():
-            if t is not besides and t.remove_if(digest, lambda s: s.version < version):
+            if t is not besides and t.remove_older(digest, version):
                 self.cond.notify_all()
 
     def drop_slot(self, tier: ArenaTier, slot: Slot) -> None:
@@ -351,16 +343,16 @@ class Mover:
         Raises:
             TierWriteError: the NVMe write failed (nothing changed).
         """
-        if isinstance(tier, ArenaTier) and tier.device is not None:
+        if tier.is_arena and tier.device is not None:
             return self.arena.put_device(tier, digest, meta, version, src, handle)
-        if isinstance(tier, ArenaTier):
+        if tier.is_arena:
             engine = self.engine_for(src.device)
             if engine is not None:
                 return self.arena.put_async(tier, digest, meta, version, src, engine, handle)
             c = self.arena.store(tier, digest, meta, version, src, promotion=False)
             if c is None:
                 return False
-            self.after_put(tier, _Committed(digest, version, meta))
+            self.after_put(tier, digest, version, meta.nbytes)
             handle.finish(True)
             return True
         self.nvme.store(digest, meta, version, src if src.device.type == "cpu" else src.cpu(), register=True)

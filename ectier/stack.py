@@ -38,6 +38,11 @@ class TierStack:
         if len(set(names)) != len(names):
             raise ValueError(f"tiers: each tier name once, got {names}")
         self._by_name = {t.name: t for t in self._tiers}
+        self._arenas = [t for t in self._tiers if isinstance(t, ArenaTier)]
+        self._stores = [t for t in self._tiers if not isinstance(t, ArenaTier)]
+        self._device_tier = next((t for t in self._tiers if getattr(t, "device", None) is not None), None)
+        self._first_off_device = next((t for t in self._tiers if getattr(t, "device", None) is None), None)
+        self._from = {id(t): self._tiers[i:] for i, t in enumerate(self._tiers)}
 
     def __iter__(self) -> Iterator[Tier]:
         return iter(self._tiers)
@@ -60,30 +65,26 @@ class TierStack:
 
     def arenas(self) -> list[ArenaTier]:
         """The memory tiers (GPU, host), top first."""
-        return [t for t in self._tiers if isinstance(t, ArenaTier)]
+        return self._arenas
 
     def stores(self) -> list[Tier]:
         """The tiers that are not memory arenas (NVMe), top first."""
-        return [t for t in self._tiers if not isinstance(t, ArenaTier)]
+        return self._stores
 
     def entry_tier(self, device: torch.device) -> Tier | None:
         """The tier a put of a tensor on ``device`` starts at: the tier of that very device if
         there is one (the GPU tier), else the first tier that is on no device (host, NVMe)."""
-        for t in self._tiers:
-            if getattr(t, "device", None) == device:
-                return t
-        for t in self._tiers:
-            if getattr(t, "device", None) is None:
-                return t
-        return None
+        if self._device_tier is not None and self._device_tier.device == device:
+            return self._device_tier
+        return self._first_off_device
 
     def device_tier(self) -> Tier | None:
         """The tier on a device (the GPU tier), if configured."""
-        return next((t for t in self._tiers if getattr(t, "device", None) is not None), None)
+        return self._device_tier
 
     def from_(self, tier: Tier) -> list[Tier]:
         """``tier`` and every tier under it."""
-        return self._tiers[self._tiers.index(tier) :]
+        return self._from[id(tier)]
 
     def holder(self, digest: bytes, version: int) -> Tier | None:
         """The highest tier holding ``version`` of ``digest``."""

@@ -8,7 +8,6 @@ counter; ``stats()`` reports every one of them, zero or not.
 from __future__ import annotations
 
 import threading
-from collections import Counter
 from typing import Any, Iterable
 
 __all__ = ["Counters", "COUNTER_NAMES"]
@@ -30,20 +29,29 @@ class Counters:
 
     def __init__(self, scopes: Iterable[str] = COUNTER_NAMES) -> None:
         self._lock = threading.Lock()
-        self._by_scope = {s: Counter() for s in scopes}
+        self._by_scope = {s: dict.fromkeys(COUNTER_NAMES[s], 0) for s in scopes}
 
     def count(self, scope: str, **amounts: int) -> None:
         """Add ``amounts`` (counter name -> increment) to ``scope``.
 
         Raises:
-            KeyError: an unknown scope or counter name.
+            KeyError: an unknown scope or counter name (nothing is added then).
         """
-        names = COUNTER_NAMES[scope]
-        for name in amounts:
-            if name not in names:
-                raise KeyError(f"unknown counter {scope}.{name}")
+        c = self._by_scope[scope]
         with self._lock:
-            self._by_scope[scope].update(amounts)
+            for name in amounts:
+                if name not in c:
+                    raise KeyError(f"unknown counter {scope}.{name}")
+            for name, n in amounts.items():
+                c[name] += n
+
+    def count_hit(self, scope: str, nbytes: int) -> None:
+        """One hit served by tier ``scope`` (``nbytes`` long): the tier's and the cache's counters."""
+        with self._lock:
+            t = self._by_scope[scope]
+            t["hits"] += 1
+            t["hit_bytes"] += nbytes
+            self._by_scope["cache"]["hits"] += 1
 
     def get(self, scope: str, name: str) -> int:
         with self._lock:
@@ -52,5 +60,4 @@ class Counters:
     def snapshot(self, scope: str) -> dict[str, Any]:
         """Every counter of ``scope`` (zeros included), in the order of :data:`COUNTER_NAMES`."""
         with self._lock:
-            c = self._by_scope[scope]
-            return {name: c[name] for name in COUNTER_NAMES[scope]}
+            return dict(self._by_scope[scope])

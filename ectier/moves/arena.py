@@ -99,7 +99,7 @@ class ArenaMoves:
                                   keep_older_record=not promotion and m.write_through)
                 ok = result.stands
                 if result.committed and not promotion:
-                    m.after_put(tier, slot)
+                    m.after_put(tier, slot.digest, slot.version, slot.meta.nbytes)
         finally:
             m.end_pending(pending, ok, error)
 
@@ -263,7 +263,7 @@ class ArenaMoves:
         finally:
             self.m.unpin(gpu, slot)
         if result is not None:
-            self.m.counters.count("gpu", hits=1, hit_bytes=slot.meta.nbytes)
+            self.m.counters.count_hit("gpu", slot.meta.nbytes)
         return result
 
     def serve_host_hit(self, host: ArenaTier, slot: Slot, dev: torch.device, out: torch.Tensor | None,

@@ -54,7 +54,7 @@ class Reads:
             v = m.catalog.version(digest)
             if v is not None:
                 for t in (m.stack.from_(start) if start is not None else m.stack):
-                    if isinstance(t, ArenaTier):
+                    if t.is_arena:
                         s = t.current(digest, v)
                         if s is not None:
                             t.pin(s)
@@ -85,7 +85,6 @@ class Reads:
             if result is None and loc.tier is not gpu:
                 break
             if result is not None:
-                m.counters.count("cache", hits=1)
                 return result
         m.counters.count("cache", misses=1)
         return None
@@ -94,17 +93,18 @@ class Reads:
                out: torch.Tensor | None, target: Tier | None):
         m = self.m
         tier = loc.tier
-        if isinstance(tier, ArenaTier) and tier.device is not None:
+        if tier.is_arena and tier.device is not None:
             return m.arena.serve_device_hit(tier, loc.slot, dev, out)  # None: its copy failed
-        if isinstance(tier, ArenaTier):
+        if tier.is_arena:
             result = m.arena.serve_host_hit(tier, loc.slot, dev, out, target)
-            m.counters.count(tier.name, hits=1, hit_bytes=loc.slot.meta.nbytes)
+            m.counters.count_hit(tier.name, loc.slot.meta.nbytes)
             return result
         upto = target if (target is not None and out is None) else m.stack.get("host")
         got = m.promote_from_store(digest, ns, key, loc.version, upto)
         if got is None or got is RETRY:
             return got
         meta, data, _ = got
+        m.counters.count("cache", hits=1)
         result = tensor_from_bytes(meta, data, out)
         return result if dev.type == "cpu" else result.to(dev)
 

@@ -28,6 +28,7 @@ class ArenaTier(Tier):
 
     #: the device of the arena (``None``: host memory)
     device: torch.device | None = None
+    is_arena = True
 
     def __init__(self, capacity_bytes: int, block_bytes: int, policy: EvictionPolicy | None) -> None:
         self.index = ArenaIndex(capacity_bytes, block_bytes, policy)
@@ -137,6 +138,12 @@ class ArenaTier(Tier):
         """Remove the visible slot of ``digest`` when ``pred(slot)``; True if blocks were freed."""
         s = self.index.lookup(digest)
         return s is not None and pred(s) and self.index.remove(s)
+
+    def remove_older(self, digest: bytes, version: int) -> bool:
+        """Remove ``digest``'s visible slot if it holds a version older than ``version``; True if
+        blocks were freed now."""
+        s = self.index.lookup(digest)
+        return s is not None and s.version < version and self.index.remove(s)
 
     def delete(self, digest: bytes) -> bool:
         """Remove ``digest``'s visible slot; True if blocks were freed now."""

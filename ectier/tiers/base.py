@@ -19,24 +19,26 @@ Admission refuses an entry larger than the tier's whole budget before evicting a
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Tier", "Admission"]
 
 
-@dataclass
 class Admission:
     """The answer of :meth:`Tier.admit`.
 
     Exactly one of: ``entry`` (room reserved: the tier's handle of the invisible entry), ``victims``
-    (no room yet: entries the caller must move down and release first — pinned for the caller), or
-    neither (no room can be made now).
+    (no room yet: entries the caller must move down and release first — pinned for the caller),
+    ``too_large`` (larger than the tier's whole budget: never admitted, nothing evicted), or none
+    (no room can be made now).
     """
 
-    entry: Any = None
-    victims: list = field(default_factory=list)
-    too_large: bool = False  #: larger than the tier's whole budget: never admitted, nothing evicted
+    __slots__ = ("entry", "victims", "too_large")
+
+    def __init__(self, entry: Any = None, victims: list | tuple = (), too_large: bool = False) -> None:
+        self.entry = entry
+        self.victims = victims
+        self.too_large = too_large
 
     @property
     def granted(self) -> bool:
@@ -63,6 +65,8 @@ class Tier(abc.ABC):
     """
 
     name: str = ""
+    #: a memory tier (:class:`~ectier.tiers.arena.ArenaTier`): admits, pins, commits slots
+    is_arena: bool = False
 
     @property
     @abc.abstractmethod
