@@ -19,13 +19,14 @@ import torch
 
 from ectier import CacheConfig, HostTierConfig, NvmeTierConfig, TieredCache
 from ectier.entry import entry_digest
+from ectier.tiers.nvme_index import HEADER_ALLOWANCE_BYTES
 
 KiB = 1 << 10
 MiB = 1 << 20
 
-#: the NVMe tier's fixed admission slack (``TieredCache._nvme_fits``): an entry of ``n`` bytes
+#: the NVMe tier's header allowance (``NvmeIndex.fits``): an entry of ``n`` bytes
 #: is admitted only when ``n + NVME_SLACK <= nvme.capacity_bytes``.
-NVME_SLACK = 4096 + 2 * 65536
+NVME_SLACK = HEADER_ALLOWANCE_BYTES
 
 
 def float8_dtypes() -> list[torch.dtype]:
