@@ -32,7 +32,7 @@ setup(
     extras_require={
         "vllm": ["vllm>=0.33,<0.34"],
         "demo": ["scikit-image>=0.22", "safetensors>=0.4", "matplotlib>=3.8"],  # README: `ectier bench` after demo.sh
-        "test": ["pytest>=8", "hypothesis>=6.100", "scikit-image>=0.22", "safetensors>=0.4", "matplotlib>=3.8",
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100", "scikit-image>=0.22", "safetensors>=0.4", "matplotlib>=3.8",
                  "pytest-benchmark>=4"],
         "bench": ["pytest-benchmark>=4", "matplotlib>=3.8", "safetensors>=0.4", "scikit-image>=0.22"],
     },

@@ -23,7 +23,7 @@ PACKAGES=(
 
 check() {
   "$VENV/bin/python" - <<'PY'
-import vllm, ectier_vllm.connector  # noqa: F401  (fails loudly if anything is missing)
+import vllm, ectier_vllm.connector, pytest_timeout  # noqa: F401  (fails loudly if anything is missing)
 import vllm.v1.core.sched.scheduler, vllm.v1.worker.ec_connector_model_runner_mixin  # noqa: F401
 assert vllm.__version__.startswith("0.33."), vllm.__version__
 PY
@@ -77,7 +77,7 @@ PY
 pip_ install --quiet -c "$VENV/constraints-ectier.txt" "${REQS[@]}" 2>&1 | grep -v -E "^WARNING: Location|dependency conflicts|requires .* which is not installed|but you have torch" || true
 # ectier itself (its own deps only; the [vllm] extra would pull vllm's full dependency set)
 pip_ install --quiet -c "$VENV/constraints-ectier.txt" numpy lmdb zstandard xxhash msgpack click rich PyYAML \
-  prometheus-client pytest 2>&1 | grep -v -E "^WARNING: Location|dependency conflicts|requires .* which is not installed|but you have torch" || true
+  prometheus-client pytest pytest-timeout 2>&1 | grep -v -E "^WARNING: Location|dependency conflicts|requires .* which is not installed|but you have torch" || true
 pip_ install --quiet --no-deps -e . 2>&1 | grep -v "^WARNING: Location" || true
 # packages pulled in transitively (e.g. apache-tvm-ffi via xgrammar) that vllm also declares, at a
 # version outside vllm's specifier: reinstall them as vllm declares them (pip's "vllm requires X==a,
