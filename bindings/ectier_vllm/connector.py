@@ -3,9 +3,11 @@
 Enable with::
 
     --ec-transfer-config '{"ec_connector": "ECTierConnector",
-                           "ec_connector_module_path": "ectier_vllm.connector",
                            "ec_role": "ec_producer" | "ec_consumer" | "ec_both",
                            "ec_connector_extra_config": {"mode": "daemon", "socket_path": "..."}}'
+
+(the name is registered by ectier's vLLM plugin, :mod:`ectier_vllm.plugin`; without the installed
+entry point add ``"ec_connector_module_path": "ectier_vllm.connector"``).
 
 How a stored item reaches a consumer's ``encoder_cache`` (one step = one ``schedule()``):
 
