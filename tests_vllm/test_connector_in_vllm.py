@@ -547,7 +547,8 @@ def test_async_put_is_reported_once_its_copy_completed(engine, tmp_path, cache_h
     so = sched.schedule()
     out = worker.execute(so)
     assert worker.encoded == [item.mm_hash]
-    assert out.ec_connector_output.ec_connector_worker_meta is None  # save still in flight
+    # save still in flight: nothing to report (the V1 runner's producer output carries no report)
+    assert out.ec_connector_output is None or out.ec_connector_output.ec_connector_worker_meta is None
     [ps] = worker.connector._pending_saves
     assert isinstance(ps.handle, PutHandle) and not ps.handle.done()
     assert copies.pending == 1
