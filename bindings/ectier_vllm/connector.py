@@ -80,6 +80,7 @@ from ectier.logutil import RateLimitedLogger
 
 from . import confirm as save_confirm
 from .config import ConnectorSettings, default_namespace, operator_key, settings_from_extra_config
+from .gpubudget import check_gpu_arena_fits
 from .metadata import ECTierConnectorMetadata, ECTierWorkerMetadata, LoadItem
 from .metrics import ECTierConnectorStats, ECTierPromMetrics, merge_stats_data
 from .ranks import is_lead_worker
@@ -193,6 +194,8 @@ class ECTierConnector(ECConnectorBase):
             self._store = DaemonStore(self.settings.socket_path, self.settings.namespace, self.settings.daemon_timeout_s)
         else:
             self._check_gpu_device()
+            if role == ECConnectorRole.WORKER:
+                self._check_gpu_budget(vllm_config)
             try:
                 self._store = open_inprocess(self.settings.cache)
             except (ConfigError, StoreOpenError, StoreLockedError) as exc:
@@ -277,6 +280,14 @@ class ECTierConnector(ECConnectorBase):
                 f"ec_connector_extra_config.gpu.device: is {gpu.device!r}, but this engine's worker "
                 f"runs on {device!r}; set gpu.device to the worker's device"
             )
+
+    def _check_gpu_budget(self, vllm_config: "VllmConfig") -> None:
+        """The worker's connector opens the store before vLLM's memory snapshot: a GPU-tier arena
+        must fit beside ``gpu_memory_utilization`` (:mod:`ectier_vllm.gpubudget`)."""
+        gpu = self.settings.cache.gpu
+        if gpu.enabled:
+            check_gpu_arena_fits(gpu.capacity_bytes, gpu.device, vllm_config.cache_config.gpu_memory_utilization,
+                                 self.settings.config_path)
 
     def _target_device(self) -> str:
         """Where the scheduler promotes and pins for: in-process mode, the worker's device (same
