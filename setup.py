@@ -36,7 +36,12 @@ setup(
                  "pytest-benchmark>=4"],
         "bench": ["pytest-benchmark>=4", "matplotlib>=3.8", "safetensors>=0.4", "scikit-image>=0.22"],
     },
-    entry_points={"console_scripts": ["ectier=ectier.cli:main"]},
+    entry_points={
+        "console_scripts": ["ectier=ectier.cli:main"],
+        # vLLM loads these in every process: registers "ECTierConnector" with its EC connector
+        # factory, so --ec-transfer-config needs no ec_connector_module_path (docs/vllm.md)
+        "vllm.general_plugins": ["ectier = ectier_vllm.plugin:register"],
+    },
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",

@@ -26,6 +26,9 @@ def engine(model_dir, monkeypatch, request):
     """``engine(role, extra)`` -> (scheduler, worker): one vLLM engine's two EC connectors, with
     the worker driven as the V1 and (second run of each test) the V2 model runner drives it."""
     made = []
+    # the property both vLLM's workers and the connector read to know which runner runs
+    # (VllmConfig.use_v2_model_runner)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if request.param == "v2" else "0")
 
     def make(role, extra, **config):
         cfg = H.make_vllm_config(model_dir, role, extra, **config)

@@ -12,6 +12,7 @@ own code: ``Scheduler`` (with its ``EncoderCacheManager`` and ``KVCacheManager``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -45,17 +46,18 @@ def write_tiny_model(directory: str) -> str:
 
 
 def make_vllm_config(model_dir: str, role: str, extra: dict, *, connector: str = "ECTierConnector",
-                     max_num_batched_tokens: int = 2048):
+                     max_num_batched_tokens: int = 2048, module_path: str | None = MODULE,
+                     gpu_memory_utilization: float = 0.9):
     from vllm.config import CacheConfig, ECTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 
     model_config = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16",
                                max_model_len=2048, seed=0)
     scheduler_config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens, max_model_len=2048,
                                        is_encoder_decoder=False, enable_chunked_prefill=True)
-    cache_config = CacheConfig(block_size=16, gpu_memory_utilization=0.9, cache_dtype="auto",
+    cache_config = CacheConfig(block_size=16, gpu_memory_utilization=gpu_memory_utilization, cache_dtype="auto",
                                enable_prefix_caching=False)
     cache_config.num_gpu_blocks = 1000
-    ec = ECTransferConfig(ec_connector=connector, ec_role=role, ec_connector_module_path=MODULE,
+    ec = ECTransferConfig(ec_connector=connector, ec_role=role, ec_connector_module_path=module_path,
                           ec_connector_extra_config=extra)
     return VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
                       cache_config=cache_config, ec_transfer_config=ec)
@@ -117,31 +119,52 @@ def encoder_output(mm_hash: str, n: int) -> torch.Tensor:
     return torch.randn(n, WIDTH, generator=g).to(DTYPE)
 
 
+@contextlib.contextmanager
+def as_agent(connector):
+    """Make ``connector`` vLLM's process-global worker connector (``get_ec_transfer()``) for a while."""
+    from vllm.distributed.ec_transfer import ec_transfer_state
+
+    before = ec_transfer_state._EC_CONNECTOR_AGENT
+    ec_transfer_state._EC_CONNECTOR_AGENT = connector
+    try:
+        yield connector
+    finally:
+        ec_transfer_state._EC_CONNECTOR_AGENT = before
+
+
 class Worker:
     """The worker side as vLLM 0.33's model runners drive it, on CPU.
 
     ``runner="v1"``: the real ``ECConnectorModelRunnerMixin`` (GPU model runner V1): the context
     manager around the encoder run and the embedding gather, and ``maybe_save_ec_to_connector``
-    right after each item is encoded (as ``_cache_encoder_output`` does).
+    right after each item is encoded (as ``_cache_encoder_output`` does). For a pure producer it
+    does what ``GPUModelRunner.execute_model`` does: it returns
+    ``make_empty_encoder_model_runner_output`` from inside the context manager, so the
+    ``ECConnectorOutput`` it filled never reaches the scheduler.
     ``runner="v2"``: the real ``ActiveECConnector`` of the V2 model runner
     (``vllm.v1.worker.gpu.ec_connector``): ``start_save_caches``, ``start_load_caches``, then
     ``save_caches`` for every item new in the encoder cache after the step's encoder run.
-    Both use the process-global connector made by ``ensure_ec_transfer_initialized``. ``gather``
-    does what ``_gather_mm_embeddings`` does with a missing entry: it raises.
+    Both use the process-global connector made by ``ensure_ec_transfer_initialized``, or
+    ``connector`` (one worker of several, e.g. a tensor-parallel rank: it is made the process-global
+    connector while this worker runs). ``gather`` does what ``_gather_mm_embeddings`` does with a
+    missing entry: it raises.
     """
 
-    def __init__(self, vllm_config, runner: str = "v1"):
+    def __init__(self, vllm_config, runner: str = "v1", connector=None):
         from vllm.distributed.ec_transfer import ec_transfer_state
 
-        ec_transfer_state.ensure_ec_transfer_shutdown()
-        ec_transfer_state.ensure_ec_transfer_initialized(vllm_config)
-        self.connector = ec_transfer_state.get_ec_transfer()
+        if connector is None:
+            ec_transfer_state.ensure_ec_transfer_shutdown()
+            ec_transfer_state.ensure_ec_transfer_initialized(vllm_config)
+            connector = ec_transfer_state.get_ec_transfer()
+        self.connector = connector
         self.runner = runner
         self.encoder_cache: dict[str, torch.Tensor] = {}
         if runner == "v2":
             from vllm.v1.worker.gpu.ec_connector import ActiveECConnector
 
-            self.v2 = ActiveECConnector(vllm_config, self.encoder_cache)
+            with as_agent(connector):
+                self.v2 = ActiveECConnector(vllm_config, self.encoder_cache)
         self.encoded: list[str] = []
         self.gathered: dict[str, torch.Tensor] = {}
 
@@ -164,12 +187,22 @@ class Worker:
 
     def execute(self, scheduler_output):
         """One execute_model: encode what was scheduled, gather, and return a ModelRunnerOutput."""
+        with as_agent(self.connector):
+            return self._execute(scheduler_output)
+
+    def _execute(self, scheduler_output):
         from vllm.v1.outputs import ModelRunnerOutput
         from vllm.v1.worker.ec_connector_model_runner_mixin import ECConnectorModelRunnerMixin as M
 
         if self.runner == "v2":
             with self.v2.maybe_get_output(scheduler_output) as ec_out:
                 self._encode_and_gather(scheduler_output, save_each=False)
+        elif not self.connector.is_consumer:  # GPUModelRunner.execute_model, encoder-only instance
+            from vllm.v1.outputs import make_empty_encoder_model_runner_output
+
+            with M.maybe_get_ec_connector_output(scheduler_output, encoder_cache=self.encoder_cache):
+                self._encode_and_gather(scheduler_output, save_each=True)
+                return make_empty_encoder_model_runner_output(scheduler_output)
         else:
             with M.maybe_get_ec_connector_output(scheduler_output, encoder_cache=self.encoder_cache) as ec_out:
                 self._encode_and_gather(scheduler_output, save_each=True)

@@ -3,9 +3,11 @@
 Enable with::
 
     --ec-transfer-config '{"ec_connector": "ECTierConnector",
-                           "ec_connector_module_path": "ectier_vllm.connector",
                            "ec_role": "ec_producer" | "ec_consumer" | "ec_both",
                            "ec_connector_extra_config": {"mode": "daemon", "socket_path": "..."}}'
+
+(the name is registered by ectier's vLLM plugin, :mod:`ectier_vllm.plugin`; without the installed
+entry point add ``"ec_connector_module_path": "ectier_vllm.connector"``).
 
 How a stored item reaches a consumer's ``encoder_cache`` (one step = one ``schedule()``):
 
@@ -45,7 +47,10 @@ failed: the item is then a miss and will be re-encoded) is a logged save failure
 (``DaemonClient.put`` copies to the CPU inline), the connector starts the device-to-host copy
 itself on the current stream (pinned buffer, event, source tensor kept alive) and hands the host
 copy to the daemon once the event has completed. Completions are reported in the worker
-metadata; ``shutdown`` waits for all of them and flushes.
+metadata; ``shutdown`` waits for all of them and flushes. With tensor (or pipeline, prefill
+context) parallelism only the engine's lead worker saves and counts (:mod:`ectier_vllm.ranks`);
+every worker loads. Where vLLM drops the workers' report (a producer on the V1 model runner), the
+scheduler counts the saves it can see in the store (:mod:`ectier_vllm.confirm`).
 
 This module is the only place where ectier errors become misses (each one logged; a kind of
 per-item warning at most once per ``WARN_INTERVAL_S``, with a count of the ones left out).
@@ -73,9 +78,12 @@ from vllm.v1.outputs import ECConnectorOutput
 from ectier.errors import ConfigError, EctierError, StoreLockedError, StoreOpenError
 from ectier.logutil import RateLimitedLogger
 
+from . import confirm as save_confirm
 from .config import ConnectorSettings, default_namespace, operator_key, settings_from_extra_config
+from .gpubudget import check_gpu_arena_fits
 from .metadata import ECTierConnectorMetadata, ECTierWorkerMetadata, LoadItem
 from .metrics import ECTierConnectorStats, ECTierPromMetrics, merge_stats_data
+from .ranks import is_lead_worker
 from .store import DaemonStore, Pin, open_inprocess
 
 if TYPE_CHECKING:
@@ -186,6 +194,8 @@ class ECTierConnector(ECConnectorBase):
             self._store = DaemonStore(self.settings.socket_path, self.settings.namespace, self.settings.daemon_timeout_s)
         else:
             self._check_gpu_device()
+            if role == ECConnectorRole.WORKER:
+                self._check_gpu_budget(vllm_config)
             try:
                 self._store = open_inprocess(self.settings.cache)
             except (ConfigError, StoreOpenError, StoreLockedError) as exc:
@@ -207,7 +217,13 @@ class ECTierConnector(ECConnectorBase):
         # neither encode nor load them again, so this connector reloads them from the store itself,
         # or fails the requests that need them (never a worker crash)
         self._poisoned: set[str] = set()
-        # worker side
+        # producer on the V1 model runner: the scheduler counts the saves (see confirm.py)
+        self._confirm: save_confirm.SaveConfirmer | None = None
+        if role == ECConnectorRole.SCHEDULER and not save_confirm.reports_reach_scheduler(
+                vllm_config, is_producer=self.is_producer, is_consumer=self.is_consumer):
+            self._confirm = save_confirm.SaveConfirmer(timeout_s=save_confirm.CONFIRM_TIMEOUT_S)
+        # worker side; only the lead worker (TP rank 0, first PP stage, PCP rank 0) saves and counts
+        self._lead = role != ECConnectorRole.WORKER or is_lead_worker()
         self._pending_saves: list[_PendingSave] = []
         self._saved: list[str] = []
         self._save_failed: list[str] = []
@@ -264,6 +280,14 @@ class ECTierConnector(ECConnectorBase):
                 f"ec_connector_extra_config.gpu.device: is {gpu.device!r}, but this engine's worker "
                 f"runs on {device!r}; set gpu.device to the worker's device"
             )
+
+    def _check_gpu_budget(self, vllm_config: "VllmConfig") -> None:
+        """The worker's connector opens the store before vLLM's memory snapshot: a GPU-tier arena
+        must fit beside ``gpu_memory_utilization`` (:mod:`ectier_vllm.gpubudget`)."""
+        gpu = self.settings.cache.gpu
+        if gpu.enabled:
+            check_gpu_arena_fits(gpu.capacity_bytes, gpu.device, vllm_config.cache_config.gpu_memory_utilization,
+                                 self.settings.config_path)
 
     def _target_device(self) -> str:
         """Where the scheduler promotes and pins for: in-process mode, the worker's device (same
@@ -425,6 +449,8 @@ class ECTierConnector(ECConnectorBase):
 
     def update_state_after_alloc(self, request: "Request", index: int) -> None:
         mm_hash = request.mm_features[index].identifier
+        if self._confirm is not None:  # a pure producer: every allocated item is encoded and saved
+            self._confirm.expect(mm_hash, self._item_nbytes(request.get_num_encoder_embeds(index)))
         state = self._pins.get(mm_hash)
         if not self.is_consumer or state is None:
             return
@@ -442,6 +468,12 @@ class ECTierConnector(ECConnectorBase):
         meta = connector_output.ec_connector_worker_meta
         if not isinstance(meta, ECTierWorkerMetadata):
             return
+        if self._confirm is not None and (meta.saved or meta.save_failed):
+            # the workers' reports do reach us on this runner: count theirs, stop confirming
+            logger.info("ectier: the workers report their saves; the scheduler stops counting them itself")
+            self._confirm = None
+        if meta.failed:  # counted once per item here, not once per worker that failed it
+            self._count(load_failures=len(meta.failed))
         for mm_hash in meta.loaded:
             if mm_hash not in meta.failed:
                 state = self._pins.get(mm_hash)
@@ -472,8 +504,8 @@ class ECTierConnector(ECConnectorBase):
 
     # ================================================================== worker side
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
-        if not self.is_producer or self._closed:
-            return
+        if not self.is_producer or self._closed or not self._lead:
+            return  # another rank of this TP group (PP stage, PCP group) saves the same output
         tensor = encoder_cache.get(mm_hash)
         if tensor is None:
             return
@@ -557,8 +589,7 @@ class ECTierConnector(ECConnectorBase):
                     "load", "ectier: loading %s failed (%s); failing requests %s (retryable)",
                     item.mm_hash, problem, item.req_ids,
                 )
-                self._count(load_failures=1)
-                self._failed[item.mm_hash] = list(item.req_ids)
+                self._failed[item.mm_hash] = list(item.req_ids)  # counted by the scheduler, once
                 # a placeholder keeps this step from crashing in the embedding gather; it is
                 # removed in build_connector_worker_meta, right after the gather
                 from ectier.tensors import torch_dtype
@@ -568,9 +599,10 @@ class ECTierConnector(ECConnectorBase):
                 continue
             encoder_cache[item.mm_hash] = tensor
             self._loaded.append(item.mm_hash)
-            seconds = time.perf_counter() - t0
-            self._count(loads=1, load_bytes=tensor.numel() * tensor.element_size())
-            self._stats.setdefault("load_seconds", []).append(seconds)
+            if self._lead:  # every rank loads; one counts
+                seconds = time.perf_counter() - t0
+                self._count(loads=1, load_bytes=tensor.numel() * tensor.element_size())
+                self._stats.setdefault("load_seconds", []).append(seconds)
 
     def build_connector_worker_meta(self) -> ECTierWorkerMetadata | None:
         for cache, mm_hash in self._placeholders:
@@ -588,11 +620,32 @@ class ECTierConnector(ECConnectorBase):
 
     # ================================================================== both
     def get_ec_connector_stats(self) -> ECTierConnectorStats | None:
-        if self.role != ECConnectorRole.SCHEDULER or not self._stats:
+        if self.role != ECConnectorRole.SCHEDULER:
             return None  # worker counters travel in the worker metadata
+        if self._confirm is not None and len(self._confirm):
+            self._confirm_saves()
+        if not self._stats:
+            return None
         stats = ECTierConnectorStats(data=self._stats)
         self._stats = {}
         return stats
+
+    def _confirm_saves(self) -> None:
+        found = self._confirm.poll(self._store.contains, STORE_ERRORS)
+        if found.saves:
+            self._count(saves=found.saves, save_bytes=found.save_bytes)
+        if found.failed:
+            self._count(save_failures=len(found.failed))
+            self._warn.warning(
+                "save-unconfirmed", "ectier: %s (and %d more) not in the store %.0f s after it was encoded; "
+                "counted as a failed save", found.failed[0], len(found.failed) - 1, save_confirm.CONFIRM_TIMEOUT_S)
+
+    def _item_nbytes(self, rows: int) -> int:
+        """Bytes of an encoder output of ``rows`` rows: rows x width x the model dtype's size
+        (0 when the model has several widths or an unknown one)."""
+        if self._widths is None or len(self._widths) != 1:
+            return 0
+        return rows * next(iter(self._widths)) * self._model_dtype.itemsize
 
     @classmethod
     def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> ECTierConnectorStats | None:

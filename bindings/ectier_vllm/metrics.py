@@ -9,7 +9,11 @@ turns the same dict into Prometheus counters and a histogram.
 
 Worker counters travel to the scheduler inside the worker metadata (the V1 model runner does not
 forward worker stats by itself), so the worker-side connector reports ``None`` and nothing is
-counted twice.
+counted twice. vLLM sums the metadata of all workers of an engine: only the lead worker
+(:mod:`ectier_vllm.ranks`) counts loads and saves, and the scheduler counts ``load_failures`` once
+per failed item, so tensor parallelism multiplies nothing. A pure producer on the V1 model runner
+delivers no worker metadata at all; its scheduler counts ``saves``/``save_bytes``/``save_failures``
+from what it sees in the store (:mod:`ectier_vllm.confirm`).
 
 The ``data`` keys (all counts since the last report):
 
@@ -20,8 +24,8 @@ misses              of those, items not in ectier (the encoder runs)
 deferrals           steps a request waited for a promotion (``ensure_cache_available``)
 rejected            stored items refused: wrong shape/dtype for the request, failed checksum,
                     vanished between index and read, or promotion timed out (re-encoded)
-loads               items placed in the worker's ``encoder_cache``
-load_failures       items a worker could not load (their requests fail, retryable)
+loads               items placed in the (lead) worker's ``encoder_cache``
+load_failures       items some worker could not load (their requests fail, retryable)
 load_bytes          bytes placed in ``encoder_cache``
 load_seconds        list: seconds per load (store read + device copy)
 saves               items the producer stored
