@@ -295,7 +295,7 @@ class RedisBackend(RemoteBackend):
             m = _Manifest.parse(client.get(self._manifest_key(key)))
             if m is None:
                 return None
-            chunks = self._run(client, [("get", (k,)) for k in self._chunk_keys(key, m)], dl, "get") if m.n_chunks else []
+            chunks = self._run(client, [("get", (k,)) for k in self._chunk_keys(key, m)], dl, "get")
             return self._assemble(key, m, chunks)
 
         return self._call("get", dl, read)
