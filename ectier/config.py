@@ -228,7 +228,8 @@ class RemoteTierConfig:
         max_entry_bytes: entries larger than this are not written remotely (a value of a Redis
             server is capped at 512 MiB). Default 256 MiB.
         chunk_bytes: objects larger than this are stored in chunks of this size with a manifest
-            written last (a reader never assembles a half-written entry). Default 8 MiB.
+            written last (a reader never assembles a half-written entry). Default 2 MiB (measured:
+            docs/benchmarks.md, "Remote tier: Redis Cluster").
         username: ACL user name for AUTH; ``None`` (default): none.
         password: password for AUTH; ``None`` (default): none. Never logged or reported.
         tls: connect with TLS. Default ``False``.
@@ -243,7 +244,7 @@ class RemoteTierConfig:
     backoff_s: float = 5.0
     write_through: bool = True
     max_entry_bytes: int = 256 * MiB
-    chunk_bytes: int = 8 * MiB
+    chunk_bytes: int = 2 * MiB
     username: str | None = None
     password: str | None = None
     tls: bool = False
