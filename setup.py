@@ -32,8 +32,10 @@ setup(
     extras_require={
         "vllm": ["vllm>=0.33,<0.34"],
         "demo": ["scikit-image>=0.22", "safetensors>=0.4", "matplotlib>=3.8"],  # README: `ectier bench` after demo.sh
+        # the remote tier's Redis / Valkey backend (ectier/tiers/remote/redis.py)
+        "remote": ["redis>=8"],
         "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100", "scikit-image>=0.22", "safetensors>=0.4", "matplotlib>=3.8",
-                 "pytest-benchmark>=4"],
+                 "pytest-benchmark>=4", "redis>=8"],
         "bench": ["pytest-benchmark>=4", "matplotlib>=3.8", "safetensors>=0.4", "scikit-image>=0.22"],
     },
     entry_points={

@@ -70,7 +70,7 @@ class TieredCache:
                  host_shm_path: str | None = None) -> None:
         self._open(config, host_shm_path, Engines())
 
-    def _open(self, config: Any, host_shm_path: str | None, runtime: Engines) -> None:
+    def _open(self, config: Any, host_shm_path: str | None, runtime: Engines, remote_backend: Any = None) -> None:
         self.config = _as_config(config)
         self._runtime = runtime
         self._closed = False
@@ -78,7 +78,7 @@ class TieredCache:
         self._catalog = Catalog()
         self._cond = self._catalog.cond
         self._counters = Counters()
-        self._stack = TierStack.open(self.config, host_shm_path, runtime)
+        self._stack = TierStack.open(self.config, host_shm_path, runtime, remote_backend)
         self._mover = Mover(self.config, self._stack, self._catalog, self._counters, self._engine_for)
         self._reads = Reads(self._mover)
         self._host = self._stack.get("host")
@@ -205,7 +205,8 @@ class TieredCache:
             with self._cond:
                 v = self._catalog.version(digest)
                 done = not self._catalog.has_pending(digest) and (
-                    v is None or (target is not None and target.holds(digest, v)))
+                    (v is None and self._mover.remote is None) or (target is not None and v is not None
+                                                                   and target.holds(digest, v)))
             if done:
                 handle.finish(v is not None)
             else:
@@ -392,6 +393,8 @@ class TieredCache:
         finally:
             self._closed = True
             self._mover.completer.close()
+            if self._mover.remote is not None:
+                self._mover.remote.close()  # queued write-throughs run first, within their deadline
             for t in self._stack:
                 t.close()
 

@@ -11,6 +11,9 @@
     ├── nvme: NvmeTierConfig           LMDB store under a directory (disabled when path is None)
     │     path, capacity_bytes, codec, zstd_level, sync, write_through, flush_on_close,
     │     map_initial_bytes, map_max_bytes, policy
+    ├── remote: RemoteTierConfig       a distributed store shared by every node (off by default)
+    │     backend, addresses, prefix, timeout_s, backoff_s, write_through, max_entry_bytes,
+    │     chunk_bytes, username, password, tls, tls_ca_path
     └── daemon: DaemonConfig           the standalone daemon (``ectier serve``) only
           socket_path, socket_mode, allowed_group, shm_dir, lease_s, max_frame_bytes,
           max_clients, max_clients_per_uid, idle_timeout_s, metrics_port, metrics_host
@@ -51,6 +54,7 @@ from .config_checks import (
     check_host,
     check_namespace,
     check_nvme,
+    check_remote,
     format_bytes,
     parse_bytes,
 )
@@ -61,6 +65,7 @@ __all__ = [
     "GpuTierConfig",
     "HostTierConfig",
     "NvmeTierConfig",
+    "RemoteTierConfig",
     "DaemonConfig",
     "parse_bytes",
     "format_bytes",
@@ -204,6 +209,66 @@ class NvmeTierConfig:
 
 
 @dataclass(frozen=True)
+class RemoteTierConfig:
+    """Remote tier: entries shared by every engine on every node, on a distributed store.
+
+    Fields:
+        backend: ``"none"`` (default: no remote tier) or ``"redis"`` (a Redis / Valkey Cluster,
+            or one server).
+        addresses: ``"host:port[,host:port...]"``: seed nodes of the cluster (one is enough; the
+            others are found from it). Required when ``backend`` is not ``"none"``.
+        prefix: first part of every object's key (``<prefix>:<namespace and key digest>``), so
+            that several deployments can share one store. Default ``"ectier"``.
+        timeout_s: deadline of one remote call (connect included); a call past it is a miss and
+            starts the back-off. Default 2 s.
+        backoff_s: after a failed or timed-out call, remote calls are skipped (misses, no I/O)
+            for this long, then tried again. Default 5 s.
+        write_through: write every put to the remote tier in the background (never on the
+            caller's path), so that other nodes find it. Default ``True``.
+        max_entry_bytes: entries larger than this are not written remotely (a value of a Redis
+            server is capped at 512 MiB). Default 256 MiB.
+        chunk_bytes: objects larger than this are stored in chunks of this size with a manifest
+            written last (a reader never assembles a half-written entry). Default 2 MiB (measured:
+            docs/benchmarks.md, "Remote tier: Redis Cluster").
+        username: ACL user name for AUTH; ``None`` (default): none.
+        password: password for AUTH; ``None`` (default): none. Never logged or reported.
+        tls: connect with TLS. Default ``False``.
+        tls_ca_path: CA bundle that signed the servers' certificates; ``None`` (default): the
+            system's.
+    """
+
+    backend: str = "none"
+    addresses: str = ""
+    prefix: str = "ectier"
+    timeout_s: float = 2.0
+    backoff_s: float = 5.0
+    write_through: bool = True
+    max_entry_bytes: int = 256 * MiB
+    chunk_bytes: int = 2 * MiB
+    username: str | None = None
+    password: str | None = None
+    tls: bool = False
+    tls_ca_path: str | None = None
+
+    def __post_init__(self) -> None:
+        check_remote(self)
+
+    @property
+    def enabled(self) -> bool:
+        """True when a backend is configured."""
+        return self.backend != "none"
+
+    @property
+    def address_list(self) -> list[tuple[str, int]]:
+        """``addresses`` as ``(host, port)`` pairs."""
+        out = []
+        for item in self.addresses.split(","):
+            host, _, port = item.strip().rpartition(":")
+            out.append((host.strip("[]"), int(port)))
+        return out
+
+
+@dataclass(frozen=True)
 class DaemonConfig:
     """The standalone cache daemon (``ectier serve``): socket, security, leases, metrics.
 
@@ -277,6 +342,7 @@ class CacheConfig:
         host: :class:`HostTierConfig`.
         nvme: :class:`NvmeTierConfig`.
         gpu: :class:`GpuTierConfig` (disabled by default).
+        remote: :class:`RemoteTierConfig` (disabled by default).
         daemon: :class:`DaemonConfig` (used only by ``ectier serve`` and its clients).
     """
 
@@ -285,13 +351,14 @@ class CacheConfig:
     nvme: NvmeTierConfig = field(default_factory=NvmeTierConfig)
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     gpu: GpuTierConfig = field(default_factory=GpuTierConfig)
+    remote: RemoteTierConfig = field(default_factory=RemoteTierConfig)
 
     def __post_init__(self) -> None:
         p = Problems()
         with p.check("namespace"):
             check_namespace(self.namespace)
         for name, cls in (("host", HostTierConfig), ("nvme", NvmeTierConfig), ("daemon", DaemonConfig),
-                          ("gpu", GpuTierConfig)):
+                          ("gpu", GpuTierConfig), ("remote", RemoteTierConfig)):
             if not isinstance(getattr(self, name), cls):
                 with p.check(name):
                     raise ConfigError(f"{name}: expected {cls.__name__}, got {type(getattr(self, name)).__name__}")

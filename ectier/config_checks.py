@@ -350,3 +350,50 @@ def check_daemon(cfg: DaemonConfig) -> None:
     with p.check("daemon.metrics_host"):
         check_text("daemon.metrics_host", cfg.metrics_host, "an address")
     p.raise_if_any()
+
+
+REMOTE_BACKENDS = ("none", "redis")
+
+
+def check_remote(cfg: Any) -> None:
+    """The checks of :class:`~ectier.config.RemoteTierConfig` (``*_bytes`` strings parsed, in place).
+
+    Raises:
+        ConfigError: every bad ``remote.*`` field at once.
+    """
+    p = Problems()
+    with p.check("remote.backend"):
+        if cfg.backend not in REMOTE_BACKENDS:
+            raise ConfigError(f"remote.backend: expected one of {', '.join(REMOTE_BACKENDS)}, got {cfg.backend!r}")
+    with p.check("remote.addresses"):
+        if cfg.addresses:
+            check_text("remote.addresses", cfg.addresses, "'host:port[,host:port...]'")
+        if cfg.backend != "none" and not cfg.addresses:
+            raise ConfigError("remote.addresses: required with remote.backend "
+                              f"{cfg.backend!r}: 'host:port[,host:port...]' of the store's nodes")
+        for item in filter(None, (a.strip() for a in cfg.addresses.split(","))):
+            host, _, port = item.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"remote.addresses: {item!r} is not 'host:port'")
+    with p.check("remote.prefix"):
+        check_text("remote.prefix", cfg.prefix, "a key prefix")
+    for name in ("timeout_s", "backoff_s"):
+        with p.check(f"remote.{name}"):
+            check_seconds(f"remote.{name}", getattr(cfg, name))
+            if name == "timeout_s" and not cfg.timeout_s > 0:
+                raise ConfigError(f"remote.timeout_s: must be > 0, got {cfg.timeout_s}")
+    for name in ("write_through", "tls"):
+        with p.check(f"remote.{name}"):
+            check_bool(f"remote.{name}", getattr(cfg, name))
+    coerce_bytes(cfg, "remote", p)
+    with p.check("remote.max_entry_bytes"):
+        check_int("remote.max_entry_bytes", cfg.max_entry_bytes, minimum=1)
+    with p.check("remote.chunk_bytes"):
+        check_int("remote.chunk_bytes", cfg.chunk_bytes, minimum=64 * 1024)
+        if cfg.chunk_bytes > 512 * 1024 * 1024:
+            raise ConfigError(f"remote.chunk_bytes: at most 512 MiB (a Redis value's cap), got {cfg.chunk_bytes}")
+    for name in ("username", "password", "tls_ca_path"):
+        if getattr(cfg, name) is not None:
+            with p.check(f"remote.{name}"):
+                check_text(f"remote.{name}", getattr(cfg, name), "a string or null")
+    p.raise_if_any()

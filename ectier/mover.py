@@ -38,6 +38,7 @@ from .errors import EctierError
 from .index import Slot
 from .moves.arena import ArenaMoves
 from .moves.nvme import RETRY, NvmeMoves
+from .moves.remote import RemoteMoves
 from .stack import TierStack
 from .stats import Counters
 from .tiers.arena import ArenaTier
@@ -105,6 +106,8 @@ class Mover:
         self.arena = ArenaMoves(self)
         store = stack.get("nvme")
         self.nvme = NvmeMoves(self, store) if store is not None else None
+        remote = stack.remote()
+        self.remote = RemoteMoves(self, remote) if remote is not None else None
         self._demotions: dict[tuple[str, str], Callable[..., bool]] = {}
         self._promotions: dict[tuple[str, str], Callable[..., Any]] = {}
         self._register()
@@ -130,10 +133,14 @@ class Mover:
         """Every registered edge ``(source tier, destination tier)``: demotions, then promotions."""
         return list(self._demotions) + list(self._promotions)
 
-    def _run(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    def run_move(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn`` inside the error boundary of a move (see :meth:`_run`); ``None`` if it failed."""
+        return self._run(what, fn, *args, **kwargs)
+
+    def _run(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """The error boundary of a move: an exception is a failed move (logged), never raised."""
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         except MOVE_ERRORS as exc:
             log.warning("%s failed (%s: %s); entry not moved", what, type(exc).__name__, exc)
             return None
@@ -283,6 +290,8 @@ class Mover:
                 stale = self.nvme.claim_locked(digest)
         if stale is not None:
             self.nvme.delete_claimed(digest, stale)
+        if self.remote is not None:
+            self.remote.delete(digest)
         return existed
 
     def after_put(self, tier: ArenaTier, digest: bytes, version: int, nbytes: int) -> None:
@@ -290,6 +299,8 @@ class Mover:
         self.counters.count(tier.name, puts=1, put_bytes=nbytes)
         if self.write_through and self.nvme is not None and tier.name == "host":
             self.nvme.write_through(tier, digest, version)
+        if self.remote is not None:
+            self.remote.write_later(tier, digest, version, nbytes)
 
     def drop_older_locked(self, digest: bytes, version: int, *, besides: Tier | None = None) -> None:
         """Remove memory copies of ``digest`` older than ``version`` (a newer one was committed)."""
@@ -383,6 +394,12 @@ class Mover:
         missing edge is False, never an error)."""
         handler = self._promotions.get((src.name, dst.name))
         return handler is not None and bool(self._run(f"promotion {src.name} -> {dst.name}", handler, src, slot))
+
+    def promote_data(self, target: Tier, digest: bytes, meta: EntryMeta, version: int, data: torch.Tensor) -> bool:
+        """Copy CPU bytes of an entry up into ``target`` (the GPU tier) — after a remote fetch."""
+        if target.name != "gpu":
+            return False
+        return bool(self._run("promotion -> gpu", self._promote_data_into_device, digest, meta, version, data))
 
     def _promote_data_into_host(self, digest: bytes, meta: EntryMeta, version: int, data: torch.Tensor) -> bool:
         host = self.stack.get("host")

@@ -21,6 +21,9 @@ from .tiers.base import Tier
 from .tiers.gpu import GpuTier
 from .tiers.host import HostTier
 from .tiers.nvme import NvmeTier
+from .tiers.remote import open_backend
+from .tiers.remote.backend import RemoteBackend
+from .tiers.remote.tier import RemoteTier
 
 __all__ = ["TierStack", "open_tiers"]
 
@@ -42,7 +45,9 @@ class TierStack:
         self._stores = [t for t in self._tiers if not isinstance(t, ArenaTier)]
         self._device_tier = next((t for t in self._tiers if getattr(t, "device", None) is not None), None)
         self._first_off_device = next((t for t in self._tiers if getattr(t, "device", None) is None), None)
-        self._from = {id(t): self._tiers[i:] for i, t in enumerate(self._tiers)}
+        local = [t for t in self._tiers if t.local]
+        self._from = {id(t): local[i:] for i, t in enumerate(local)}
+        self._remote = next((t for t in self._tiers if not t.local), None)
 
     def __iter__(self) -> Iterator[Tier]:
         return iter(self._tiers)
@@ -82,8 +87,12 @@ class TierStack:
         """The tier on a device (the GPU tier), if configured."""
         return self._device_tier
 
+    def remote(self) -> Tier | None:
+        """The remote tier (shared by every node; never a put's or a lookup's tier), if configured."""
+        return self._remote
+
     def from_(self, tier: Tier) -> list[Tier]:
-        """``tier`` and every tier under it."""
+        """``tier`` and every local tier under it (the tiers a put may land in)."""
         return self._from[id(tier)]
 
     def holder(self, digest: bytes, version: int) -> Tier | None:
@@ -99,28 +108,35 @@ class TierStack:
         return any(t.holds(digest, version) for t in self.below(tier))
 
     @classmethod
-    def open(cls, config: CacheConfig, host_shm_path: str | None, engines: Engines) -> "TierStack":
-        """Open the tiers ``config`` enables, top first (GPU, host, NVMe).
+    def open(cls, config: CacheConfig, host_shm_path: str | None, engines: Engines,
+             remote_backend: "RemoteBackend | None" = None) -> "TierStack":
+        """Open the tiers ``config`` enables, top first (GPU, host, NVMe, remote).
 
         Raises:
             ConfigError, StoreOpenError, StoreLockedError: as the tiers raise them; what was opened
             before the failure is closed again.
         """
-        return cls(open_tiers(config, host_shm_path, engines))
+        return cls(open_tiers(config, host_shm_path, engines, remote_backend))
 
     def budgets_text(self) -> str:
         """``"gpu.capacity_bytes=…, host.capacity_bytes=…"`` for error messages."""
         return ", ".join(f"{t.name}.capacity_bytes={t.capacity_bytes}" for t in self._tiers)
 
 
-def open_tiers(config: CacheConfig, host_shm_path: str | None, engines: Engines) -> list:
-    """Open the configured tiers, top first; on a failure close what was opened and re-raise."""
+def open_tiers(config: CacheConfig, host_shm_path: str | None, engines: Engines,
+               remote_backend: "RemoteBackend | None" = None) -> list:
+    """Open the configured tiers, top first; on a failure close what was opened and re-raise.
+
+    ``remote_backend``: the remote tier's client (``None``: built from ``config.remote``).
+    """
     opened: list = []
     try:
         opened.append(_open_gpu(config, engines) if config.gpu.enabled else None)
         opened.append(HostTier(config.host, shm_path=host_shm_path, policy=make_policy(config.host.policy))
                       if config.host.capacity_bytes > 0 else None)
         opened.append(NvmeTier(config.nvme) if config.nvme.enabled else None)
+        if config.remote.enabled or remote_backend is not None:
+            opened.append(RemoteTier(config.remote, remote_backend or open_backend(config.remote)))
     except BaseException:
         for t in opened:
             if t is not None:

@@ -19,8 +19,9 @@ from .copy import CopyEngine, CopyHandle, Engines, InlineCopyEngine, Pairs
 from .entry import entry_digest
 from .tiers.arena import ArenaTier
 from .tiers.base import Tier
+from .tiers.remote.backend import RemoteBackend, RemoteTimeout
 
-__all__ = ["DeferredCopyEngine", "make_cache", "tier", "where", "holds", "version_of", "versions", "drop_copy", "record_of",
+__all__ = ["MemoryBackend", "DeferredCopyEngine", "make_cache", "tier", "where", "holds", "version_of", "versions", "drop_copy", "record_of",
            "pins", "drain", "check_invariants", "fail_writes", "lmdb_of", "set_lmdb_env", "NvmeLmdb", "copy_engine_of"]
 
 
@@ -77,10 +78,11 @@ class DeferredCopyEngine(CopyEngine):
 
 
 def make_cache(config: Any = None, *, copy_engine: CopyEngine | None = None, gpu_device: str | None = None,
-               host_shm_path: str | None = None) -> TieredCache:
+               host_shm_path: str | None = None, remote_backend: Any = None) -> TieredCache:
     """A :class:`TieredCache` whose copies all go through ``copy_engine`` (CPU tensors then take
     the asynchronous path too); with ``gpu_device="cpu"`` the GPU tier's arena lives in CPU memory,
     so all GPU-tier logic runs without CUDA (``copy_engine`` defaults to an inline engine then).
+    ``remote_backend`` (e.g. :class:`MemoryBackend`) gives the cache a remote tier on it.
 
     Raises:
         ConfigError: as :class:`TieredCache`.
@@ -88,7 +90,7 @@ def make_cache(config: Any = None, *, copy_engine: CopyEngine | None = None, gpu
     if gpu_device is not None and copy_engine is None:
         copy_engine = InlineCopyEngine()
     cache = TieredCache.__new__(TieredCache)
-    cache._open(config, host_shm_path, Engines(copy_engine, gpu_device))
+    cache._open(config, host_shm_path, Engines(copy_engine, gpu_device), remote_backend)
     return cache
 
 
@@ -160,7 +162,10 @@ def pins(cache: TieredCache, tier_name: str = "host") -> int:
 
 def drain(cache: TieredCache, timeout_s: float | None = 10.0) -> bool:
     """Wait until every copy completion and prefetch in flight has run; False on timeout."""
-    return cache._reads.quiesce(timeout_s)
+    ok = cache._reads.quiesce(timeout_s)
+    if cache._mover.remote is not None:
+        ok = cache._mover.remote.drain(timeout_s) and ok
+    return ok
 
 
 @contextlib.contextmanager
@@ -235,3 +240,50 @@ def check_invariants(cache: TieredCache) -> None:
                 assert current.get(d) == rec.version, "stale NVMe record left behind"
         for d, v in current.items():
             assert cache._stack.holds(d, v), "a key of the catalog is held by no tier"
+
+
+class MemoryBackend(RemoteBackend):
+    """A remote store in this process's memory (a dict), shared by every cache given the same
+    instance — two caches on one backend stand for two nodes on one store. ``fail_with`` makes
+    every call raise that error while set; ``delay_s`` makes every call take that long first
+    (a call whose delay passes its deadline raises :class:`RemoteTimeout`)."""
+
+    name = "memory"
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.calls: list[str] = []
+        self.fail_with: BaseException | None = None
+        self.delay_s = 0.0
+        self._lock = threading.Lock()
+
+    def _enter(self, op: str, deadline_s: float) -> None:
+        self.calls.append(op)
+        if self.delay_s:
+            import time
+
+            time.sleep(min(self.delay_s, deadline_s))
+            if self.delay_s >= deadline_s:
+                raise RemoteTimeout(f"{op}: no answer within {deadline_s} s")
+        if self.fail_with is not None:
+            raise self.fail_with
+
+    def put(self, key, data, *, deadline_s):
+        self._enter("put", deadline_s)
+        with self._lock:
+            self.objects[key] = bytes(data)
+
+    def get(self, key, *, deadline_s):
+        self._enter("get", deadline_s)
+        with self._lock:
+            return self.objects.get(key)
+
+    def exists(self, key, *, deadline_s):
+        self._enter("exists", deadline_s)
+        with self._lock:
+            return key in self.objects
+
+    def delete(self, key, *, deadline_s):
+        self._enter("delete", deadline_s)
+        with self._lock:
+            self.objects.pop(key, None)

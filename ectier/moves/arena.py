@@ -124,6 +124,8 @@ class ArenaMoves:
         slot.pending_write = h
         if m.commit(gpu, slot, promotion=False).committed:
             m.counters.count("gpu", puts=1, put_bytes=meta.nbytes)
+            if m.remote is not None:  # read on the arena lane, after this write
+                m.remote.write_later(gpu, digest, version, meta.nbytes)
         m.when_done(h, lambda: self.after_device_write(gpu, slot, h, handle))
         return True
 

@@ -86,6 +86,12 @@ class Reads:
                 break
             if result is not None:
                 return result
+        if m.remote is not None and loc is None:
+            got = m.remote.fetch(digest, ns, key, target if out is None else None)
+            if got is not None:
+                m.counters.count("cache", hits=1)
+                result = tensor_from_bytes(got[0], got[1], out)
+                return result if dev.type == "cpu" else result.to(dev)
         m.counters.count("cache", misses=1)
         return None
 
@@ -133,6 +139,15 @@ class Reads:
             if got is None or "host" not in got[2]:
                 break
             promoted = True
+        else:
+            loc = None
+        if loc is None and m.remote is not None and not promoted and m.remote.fetch(digest, ns, key, None) is not None:
+            loc = self.locate(digest, start=host)
+            if loc is not None and loc.tier is host:
+                m.counters.count("cache", hits=1)
+                return loc.slot
+            if loc is not None and loc.slot is not None:
+                m.unpin(loc.tier, loc.slot)
         m.counters.count("cache", misses=1)
         return None
 
@@ -148,8 +163,9 @@ class Reads:
             hslot = None
             with m.cond:
                 v = m.catalog.version(digest)
-                if v is None:
-                    return False
+            if v is None:
+                return m.remote is not None and m.remote.fetch(digest, ns, key, target if want_gpu else None) is not None
+            with m.cond:
                 if gpu is not None and gpu.holds(digest, v) and (want_gpu or not m.stack.lower_holds(gpu, digest, v)):
                     return True
                 s = host.current(digest, v) if host is not None else None

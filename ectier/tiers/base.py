@@ -67,6 +67,8 @@ class Tier(abc.ABC):
     name: str = ""
     #: a memory tier (:class:`~ectier.tiers.arena.ArenaTier`): admits, pins, commits slots
     is_arena: bool = False
+    #: on this node: takes puts and answers lookups without I/O (the remote tier does neither)
+    local: bool = True
 
     @property
     @abc.abstractmethod

@@ -1,0 +1,74 @@
+"""The seam under the remote tier: one small interface per distributed store.
+
+A backend moves whole objects (bytes) under string keys with a deadline per call; it knows
+nothing of records, versions or tiers (``ectier/tiers/remote/tier.py`` does). Every failure is a
+:class:`RemoteError` (or :class:`RemoteTimeout`): the tier turns it into a miss and backs off.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+from ...errors import EctierError
+
+__all__ = ["RemoteBackend", "RemoteError", "RemoteTimeout"]
+
+
+class RemoteError(EctierError):
+    """A remote store call failed (connection refused or lost, server error, bad reply)."""
+
+
+class RemoteTimeout(RemoteError):
+    """A remote store call ran past its deadline."""
+
+
+class RemoteBackend(abc.ABC):
+    """Objects (bytes) under string keys on a remote store.
+
+    Implementations must be thread-safe (the tier calls them from a small pool of threads) and
+    must never block longer than ``deadline_s`` per call (connect included).
+    """
+
+    #: the name in ``remote.backend``
+    name: str = ""
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes | memoryview, *, deadline_s: float) -> None:
+        """Store ``data`` under ``key``, replacing what was there; a reader never sees a partly
+        written object (write the parts, then what makes them visible, last).
+
+        Raises:
+            RemoteError, RemoteTimeout.
+        """
+
+    @abc.abstractmethod
+    def get(self, key: str, *, deadline_s: float) -> bytes | None:
+        """The whole object under ``key``, or ``None`` if there is none (or only a partial one).
+
+        Raises:
+            RemoteError, RemoteTimeout.
+        """
+
+    @abc.abstractmethod
+    def exists(self, key: str, *, deadline_s: float) -> bool:
+        """Whether a whole object is stored under ``key``.
+
+        Raises:
+            RemoteError, RemoteTimeout.
+        """
+
+    @abc.abstractmethod
+    def delete(self, key: str, *, deadline_s: float) -> None:
+        """Remove the object under ``key`` (no error if absent).
+
+        Raises:
+            RemoteError, RemoteTimeout.
+        """
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for ``stats()`` (addresses, ...); no secrets."""
+        return {"backend": self.name}
+
+    def close(self) -> None:
+        """Close connections. Idempotent."""

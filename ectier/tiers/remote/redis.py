@@ -1,0 +1,367 @@
+"""The Redis-protocol backend of the remote tier: a Redis / Valkey Cluster, or one server.
+
+Layout of one object ``key`` (``P`` = ``remote.prefix``, ``G`` = a random 128-bit generation in
+hex, new on every put)::
+
+    P:c:<key>:G:0 ... P:c:<key>:G:<n-1>   the chunks, remote.chunk_bytes each (the last shorter)
+    P:m:<key>                             the manifest (52 bytes), written LAST
+
+The manifest holds the generation, the chunk count and size, the total length and an xxh3-64 of
+the whole object. A reader fetches the manifest, then the chunks of that generation, and checks
+count, sizes, length and hash: anything missing or different (a writer that died between chunks
+and manifest, a chunk evicted by the server's ``maxmemory`` policy, a concurrent overwrite that
+already dropped the chunks being read) is a miss (``None``), never wrong bytes. A put writes the
+chunks, then the manifest with ``SET ... GET`` (Redis >= 6.2 / Valkey), which returns the manifest
+it replaced, and then unlinks exactly that generation's chunks (so two writers racing on one key
+leave no orphans). Chunks of a writer that died before its manifest stay until the server's
+eviction policy removes them (run the store with ``maxmemory`` and ``allkeys-lru``).
+
+No hash tags: the chunks of one object spread over the cluster's nodes (their memory stays
+balanced and a large object does not fill one node); docs/benchmarks.md ("Remote tier: Redis
+Cluster") has the measurement.
+
+Deadlines: every socket operation is bounded by ``remote.timeout_s`` (``socket_timeout`` and
+``socket_connect_timeout`` of the client; redis-py's own retries are off), and a call checks its
+``deadline_s`` before each command, so a call ends within ``deadline_s`` plus at most one socket
+timeout. Commands go one at a time (one chunk each), not in redis-py's cluster pipelines: a
+cluster pipeline resends every command that failed on a dead node one by one, each waiting its
+own socket timeout, which no deadline bounds. At chunks of a few MiB a round trip per chunk costs
+little (docs/benchmarks.md).
+
+Thread-safe: redis-py's clients keep a connection pool (one per node in a cluster); the client is
+made on first use (under a lock) and again after a failed connect, so a store that is down at start
+is reached once it is up.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import xxhash
+
+try:  # the ``remote`` extra; RedisBackend() says how to install it when it is missing
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.cluster import ClusterNode, RedisCluster
+    from redis.exceptions import NoPermissionError, RedisClusterException, RedisError, ResponseError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+    from redis.retry import Retry
+except ImportError as _exc:  # pragma: no cover - exercised only without the extra
+    redis = None
+    _IMPORT_ERROR: ImportError | None = _exc
+else:
+    _IMPORT_ERROR = None
+
+from ...errors import ConfigError
+from .backend import RemoteBackend, RemoteError, RemoteTimeout
+
+__all__ = ["RedisBackend", "MANIFEST"]
+
+log = logging.getLogger(__name__)
+
+#: manifest: magic, version, flags, reserved, chunk count, chunk size, total length, xxh3-64, generation
+MANIFEST = struct.Struct("<4sBBHIQQQ16s")
+_MAGIC = b"ECRM"
+_VERSION = 1
+
+
+class _Deadline:
+    def __init__(self, seconds: float) -> None:
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+            raise ValueError(f"deadline_s: expected seconds > 0, got {seconds!r}")
+        self.seconds = float(seconds)
+        self.end = time.monotonic() + self.seconds
+
+    def check(self, what: str) -> None:
+        if time.monotonic() >= self.end:
+            raise RemoteTimeout(f"redis {what}: past its deadline of {self.seconds:g} s")
+
+    def left(self) -> bool:
+        return time.monotonic() < self.end
+
+
+class _Manifest:
+    __slots__ = ("n_chunks", "chunk_bytes", "total", "digest", "generation")
+
+    def __init__(self, n_chunks: int, chunk_bytes: int, total: int, digest: int, generation: bytes) -> None:
+        self.n_chunks, self.chunk_bytes, self.total = n_chunks, chunk_bytes, total
+        self.digest, self.generation = digest, generation
+
+    def pack(self) -> bytes:
+        return MANIFEST.pack(_MAGIC, _VERSION, 0, 0, self.n_chunks, self.chunk_bytes, self.total, self.digest,
+                             self.generation)
+
+    @classmethod
+    def parse(cls, raw: bytes | None) -> "_Manifest | None":
+        """The manifest in ``raw``, or None when it is absent or not a consistent manifest."""
+        if raw is None or len(raw) != MANIFEST.size:
+            return None
+        magic, version, _flags, _res, n, cb, total, digest, gen = MANIFEST.unpack(raw)
+        if magic != _MAGIC or version != _VERSION or cb <= 0 or n != -(-total // cb):
+            return None
+        return cls(n, cb, total, digest, gen)
+
+
+def _byte_view(data: Any) -> memoryview:
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise TypeError(f"data: expected bytes, bytearray or memoryview, got {type(data).__name__}") from None
+    if not view.c_contiguous:
+        raise ValueError("data: the buffer must be C-contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _check_key(key: Any) -> str:
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"key: expected a non-empty str, got {key!r}")
+    return key
+
+
+class RedisBackend(RemoteBackend):
+    """Objects on a Redis / Valkey Cluster or one server (``remote.backend: redis``).
+
+    Args:
+        cfg: a :class:`~ectier.config.RemoteTierConfig`: ``addresses`` (seed nodes; a server with
+            ``cluster_enabled:0`` is used as one plain server), ``prefix``, ``timeout_s`` (every
+            socket operation), ``chunk_bytes``, ``username`` / ``password`` (AUTH / ACL), ``tls`` /
+            ``tls_ca_path``.
+
+    No I/O happens here: the first call connects.
+
+    Raises:
+        ConfigError: the ``redis`` package is not installed (``pip install 'ectier[remote]'``).
+    """
+
+    name = "redis"
+
+    def __init__(self, cfg: Any) -> None:
+        if _IMPORT_ERROR is not None:
+            raise ConfigError("remote.backend: 'redis' needs the redis package: pip install 'ectier[remote]' "
+                              f"({_IMPORT_ERROR})")
+        self._cfg = cfg
+        self._addresses = cfg.address_list
+        self._prefix = cfg.prefix
+        self._chunk_bytes = int(cfg.chunk_bytes)
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._mode = "not connected"
+        self._closed = False
+
+    # ------------------------------------------------------------------ connection
+
+    def _client_kwargs(self) -> dict[str, Any]:
+        cfg = self._cfg
+        kw: dict[str, Any] = dict(socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s,
+                                  username=cfg.username, password=cfg.password, retry=Retry(NoBackoff(), 0))
+        if cfg.tls:
+            kw.update(ssl=True, ssl_ca_certs=cfg.tls_ca_path)
+        return kw
+
+    def _probe(self, dl: _Deadline) -> tuple[Any, tuple[str, int], bool]:
+        """A plain client on the first address that answers, that address, and whether it is a
+        cluster node (``INFO cluster`` says ``cluster_enabled:1``; where an ACL forbids INFO,
+        ``CLUSTER INFO`` answers)."""
+        error: Exception | None = None
+        for host, port in self._addresses:
+            dl.check("connect")
+            client = redis.Redis(host, port, **self._client_kwargs())
+            try:
+                try:
+                    return client, (host, port), bool(int(client.info("cluster").get("cluster_enabled", 0)))
+                except NoPermissionError:
+                    pass
+                try:
+                    client.execute_command("CLUSTER INFO")
+                    return client, (host, port), True
+                except ResponseError:  # "cluster support disabled"
+                    return client, (host, port), False
+            except Exception as exc:
+                client.close()
+                error = exc
+        assert error is not None
+        raise error
+
+    def _connect(self, dl: _Deadline) -> Any:
+        """The client, made on first use and again after a failed connect (one thread at a time;
+        the others wait for it while their deadline lasts)."""
+        if not self._lock.acquire(timeout=max(0.0, dl.end - time.monotonic())):
+            raise RemoteTimeout(f"redis connect to {self._cfg.addresses}: past its deadline of {dl.seconds:g} s")
+        try:
+            if self._closed:
+                raise RemoteError("redis: the backend is closed")
+            if self._client is None:
+                probe, first, is_cluster = self._probe(dl)
+                if is_cluster:  # the node that answered first, then the other seeds
+                    probe.close()
+                    seeds = [first] + [a for a in self._addresses if a != first]
+                    self._client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in seeds],
+                                                require_full_coverage=False, **self._client_kwargs())
+                else:
+                    self._client = probe
+                self._mode = "cluster" if is_cluster else "single"
+            return self._client
+        finally:
+            self._lock.release()
+
+    def _call(self, what: str, dl: _Deadline, fn: Callable[[Any], Any]) -> Any:
+        """``fn(client)`` with redis-py's errors mapped to RemoteTimeout / RemoteError."""
+        try:
+            return fn(self._connect(dl))
+        except RemoteError:
+            raise
+        except (RedisTimeoutError, TimeoutError) as exc:
+            raise RemoteTimeout(f"redis {what} on {self._cfg.addresses}: timed out ({exc})") from exc
+        except (RedisError, RedisClusterException, OSError) as exc:
+            raise RemoteError(f"redis {what} on {self._cfg.addresses}: {type(exc).__name__}: {exc}") from exc
+
+    # ------------------------------------------------------------------ keys
+
+    def _manifest_key(self, key: str) -> str:
+        return f"{self._prefix}:m:{key}"
+
+    def _chunk_keys(self, key: str, m: _Manifest) -> list[str]:
+        gen = m.generation.hex()
+        return [f"{self._prefix}:c:{key}:{gen}:{i}" for i in range(m.n_chunks)]
+
+    # ------------------------------------------------------------------ commands, one at a time
+
+    @staticmethod
+    def _run(client: Any, cmds: Sequence[tuple[str, tuple]], dl: _Deadline, what: str) -> list[Any]:
+        """Commands ``(method, args)`` one after the other, the deadline checked before each."""
+        out = []
+        for method, args in cmds:
+            dl.check(what)
+            out.append(getattr(client, method)(*args))
+        return out
+
+    # ------------------------------------------------------------------ the interface
+
+    def put(self, key: str, data: bytes | memoryview, *, deadline_s: float) -> None:
+        """Store ``data`` (bytes-like, C-contiguous) under ``key``: chunks, then the manifest.
+
+        Raises:
+            ValueError / TypeError: a bad key, data or deadline_s.
+            RemoteError, RemoteTimeout: the store failed or the deadline passed (the old object, if
+                any, is then still the one readers see, or the new one if only the clean-up failed).
+        """
+        _check_key(key)
+        dl = _Deadline(deadline_s)
+        view = _byte_view(data)
+        cb = self._chunk_bytes
+        m = _Manifest(-(-len(view) // cb), cb, len(view), xxhash.xxh3_64_intdigest(view), os.urandom(16))
+        ckeys = self._chunk_keys(key, m)
+        cmds = [("set", (k, view[i * cb:(i + 1) * cb])) for i, k in enumerate(ckeys)]
+
+        def write(client: Any) -> tuple[Any, bytes | None]:
+            try:
+                self._run(client, cmds, dl, "put")
+                dl.check("put")
+                return client, client.set(self._manifest_key(key), m.pack(), get=True)
+            except ResponseError:  # the server refused (out of memory, ...): the connection is fine
+                self._forget(client, ckeys, dl)
+                raise
+
+        client, replaced = self._call("put", dl, write)
+        old = _Manifest.parse(replaced)
+        if old is not None and old.generation != m.generation:
+            self._forget(client, self._chunk_keys(key, old), dl)
+
+    def _forget(self, client: Any, keys: list[str], dl: _Deadline) -> None:
+        """Unlink chunks nobody reads any more, while the deadline lasts (best effort: what is
+        left is garbage for the server's eviction policy)."""
+        try:
+            self._run(client, [("unlink", (k,)) for k in keys], dl, "unlink")
+        except Exception as exc:
+            log.debug("redis: left %d unreadable chunks to eviction: %s", len(keys), exc)
+
+    def get(self, key: str, *, deadline_s: float) -> bytes | None:
+        """The object under ``key``; ``None`` when absent or not whole (missing chunk, wrong size,
+        wrong hash, a manifest of another format).
+
+        Raises:
+            ValueError: a bad key or deadline_s.
+            RemoteError, RemoteTimeout.
+        """
+        _check_key(key)
+        dl = _Deadline(deadline_s)
+
+        def read(client: Any) -> bytes | None:
+            m = _Manifest.parse(client.get(self._manifest_key(key)))
+            if m is None:
+                return None
+            chunks = self._run(client, [("get", (k,)) for k in self._chunk_keys(key, m)], dl, "get")
+            return self._assemble(key, m, chunks)
+
+        return self._call("get", dl, read)
+
+    def _assemble(self, key: str, m: _Manifest, chunks: list[Any]) -> bytes | None:
+        last = m.total - (m.n_chunks - 1) * m.chunk_bytes
+        for i, c in enumerate(chunks):
+            if c is None or len(c) != (last if i == m.n_chunks - 1 else m.chunk_bytes):
+                log.debug("redis get %r: chunk %d of %d missing or of the wrong size: a miss", key, i, m.n_chunks)
+                return None
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        if xxhash.xxh3_64_intdigest(data) != m.digest:
+            log.debug("redis get %r: xxh3 mismatch: a miss", key)
+            return None
+        return data
+
+    def exists(self, key: str, *, deadline_s: float) -> bool:
+        """Whether the manifest of ``key`` and every chunk it names are stored (contents unchecked).
+
+        Raises:
+            ValueError: a bad key or deadline_s.
+            RemoteError, RemoteTimeout.
+        """
+        _check_key(key)
+        dl = _Deadline(deadline_s)
+
+        def check(client: Any) -> bool:
+            m = _Manifest.parse(client.get(self._manifest_key(key)))
+            if m is None:
+                return False
+            keys = self._chunk_keys(key, m)
+            return not keys or sum(self._run(client, [("exists", (k,)) for k in keys], dl, "exists")) == len(keys)
+
+        return self._call("exists", dl, check)
+
+    def delete(self, key: str, *, deadline_s: float) -> None:
+        """Remove the object under ``key`` (manifest first, atomically with ``GETDEL``; then its
+        chunks). No error if absent.
+
+        Raises:
+            ValueError: a bad key or deadline_s.
+            RemoteError, RemoteTimeout.
+        """
+        _check_key(key)
+        dl = _Deadline(deadline_s)
+
+        def drop(client: Any) -> None:
+            m = _Manifest.parse(client.getdel(self._manifest_key(key)))
+            if m is not None:
+                self._run(client, [("unlink", (k,)) for k in self._chunk_keys(key, m)], dl, "delete")
+
+        self._call("delete", dl, drop)
+
+    def describe(self) -> dict[str, Any]:
+        """``backend``, ``addresses``, ``mode`` (``cluster``, ``single`` or ``not connected``),
+        ``prefix``, ``chunk_bytes``, ``tls``, ``auth`` (whether a password is set). Never the password."""
+        return {"backend": self.name, "addresses": self._cfg.addresses, "mode": self._mode,
+                "prefix": self._prefix, "chunk_bytes": self._chunk_bytes, "tls": bool(self._cfg.tls),
+                "auth": self._cfg.password is not None}
+
+    def close(self) -> None:
+        """Close every connection. Idempotent; calls after it raise RemoteError."""
+        with self._lock:
+            client, self._client, self._closed = self._client, None, True
+        if client is not None:
+            try:
+                client.close()
+            except Exception as exc:
+                log.debug("redis: close: %s", exc)

@@ -1,0 +1,67 @@
+"""Two TieredCaches on one real Redis Cluster (started by the test on loopback): a producer's put
+is served byte-exact by the other cache, through the config keys a user writes (``remote.*``);
+a node killed mid-run makes its keys misses and the caches keep serving, never an exception."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ectier import CacheConfig, TieredCache, testing
+from redis_cluster import redis_cluster_fn  # noqa: F401
+
+
+def _cfg(servers, **remote):
+    return CacheConfig.from_dict({
+        "namespace": "qwen3-vl", "host": {"capacity_bytes": "32MiB", "pin_memory": False},
+        "remote": {"backend": "redis", "addresses": servers.addresses, "timeout_s": 0.5, "backoff_s": 0.5,
+                   **remote}})
+
+
+def _t(seed: int, rows: int = 1024) -> torch.Tensor:
+    return torch.randn(rows, 2048, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def _same(a, b) -> bool:
+    return a is not None and a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_an_entry_put_on_one_cache_is_served_by_another_through_the_cluster(redis_cluster_fn):
+    producer, consumer = TieredCache(_cfg(redis_cluster_fn)), TieredCache(_cfg(redis_cluster_fn))
+    try:
+        values = {f"img{i}": _t(i) for i in range(6)}  # 4 MiB each: chunks across nodes
+        for k, v in values.items():
+            producer.put(k, v)
+        assert testing.drain(producer)
+        assert producer.stats()["tiers"]["remote"]["puts"] == 6
+        for k, v in values.items():
+            assert _same(consumer.get(k), v), k
+        assert consumer.stats()["tiers"]["remote"]["hits"] == 6
+        producer.delete("img0")
+        assert TieredCache(_cfg(redis_cluster_fn)).get("img0") is None
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_a_node_killed_mid_run_is_misses_and_counted_errors_never_an_exception(redis_cluster_fn):
+    producer = TieredCache(_cfg(redis_cluster_fn))
+    values = {f"k{i}": _t(100 + i, rows=64) for i in range(12)}
+    for k, v in values.items():
+        producer.put(k, v)
+    assert testing.drain(producer)
+    producer.close()
+    redis_cluster_fn.kill(redis_cluster_fn.nodes[0])
+    consumer = TieredCache(_cfg(redis_cluster_fn))
+    try:
+        t0 = time.monotonic()
+        served = {k: consumer.get(k) for k in values}  # some on the dead node: misses
+        assert time.monotonic() - t0 < 30
+        assert all(g is None or _same(g, values[k]) for k, g in served.items())  # never a wrong tensor
+        st = consumer.stats()["tiers"]["remote"]
+        assert st["errors"] + st["timeouts"] + st["skipped_degraded"] >= 1
+        consumer.put("local", _t(7, rows=8))  # the local tiers keep working
+        assert _same(consumer.get("local"), _t(7, rows=8))
+    finally:
+        consumer.close()

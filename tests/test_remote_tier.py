@@ -1,0 +1,222 @@
+"""The remote tier's logic on an in-memory store (``ectier.testing.MemoryBackend``): two caches on
+one store stand for a producer and a consumer on two nodes. The real stores (Redis Cluster) are
+tested in test_remote_redis.py; here: what moves when, and that a failure is a miss, never a
+wrong tensor, an exception or a stall of the caller."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ectier import CacheConfig, testing
+from ectier.config import GpuTierConfig
+from ectier.entry import entry_digest
+from ectier.errors import ConfigError
+from ectier.tiers.base import Tier
+from ectier.tiers.remote.backend import RemoteError
+
+KiB = 1024
+
+
+def _cfg(tmp_path=None, **remote):
+    d = {"namespace": "qwen", "host": {"capacity_bytes": "4MiB", "block_bytes": "64KiB", "pin_memory": False},
+         "remote": {"timeout_s": 0.5, "backoff_s": 0.3, **remote}}
+    if tmp_path is not None:
+        d["nvme"] = {"path": str(tmp_path), "capacity_bytes": "64MiB"}
+    return CacheConfig.from_dict(d)
+
+
+def _t(seed, rows=64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 512, generator=g).to(torch.bfloat16)
+
+
+def _same(a, b):
+    return a is not None and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.fixture
+def nodes():
+    be = testing.MemoryBackend()
+    made = []
+
+    def make(cfg=None, **kw):
+        c = testing.make_cache(cfg or _cfg(), remote_backend=be, **kw)
+        made.append(c)
+        return c
+
+    yield be, make
+    for c in made:
+        c.close()
+
+
+def test_a_put_on_one_node_is_served_byte_exact_on_another(nodes):
+    be, make = nodes
+    producer, consumer = make(), make()
+    t = _t(1)
+    producer.put("img", t)
+    assert testing.drain(producer)
+    assert not consumer.contains("img")  # contains answers from local memory, no network I/O
+    got = consumer.get("img")
+    assert _same(got, t)
+    assert testing.holds(consumer, "host", "img")  # now local: the next get is a host hit
+    assert _same(consumer.get("img"), t)
+    st = consumer.stats()
+    assert st["tiers"]["remote"]["hits"] == 1 and st["tiers"]["host"]["hits"] == 1
+    assert producer.stats()["tiers"]["remote"]["puts"] == 1
+    testing.check_invariants(consumer)
+
+
+def test_the_write_through_never_runs_on_the_callers_path(nodes):
+    be, make = nodes
+    producer = make(_cfg(timeout_s=5.0))
+    release = threading.Event()
+    entered = threading.Event()
+    real_put = be.put
+
+    def slow_put(key, data, *, deadline_s):
+        entered.set()
+        release.wait(10)
+        real_put(key, data, deadline_s=deadline_s)
+
+    be.put = slow_put
+    producer.put("a", _t(2))  # returns although the store has not answered
+    assert entered.wait(5) and not be.objects
+    assert _same(producer.get("a"), _t(2))
+    release.set()
+    assert testing.drain(producer) and len(be.objects) == 1
+
+
+def test_a_store_that_fails_is_a_miss_with_back_off_then_retried(nodes):
+    be, make = nodes
+    producer, consumer = make(), make()
+    producer.put("k", _t(3))
+    testing.drain(producer)
+    be.fail_with = RemoteError("connection refused (injected)")
+    assert consumer.get("k") is None  # a miss, no exception
+    calls = len(be.calls)
+    assert consumer.get("k") is None and len(be.calls) == calls  # in back-off: no I/O at all
+    st = consumer.stats()["tiers"]["remote"]
+    assert st["errors"] == 1 and st["skipped_degraded"] >= 1 and st["degraded"]
+    be.fail_with = None
+    time.sleep(0.35)  # past remote.backoff_s
+    assert _same(consumer.get("k"), _t(3)) and not consumer.stats()["tiers"]["remote"]["degraded"]
+
+
+def test_a_store_that_hangs_costs_one_deadline_then_nothing(nodes):
+    be, make = nodes
+    producer, consumer = make(), make()
+    producer.put("k", _t(4))
+    testing.drain(producer)
+    be.delay_s = 5.0  # past remote.timeout_s = 0.5
+    t0 = time.monotonic()
+    assert consumer.get("k") is None
+    first = time.monotonic() - t0
+    t0 = time.monotonic()
+    assert consumer.get("k") is None
+    assert first < 2.5 and time.monotonic() - t0 < 0.25  # one deadline, then skipped (back-off)
+    assert consumer.stats()["tiers"]["remote"]["timeouts"] == 1
+
+
+def test_bit_flips_foreign_entries_and_wrong_sizes_are_misses_never_wrong_tensors(nodes):
+    be, make = nodes
+    producer = make()
+    for k, seed in (("a", 5), ("b", 6), ("c", 7)):
+        producer.put(k, _t(seed))
+    testing.drain(producer)
+    remote = testing.tier(producer, "remote")
+    key = {k: remote.key_of(entry_digest("qwen", k)) for k in "abc"}
+    flipped = bytearray(be.objects[key["a"]])
+    flipped[-3] ^= 0x10  # a bit flip in the payload
+    be.objects[key["a"]] = bytes(flipped)
+    be.objects[key["b"]] = be.objects[key["c"]]  # another entry's record under b's key
+    be.objects[key["c"]] = be.objects[key["c"]][:-10]  # truncated
+    consumer = make()
+    assert consumer.get("a") is None and consumer.get("b") is None and consumer.get("c") is None
+    st = consumer.stats()["tiers"]["remote"]
+    assert st["checksum_failures"] == 3 and st["hits"] == 0
+    assert len(consumer) == 0
+
+
+def test_overwrite_and_delete_reach_the_other_node(nodes):
+    be, make = nodes
+    producer = make()
+    producer.put("k", _t(7))
+    producer.put("k", _t(8, rows=16))
+    testing.drain(producer)
+    assert _same(make().get("k"), _t(8, rows=16))
+    producer.delete("k")
+    assert make().get("k") is None and not be.objects
+
+
+def test_prefetch_brings_a_remote_entry_into_the_host_tier(nodes):
+    be, make = nodes
+    producer, consumer = make(), make()
+    producer.put("k", _t(9))
+    testing.drain(producer)
+    (h,) = consumer.prefetch(["k"])
+    assert h.wait(5) and testing.holds(consumer, "host", "k")
+    assert not consumer.prefetch(["nowhere"])[0].wait(5)
+
+
+def test_acquire_leases_a_remote_entry_through_the_host_arena(nodes):
+    be, make = nodes
+    producer, consumer = make(), make()
+    producer.put("k", _t(10))
+    testing.drain(producer)
+    lease = consumer.acquire("k")
+    assert lease is not None and _same(consumer.load(lease).view(torch.bfloat16).view(64, 512), _t(10))
+    consumer.release(lease)
+
+
+def test_a_gpu_put_is_written_through_from_the_device_arena(nodes):
+    be, make = nodes
+    cfg = _cfg().replace(gpu=GpuTierConfig(capacity_bytes=8 << 20, block_bytes=1 << 20))
+    producer = make(cfg, gpu_device="cpu")  # the GPU tier's arena in CPU memory
+    producer.put("g", _t(11))
+    assert testing.holds(producer, "gpu", "g")
+    testing.drain(producer)
+    assert _same(make().get("g"), _t(11))
+
+
+def test_an_entry_too_large_for_the_remote_tier_is_not_written(nodes):
+    be, make = nodes
+    producer = make(_cfg(max_entry_bytes=256 * KiB))
+    producer.put("big", _t(12, rows=512))  # 512 KiB
+    testing.drain(producer)
+    assert not be.objects and producer.stats()["tiers"]["remote"]["skipped_too_large"] == 1
+
+
+def test_a_remote_hit_on_a_cache_with_nvme_lands_where_it_fits(nodes, tmp_path):
+    be, make = nodes
+    make().put("k", _t(13, rows=2048))  # 2 MiB
+    producer = make()
+    producer.put("k2", _t(14))
+    testing.drain(producer)
+    consumer = make(_cfg(tmp_path, max_entry_bytes=16 << 20).replace(
+        host=CacheConfig.from_dict({"host": {"capacity_bytes": "1MiB", "pin_memory": False}}).host))
+    assert _same(consumer.get("k"), _t(13, rows=2048))  # larger than the host: into NVMe
+    assert testing.holds(consumer, "nvme", "k")
+    testing.check_invariants(consumer)
+
+
+def test_config_errors_name_the_remote_field():
+    with pytest.raises(ConfigError, match="remote.addresses"):
+        CacheConfig.from_dict({"remote": {"backend": "redis"}})
+    with pytest.raises(ConfigError, match="remote.backend"):
+        CacheConfig.from_dict({"remote": {"backend": "memcached", "addresses": "h:1"}})
+    with pytest.raises(ConfigError, match="remote.addresses"):
+        CacheConfig.from_dict({"remote": {"backend": "redis", "addresses": "nohost"}})
+
+
+def test_the_remote_tier_is_a_tier_that_holds_nothing_locally(nodes):
+    be, make = nodes
+    c = make()
+    t = testing.tier(c, "remote")
+    assert isinstance(t, Tier) and t.name == "remote" and not t.local
+    assert t.holds(b"x" * 32, 1) is False and t.stored_version(b"x" * 32) is None
+    assert {"capacity_bytes", "used_bytes", "entries", "backend", "degraded"} <= set(t.describe())
+    assert t.fits(1024) and not t.fits(t.capacity_bytes + 1)
