@@ -93,13 +93,16 @@ def write_config(path: str, cfg: dict[str, Any]) -> str:
 
 
 class DaemonProcess:
-    """One daemon process. ``via``: ``"module"`` (``python -m ectier.daemon``) or ``"script"``
-    (the ``ectier serve`` console script)."""
+    """One daemon process. ``via``: ``"module"`` (``python -m ectier.daemon``), ``"script"``
+    (the ``ectier serve`` console script) or ``"slow-nvme"`` (``tests/slow_nvme_daemon.py``: every
+    NVMe payload read ``nvme_read_delay_s`` late)."""
 
-    def __init__(self, config_path: str, socket_path: str, *, via: str = "module") -> None:
+    def __init__(self, config_path: str, socket_path: str, *, via: str = "module",
+                 nvme_read_delay_s: float = 0.0) -> None:
         self.config_path = config_path
         self.socket_path = socket_path
         self.via = via
+        self.nvme_read_delay_s = nvme_read_delay_s
         self.log_path = os.path.join(os.path.dirname(config_path), f"daemon-{len(_LIVE)}-{time.monotonic_ns()}.log")
         self.proc: subprocess.Popen | None = None
 
@@ -107,6 +110,9 @@ class DaemonProcess:
         """Start the process (returns at once; see :meth:`wait_ready`)."""
         if self.via == "script":
             cmd = [ECTIER_SCRIPT, "serve", "--config", self.config_path]
+        elif self.via == "slow-nvme":
+            cmd = [PYTHON, str(Path(__file__).with_name("slow_nvme_daemon.py")), self.config_path,
+                   str(self.nvme_read_delay_s)]
         else:
             cmd = [PYTHON, "-m", "ectier.daemon", "--config", self.config_path]
         self._log = open(self.log_path, "wb")

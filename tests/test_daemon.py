@@ -335,6 +335,7 @@ def test_metrics_endpoint(main_daemon, client):
     t = make_tensor(95, "bfloat16", (4, 8192))
     client.put("metric-me", t)
     client.get("metric-me")
+    assert client.prefetch(["metric-me"]) == ["ready"]  # in the arena: pinned for a get
     s = client.stats()
     metrics = s["daemon"].get("metrics")
     assert metrics is not None, "stats must say where the metrics endpoint listens (metrics_port: 0)"
@@ -354,6 +355,10 @@ def test_metrics_endpoint(main_daemon, client):
         assert m[f'ectier_connections_closed_total{{reason="{reason}"}}'] == s["daemon"][
             "idle_closed" if reason == "idle" else "evicted"]
     assert m["ectier_connections_refused_total"] >= s["daemon"]["refused"]
+    assert m["ectier_prefetch_held_bytes"] == s["daemon"]["prefetch"]["held_bytes"] == 4 * 8192 * 2
+    assert m['ectier_prefetches_total{result="taken"}'] == s["daemon"]["prefetch"]["taken"]
+    client.get("metric-me")  # takes the pin over and releases it
+    assert _metrics(port)["ectier_prefetch_held_bytes"] == 0
     assert _listening_addresses(port) == ["0100007F"]  # 127.0.0.1 only
 
 

@@ -338,6 +338,8 @@ def test_stale_arenas_are_reclaimed_and_live_ones_kept():
             "dead": os.path.join(d, f"ectier-{uid}-{dead}.arena"),
             "dead-but-locked": os.path.join(d, f"ectier-{uid}-{dead2}.arena"),
             "live-pid": os.path.join(d, f"ectier-{uid}-1.arena"),  # pid 1 runs: never touched
+            "dead-scratch": os.path.join(d, f"ectier-{uid}-{dead}.scratch-7"),  # a dead daemon's direct put
+            "live-scratch": os.path.join(d, f"ectier-{uid}-1.scratch-2"),
             "other-user": os.path.join(d, f"ectier-{uid + 1}-{dead}.arena"),
             "unrelated": os.path.join(d, "ectier-notes.txt"),
         }
@@ -352,8 +354,8 @@ def test_stale_arenas_are_reclaimed_and_live_ones_kept():
         server, thread = serve_in_thread(cfg)
         assert server.arena_path == paths["mine"]
         assert os.path.getsize(paths["mine"]) == 1 * MiB  # created afresh
-        assert not os.path.exists(paths["dead"])
-        for name in ("dead-but-locked", "live-pid", "other-user", "unrelated"):
+        assert not os.path.exists(paths["dead"]) and not os.path.exists(paths["dead-scratch"])
+        for name in ("dead-but-locked", "live-pid", "live-scratch", "other-user", "unrelated"):
             assert os.path.exists(paths[name]), name
     finally:
         if held is not None:

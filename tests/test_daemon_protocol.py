@@ -166,6 +166,7 @@ def test_every_op_parses_with_its_required_arguments():
         "commit": {"lease": 5},
         "abort": {"lease": 5},
         "get": {"key": "k"},
+        "prefetch": {"keys": ["a", "b"]},
         "release": {"lease": 5},
         "contains": {"key": "k"},
         "delete": {"key": "k"},
@@ -199,6 +200,8 @@ def test_optional_arguments_and_reserve_shape_becomes_a_tuple():
     req = parse_request({**RESERVE, "namespace": "ns"})
     assert req.args == {"key": "k", "dtype": "bfloat16", "shape": (2040, 8192), "namespace": "ns"}
     assert parse_request({"id": 1, "op": "hello", "version": 1, "client": "vllm"}).args["client"] == "vllm"
+    assert parse_request({**RESERVE, "direct": True}).args["direct"] is True
+    assert parse_request({"id": 1, "op": "prefetch", "keys": [], "direct": False}).args == {"keys": [], "direct": False}
     # zero-size and 0-d shapes are legal
     assert parse_request({**RESERVE, "shape": [0, 8192]}).args["shape"] == (0, 8192)
     assert parse_request({**RESERVE, "shape": []}).args["shape"] == ()
@@ -250,6 +253,12 @@ def _schema_error(msg) -> str:
         ({**RESERVE, "shape": [[1]]}, "'shape'"),
         ({"id": 1, "op": "ping", "extra": 1}, "'extra'"),
         ({"id": 1, "op": "get", "key": "k", "lease": 3}, "'lease'"),
+        ({"id": 1, "op": "get", "key": "k", "direct": 1}, "'direct'"),  # a bool, not an int
+        ({"id": 1, "op": "prefetch"}, "'keys'"),
+        ({"id": 1, "op": "prefetch", "keys": "k"}, "'keys'"),
+        ({"id": 1, "op": "prefetch", "keys": ["k", 5]}, "'keys'"),
+        ({"id": 1, "op": "prefetch", "keys": ["k"] * 1025}, "'keys'"),
+        ({"id": 1, "op": "prefetch", "keys": ["k"], "direct": "yes"}, "'direct'"),
     ],
 )
 def test_schema_errors_name_the_field(msg, field):

@@ -106,3 +106,134 @@ def test_no_daemon_lookups_and_saves_are_fast_misses_with_one_warning(engine, ca
         misses += (stats or {}).get("misses", 0)
     assert cons_worker.encoded == [f"l{i}" * 32 for i in range(n)]
     assert misses == n
+
+
+# ------------------------------------------------------------------ the scheduler never waits on I/O
+
+
+def _restart_slow(daemon: DaemonProcess, delay_s: float) -> DaemonProcess:
+    """Stop ``daemon`` (SIGTERM: its host entries are flushed to NVMe) and start one on the same
+    config whose NVMe reads take ``delay_s`` each (tests/slow_nvme_daemon.py): every entry is now
+    on NVMe only, behind a slow disk."""
+    assert daemon.terminate() == 0, daemon.log()
+    slow = DaemonProcess(daemon.config_path, daemon.socket_path, via="slow-nvme", nvme_read_delay_s=delay_s)
+    return slow.launch().wait_ready()
+
+
+def _produce(engine, extra, items) -> dict[str, torch.Tensor]:
+    """Encode ``items`` on a producer engine (saved to the daemon); returns what it encoded."""
+    sched, worker = engine("ec_producer", extra)
+    sched.add_request(H.make_request("p", items))
+    run_step(sched, worker)
+    return {h: t.clone() for h, t in worker.encoder_cache.items()}
+
+
+@pytest.fixture
+def counted_calls(monkeypatch):
+    """Every DaemonClient request (``call``) made while this fixture is active, by op name."""
+    from ectier.daemon.client import DaemonClient
+
+    ops: list[str] = []
+    original = DaemonClient.call
+
+    def counting(self, op, **kw):
+        ops.append(op)
+        return original(self, op, **kw)
+
+    monkeypatch.setattr(DaemonClient, "call", counting)
+    return ops
+
+
+STALL_S = 3.0  # each NVMe read of the slowed daemon
+
+
+def test_an_nvme_only_entry_never_stalls_the_scheduler(engine, daemon):
+    """After a daemon restart the entry is on NVMe only, behind a disk that takes STALL_S per
+    read: every schedule() returns in well under that (the daemon promotes in its own threads),
+    the request waits for the promotion instead of the scheduler, and then loads the entry."""
+    extra = {"mode": "daemon", "socket_path": daemon.socket_path, "namespace": "qwen-test"}
+    item = H.Item("s" * 64, 0, 64)
+    produced = _produce(engine, extra, [item])
+    slow = _restart_slow(daemon, STALL_S)
+    try:
+        sched, worker = engine("ec_consumer", extra)
+        sched.add_request(H.make_request("c", [item]))
+        scheduled, deadline = False, time.monotonic() + 6 * STALL_S + 20
+        while not scheduled:
+            assert time.monotonic() < deadline, "the promotion never finished"
+            t0 = time.monotonic()
+            so = sched.schedule()
+            assert time.monotonic() - t0 < STALL_S / 2, "schedule() waited on the daemon's NVMe read"
+            scheduled = "c" in {r.req_id for r in so.scheduled_new_reqs}
+            sched.update_from_output(so, worker.execute(so))
+            time.sleep(0.05)
+        assert worker.encoded == []  # loaded, not encoded
+        got = worker.encoder_cache[item.mm_hash]
+        assert torch.equal(got.view(torch.int16), produced[item.mm_hash].view(torch.int16))
+    finally:
+        slow.stop()
+
+
+def test_one_round_trip_per_step_for_eight_items(engine, daemon, counted_calls):
+    """Eight NVMe-only items of one request, promoted over several steps: each step asks the
+    daemon about all of them in ONE request (``prefetch``); the only other requests are the pins,
+    one ``get`` per item in the step it became ready."""
+    extra = {"mode": "daemon", "socket_path": daemon.socket_path, "namespace": "qwen-test"}
+    items = [H.Item(f"{i}" * 64, 40 * i, 32) for i in range(8)]
+    produced = _produce(engine, extra, items)
+    slow = _restart_slow(daemon, 0.3)  # 8 reads through the daemon cache's 2 prefetch threads
+    try:
+        sched, worker = engine("ec_consumer", extra)
+        sched.add_request(H.make_request("c", items))
+        steps, scheduled = [], False
+        while not scheduled:
+            assert len(steps) < 2000, "the promotions never finished"
+            del counted_calls[:]
+            so = sched.schedule()
+            steps.append(list(counted_calls))
+            scheduled = "c" in {r.req_id for r in so.scheduled_new_reqs}
+            sched.update_from_output(so, worker.execute(so))
+            time.sleep(0.02)
+        for ops in steps:
+            assert ops.count("prefetch") == 1 and set(ops) <= {"prefetch", "get"}, ops
+        assert len(steps) > 1  # the promotions took several steps
+        assert sum(ops.count("get") for ops in steps) == 8
+        assert worker.encoded == []
+        for h, t in produced.items():
+            assert torch.equal(worker.encoder_cache[h].view(torch.int16), t.view(torch.int16))
+    finally:
+        slow.stop()
+
+
+def test_a_miss_is_asked_once_per_step(engine, daemon, counted_calls):
+    """Two requests of one step need the same item, which nobody stored: one daemon request for
+    both (the first request's ``prefetch`` answer holds for the rest of the step)."""
+    extra = {"mode": "daemon", "socket_path": daemon.socket_path, "namespace": "qwen-test"}
+    sched, worker = engine("ec_consumer", extra)
+    shared = H.Item("x" * 64, 0, 20)
+    sched.add_request(H.make_request("c1", [shared, H.Item("y" * 64, 100, 20)]))
+    sched.add_request(H.make_request("c2", [shared]))
+    del counted_calls[:]
+    so = sched.schedule()
+    assert counted_calls == ["prefetch"]
+    assert {r.req_id for r in so.scheduled_new_reqs} == {"c1", "c2"}  # misses: encoded locally
+    sched.update_from_output(so, worker.execute(so))
+
+
+def test_a_daemon_without_prefetch_is_asked_as_before(engine, daemon, monkeypatch, counted_calls):
+    """Against a daemon that lists no features (older than this connector) the connector falls
+    back to a ``contains`` per item and a synchronous pin, and still loads what was saved."""
+    from ectier.daemon.client import DaemonClient
+
+    monkeypatch.setattr(DaemonClient, "features", property(lambda self: frozenset()))
+    extra = {"mode": "daemon", "socket_path": daemon.socket_path, "namespace": "qwen-test"}
+    item = H.Item("m" * 64, 0, 64)
+    produced = _produce(engine, extra, [item])
+    sched, worker = engine("ec_consumer", extra)
+    sched.add_request(H.make_request("c", [item]))
+    del counted_calls[:]
+    so = sched.schedule()
+    assert counted_calls == ["contains", "get"]
+    sched.update_from_output(so, worker.execute(so))
+    assert worker.encoded == []
+    assert torch.equal(worker.encoder_cache[item.mm_hash].view(torch.int16), produced[item.mm_hash].view(torch.int16))

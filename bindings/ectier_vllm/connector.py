@@ -17,8 +17,8 @@ How a stored item reaches a consumer's ``encoder_cache`` (one step = one ``sched
    whose ``LoadHandle`` s the connector polls; NVMe → host, and host → GPU tier when the device is
    ``gpu.device``) and defer the request (``False``) until it is done, then *pin* the entry
    (``acquire``: a host-arena lease, checksum checked; an entry only the GPU tier holds is read
-   from it onto the worker's device instead; daemon mode: a ``get`` lease, which promotes
-   synchronously since the daemon has no prefetch) and check its shape and dtype against what the
+   from it onto the worker's device instead; daemon mode: a ``get`` lease, once the daemon's
+   batched ``prefetch`` answered ready) and check its shape and dtype against what the
    request expects (``(num_embeds, width)`` of the model dtype; ``width``: the model's encoder
    output width, :func:`encoder_output_widths`; an entry of another width, i.e. another model's
    under the same namespace, is a miss with a warning naming the namespace, never loaded). A
@@ -323,6 +323,11 @@ class ECTierConnector(ECConnectorBase):
             # update_connector_output in update_from_output, so the request is failed at the end of
             # this step; it must not run again meanwhile
             return False
+        settled = self._settled.get(request.request_id, ())
+        # daemon mode: every item of the request is asked about in one round trip (store.expect)
+        self._store.expect([f.identifier for f in request.mm_features
+                            if f.mm_position.offset + f.mm_position.length > num_computed_tokens
+                            and f.identifier not in settled and f.identifier not in self._pins])
         ready = True
         for index, feature in enumerate(request.mm_features):
             pos = feature.mm_position
@@ -332,7 +337,10 @@ class ECTierConnector(ECConnectorBase):
             if mm_hash in self._settled.get(request.request_id, ()):
                 continue
             if mm_hash in self._poisoned:
-                if not self._repair(request, index, mm_hash):
+                repaired = self._repair(request, index, mm_hash)
+                if repaired is Promotion.WAIT:
+                    ready = False
+                elif repaired is not Promotion.READY:
                     self._unavailable.add(request.request_id)
                     return False
                 continue
@@ -353,8 +361,9 @@ class ECTierConnector(ECConnectorBase):
 
     def _promotion(self, mm_hash: str) -> "Promotion":
         """Where ``mm_hash`` stands (a :class:`Promotion`). In-process, ``TieredCache.prefetch`` towards the worker's device
-        gives ``LoadHandle`` s; the daemon has no prefetch (``None``): ``acquire`` promotes there,
-        synchronously."""
+        gives ``LoadHandle`` s; in daemon mode the store's handles are answered by the daemon's
+        batched ``prefetch`` (one round trip per step, no I/O waited for); a daemon without it
+        (``None``): ``acquire`` promotes there, synchronously."""
         pf = self._prefetching.get(mm_hash)
         if pf is None:
             try:
@@ -382,15 +391,14 @@ class ECTierConnector(ECConnectorBase):
             return Promotion.TIMEOUT
         return Promotion.WAIT
 
-    def _repair(self, request: "Request", index: int, mm_hash: str) -> bool:
-        """Load a poisoned item for ``request`` from the store (pinned; True), or give up (False)."""
+    def _repair(self, request: "Request", index: int, mm_hash: str) -> "Promotion":
+        """Load a poisoned item for ``request`` from the store: READY (pinned), WAIT (promotion
+        in flight: defer the request), or MISS (give up)."""
         if mm_hash not in self._pins:
-            try:
-                present = self._store.contains(mm_hash)
-            except STORE_ERRORS as exc:
-                self._miss("lookup", mm_hash, exc)
-                present = False
-            if present:
+            status = self._promotion(mm_hash)
+            if status is Promotion.WAIT:
+                return status
+            if status is Promotion.READY:
                 self._try_pin(request, index, mm_hash)
         state = self._pins.get(mm_hash)
         if state is None:
@@ -398,10 +406,10 @@ class ECTierConnector(ECConnectorBase):
                 "gone", "ectier: %s failed to load earlier and is no longer in the store; failing request %s "
                 "(retryable) until vLLM's encoder cache drops it", mm_hash, request.request_id,
             )
-            return False
+            return Promotion.MISS
         state.req_ids.add(request.request_id)
         self._add_load(mm_hash, state, request.request_id)
-        return True
+        return Promotion.READY
 
     def _add_load(self, mm_hash: str, state: _PinState, req_id: str) -> None:
         item = self._to_load.get(mm_hash)
@@ -458,6 +466,7 @@ class ECTierConnector(ECConnectorBase):
         self._add_load(mm_hash, state, request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
+        self._store.new_step()  # the daemon's answers of this step are spent
         # items vLLM's encoder-cache manager evicted this step: it will encode or load them again
         self._poisoned.difference_update(scheduler_output.free_encoder_mm_hashes)
         meta = ECTierConnectorMetadata(loads=list(self._to_load.values()))

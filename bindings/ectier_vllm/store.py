@@ -17,9 +17,14 @@ The in-process store speaks :class:`TieredCache`'s asynchronous API: ``put`` ret
 ``PutHandle`` (a CUDA tensor is copied by the cache's copy engine: into the GPU tier when it is on
 ``gpu.device``, else device-to-host into the pinned host arena; the copy stream first waits for the
 work already on the caller's current stream), ``prefetch(keys, device=)`` returns ``LoadHandle`` s.
-The daemon client has neither: its ``put`` copies to the CPU inline and returns ``None``, and it
-has no ``prefetch`` (a daemon ``get`` lease promotes NVMe → host synchronously), so
-:attr:`DaemonStore.async_put` is False and the connector stages device tensors itself.
+The daemon client's ``put`` copies to the CPU inline and returns ``None``, so
+:attr:`DaemonStore.async_put` is False and the connector stages device tensors itself. Its
+``prefetch`` returns handles of the same shape (``done()``, ``wait(timeout)``, ``error``) answered
+by the daemon's batched ``prefetch`` op: the daemon promotes NVMe → its arena in its own threads,
+and the store asks it about all of a scheduler step's items in **one round trip per step**
+(:meth:`DaemonStore.new_step`, :meth:`DaemonStore.expect`); an answer, a miss included, holds for
+the rest of the step. The scheduler never waits on the daemon's I/O: it pins (``get``) only what
+the daemon answered ready.
 Errors are ectier's (``EctierError``); the connector turns them into misses.
 """
 
@@ -28,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +91,12 @@ class InProcessStore:
     def prefetch(self, keys: list[str], device: str) -> list[Any]:
         """``TieredCache.prefetch``: NVMe → host, and on into the GPU tier when ``device`` is its device."""
         return list(self.cache.prefetch(keys, device=device))
+
+    def new_step(self) -> None:  # lookups are from memory: nothing to batch
+        return None
+
+    def expect(self, keys: list[str]) -> None:
+        return None
 
     def acquire(self, key: str, device: str) -> Pin | None:
         """Pin ``key`` for a load onto ``device``: a host-arena lease, or, for an entry that only
@@ -160,6 +172,11 @@ class DaemonStore:
                                    connect_retry_s=min(DAEMON_CONNECT_RETRY_S, timeout_s),
                                    backoff_s=DAEMON_BACKOFF_S)
         self.namespace = namespace
+        self._step = 0
+        self._answers: dict[str, str] = {}  # this step's answers: key -> state
+        self._expected: set[str] = set()  # keys to ask about in this step's round trip
+        self._tracked: dict[str, int] = {}  # key of a handle in flight -> step it was last polled
+        self._batched: bool | None = None  # the daemon has the prefetch op (None: not known yet)
         # one connection attempt now, no wait: an unreachable daemon is reported loudly here, not
         # discovered as slow misses later; never fatal (the daemon may start after the engine)
         try:
@@ -177,16 +194,66 @@ class DaemonStore:
             log.warning("ectier: connecting to the daemon at ec_connector_extra_config.socket_path=%r "
                         "failed: %s", self.client.socket_path, exc)
 
-    def contains(self, key: str) -> bool:
-        return self.client.contains(key, namespace=self.namespace)
+    # --------------------------------------------------------------------- step-batched lookups
+    def new_step(self) -> None:
+        """A scheduler step begins: answers of the last step are forgotten."""
+        self._step += 1
+        self._answers = {}
+        self._expected = set()  # a request still waiting says so again
+        # handles nobody polled in the last step (promotion given up by the connector): not asked again
+        self._tracked = {k: s for k, s in self._tracked.items() if s >= self._step - 1}
 
-    def prefetch(self, keys: list[str], device: str) -> None:
-        """The daemon has no prefetch: ``None`` (the connector pins at once; the daemon's ``get``
-        lease promotes an NVMe hit to its host arena synchronously)."""
-        return None
+    def expect(self, keys: list[str]) -> None:
+        """Keys the scheduler is about to ask about this step: asked in the same round trip."""
+        self._expected.update(k for k in keys if k not in self._answers)
+
+    def _answer(self, key: str) -> str:
+        """This step's state of ``key`` (``"absent"``/``"promoting"``/``"ready"``). The first
+        question of a step asks the daemon about every key expected or being promoted, in one
+        ``prefetch`` round trip (which also starts the promotions); later questions of the step
+        about those keys cost nothing.
+
+        Raises:
+            EctierError (DaemonUnavailableError, ...): the round trip failed; the keys stay unanswered.
+        """
+        state = self._answers.get(key)
+        if state is not None:
+            return state
+        from ectier.daemon.protocol import MAX_BATCH_KEYS
+
+        batch = list(dict.fromkeys([key, *self._expected, *(k for k in self._tracked if k not in self._answers)]))
+        self._expected = set()
+        for i in range(0, len(batch), MAX_BATCH_KEYS):  # more than one only past 1024 items in flight
+            chunk = batch[i:i + MAX_BATCH_KEYS]
+            self._answers.update(zip(chunk, self.client.prefetch(chunk, namespace=self.namespace)))
+        return self._answers[key]
+
+    def _legacy(self) -> bool:
+        """True for a daemon without the ``prefetch`` op (older than this binding)."""
+        if self._batched is None:
+            self.client.connect()  # DaemonUnavailableError: asked again at the next call
+            self._batched = "prefetch" in self.client.features
+        return not self._batched
+
+    def contains(self, key: str) -> bool:
+        """True unless the daemon answered ``key`` absent this step."""
+        if self._legacy():
+            return self.client.contains(key, namespace=self.namespace)
+        return self._answer(key) != "absent"
+
+    def prefetch(self, keys: list[str], device: str) -> list["DaemonLoad"] | None:
+        """Handles of the daemon's promotions of ``keys`` into its arena (``device`` is ignored:
+        the worker reads from the arena). ``None`` for an older daemon (no ``prefetch`` op): the
+        connector then pins at once, and the daemon's ``get`` promotes synchronously."""
+        if self._legacy():
+            return None
+        return [DaemonLoad(self, k) for k in keys]
 
     def acquire(self, key: str, device: str) -> Pin | None:
-        reply = self.client.call("get", key=key, namespace=self.namespace)
+        """Pin ``key``: a daemon ``get`` lease, which takes over the pin (or, for an entry larger
+        than the daemon's arena, the scratch file) the daemon's finished promotion holds."""
+        direct = {"direct": True} if "direct" in self.client.features else {}
+        reply = self.client.call("get", key=key, namespace=self.namespace, **direct)
         if not reply.get("hit"):
             return None
         return Pin(tuple(reply["shape"]), str(reply["dtype"]), reply["lease"])
@@ -211,6 +278,48 @@ class DaemonStore:
 
     def close(self) -> None:
         self.client.close()
+
+
+class DaemonLoad:
+    """A daemon promotion of one key, as the connector polls it (the shape of ectier's
+    ``LoadHandle``): ``done()`` is True once the daemon answers ``ready`` or ``absent`` (asked at
+    most once per scheduler step, see :meth:`DaemonStore._answer`), or the question failed
+    (``error``: the exception); ``wait(timeout_s)`` is True for ``ready``. Never blocks on I/O in
+    ``done()``; ``wait`` with a timeout above 0 polls the daemon every 10 ms until then."""
+
+    __slots__ = ("key", "error", "_store", "_state")
+
+    def __init__(self, store: DaemonStore, key: str) -> None:
+        self.key = key
+        self.error: BaseException | None = None
+        self._store = store
+        self._state: str | None = None
+        store._tracked[key] = store._step
+
+    def done(self) -> bool:
+        if self.error is not None or self._state in ("ready", "absent"):
+            return True
+        self._store._tracked[self.key] = self._store._step
+        try:
+            self._state = self._store._answer(self.key)
+        except Exception as exc:  # noqa: BLE001 - a handle reports, never raises (the item is a miss)
+            self.error = exc
+        finished = self.error is not None or self._state != "promoting"
+        if finished:
+            self._store._tracked.pop(self.key, None)
+        return finished
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.done():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+            self._store._answers.pop(self.key, None)  # ask again: this is a wait, not a step
+        return self.error is None and self._state == "ready"
+
+    def __repr__(self) -> str:
+        return f"<DaemonLoad {self.key!r} {self._state or 'unasked'}>"
 
 
 # ------------------------------------------------------------------ per-process registry

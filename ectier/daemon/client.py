@@ -12,10 +12,16 @@ is sent; the arena mapping is kept when the daemon is the same. A daemon that do
 within ``timeout_s`` (hung, stopped) is treated like an unreachable one: the call fails, is not
 retried, and the back-off starts. One client object may be shared by threads (calls are
 serialised on its connection); give busy threads their own client.
+
+What the daemon offers beyond protocol 1's first operations is in its ``hello`` reply
+(:attr:`DaemonClient.features`): the batched :meth:`DaemonClient.prefetch`, and direct reads and
+writes through scratch files for entries the host arena cannot take (``put``/``get`` use them by
+themselves). Against an older daemon, :meth:`prefetch` raises and ``put``/``get`` work as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -30,7 +36,7 @@ from ..config import DaemonConfig
 from ..entry import validate_key, validate_namespace
 from .protocol import PROTOCOL_VERSION, FrameDecoder, ProtocolError, encode_frame
 
-__all__ = ["DaemonClient", "DaemonUnavailableError"]
+__all__ = ["DaemonClient", "DaemonUnavailableError", "DaemonFeatureError"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +44,10 @@ log = logging.getLogger(__name__)
 class DaemonUnavailableError(errors.EctierError):
     """The daemon cannot be reached (not running, wrong path, refused this user) or did not answer
     in time (hung, stopped)."""
+
+
+class DaemonFeatureError(errors.EctierError):
+    """The daemon lacks an operation this client asked for (a daemon older than the client)."""
 
 
 class DaemonClient:
@@ -319,6 +329,35 @@ class DaemonClient:
         """The daemon's stats: tiers, bytes, hits/misses/evictions, clients, leases."""
         return self.call("stats")["stats"]
 
+    @property
+    def features(self) -> frozenset[str]:
+        """What the daemon of the current connection offers (``hello``'s ``features``; empty
+        before the first connection and for a daemon older than them)."""
+        return frozenset(self.server_info.get("features") or ())
+
+    def prefetch(self, keys: list[str], *, namespace: str | None = None) -> list[str]:
+        """Start promoting ``keys`` into the daemon's host arena; one state per key, answered at
+        once (the daemon never waits on NVMe here): ``"absent"`` (stored nowhere, or its
+        promotion failed: ask again to retry), ``"promoting"`` (ask again later), ``"ready"`` (a
+        :meth:`get` now pins it without I/O). One round trip for all of them.
+
+        Raises:
+            InvalidKeyError: a bad key or namespace (nothing started). DaemonFeatureError: the
+            daemon has no ``prefetch`` (older than this client). DaemonUnavailableError: unreachable.
+        """
+        keys = list(keys)
+        for key in keys:
+            validate_key(key)
+        with self._lock:
+            if self._sock is None:
+                self.connect()
+            if "prefetch" not in self.features:
+                raise DaemonFeatureError(
+                    f"the ectier daemon at {self.socket_path!r} ({self.server_info.get('server', '?')}) has no "
+                    "'prefetch' operation; upgrade it")
+            extra = {"direct": True} if "direct" in self.features else {}
+            return list(self.call("prefetch", keys=keys, **_ns(namespace), **extra)["states"])
+
     # ------------------------------------------------------------------------------ data calls
 
     def _arena_tensor(self):
@@ -351,8 +390,27 @@ class DaemonClient:
             log.warning("cudaHostRegister of the daemon's arena failed (%s); GPU copies stay pageable", rc)
         self._arena_registered = ok
 
+    def _direct(self) -> dict[str, bool]:
+        """``{"direct": True}`` when the daemon moves what its arena cannot take through scratch
+        files (a daemon older than that would refuse the argument)."""
+        if self._sock is None:
+            self.connect()
+        return {"direct": True} if "direct" in self.features else {}
+
+    def _bytes_of(self, reply: dict[str, Any]):
+        """A context manager over the bytes a ``reserve``/``get`` reply's ``extents`` index: the
+        arena, or the scratch file at the reply's ``path`` (mapped for the duration of the copy)."""
+        from .scratch import mapped
+
+        if reply.get("path") is None:
+            return contextlib.nullcontext(self._arena_tensor())
+        return mapped(reply["path"], reply["nbytes"])
+
     def put(self, key: str, tensor, *, namespace: str | None = None) -> None:
-        """Store ``tensor`` under ``key``: reserve arena space, copy into it, commit.
+        """Store ``tensor`` under ``key``: reserve arena space, copy into it, commit. When the arena
+        has no room for it (larger than ``host.capacity_bytes``, or the rest held by other clients'
+        reservations and leases) and the daemon has an NVMe tier, the bytes go through a scratch
+        file and the daemon stores them on NVMe (or in the arena, if room was made meanwhile).
 
         Raises:
             InvalidKeyError, InvalidTensorError, EntryTooLargeError, TierWriteError: as
@@ -366,14 +424,16 @@ class DaemonClient:
             src = src.cpu()
         with self._lock:
             for attempt in (0, 1):
-                reply = self.call("reserve", key=key, dtype=meta.dtype, shape=list(meta.shape), **_ns(namespace))
+                reply = self.call("reserve", key=key, dtype=meta.dtype, shape=list(meta.shape), **_ns(namespace),
+                                  **self._direct())
                 lease = reply["lease"]
                 try:
-                    arena = self._arena_tensor()
-                    off = 0
-                    for start, length in reply["extents"]:
-                        arena[start : start + length].copy_(src[off : off + length])
-                        off += length
+                    with self._bytes_of(reply) as arena:
+                        off = 0
+                        for start, length in reply["extents"]:
+                            arena[start : start + length].copy_(src[off : off + length])
+                            off += length
+                        del arena  # before a scratch file's mapping is closed
                     self.call("commit", retry=False, lease=lease)
                     return
                 except DaemonUnavailableError:
@@ -387,7 +447,9 @@ class DaemonClient:
                     raise
 
     def get(self, key: str, *, namespace: str | None = None, device: str | None = None):
-        """A copy of the entry under ``key`` (shape and dtype as put), or ``None`` on a miss.
+        """A copy of the entry under ``key`` (shape and dtype as put), or ``None`` on a miss. An
+        entry the arena cannot lease (on NVMe and larger than ``host.capacity_bytes``) is read
+        from NVMe through a scratch file.
 
         ``device``: ``None``/``"cpu"`` or an explicit ``"cuda:<index>"``.
         """
@@ -397,16 +459,17 @@ class DaemonClient:
 
         dev = parse_device(device)
         with self._lock:
-            reply = self.call("get", key=key, **_ns(namespace))
+            reply = self.call("get", key=key, **_ns(namespace), **self._direct())
             if not reply["hit"]:
                 return None
             out = torch.empty(reply["nbytes"], dtype=torch.uint8)
             try:
-                arena = self._arena_tensor()
-                off = 0
-                for start, length in reply["extents"]:
-                    out[off : off + length].copy_(arena[start : start + length])
-                    off += length
+                with self._bytes_of(reply) as arena:
+                    off = 0
+                    for start, length in reply["extents"]:
+                        out[off : off + length].copy_(arena[start : start + length])
+                        off += length
+                    del arena  # before a scratch file's mapping is closed
             finally:
                 try:
                     valid = self.call("release", retry=False, lease=reply["lease"])["valid"]

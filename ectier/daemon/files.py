@@ -1,4 +1,4 @@
-"""Files of the daemon outside its cache: the socket path and stale host-arena files."""
+"""Files of the daemon outside its cache: the socket path, stale host-arena and scratch files."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ log = logging.getLogger("ectier.daemon")
 def reclaim_stale_arenas(shm_dir: str) -> None:
     """Remove arena files of this user's daemons in ``shm_dir`` that died without cleaning up
     (``ectier-<uid>-<pid>.arena`` whose process is gone, or is this very process, and that no live
-    daemon holds flock'ed). Errors are logged, never raised."""
-    pattern = re.compile(rf"ectier-{os.getuid()}-(\d+)\.arena")
+    daemon holds flock'ed), and their scratch files (``ectier-<uid>-<pid>.scratch-<n>``, see
+    :mod:`ectier.daemon.scratch`). Errors are logged, never raised."""
+    pattern = re.compile(rf"ectier-{os.getuid()}-(\d+)\.(?:arena|scratch-\d+)")
     for name in os.listdir(shm_dir):
         m = pattern.fullmatch(name)
         if m is None:
@@ -47,7 +48,8 @@ def reclaim_stale_arenas(shm_dir: str) -> None:
             except BlockingIOError:
                 continue  # a live daemon holds it
             os.unlink(path)
-            log.warning("removed the arena %s of a daemon that did not shut down cleanly", path)
+            log.warning("removed the %s %s of a daemon that did not shut down cleanly",
+                        "arena" if name.endswith(".arena") else "scratch file", path)
         except OSError as exc:
             log.warning("could not remove the stale arena %s: %s", path, exc)
         finally:

@@ -6,6 +6,11 @@ Errors become error replies: :class:`ProtocolError` (also counted in the server'
 ``TypeError`` from the cache's input checks, and anything else as ``InternalError`` (logged).
 
 ``hello`` must be a connection's first request; any other op before it is a ``ProtocolError``.
+
+``direct: true`` (``reserve``, ``get``, ``prefetch``; the client's word that it maps scratch
+files): an entry the host arena cannot take or lease moves through a scratch file
+(:mod:`ectier.daemon.scratch`) whose ``path`` the reply names; without it the daemon answers as
+protocol 1 always did (``EntryTooLargeError``/``TierWriteError``, a miss).
 """
 
 from __future__ import annotations
@@ -14,10 +19,13 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable
 
 from .. import __version__
-from ..errors import EctierError
+from ..cache import ReadLease
+from ..errors import EctierError, EntryTooLargeError, TierWriteError
+from ..tensors import meta_from_spec
 from .connections import Connection
 from .leases import end_lease
-from .protocol import PROTOCOL_VERSION, ProtocolError, error_reply, ok_reply, parse_request
+from .protocol import FEATURES, PROTOCOL_VERSION, ProtocolError, error_reply, ok_reply, parse_request
+from .scratch import DirectPut, DirectRead, Scratch
 
 if TYPE_CHECKING:
     from .server import DaemonServer
@@ -63,6 +71,7 @@ def _op_hello(server: DaemonServer, conn: Connection, version: int, client: str 
         "arena": {"path": server.arena_path, "nbytes": server.cache.host_arena_bytes,
                   "block_bytes": server.config.host.block_bytes},
         "lease_s": server.config.daemon.lease_s,
+        "features": list(FEATURES),
     }
 
 
@@ -71,11 +80,48 @@ def _op_ping(server: DaemonServer, conn: Connection) -> dict[str, Any]:
 
 
 def _op_reserve(server: DaemonServer, conn: Connection, key: str, dtype: str, shape: tuple,
-                namespace: str | None = None) -> dict[str, Any]:
+                namespace: str | None = None, direct: bool = False) -> dict[str, Any]:
     assert server.cache is not None
-    handle = server.cache.reserve(key, dtype=dtype, shape=shape, namespace=namespace)
+    to_nvme = direct and server.config.nvme.enabled
+    if to_nvme and not _arena_has_room(server, meta_from_spec("-", key, dtype, shape).nbytes):
+        return _direct_put(server, conn, key, dtype, shape, namespace)
+    try:
+        handle = server.cache.reserve(key, dtype=dtype, shape=shape, namespace=namespace)
+    except (EntryTooLargeError, TierWriteError) as exc:
+        if to_nvme:
+            return _direct_put(server, conn, key, dtype, shape, namespace)
+        if isinstance(exc, TierWriteError):
+            block = server.config.host.block_bytes
+            raise TierWriteError(
+                f"{exc}: {server.leases.arena_blocks(block) * block} bytes of the {server.cache.host_arena_bytes}-byte "
+                f"arena are held by daemon clients' open put reservations and get leases"
+                + ("" if server.config.nvme.enabled else ", and there is no NVMe tier (nvme.path) to store it on")
+            ) from None
+        raise
     lease_id = server.leases.grant(conn, "put", handle)
     return {"lease": lease_id, "nbytes": handle.meta.nbytes, "extents": [list(e) for e in handle.extents]}
+
+
+def _arena_has_room(server: DaemonServer, nbytes: int) -> bool:
+    """False when the clients' leases and the held prefetch pins leave the host arena too few
+    blocks for ``nbytes`` even after evicting everything else (a reserve would only wait
+    ``host.admit_wait_s`` and fail)."""
+    block = server.config.host.block_bytes
+    held = server.leases.arena_blocks(block) + -(-server.prefetcher.stats()["held_bytes"] // block)
+    return -(-nbytes // block) <= server.cache.host_arena_bytes // block - held
+
+
+def _direct_put(server: DaemonServer, conn: Connection, key: str, dtype: str, shape: tuple,
+                namespace: str | None) -> dict[str, Any]:
+    """A put through a scratch file: committed with ``TieredCache.put`` (NVMe when the arena has
+    no room), so a client never waits on other clients' reservations to fail."""
+    nbytes = meta_from_spec("-", key, dtype, shape).nbytes
+    if nbytes > server.config.nvme.capacity_bytes:
+        raise EntryTooLargeError(f"entry of {nbytes} bytes is larger than the host arena and nvme.capacity_bytes="
+                                 f"{server.config.nvme.capacity_bytes}")
+    scratch = Scratch(server.config.daemon.shm_dir, nbytes, gid=server.allowed_gid)
+    lease_id = server.leases.grant(conn, "put", DirectPut(scratch, key, namespace, dtype, tuple(shape)))
+    return {"lease": lease_id, "nbytes": nbytes, "extents": scratch.extents, "path": scratch.path}
 
 
 def _op_commit(server: DaemonServer, conn: Connection, lease: int) -> dict[str, Any]:
@@ -83,7 +129,10 @@ def _op_commit(server: DaemonServer, conn: Connection, lease: int) -> dict[str, 
     if held is None:
         raise EctierError(f"commit: lease {lease} is unknown or expired; the put was aborted, retry it")
     assert server.cache is not None
+    h = held.handle
+    key, ns = (h.key, h.namespace) if isinstance(h, DirectPut) else (h.meta.key, h.meta.namespace)
     end_lease(server.cache, held, commit=True)
+    server.prefetcher.forget(ns, key)
     return {}
 
 
@@ -95,15 +144,32 @@ def _op_abort(server: DaemonServer, conn: Connection, lease: int) -> dict[str, A
     return {"aborted": held is not None}
 
 
-def _op_get(server: DaemonServer, conn: Connection, key: str, namespace: str | None = None) -> dict[str, Any]:
+def _op_get(server: DaemonServer, conn: Connection, key: str, namespace: str | None = None,
+            direct: bool = False) -> dict[str, Any]:
     assert server.cache is not None
-    handle = server.cache.acquire(key, namespace=namespace)
+    held = server.prefetcher.take(namespace, key, direct=direct)  # a finished prefetch's pin: no I/O
+    handle = held.handle if held is not None else server.cache.acquire(key, namespace=namespace)
+    if handle is None and server.cache.contains(key, namespace=namespace):
+        # stored, but the arena cannot lease it (larger than host.capacity_bytes, or no room)
+        tensor = server.cache.get(key, namespace=namespace) if direct else None
+        if tensor is not None:
+            handle = DirectRead.of(tensor, server.config.daemon.shm_dir, gid=server.allowed_gid)
+        elif not direct:
+            server.prefetcher.unleasable(namespace, key)
     if handle is None:
         return {"hit": False}
     lease_id = server.leases.grant(conn, "get", handle)
-    meta = handle.meta
-    return {"hit": True, "lease": lease_id, "dtype": meta.dtype, "shape": list(meta.shape),
-            "nbytes": meta.nbytes, "extents": [list(e) for e in handle.extents]}
+    if isinstance(handle, ReadLease):
+        meta = handle.meta
+        return {"hit": True, "lease": lease_id, "dtype": meta.dtype, "shape": list(meta.shape),
+                "nbytes": meta.nbytes, "extents": [list(e) for e in handle.extents]}
+    return {"hit": True, "lease": lease_id, "dtype": handle.dtype, "shape": list(handle.shape),
+            "nbytes": handle.nbytes, "extents": handle.scratch.extents, "path": handle.scratch.path}
+
+
+def _op_prefetch(server: DaemonServer, conn: Connection, keys: list, namespace: str | None = None,
+                 direct: bool = False) -> dict[str, Any]:
+    return {"states": server.prefetcher.states(keys, namespace, direct=direct)}
 
 
 def _op_release(server: DaemonServer, conn: Connection, lease: int) -> dict[str, Any]:
@@ -122,7 +188,9 @@ def _op_contains(server: DaemonServer, conn: Connection, key: str, namespace: st
 
 def _op_delete(server: DaemonServer, conn: Connection, key: str, namespace: str | None = None) -> dict[str, Any]:
     assert server.cache is not None
-    return {"deleted": server.cache.delete(key, namespace=namespace)}
+    deleted = server.cache.delete(key, namespace=namespace)
+    server.prefetcher.forget(namespace, key)
+    return {"deleted": deleted}
 
 
 def _op_stats(server: DaemonServer, conn: Connection) -> dict[str, Any]:
@@ -137,6 +205,7 @@ HANDLERS: dict[str, Callable[..., dict[str, Any]]] = {
     "commit": _op_commit,
     "abort": _op_abort,
     "get": _op_get,
+    "prefetch": _op_prefetch,
     "release": _op_release,
     "contains": _op_contains,
     "delete": _op_delete,

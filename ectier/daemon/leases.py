@@ -22,6 +22,7 @@ from typing import Callable
 from ..cache import ReadLease, TieredCache, WriteLease
 from ..errors import EctierError
 from .connections import Connection
+from .scratch import DirectPut, DirectRead
 
 __all__ = ["Lease", "LeaseBook", "end_lease"]
 
@@ -30,14 +31,21 @@ log = logging.getLogger("ectier.daemon")
 
 @dataclass(eq=False)
 class Lease:
-    """One lease: ``kind`` is ``"put"`` (``handle`` a :class:`WriteLease`) or ``"get"``
-    (a :class:`ReadLease`); ``deadline`` is in :func:`time.monotonic` seconds."""
+    """One lease: ``kind`` is ``"put"`` (``handle`` a :class:`WriteLease`, or a
+    :class:`~ectier.daemon.scratch.DirectPut` through a scratch file) or ``"get"`` (a
+    :class:`ReadLease`, or a :class:`~ectier.daemon.scratch.DirectRead`); ``deadline`` is in
+    :func:`time.monotonic` seconds."""
 
     id: int
     kind: str  # "put" | "get"
     conn: Connection
     deadline: float
-    handle: WriteLease | ReadLease
+    handle: WriteLease | ReadLease | DirectPut | DirectRead
+
+    @property
+    def arena_nbytes(self) -> int:
+        """Bytes of the host arena this lease holds (0 for a scratch file)."""
+        return self.handle.meta.nbytes if isinstance(self.handle, (WriteLease, ReadLease)) else 0
 
 
 class LeaseBook:
@@ -59,7 +67,7 @@ class LeaseBook:
     def __len__(self) -> int:
         return len(self._by_id)
 
-    def grant(self, conn: Connection, kind: str, handle: WriteLease | ReadLease) -> int:
+    def grant(self, conn: Connection, kind: str, handle: WriteLease | ReadLease | DirectPut | DirectRead) -> int:
         """Record a new lease of ``conn``; returns its id."""
         with self._lock:
             lease = Lease(self._new_id_locked(), kind, conn, time.monotonic() + self._lease_s, handle)
@@ -99,6 +107,11 @@ class LeaseBook:
             lease.conn.leases.discard(lease.id)
         return expired
 
+    def arena_blocks(self, block_bytes: int) -> int:
+        """Host-arena blocks (of ``block_bytes``) that the live leases hold."""
+        with self._lock:
+            return sum(-(-l.arena_nbytes // block_bytes) for l in self._by_id.values())
+
     def counts_locked(self) -> dict[str, int]:
         """``{"put": n, "get": n}``: live leases by kind."""
         return {"put": sum(1 for l in self._by_id.values() if l.kind == "put"),
@@ -106,19 +119,26 @@ class LeaseBook:
 
 
 def end_lease(cache: TieredCache, lease: Lease, *, commit: bool) -> None:
-    """End ``lease`` on ``cache``: commit (``commit=True``) or abort a reservation, release a pin.
+    """End ``lease`` on ``cache``: commit (``commit=True``) or abort a reservation, release a pin
+    (a scratch file's lease: store its bytes with ``put`` on commit; remove the file).
 
     Raises:
-        EctierError: from :meth:`TieredCache.commit` when ``commit``; otherwise errors are logged.
+        EctierError: from :meth:`TieredCache.commit` (or ``put``) when ``commit``; otherwise errors
+        are logged.
     """
+    h = lease.handle
     try:
-        if lease.kind == "put":
+        if isinstance(h, DirectPut):
+            h.commit(cache) if commit else h.abort()
+        elif isinstance(h, DirectRead):
+            h.release()
+        elif lease.kind == "put":
             if commit:
-                cache.commit(lease.handle)
+                cache.commit(h)
             else:
-                cache.abort(lease.handle)
+                cache.abort(h)
         else:
-            cache.release(lease.handle)
+            cache.release(h)
     except EctierError:
         if commit:
             raise

@@ -26,6 +26,12 @@ metric                                      type       meaning
                                                        (``daemon.idle_timeout_s``), ``evicted`` (room
                                                        for a new client at a connection cap)
 ``ectier_connections_refused_total``        counter    connections refused (user, caps)
+``ectier_prefetches_total{result}``         counter    ``prefetch`` promotions: ``started``,
+                                                       ``promoted`` (pinned for a get), ``failed``,
+                                                       ``direct_read`` (into a scratch file),
+                                                       ``expired`` (pin not taken in ``lease_s``),
+                                                       ``taken`` (by a get)
+``ectier_prefetch_held_bytes``              gauge      arena bytes pinned by finished promotions
 ==========================================  =========  ==============================================
 """
 
@@ -90,6 +96,14 @@ class StatsCollector:
             yield closed
             yield CounterMetricFamily("ectier_connections_refused", "Connections refused (user, caps)",
                                       value=daemon.get("refused", 0))
+            prefetch = daemon.get("prefetch") or {}
+            fam = CounterMetricFamily("ectier_prefetches", "Promotions of the prefetch op", labels=["result"])
+            for result, field in (("started", "started"), ("promoted", "promoted"), ("failed", "failed"),
+                                  ("direct_read", "direct_reads"), ("expired", "expired"), ("taken", "taken")):
+                fam.add_metric([result], prefetch.get(field, 0))
+            yield fam
+            yield GaugeMetricFamily("ectier_prefetch_held_bytes", "Arena bytes pinned by finished promotions",
+                                    value=prefetch.get("held_bytes", 0))
 
 
 def start_metrics_server(server, host: str, port: int):

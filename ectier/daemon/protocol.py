@@ -29,6 +29,8 @@ from ..entry import DTYPE_ITEMSIZE
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "FEATURES",
+    "MAX_BATCH_KEYS",
     "DEFAULT_MAX_FRAME_BYTES",
     "ProtocolError",
     "FrameDecoder",
@@ -128,15 +130,27 @@ def _decode_body(body: bytes) -> dict[str, Any] | ProtocolError:
 
 _STR = (str,)
 _INT = (int,)
+_BOOL = (bool,)
+_LIST = (list,)
+#: most keys one ``prefetch`` names (its reply is one frame; keys are at most 64 KiB each, so
+#: clients batch a scheduler step's items, not a whole cache)
+MAX_BATCH_KEYS = 1024
+#: what this daemon offers beyond protocol 1's first operations (the ``hello`` reply's
+#: ``features``; a client uses an operation or argument only if its daemon lists it):
+#: ``prefetch`` (the batched ``prefetch`` op), ``direct`` (``direct: true`` on ``reserve``/``get``/
+#: ``prefetch``: entries the arena cannot hold move through a scratch file)
+FEATURES = ("prefetch", "direct")
 
 #: op -> {argument: (types, required)}
 OPS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "hello": {"version": (_INT, True), "client": (_STR, False)},
     "ping": {},
-    "reserve": {"key": (_STR, True), "namespace": (_STR, False), "dtype": (_STR, True), "shape": ((list,), True)},
+    "reserve": {"key": (_STR, True), "namespace": (_STR, False), "dtype": (_STR, True), "shape": (_LIST, True),
+                "direct": (_BOOL, False)},
     "commit": {"lease": (_INT, True)},
     "abort": {"lease": (_INT, True)},
-    "get": {"key": (_STR, True), "namespace": (_STR, False)},
+    "get": {"key": (_STR, True), "namespace": (_STR, False), "direct": (_BOOL, False)},
+    "prefetch": {"keys": (_LIST, True), "namespace": (_STR, False), "direct": (_BOOL, False)},
     "release": {"lease": (_INT, True)},
     "contains": {"key": (_STR, True), "namespace": (_STR, False)},
     "delete": {"key": (_STR, True), "namespace": (_STR, False)},
@@ -174,7 +188,7 @@ def parse_request(msg: dict[str, Any]) -> Request:
         if name not in schema:
             raise ProtocolError(f"{op}: unknown argument {name!r}")
         types, _ = schema[name]
-        if isinstance(value, bool) or not isinstance(value, types):
+        if (isinstance(value, bool) and types is not _BOOL) or not isinstance(value, types):
             raise ProtocolError(f"{op}: argument {name!r} must be {'/'.join(t.__name__ for t in types)}")
         args[name] = value
     for name, (_, required) in schema.items():
@@ -187,6 +201,10 @@ def parse_request(msg: dict[str, Any]) -> Request:
         if len(shape) > 32 or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 or d >= 1 << 48 for d in shape):
             raise ProtocolError("reserve: argument 'shape' must be a list of at most 32 ints in [0, 2**48)")
         args["shape"] = tuple(shape)
+    if op == "prefetch":
+        keys = args["keys"]
+        if len(keys) > MAX_BATCH_KEYS or not all(isinstance(k, str) for k in keys):
+            raise ProtocolError(f"prefetch: argument 'keys' must be a list of at most {MAX_BATCH_KEYS} strs")
     for name in ("lease",):
         if name in args and not 0 <= args[name] < 1 << 63:
             raise ProtocolError(f"{op}: argument {name!r} out of range")

@@ -7,9 +7,11 @@ arena blocks, the client copies into them and commits; a get pins an entry's blo
 the client copies out and releases.
 
 Threads: the accept loop runs in the caller's thread (:meth:`DaemonServer.serve_forever`); each
-connection gets a thread; one reaper thread expires leases. The daemon is a thin shell around
-:class:`~ectier.cache.TieredCache`, which is thread-safe. Requests are answered by
-:mod:`ectier.daemon.handlers`; the lease records live in :mod:`ectier.daemon.leases`.
+connection gets a thread; one reaper thread expires leases; the ``prefetch`` op's promotions run
+in worker threads (:mod:`ectier.daemon.prefetch`), so no request waits on NVMe I/O for another
+client's sake. The daemon is a thin shell around :class:`~ectier.cache.TieredCache`, which is
+thread-safe. Requests are answered by :mod:`ectier.daemon.handlers`; the lease records live in
+:mod:`ectier.daemon.leases`.
 
 Connections: ``hello`` must be a connection's first request (any other op before it is refused
 with a ``ProtocolError``, so no client skips the version check); a connection that sends nothing
@@ -44,6 +46,7 @@ from .connections import Connection, admission, peer_credentials
 from .files import claim_socket_path, reclaim_stale_arenas
 from .handlers import handle
 from .leases import LeaseBook, end_lease
+from .prefetch import Prefetcher
 from .protocol import FrameDecoder, ProtocolError, encode_frame, error_reply
 
 __all__ = ["DaemonServer", "run_daemon"]
@@ -85,7 +88,8 @@ class DaemonServer:
         self._next_id = 1  # of the next connection or lease
         self.leases = LeaseBook(self._lock, config.daemon.lease_s, self._new_id_locked)
         self._threads: list[threading.Thread] = []
-        self._allowed_gid = self._resolve_group(config.daemon.allowed_group)
+        self.allowed_gid = self._resolve_group(config.daemon.allowed_group)
+        self.prefetcher: Prefetcher | None = None
         self._metrics_server = None
         self.metrics_address: tuple[str, int] | None = None  # (host, bound port) when metrics are on
         self._arena_lock_fd: int | None = None
@@ -115,9 +119,9 @@ class DaemonServer:
             finally:
                 os.umask(old_umask)
             os.chmod(self.socket_path, self.config.daemon.socket_mode_bits)
-            if self._allowed_gid is not None:
-                os.chown(self.socket_path, -1, self._allowed_gid)
-                os.chown(self.arena_path, -1, self._allowed_gid)
+            if self.allowed_gid is not None:
+                os.chown(self.socket_path, -1, self.allowed_gid)
+                os.chown(self.arena_path, -1, self.allowed_gid)
                 os.chmod(self.arena_path, 0o660)
             listener.listen(128)
             listener.settimeout(0.2)
@@ -181,6 +185,8 @@ class DaemonServer:
             fcntl.flock(dir_fd, fcntl.LOCK_EX)
             reclaim_stale_arenas(shm_dir)
             self.cache = TieredCache(self.config, host_shm_path=self.arena_path)
+            self.prefetcher = Prefetcher(self.cache, hold_s=self.config.daemon.lease_s,
+                                         scratch_dir=self.config.daemon.shm_dir, gid=self.allowed_gid)
             self._arena_lock_fd = os.open(self.arena_path, os.O_RDONLY)
             fcntl.flock(self._arena_lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:
@@ -221,6 +227,8 @@ class DaemonServer:
             t.join(timeout=10)
         for lease in self.leases.take_all():
             end_lease(self.cache, lease, commit=False)
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
@@ -283,15 +291,15 @@ class DaemonServer:
     def _peer_allowed(self, uid: int, gid: int) -> bool:
         if uid == os.getuid():
             return True
-        if self._allowed_gid is None:
+        if self.allowed_gid is None:
             return False
-        if gid == self._allowed_gid:
+        if gid == self.allowed_gid:
             return True
         try:
             user = pwd.getpwuid(uid).pw_name
         except KeyError:
             return False
-        return user in grp.getgrgid(self._allowed_gid).gr_mem
+        return user in grp.getgrgid(self.allowed_gid).gr_mem
 
     def _serve_connection(self, conn: Connection) -> None:
         decoder = FrameDecoder(self.config.daemon.max_frame_bytes)
@@ -389,6 +397,7 @@ class DaemonServer:
                 "metrics": ({"host": self.metrics_address[0], "port": self.metrics_address[1]}
                             if self.metrics_address else None),
                 "leases": self.leases.counts_locked(),
+                "prefetch": self.prefetcher.stats() if self.prefetcher is not None else {},
                 "clients": [
                     {"id": c.id, "name": c.name, "pid": c.pid, "uid": c.uid, "connected_s": round(now - c.since, 3),
                      "requests": c.requests, "leases": len(c.leases)}
@@ -404,6 +413,8 @@ class DaemonServer:
         interval = min(1.0, self.config.daemon.lease_s / 4)
         while not self._stop.wait(interval):
             self.expire_leases()
+            if self.prefetcher is not None:
+                self.prefetcher.expire()
 
     def expire_leases(self, now: float | None = None) -> int:
         """End every lease past its deadline and close its connection. Returns how many expired."""

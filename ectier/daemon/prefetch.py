@@ -1,0 +1,267 @@
+"""The daemon's asynchronous prefetch: the ``prefetch`` op promotes NVMe entries into the host
+arena in the daemon's own threads and answers at once.
+
+For each key, :meth:`Prefetcher.states` answers from memory (no I/O in the request's thread):
+
+- ``"absent"``: stored nowhere, or its promotion failed (answered once; the next ``prefetch``
+  tries again), or (a client without ``direct``) it cannot be leased through the arena;
+- ``"ready"``: a ``get`` pins it now without I/O: it is in the host arena, or a finished promotion
+  holds it for the next ``get``;
+- ``"promoting"``: a promotion runs in a worker thread; ask again later.
+
+A promotion is :meth:`TieredCache.prefetch <ectier.cache.TieredCache.prefetch>` (the cache's own
+pool copies NVMe → host), then, in a worker thread of this module, :meth:`TieredCache.acquire`
+(a host hit by then: no I/O) so that the entry stays in the arena until a client's ``get`` takes
+that pin over (:meth:`Prefetcher.take`). An entry that cannot be leased through the arena (larger
+than ``host.capacity_bytes``, or no room) is read from NVMe into a scratch file instead
+(:class:`~ectier.daemon.scratch.DirectRead`) when the asking client reads directly
+(``direct: true``). A held pin or scratch file lasts until a ``get`` takes it, a put or delete of
+its key, or ``daemon.lease_s`` (the reaper, :meth:`Prefetcher.expire`); pins are held for at most
+half of the host arena (beyond that a promoted entry is left unpinned in the arena: a ``get``
+still finds it there unless it was evicted meanwhile).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ..cache import ReadLease, TieredCache
+from ..errors import EctierError
+from .scratch import DirectRead
+
+__all__ = ["Prefetcher", "Held", "ABSENT", "READY", "PROMOTING"]
+
+log = logging.getLogger("ectier.daemon")
+
+ABSENT, READY, PROMOTING = "absent", "ready", "promoting"
+#: worker threads (each waits for one promotion of the cache's pool, then pins it)
+WORKERS = 4
+
+
+@dataclass
+class Held:
+    """A finished promotion waiting for its ``get``: a host-arena pin or a scratch file."""
+
+    handle: ReadLease | DirectRead
+    deadline: float  # time.monotonic() seconds
+
+    @property
+    def arena_nbytes(self) -> int:
+        """Host-arena bytes it pins (0 for a scratch file)."""
+        return self.handle.meta.nbytes if isinstance(self.handle, ReadLease) else 0
+
+
+class Prefetcher:
+    """Promotions for the ``prefetch`` op (see the module docstring).
+
+    Args:
+        cache: the daemon's cache.
+        hold_s: how long a finished promotion holds its pin for a ``get`` (``daemon.lease_s``).
+        scratch_dir: ``daemon.shm_dir`` (scratch files of direct reads). gid: their group.
+    """
+
+    def __init__(self, cache: TieredCache, *, hold_s: float, scratch_dir: str, gid: int | None = None) -> None:
+        self.cache = cache
+        self.hold_s = hold_s
+        self.scratch_dir = scratch_dir
+        self.gid = gid
+        self.max_held_bytes = cache.host_arena_bytes // 2
+        self._lock = threading.Lock()
+        self._running: dict[tuple[str, str], bool] = {}  # (ns, key) -> direct wanted
+        self._failed: set[tuple[str, str]] = set()
+        self._held: dict[tuple[str, str], Held] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+        self._warned: set[tuple[str, str]] = set()
+        self.counters = {"started": 0, "promoted": 0, "failed": 0, "direct_reads": 0, "expired": 0, "taken": 0}
+
+    # ------------------------------------------------------------------------ the op
+
+    def states(self, keys: list[str], namespace: str | None, *, direct: bool) -> list[str]:
+        """One state per key (module docstring), starting the promotions needed. No I/O here."""
+        ns = self._ns(namespace)
+        return [self._state((ns, key), direct) for key in keys]
+
+    def _ns(self, namespace: str | None) -> str:
+        return self.cache.config.namespace if namespace is None else namespace
+
+    def _state(self, ident: tuple[str, str], direct: bool) -> str:
+        ns, key = ident
+        with self._lock:
+            if ident in self._held:
+                return READY
+            if ident in self._running:
+                return PROMOTING
+            if ident in self._failed:
+                self._failed.discard(ident)
+                return ABSENT
+        if not self.cache.contains(key, namespace=ns):
+            return ABSENT
+        handle = self.cache.prefetch([key], namespace=ns)[0]  # done at once: in the arena, or gone
+        if handle.done():
+            if not handle.wait(0):
+                return ABSENT
+            # in the arena a moment ago: pinning it is a host hit (an entry on NVMe that does not
+            # fit the arena is refused without I/O, and read into a scratch file by a worker)
+            held = self._hold(self.cache.acquire(key, namespace=ns), ns, key)
+            if held is not None:
+                self._keep(ident, held)
+                return READY
+            if not self.cache.contains(key, namespace=ns):
+                return ABSENT
+            if not direct:
+                self.unleasable(ns, key)
+                return ABSENT
+        return self._start(ident, handle, direct)
+
+    def _start(self, ident: tuple[str, str], handle: Any, direct: bool) -> str:
+        with self._lock:
+            if self._closed:
+                return ABSENT
+            if ident in self._running or ident in self._held:
+                return PROMOTING if ident in self._running else READY
+            self._running[ident] = direct
+            self.counters["started"] += 1
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="ectier-daemon-prefetch")
+            self._pool.submit(self._finish, ident, handle)
+        return PROMOTING
+
+    def _keep(self, ident: tuple[str, str], held: Held) -> None:
+        """Hold ``held`` for the next get of ``ident`` (an unpinned one is not kept: the next
+        ``prefetch`` finds the entry in the arena by itself)."""
+        if held is UNPINNED:
+            return
+        with self._lock:
+            stale = held if self._closed else self._held.pop(ident, None)
+            if not self._closed:
+                self._held[ident] = held
+        if stale is not None:
+            _end(self.cache, stale)
+
+    def _finish(self, ident: tuple[str, str], handle: Any) -> None:
+        """Worker: wait for the cache's promotion, pin the entry (or read it into a scratch file)."""
+        ns, key = ident
+        held = None
+        try:
+            handle.wait()
+            held = self._pin(ns, key, self._running.get(ident, False))
+        except Exception as exc:  # noqa: BLE001 - a failed promotion is a miss, logged
+            log.warning("prefetch of a key failed: %s: %s", type(exc).__name__, exc)
+        with self._lock:
+            self._running.pop(ident, None)
+            if held is None:
+                self._failed.add(ident)
+                self.counters["failed"] += 1
+                return
+            self.counters["promoted"] += 1
+        self._keep(ident, held)
+
+    def _hold(self, lease: ReadLease | None, ns: str, key: str) -> Held | None:
+        """A held pin of ``lease`` (None: no lease); over the held-bytes budget the lease is let go
+        at once (:data:`UNPINNED`): the entry, in the arena, is ready without a pin."""
+        if lease is None:
+            return None
+        with self._lock:
+            room = sum(h.arena_nbytes for h in self._held.values()) + lease.meta.nbytes <= self.max_held_bytes
+        if room:
+            return Held(lease, time.monotonic() + self.hold_s)
+        self.cache.release(lease)  # in the arena, unpinned: a get finds it there
+        return UNPINNED
+
+    def _pin(self, ns: str, key: str, direct: bool) -> Held | None:
+        held = self._hold(self.cache.acquire(key, namespace=ns), ns, key)
+        if held is not None or not self.cache.contains(key, namespace=ns):
+            return held
+        if not direct:
+            self.unleasable(ns, key)
+            return None
+        tensor = self.cache.get(key, namespace=ns)  # from NVMe: it does not go through the arena
+        if tensor is None:
+            return None
+        self.counters["direct_reads"] += 1
+        return Held(DirectRead.of(tensor, self.scratch_dir, gid=self.gid), time.monotonic() + self.hold_s)
+
+    def unleasable(self, ns: str | None, key: str) -> None:
+        """Log (once per key) that a stored entry cannot be leased through the arena."""
+        ns = self._ns(ns)
+        with self._lock:
+            first = (ns, key) not in self._warned
+            if first and len(self._warned) < 10000:
+                self._warned.add((ns, key))
+        if first:
+            log.warning("entry %r (namespace %s) is stored but cannot be leased through the host arena "
+                        "(larger than host.capacity_bytes=%d, or no room): a get without direct reads misses "
+                        "it; clients that read directly (DaemonClient of this version) get it through a "
+                        "scratch file", key[:80], ns, self.cache.host_arena_bytes)
+
+    # ------------------------------------------------------------------------ pins held
+
+    def take(self, namespace: str | None, key: str, *, direct: bool) -> Held | None:
+        """The held pin of a finished promotion of ``key``, handed to a ``get`` (None: none; a
+        scratch file only to a get with ``direct``)."""
+        ident = (self._ns(namespace), key)
+        with self._lock:
+            held = self._held.get(ident)
+            if held is None or (not direct and not isinstance(held.handle, ReadLease)):
+                return None
+            del self._held[ident]
+            self.counters["taken"] += 1
+        return held
+
+    def forget(self, namespace: str | None, key: str) -> None:
+        """A put or delete of ``key``: drop what a promotion holds of its older version."""
+        ident = (self._ns(namespace), key)
+        with self._lock:
+            held = self._held.pop(ident, None)
+            self._failed.discard(ident)
+            self._warned.discard(ident)
+        if held is not None:
+            _end(self.cache, held)
+
+    def expire(self, now: float | None = None) -> int:
+        """End held pins past their deadline (the reaper). Returns how many."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            gone = [i for i, h in self._held.items() if h.deadline <= now]
+            stale = [self._held.pop(i) for i in gone]
+            self.counters["expired"] += len(stale)
+        for held in stale:
+            _end(self.cache, held)
+        return len(stale)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {**self.counters, "running": len(self._running), "held": len(self._held),
+                    "held_bytes": sum(h.arena_nbytes for h in self._held.values())}
+
+    def close(self) -> None:
+        """Wait for the promotions in flight, then end every held pin."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        with self._lock:
+            held, self._held = list(self._held.values()), {}
+        for h in held:
+            _end(self.cache, h)
+
+
+#: a finished promotion over the held-bytes budget: ready in the arena, not pinned, not kept
+UNPINNED: Any = Held(None, 0.0)
+
+
+def _end(cache: TieredCache, held: Held) -> None:
+    try:
+        if isinstance(held.handle, ReadLease):
+            cache.release(held.handle)
+        else:
+            held.handle.release()
+    except EctierError:
+        log.exception("releasing a prefetch pin failed")

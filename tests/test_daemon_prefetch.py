@@ -1,0 +1,245 @@
+"""The daemon never makes a client wait on another's I/O or reservations (issue #14, items 1 and 8).
+
+- ``prefetch`` answers at once while the daemon promotes NVMe → arena in its own threads; a
+  ``get`` of a ready entry then takes the promotion's pin and reads no NVMe (a daemon whose NVMe
+  reads are slowed, ``tests/slow_nvme_daemon.py``, makes any NVMe wait show);
+- the pins a promotion holds end (a get, an overwrite, ``daemon.lease_s``) and never leak;
+- an entry larger than the host arena sitting on NVMe is served (a scratch file), so ``contains``
+  and ``get`` agree; a protocol-1 client (no ``direct``) gets the old answers, with a log line;
+- one client's open reservation does not make another client's put fail: it goes to NVMe.
+
+Every daemon is a real process (tests/daemon_helpers.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import pytest
+
+from ectier import CacheConfig, TieredCache
+from ectier.daemon.client import DaemonClient
+from ectier.errors import TierWriteError
+from daemon_helpers import (MiB, DaemonProcess, RawConn, assert_same, daemon_config, daemon_stats, make_tensor,
+                            remove_dir, short_tmpdir, wait_for, write_config)
+
+DELAY_S = 3.0  # every NVMe payload read of the slowed daemon takes at least this long
+FAST_S = DELAY_S / 2  # a call that waits on no NVMe read returns well within this (it takes ~ms)
+
+
+@contextlib.contextmanager
+def daemon(via: str = "module", **kw):
+    """A daemon in a fresh directory; ``via="slow-nvme"``: NVMe reads DELAY_S late. Yields the
+    process (``.dir``, ``.cfg``, ``.path``: its config file) and removes everything after."""
+    d = short_tmpdir()
+    try:
+        cfg = daemon_config(d, **kw)
+        path = write_config(os.path.join(d, "cfg.json"), cfg)
+        proc = DaemonProcess(path, cfg["daemon"]["socket_path"], via=via, nvme_read_delay_s=DELAY_S)
+        proc.dir, proc.cfg, proc.path = d, cfg, path
+        try:
+            yield proc.start()
+        finally:
+            proc.stop()
+    finally:
+        remove_dir(d)
+
+
+def restart(proc: DaemonProcess, via: str) -> DaemonProcess:
+    """Stop ``proc`` (SIGTERM: host entries are flushed to NVMe) and start a daemon on the same
+    config and directory: its entries are on NVMe only."""
+    assert proc.terminate() == 0, proc.log()
+    new = DaemonProcess(proc.path, proc.socket_path, via=via, nvme_read_delay_s=DELAY_S)
+    new.dir, new.cfg, new.path = proc.dir, proc.cfg, proc.path
+    return new.start()
+
+
+def timed(fn, *args, **kw):
+    t0 = time.monotonic()
+    out = fn(*args, **kw)
+    return out, time.monotonic() - t0
+
+
+def scratch_files(directory: str) -> list[str]:
+    return [n for n in os.listdir(directory) if ".scratch-" in n]
+
+
+@pytest.fixture
+def nvme_only():
+    """A slowed daemon whose NVMe holds ``a`` and ``b`` (2 MiB each) and nothing else: yields
+    ``(proc, {key: tensor})``."""
+    with daemon(host_bytes=16 * MiB) as first:
+        values = {k: make_tensor(i, "bfloat16", (128, 8192)) for i, k in enumerate("ab")}
+        with DaemonClient(first.socket_path) as c:
+            for k, v in values.items():
+                c.put(k, v)
+        proc = restart(first, "slow-nvme")
+        try:
+            yield proc, values
+        finally:
+            proc.stop()
+
+
+def test_a_get_of_an_nvme_only_entry_waits_on_the_slowed_read(nvme_only):
+    """The knob works: without a prefetch, a get promotes synchronously and takes DELAY_S."""
+    proc, values = nvme_only
+    with DaemonClient(proc.socket_path) as c:
+        got, seconds = timed(c.get, "a")
+    assert_same(got, values["a"])
+    assert seconds >= DELAY_S
+
+
+def test_prefetch_answers_at_once_and_the_get_after_it_reads_no_nvme(nvme_only):
+    proc, values = nvme_only
+    with DaemonClient(proc.socket_path) as c:
+        c.connect()
+        assert {"prefetch", "direct"} <= c.features
+        states, seconds = timed(c.prefetch, ["a", "b", "nowhere"])
+        assert states == ["promoting", "promoting", "absent"]
+        assert seconds < FAST_S
+        # asking again costs nothing either, and starts nothing twice
+        states, seconds = timed(c.prefetch, ["a", "b"])
+        assert seconds < FAST_S and set(states) <= {"promoting", "ready"}
+        wait_for(lambda: c.prefetch(["a", "b"]) == ["ready", "ready"], timeout=4 * DELAY_S + 10,
+                 what="both promotions")
+        for key in "ab":
+            got, seconds = timed(c.get, key)
+            assert_same(got, values[key])
+            assert seconds < FAST_S  # the promotion's pin, taken over: no NVMe read
+        p = c.stats()["daemon"]["prefetch"]
+    assert (p["started"], p["promoted"], p["taken"], p["held"]) == (2, 2, 2, 0)
+
+
+def test_a_prefetch_pin_survives_arena_churn_until_its_get(nvme_only):
+    """The promoted entry is pinned for the get: puts that fill the arena twice over demote
+    everything else, not it, and the get still reads no NVMe."""
+    proc, values = nvme_only
+    with DaemonClient(proc.socket_path) as c:
+        c.prefetch(["a"])
+        wait_for(lambda: c.prefetch(["a"]) == ["ready"], timeout=2 * DELAY_S + 10, what="the promotion")
+        for i in range(16):
+            c.put(f"churn{i}", make_tensor(100 + i, "uint8", (2 * MiB,)))
+        got, seconds = timed(c.get, "a")
+    assert_same(got, values["a"])
+    assert seconds < FAST_S
+
+
+def test_held_pins_end_with_lease_s_and_on_overwrite():
+    with daemon(host_bytes=16 * MiB, lease_s=0.5) as first:
+        with DaemonClient(first.socket_path) as c:
+            c.put("a", make_tensor(1, "uint8", (MiB,)))
+            c.put("b", make_tensor(2, "uint8", (MiB,)))
+        proc = restart(first, "module")
+        try:
+            with DaemonClient(proc.socket_path) as c:
+                c.prefetch(["a", "b"])
+                wait_for(lambda: c.prefetch(["a", "b"]) == ["ready", "ready"], what="the promotions")
+                newer = make_tensor(3, "float32", (1000,))
+                c.put("b", newer)  # the held pin of the old b is let go
+                assert_same(c.get("b"), newer)
+                stats = wait_for(lambda: (lambda s: s if s["daemon"]["prefetch"]["held"] == 0 else None)(c.stats()),
+                                 what="the held pin of a to expire")
+                assert stats["daemon"]["prefetch"]["expired"] == 1
+                assert stats["daemon"]["leases"] == {"put": 0, "get": 0}
+                assert c.get("a") is not None  # still stored, only unpinned
+        finally:
+            proc.stop()
+
+
+# ------------------------------------------------------------------ larger than the host arena
+
+
+@pytest.fixture
+def too_large():
+    """A daemon with an 8 MiB arena over an NVMe store holding ``big`` (32 MiB, written by an
+    in-process cache with a larger arena): yields ``(proc, tensor)``."""
+    d = short_tmpdir()
+    try:
+        cfg = daemon_config(d, host_bytes=8 * MiB, nvme_bytes=128 * MiB)
+        big = make_tensor(7, "bfloat16", (2048, 8192))
+        writer = CacheConfig.from_dict({**cfg, "host": {**cfg["host"], "capacity_bytes": 64 * MiB}, "daemon": {}})
+        with TieredCache(writer) as cache:
+            cache.put("big", big)
+        proc = DaemonProcess(write_config(os.path.join(d, "cfg.json"), cfg), cfg["daemon"]["socket_path"])
+        proc.dir = d
+        try:
+            yield proc.start(), big
+        finally:
+            proc.stop()
+    finally:
+        remove_dir(d)
+
+
+def test_an_entry_larger_than_the_arena_is_served_so_contains_agrees_with_get(too_large):
+    proc, big = too_large
+    with DaemonClient(proc.socket_path) as c:
+        assert c.contains("big")
+        for _ in range(2):
+            assert_same(c.get("big"), big)
+        assert c.prefetch(["big"]) == ["promoting"]
+        wait_for(lambda: c.prefetch(["big"]) == ["ready"], what="the direct read")
+        assert len(scratch_files(proc.dir)) == 1  # held for the next get
+        assert_same(c.get("big"), big)
+        assert c.stats()["daemon"]["prefetch"]["direct_reads"] == 1
+    assert scratch_files(proc.dir) == []
+
+
+def test_a_protocol_1_client_misses_it_with_one_log_line(too_large):
+    """Without ``direct`` a client never sees a scratch file, not even one a direct client's
+    prefetch holds: its gets miss (as protocol 1 always answered), and the daemon says why once."""
+    proc, big = too_large
+    with RawConn(proc.socket_path) as raw, DaemonClient(proc.socket_path) as c:
+        assert raw.request({"id": 1, "op": "contains", "key": "big"})["found"]
+        assert raw.request({"id": 2, "op": "prefetch", "keys": ["big"]})["states"] == ["absent"]
+        c.prefetch(["big"])
+        wait_for(lambda: c.prefetch(["big"]) == ["ready"], what="the direct read")
+        for i in range(3):
+            assert raw.request({"id": 3 + i, "op": "get", "key": "big"}) == {"id": 3 + i, "ok": True, "hit": False}
+        assert_same(c.get("big"), big)
+    lines = [line for line in proc.log().splitlines() if "cannot be leased through the host arena" in line]
+    assert len(lines) == 1 and "host.capacity_bytes=8388608" in lines[0], proc.log()
+
+
+def test_a_put_larger_than_the_arena_goes_to_nvme():
+    with daemon(host_bytes=8 * MiB, nvme_bytes=128 * MiB) as proc:
+        big = make_tensor(8, "bfloat16", (1024, 8192))  # 16 MiB
+        with DaemonClient(proc.socket_path) as c:
+            c.put("big", big)
+            assert c.stats()["tiers"]["nvme"]["entries"] == 1
+            assert_same(c.get("big"), big)
+        assert scratch_files(proc.dir) == []
+
+
+# ------------------------------------------------------------------ other clients' reservations
+
+
+def test_an_open_reservation_does_not_fail_another_clients_put():
+    """Client A holds a reservation of 6 MiB of the 8 MiB arena (and does not commit); client B's
+    3 MiB puts cannot fit beside it: they are stored on NVMe, not refused after host.admit_wait_s
+    with a message about readers."""
+    with daemon(host_bytes=8 * MiB, nvme_bytes=64 * MiB) as proc:
+        with DaemonClient(proc.socket_path, client_name="a") as a, DaemonClient(proc.socket_path, client_name="b") as b:
+            a.call("reserve", key="open", dtype="uint8", shape=[6 * MiB])
+            values = {f"k{i}": make_tensor(i, "uint8", (3 * MiB,)) for i in range(3)}
+            for key, value in values.items():
+                b.put(key, value)
+            for key, value in values.items():
+                assert_same(b.get(key), value)
+            assert b.stats()["tiers"]["nvme"]["entries"] >= 3
+
+
+def test_without_nvme_the_refusal_names_the_reservations():
+    with daemon(host_bytes=8 * MiB, nvme=False) as proc:
+        with DaemonClient(proc.socket_path, client_name="a") as a, DaemonClient(proc.socket_path, client_name="b") as b:
+            a.call("reserve", key="open", dtype="uint8", shape=[6 * MiB])
+            with pytest.raises(TierWriteError, match="reservations"):
+                b.put("k", make_tensor(1, "uint8", (3 * MiB,)))
+
+
+def test_the_hello_reply_lists_the_features():
+    with daemon(nvme=False) as proc:
+        with RawConn(proc.socket_path) as raw:
+            assert set(raw.hello_reply["features"]) == {"prefetch", "direct"}
+        assert daemon_stats(proc.socket_path)["daemon"]["prefetch"]["held"] == 0
