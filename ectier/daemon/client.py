@@ -34,20 +34,12 @@ from typing import Any
 from .. import errors
 from ..config import DaemonConfig
 from ..entry import validate_key, validate_namespace
+from .client_errors import DaemonFeatureError, DaemonUnavailableError, error_from_reply as _error_from
 from .protocol import PROTOCOL_VERSION, FrameDecoder, ProtocolError, encode_frame
 
 __all__ = ["DaemonClient", "DaemonUnavailableError", "DaemonFeatureError"]
 
 log = logging.getLogger(__name__)
-
-
-class DaemonUnavailableError(errors.EctierError):
-    """The daemon cannot be reached (not running, wrong path, refused this user) or did not answer
-    in time (hung, stopped)."""
-
-
-class DaemonFeatureError(errors.EctierError):
-    """The daemon lacks an operation this client asked for (a daemon older than the client)."""
 
 
 class DaemonClient:
@@ -487,16 +479,3 @@ class DaemonClient:
 
 def _ns(namespace: str | None) -> dict[str, str]:
     return {} if namespace is None else {"namespace": namespace}
-
-
-def _error_from(error: dict[str, Any]) -> Exception:
-    name = str(error.get("type", "EctierError"))
-    message = str(error.get("message", "daemon error"))
-    if name == "ProtocolError":
-        return ProtocolError(message)
-    if name == "PermissionError":
-        return DaemonUnavailableError(f"the daemon refused this client: {message}")
-    cls = getattr(errors, name, None)
-    if isinstance(cls, type) and issubclass(cls, errors.EctierError):
-        return cls(message)
-    return errors.EctierError(f"{name}: {message}")
