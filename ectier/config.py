@@ -217,8 +217,9 @@ class RemoteTierConfig:
             or one server).
         addresses: ``"host:port[,host:port...]"``: seed nodes of the cluster (one is enough; the
             others are found from it). Required when ``backend`` is not ``"none"``.
-        prefix: first part of every object's key (``<prefix>:<namespace and key digest>``), so
-            that several deployments can share one store. Default ``"ectier"``.
+        prefix: first part of every object's key (Redis: ``<prefix>:m:<digest of namespace and
+            key>`` and its chunks ``<prefix>:c:...``), so that several deployments can share one
+            store. Default ``"ectier"``.
         timeout_s: deadline of one remote call (connect included); a call past it is a miss and
             starts the back-off. Default 2 s.
         backoff_s: after a failed or timed-out call, remote calls are skipped (misses, no I/O)
@@ -262,8 +263,8 @@ class RemoteTierConfig:
     def address_list(self) -> list[tuple[str, int]]:
         """``addresses`` as ``(host, port)`` pairs."""
         out = []
-        for item in self.addresses.split(","):
-            host, _, port = item.strip().rpartition(":")
+        for item in filter(None, (a.strip() for a in self.addresses.split(","))):
+            host, _, port = item.rpartition(":")
             out.append((host.strip("[]"), int(port)))
         return out
 

@@ -368,7 +368,9 @@ def check_remote(cfg: Any) -> None:
     with p.check("remote.addresses"):
         if cfg.addresses:
             check_text("remote.addresses", cfg.addresses, "'host:port[,host:port...]'")
-        if cfg.backend != "none" and not cfg.addresses:
+            if not isinstance(cfg.addresses, str):
+                raise ConfigError(f"remote.addresses: expected 'host:port[,host:port...]', got {cfg.addresses!r}")
+        if cfg.backend != "none" and cfg.backend in REMOTE_BACKENDS and not cfg.addresses.strip(" ,"):
             raise ConfigError("remote.addresses: required with remote.backend "
                               f"{cfg.backend!r}: 'host:port[,host:port...]' of the store's nodes")
         for item in filter(None, (a.strip() for a in cfg.addresses.split(","))):

@@ -220,3 +220,20 @@ def test_the_remote_tier_is_a_tier_that_holds_nothing_locally(nodes):
     assert t.holds(b"x" * 32, 1) is False and t.stored_version(b"x" * 32) is None
     assert {"capacity_bytes", "used_bytes", "entries", "backend", "degraded"} <= set(t.describe())
     assert t.fits(1024) and not t.fits(t.capacity_bytes + 1)
+
+
+def test_addresses_with_spaces_and_a_trailing_comma_are_read_as_the_user_meant():
+    cfg = CacheConfig.from_dict({"remote": {"backend": "redis", "addresses": " 10.0.0.1:7000, 10.0.0.2:7001,"}})
+    assert cfg.remote.address_list == [("10.0.0.1", 7000), ("10.0.0.2", 7001)]
+    with pytest.raises(ConfigError, match="remote.addresses: required"):
+        CacheConfig.from_dict({"remote": {"backend": "redis", "addresses": " , "}})
+    with pytest.raises(ConfigError) as info:  # an unknown backend is one error, not two
+        CacheConfig.from_dict({"remote": {"backend": "memcached"}})
+    assert "remote.backend" in str(info.value) and "remote.addresses" not in str(info.value)
+
+
+def test_object_keys_carry_the_prefix_once(nodes):
+    be, make = nodes
+    c = make(_cfg(prefix="site-a"))
+    key = testing.tier(c, "remote").key_of(entry_digest("qwen", "k"))
+    assert "site-a" not in key and key == entry_digest("qwen", "k").hex()

@@ -1,8 +1,9 @@
 """The remote tier: self-describing, checksummed records on a distributed store, behind a deadline.
 
 Every object is one record in the NVMe tier's format (``ectier/tiers/nvme_record.py``: header
-with namespace, key, dtype, shape, version, xxh3 of the payload; then the payload), under the key
-``<remote.prefix>:<digest of namespace and key>``. A read checks the header, the identity
+with namespace, key, dtype, shape, version, xxh3 of the payload; then the payload), under the
+hex digest of its namespace and key (the backend adds ``remote.prefix``: ``<prefix>:m:<digest>``
+for Redis). A read checks the header, the identity
 (namespace and key), the length and the checksum: any mismatch is a miss, counted
 (``checksum_failures``) — never a wrong tensor.
 
@@ -96,7 +97,9 @@ class RemoteTier(Tier):
 
     # ------------------------------------------------------------------- calls
     def key_of(self, digest: bytes) -> str:
-        return f"{self.config.prefix}:{digest.hex()}"
+        """The object key of an entry: the hex digest of its namespace and key (the backend adds
+        ``remote.prefix`` and its own layout around it)."""
+        return digest.hex()
 
     @property
     def degraded(self) -> bool:
