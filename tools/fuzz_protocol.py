@@ -69,7 +69,7 @@ def _setup() -> None:
     from ectier.cache import TieredCache
 
     server = DaemonServer(cfg)
-    server.cache = TieredCache(cfg)  # no socket, no shm arena: handlers are called directly
+    server.use_cache(TieredCache(cfg))  # no socket, no shm arena: handlers are called directly
     known = {k: torch.arange(i * 1000 + 1, dtype=torch.int32) for i, k in enumerate(["fz-a", "fz-b"])}
     for k, t in known.items():
         server.cache.put(k, t)

@@ -107,6 +107,13 @@ class DaemonServer:
         except KeyError:
             raise EctierError(f"daemon.allowed_group: no group named {name!r} on this machine") from None
 
+    def use_cache(self, cache: TieredCache) -> None:
+        """Serve ``cache`` (opened by :meth:`start`; the protocol fuzzer hands its own to call the
+        handlers without a socket), with the prefetcher of the ``prefetch`` op."""
+        self.cache = cache
+        self.prefetcher = Prefetcher(cache, hold_s=self.config.daemon.lease_s,
+                                     scratch_dir=self.config.daemon.shm_dir, gid=self.allowed_gid)
+
     def start(self) -> None:
         """Open the tiers, bind the socket, start the reaper (and metrics). Returns at once."""
         claim_socket_path(self.socket_path)
@@ -184,9 +191,7 @@ class DaemonServer:
         try:
             fcntl.flock(dir_fd, fcntl.LOCK_EX)
             reclaim_stale_arenas(shm_dir)
-            self.cache = TieredCache(self.config, host_shm_path=self.arena_path)
-            self.prefetcher = Prefetcher(self.cache, hold_s=self.config.daemon.lease_s,
-                                         scratch_dir=self.config.daemon.shm_dir, gid=self.allowed_gid)
+            self.use_cache(TieredCache(self.config, host_shm_path=self.arena_path))
             self._arena_lock_fd = os.open(self.arena_path, os.O_RDONLY)
             fcntl.flock(self._arena_lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:
@@ -258,16 +263,24 @@ class DaemonServer:
         if not self._peer_allowed(uid, gid):
             reason = f"uid {uid} is not allowed (daemon runs as uid {os.getuid()}; see daemon.allowed_group)"
         else:
-            with self._lock:
-                victim, reason = admission(self._conns.values(), uid, max_clients=self.config.daemon.max_clients,
-                                           max_per_uid=self.config.daemon.uid_connection_cap)
-                if reason is None:
-                    if victim is not None:  # idle: no request in progress, no lease; see admission()
-                        victim.closed = True
-                        self.counters["evicted"] += 1
-                    conn = Connection(self._new_id_locked(), sock, pid, uid, gid)
-                    self._conns[conn.id] = conn
-                    self.counters["connections"] += 1
+            # a connection still answering its last request becomes idle a moment later: at the cap,
+            # look again for up to ~0.1 s before refusing while some connection is busy
+            for _ in range(6):
+                with self._lock:
+                    victim, reason = admission(self._conns.values(), uid, max_clients=self.config.daemon.max_clients,
+                                               max_per_uid=self.config.daemon.uid_connection_cap)
+                    if reason is None:
+                        if victim is not None:  # idle: no request in progress, no lease; see admission()
+                            victim.closed = True
+                            self.counters["evicted"] += 1
+                        conn = Connection(self._new_id_locked(), sock, pid, uid, gid)
+                        self._conns[conn.id] = conn
+                        self.counters["connections"] += 1
+                        break
+                    busy = any(c.busy for c in self._conns.values())
+                if not busy:
+                    break
+                time.sleep(0.02)
         if reason is not None:
             self.counters["refused"] += 1
             log.warning("refused connection from pid %d: %s", pid, reason)
