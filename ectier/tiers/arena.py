@@ -7,6 +7,8 @@ Bookkeeping goes through :class:`~ectier.index.ArenaIndex` (slots, pins, block a
 
 from __future__ import annotations
 
+import abc
+
 from typing import Any, Iterator
 
 import torch
@@ -34,14 +36,14 @@ class ArenaTier(Tier):
         self.index = ArenaIndex(capacity_bytes, block_bytes, policy)
         self.buffer: torch.Tensor
 
+    @abc.abstractmethod
     def write(self, slot: Slot, src: torch.Tensor):
         """Copy ``src`` (flat ``uint8``, ``slot.meta.nbytes`` long) into the slot's blocks;
         returns ``None`` (done) or a :class:`~ectier.copy.CopyHandle` (enqueued)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def read_into(self, slot: Slot, dst: torch.Tensor):
         """Copy the slot's bytes into ``dst`` (flat ``uint8``); ``None`` (done) or a copy handle."""
-        raise NotImplementedError
 
     def contiguous_view(self, slot: Slot) -> torch.Tensor | None:
         """The slot's bytes as one zero-copy CPU view, where the tier allows it (host), else ``None``."""
