@@ -14,7 +14,6 @@ from typing import Any, Iterator, NamedTuple
 import torch
 
 from .cache import TieredCache
-from .config import CacheConfig
 from .copy import CopyEngine, CopyHandle, Engines, InlineCopyEngine, Pairs
 from .entry import entry_digest
 from .tiers.arena import ArenaTier

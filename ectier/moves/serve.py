@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..index import Slot
-from ..tensors import byte_view, tensor_from_bytes
+from ..tensors import tensor_from_bytes
 from ..tiers.arena import ArenaTier
 from ..tiers.base import Tier
 from .nvme import RETRY
@@ -163,25 +163,26 @@ class Reads:
             hslot = None
             with m.cond:
                 v = m.catalog.version(digest)
+                if v is not None:  # else stored nowhere here: maybe remote (I/O, outside the lock)
+                    if gpu is not None and gpu.holds(digest, v) and (
+                            want_gpu or not m.stack.lower_holds(gpu, digest, v)):
+                        return True
+                    s = host.current(digest, v) if host is not None else None
+                    if s is not None:
+                        host.touch(s)
+                        if not want_gpu:
+                            return True
+                        hslot = s
+                        host.pin(s)
+                    else:
+                        if m.nvme is None or not m.nvme.tier.holds(digest, v):
+                            return digest in m.catalog
+                        m.nvme.index.touch(digest)
+                        host_fits = host is not None and host.fits(m.nvme.tier.record(digest).header.raw_nbytes)
+                        if not want_gpu and not host_fits:
+                            return True  # it stays where it is: NVMe is the highest tier it fits
             if v is None:
                 return m.remote is not None and m.remote.fetch(digest, ns, key, target if want_gpu else None) is not None
-            with m.cond:
-                if gpu is not None and gpu.holds(digest, v) and (want_gpu or not m.stack.lower_holds(gpu, digest, v)):
-                    return True
-                s = host.current(digest, v) if host is not None else None
-                if s is not None:
-                    host.touch(s)
-                    if not want_gpu:
-                        return True
-                    hslot = s
-                    host.pin(s)
-                else:
-                    if m.nvme is None or not m.nvme.tier.holds(digest, v):
-                        return digest in m.catalog
-                    m.nvme.index.touch(digest)
-                    host_fits = host is not None and host.fits(m.nvme.tier.record(digest).header.raw_nbytes)
-                    if not want_gpu and not host_fits:
-                        return True  # it stays where it is: NVMe is the highest tier it fits
             if hslot is not None:
                 try:
                     m.promote_slot(host, hslot, gpu)

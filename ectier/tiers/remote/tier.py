@@ -28,6 +28,7 @@ from ...codec import RawCodec
 from ...config import RemoteTierConfig
 from ...entry import EntryMeta
 from ...errors import CorruptRecordError, UnknownCodecError
+from ...record import header_nbytes, pack_record
 from ..base import Tier
 from ..nvme_index import HEADER_ALLOWANCE_BYTES
 from ..nvme_record import encode_record, verify_record
@@ -141,7 +142,7 @@ class RemoteTier(Tier):
     def write(self, meta: EntryMeta, src: torch.Tensor, version: int, digest: bytes) -> bool:
         """Write version ``version`` of an entry (``src``: its flat ``uint8`` CPU bytes). True if stored."""
         record = encode_record(self._codec, meta, src, version)
-        data = bytes(record.header_bytes) + bytes(record.payload)
+        data = pack_record(record.header, record.payload)  # one copy of the payload
         ok, _ = self._call("put", lambda: self.backend.put(self.key_of(digest), data,
                                                             deadline_s=self.config.timeout_s))
         return ok
@@ -152,8 +153,6 @@ class RemoteTier(Tier):
         ok, raw = self._call("get", lambda: self.backend.get(self.key_of(digest), deadline_s=self.config.timeout_s))
         if not ok or raw is None:
             return None
-        from ...record import header_nbytes
-
         try:
             mv = memoryview(raw)
             n = header_nbytes(mv)
