@@ -12,7 +12,8 @@ Without ``--addresses`` it starts a 3-node Redis Cluster on loopback (tests/redi
   producer's ``put`` returned (``time.monotonic``, one clock for both processes): the background
   write-through, the store, the consumer's fetch and placement. Reference (``raw``): the producer
   calls redis-py's ``SET`` of the same bytes, the consumer polls ``GET``; latency from the moment
-  ``SET`` was called (a synchronous writer cannot return earlier). p50 / p99 over ``--trials``.
+  ``SET`` was called (a synchronous writer cannot return earlier). The two alternate trial by
+trial; p50 / p99 over ``--trials`` and the median of the per-trial ratios (``paired``).
 - **Throughput**: ``RemoteTier.write`` (the record: header, xxh3, chunks + manifest) and
   ``RemoteTier.fetch`` (manifest, chunks, every check, the bytes into a new tensor) against raw
   ``SET`` / ``GET`` of the tensor's bytes, interleaved rounds after one warm-up; median GB/s, the
@@ -62,7 +63,8 @@ def _cache(addresses: str, host_bytes: int):
 
 def _consumer(conn, addresses: str, mode: str, poll_s: float) -> None:
     """The other node: for each ``(key, nbytes)`` received, answer ``"polling"``, then poll until
-    the entry is there and send back the monotonic time it was (``None`` after 60 s)."""
+    the entry is there and send back ``(monotonic time it was, seconds the successful get took)``
+    (``None`` after 60 s)."""
     cache = _cache(addresses, 256 * MiB) if mode == "ectier" else None
     raw = rb._raw_client(addresses) if mode == "raw" else None
     try:
@@ -75,13 +77,14 @@ def _consumer(conn, addresses: str, mode: str, poll_s: float) -> None:
             end = time.monotonic() + 60
             seen = None
             while time.monotonic() < end:
+                t_get = time.monotonic()
                 got = cache.get(key) if cache is not None else raw.get(key)
                 if got is not None:
                     seen = time.monotonic()
                     assert (got.numel() * got.element_size() if cache is not None else len(got)) == nbytes
                     break
                 time.sleep(poll_s)
-            conn.send(seen)
+            conn.send(None if seen is None else (seen, seen - t_get))
     finally:
         if cache is not None:
             cache.close()
@@ -90,49 +93,54 @@ def _consumer(conn, addresses: str, mode: str, poll_s: float) -> None:
 
 
 def visibility(addresses: str, sizes: list[int], trials: int, poll_s: float) -> list[dict]:
-    """Per size and mode (``ectier``, ``raw``): the latencies (seconds) of every trial."""
+    """Per size and mode (``ectier``, ``raw``): the latencies (seconds) of every trial; the two
+    modes' trials alternate (each has its consumer process, both started first)."""
     import torch
 
     ctx = multiprocessing.get_context("spawn")
-    rows = []
-    for mode in ("ectier", "raw"):
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_consumer, args=(child, addresses, mode, poll_s), daemon=True)
-        proc.start()
-        producer = _cache(addresses, 512 * MiB) if mode == "ectier" else None
-        raw = rb._raw_client(addresses) if mode == "raw" else None
-        try:
-            for size in sizes:
-                lat = []
-                for i in range(trials + 1):  # trial 0 warms up
+    pipes, procs = {}, []
+    producer = _cache(addresses, 512 * MiB)
+    raw = rb._raw_client(addresses)
+    try:
+        for mode in ("ectier", "raw"):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_consumer, args=(child, addresses, mode, poll_s), daemon=True)
+            proc.start()
+            pipes[mode] = parent
+            procs.append(proc)
+        lat: dict[tuple[str, int], list[float]] = {}
+        fetch: dict[tuple[str, int], list[float]] = {}
+        for size in sizes:
+            for i in range(trials + 1):  # trial 0 warms up
+                t = _tensor(size, i)
+                for mode, conn in pipes.items():
                     key = f"vis:{mode}:{size}:{i}"
-                    t = _tensor(size, i)
-                    data = t.view(torch.uint8).numpy().tobytes() if raw is not None else None
-                    parent.send((key, size))
-                    assert parent.recv() == "polling"
-                    if producer is not None:
+                    conn.send((key, size))
+                    assert conn.recv() == "polling"
+                    if mode == "ectier":
                         producer.put(key, t)
                         t0 = time.monotonic()
                     else:
+                        data = t.view(torch.uint8).numpy().tobytes()
                         t0 = time.monotonic()
                         raw.set(key, data)
-                    seen = parent.recv()
-                    assert seen is not None, f"{key} never became visible"
+                    got = conn.recv()
+                    assert got is not None, f"{key} never became visible"
                     if i:
-                        lat.append(seen - t0)
-                    if producer is not None:
-                        producer.delete(key)  # keeps the store small (remote copy removed too)
+                        lat.setdefault((mode, size), []).append(got[0] - t0)
+                        fetch.setdefault((mode, size), []).append(got[1])
+                    if mode == "ectier":
+                        producer.delete(key)  # keeps the store small (the remote copy goes too)
                     else:
                         raw.delete(key)
-                rows.append({"mode": mode, "bytes": size, "latency_s": lat})
-        finally:
-            parent.send(None)
+    finally:
+        for conn in pipes.values():
+            conn.send(None)
+        for proc in procs:
             proc.join(30)
-            if producer is not None:
-                producer.close()
-            if raw is not None:
-                raw.close()
-    return rows
+        producer.close()
+        raw.close()
+    return [{"mode": m, "bytes": n, "latency_s": v, "last_get_s": fetch[m, n]} for (m, n), v in lat.items()]
 
 
 def throughput(addresses: str, sizes: list[int], rounds: int) -> list[dict]:
@@ -181,13 +189,16 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def tables(vis: list[dict], thr: list[dict]) -> str:
-    out = ["| MiB | ectier p50 ms | ectier p99 ms | raw p50 ms | raw p99 ms | p50 ratio ectier / raw |",
-           "|---|---|---|---|---|---|"]
-    by = {(r["mode"], r["bytes"]): r["latency_s"] for r in vis}
+    out = ["| MiB | ectier p50 ms | ectier p99 ms | raw p50 ms | raw p99 ms | p50 ectier / raw | paired "
+           "| of it the hit's get, p50 ms: ectier / raw |", "|---|---|---|---|---|---|---|---|"]
+    by = {(r["mode"], r["bytes"]): r for r in vis}
     for size in sorted({r["bytes"] for r in vis}):
-        e, r = by["ectier", size], by["raw", size]
+        e, r = by["ectier", size]["latency_s"], by["raw", size]["latency_s"]
+        ge, gr = by["ectier", size]["last_get_s"], by["raw", size]["last_get_s"]
+        paired = statistics.median(a / b for a, b in zip(e, r))
         out.append(f"| {size / MiB:g} | {_pct(e, .5) * 1e3:.1f} | {_pct(e, .99) * 1e3:.1f} | {_pct(r, .5) * 1e3:.1f} "
-                   f"| {_pct(r, .99) * 1e3:.1f} | {_pct(e, .5) / _pct(r, .5):.2f} |")
+                   f"| {_pct(r, .99) * 1e3:.1f} | {_pct(e, .5) / _pct(r, .5):.2f} | {paired:.2f} "
+                   f"| {_pct(ge, .5) * 1e3:.1f} / {_pct(gr, .5) * 1e3:.1f} |")
     out += ["", "| MiB | put GB/s | raw SET GB/s | put ratio | put paired | get GB/s | raw GET GB/s | get ratio "
             "| get paired |", "|---|---|---|---|---|---|---|---|---|"]
     for row in thr:
