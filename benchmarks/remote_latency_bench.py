@@ -17,8 +17,9 @@ trial; p50 / p99 over ``--trials`` and the median of the per-trial ratios (``pai
 - **Throughput**: ``RemoteTier.write`` (the record: header, xxh3, chunks + manifest) and
   ``RemoteTier.fetch`` (manifest, chunks, every check, the bytes into a new tensor) against raw
   ``SET`` / ``GET`` of the tensor's bytes, interleaved rounds after one warm-up; median GB/s, the
-  ratio of the medians and the median of the per-round ratios (``paired``). Goal (issue 13):
-  >= 90 % of the raw client at >= 16 MiB.
+  ratio of the medians and the median of the per-round ratios (``paired``); and the two parts of a
+  put, timed apart in the same rounds: joining the record (header + payload) into one buffer, and
+  the backend's put of that buffer. Goal (issue 13): >= 90 % of the raw client at >= 16 MiB.
 
 Figures: docs/benchmarks.md ("Remote tier: visibility across nodes, and the tier against the raw
 client").
@@ -147,8 +148,10 @@ def throughput(addresses: str, sizes: list[int], rounds: int) -> list[dict]:
     """Per size: RemoteTier write / fetch seconds and raw SET / GET seconds, per round."""
     import torch
 
+    from ectier.codec import RawCodec
     from ectier.config import RemoteTierConfig
     from ectier.entry import EntryMeta, entry_digest
+    from ectier.tiers.nvme_record import encode_record
     from ectier.tiers.remote import open_backend
     from ectier.tiers.remote.tier import RemoteTier
 
@@ -163,8 +166,14 @@ def throughput(addresses: str, sizes: list[int], rounds: int) -> list[dict]:
             data = src.numpy().tobytes()
             meta = EntryMeta("bench", f"k{size}", "bfloat16", tuple(t.shape), size)
             digest = entry_digest("bench", f"k{size}")
-            times: dict[str, list[float]] = {"put": [], "get": [], "raw_put": [], "raw_get": []}
+            times: dict[str, list[float]] = {"put": [], "get": [], "raw_put": [], "raw_get": [], "join": [],
+                                             "backend_put": []}
             for r in range(rounds + 1):
+                # the parts of a put: the record joined into one buffer, the backend's put of it
+                rec = encode_record(RawCodec(), meta, src, r + 1)
+                dt_j, packed = rb._timed(lambda: b"".join((rec.header_bytes, rec.payload)))
+                dt_b, _ = rb._timed(lambda: tier.backend.put(tier.key_of(digest), packed, deadline_s=DEADLINE_S))
+                del packed
                 dt_rp, _ = rb._timed(lambda: raw.set(f"raw:{size}", data))
                 dt_rg, got = rb._timed(lambda: raw.get(f"raw:{size}"))
                 assert got == data
@@ -172,7 +181,8 @@ def throughput(addresses: str, sizes: list[int], rounds: int) -> list[dict]:
                 dt_g, got = rb._timed(lambda: tier.fetch(digest, "bench", f"k{size}"))
                 assert ok and got is not None and got[1].numel() == size
                 if r:
-                    for k, v in (("put", dt_p), ("get", dt_g), ("raw_put", dt_rp), ("raw_get", dt_rg)):
+                    for k, v in (("put", dt_p), ("get", dt_g), ("raw_put", dt_rp), ("raw_get", dt_rg),
+                                 ("join", dt_j), ("backend_put", dt_b)):
                         times[k].append(v)
             raw.delete(f"raw:{size}")
             tier.delete(digest)
@@ -200,7 +210,7 @@ def tables(vis: list[dict], thr: list[dict]) -> str:
                    f"| {_pct(r, .99) * 1e3:.1f} | {_pct(e, .5) / _pct(r, .5):.2f} | {paired:.2f} "
                    f"| {_pct(ge, .5) * 1e3:.1f} / {_pct(gr, .5) * 1e3:.1f} |")
     out += ["", "| MiB | put GB/s | raw SET GB/s | put ratio | put paired | get GB/s | raw GET GB/s | get ratio "
-            "| get paired |", "|---|---|---|---|---|---|---|---|---|"]
+            "| get paired | put's parts, ms: join / backend put / raw SET |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in thr:
         n = row["bytes"]
         cells = [f"{n / MiB:g}"]
@@ -208,6 +218,7 @@ def tables(vis: list[dict], thr: list[dict]) -> str:
             mine, theirs = statistics.median(row[op]), statistics.median(row[f"raw_{op}"])
             paired = statistics.median(t / m for m, t in zip(row[op], row[f"raw_{op}"]))
             cells += [f"{n / mine / 1e9:.2f}", f"{n / theirs / 1e9:.2f}", f"{theirs / mine:.0%}", f"{paired:.0%}"]
+        cells.append(" / ".join(f"{statistics.median(row[k]) * 1e3:.0f}" for k in ("join", "backend_put", "raw_put")))
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
