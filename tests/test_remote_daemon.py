@@ -175,3 +175,17 @@ def test_a_host_less_cache_writes_its_nvme_puts_through(remote_store, tmp_path):
     finally:
         producer.close()
         consumer.close()
+
+
+def test_the_latency_histogram_counts_each_call_in_its_bucket_cumulatively():
+    from ectier.stats import LATENCY_BUCKETS_S, LatencyHistogram
+
+    h = LatencyHistogram(("get", "put"))
+    for s in (0.0001, 0.003, 0.003, 0.7, 60.0):
+        h.observe("get", s)
+    snap = h.snapshot()
+    got = dict((le, n) for le, n in snap["get"]["buckets"])
+    assert [le for le, _ in snap["get"]["buckets"]] == list(LATENCY_BUCKETS_S)
+    assert (got[0.0005], got[0.0025], got[0.005], got[0.5], got[1.0], got[10.0]) == (1, 1, 3, 3, 4, 4)
+    assert snap["get"]["count"] == 5 and abs(snap["get"]["sum_s"] - 60.7061) < 1e-9
+    assert snap["put"] == {"buckets": [[le, 0] for le in LATENCY_BUCKETS_S], "count": 0, "sum_s": 0.0}
