@@ -189,3 +189,24 @@ def test_the_latency_histogram_counts_each_call_in_its_bucket_cumulatively():
     assert (got[0.0005], got[0.0025], got[0.005], got[0.5], got[1.0], got[10.0]) == (1, 1, 3, 3, 4, 4)
     assert snap["get"]["count"] == 5 and abs(snap["get"]["sum_s"] - 60.7061) < 1e-9
     assert snap["put"] == {"buckets": [[le, 0] for le in LATENCY_BUCKETS_S], "count": 0, "sum_s": 0.0}
+
+
+def test_the_prefetch_op_fetches_a_remote_only_entry_in_the_background(remote_store):
+    """Before: ``prefetch`` answered ``absent`` for every key the consumer daemon did not hold
+    locally (it asked only ``contains``), so a vLLM consumer in daemon mode never used the remote
+    tier."""
+    remote = remote_store.section()
+    t = make_tensor(5, "bfloat16", SHAPE)
+    with remote_daemon(remote) as producer, remote_daemon(remote) as consumer:
+        with DaemonClient(producer.socket_path) as c:
+            c.put("img", t)
+        wait_written(producer, 1)
+        with DaemonClient(consumer.socket_path) as c:
+            first = c.prefetch(["img", "never-put"])
+            assert first[0] in ("promoting", "ready") and first[1] in ("promoting", "absent")
+            wait_for(lambda: c.prefetch(["img"]) == ["ready"], timeout=20, what="the remote entry to be ready")
+            wait_for(lambda: c.prefetch(["never-put"]) == ["absent"], timeout=20, what="a remote miss to be absent")
+            assert_same(c.get("img"), t)
+        s = daemon_stats(consumer.socket_path)
+        assert s["tiers"]["remote"]["hits"] == 1  # fetched once, by the prefetch
+        assert s["daemon"]["prefetch"]["taken"] == 1  # the get took the prefetch's pin: no I/O
