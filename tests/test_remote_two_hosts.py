@@ -9,10 +9,12 @@ Needs root (``ip netns``): skipped with the reason otherwise, a failure on CI (`
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import subprocess
+from typing import Iterator
 
 import pytest
 import torch
@@ -38,6 +40,24 @@ def hosts():
     with netns.two_hosts() as h:
         yield h
     assert not netns.namespace_exists(h.a.name) and not netns.namespace_exists(h.b.name)
+
+
+@contextlib.contextmanager
+def _redis_in(hosts: netns.Hosts, host: netns.Host) -> Iterator[dict]:
+    with netns.redis_cluster_in(hosts, host) as addresses:
+        yield {"backend": "redis", "addresses": addresses, "timeout_s": 2.0, "backoff_s": 0.5}
+
+
+#: backend -> ``(hosts, host) ->`` a context manager running its servers in ``host``'s namespace,
+#: yielding the ``remote:`` section that reaches them (a second backend joins here)
+STORES_IN_NAMESPACE = {"redis": _redis_in}
+
+
+@pytest.fixture(params=sorted(STORES_IN_NAMESPACE))
+def remote_in_a(hosts, request):
+    """The ``remote:`` section of a store running in namespace ``a`` (the encoder's host)."""
+    with STORES_IN_NAMESPACE[request.param](hosts, hosts.a) as remote:
+        yield remote
 
 
 class NamespacedDaemon(DaemonProcess):
@@ -73,42 +93,41 @@ def _run_producer(hosts, d: str, remote: dict, specs: list) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_an_entry_put_on_one_host_is_served_on_the_other_across_a_restart(hosts):
-    with netns.redis_cluster_in(hosts, hosts.a) as addresses:
-        remote = {"backend": "redis", "addresses": addresses, "timeout_s": 2.0, "backoff_s": 0.5}
-        specs = [[f"img{i}", i, 1024] for i in range(4)]  # 4 MiB each: chunks on every node
-        d = short_tmpdir()
-        os.chmod(d, 0o755)
+def test_an_entry_put_on_one_host_is_served_on_the_other_across_a_restart(hosts, remote_in_a):
+    remote = remote_in_a
+    specs = [[f"img{i}", i, 1024] for i in range(4)]  # 4 MiB each: chunks on every node
+    d = short_tmpdir()
+    os.chmod(d, 0o755)
+    try:
+        produced = _run_producer(hosts, d, remote, specs)
+        assert produced["remote"]["puts"] == 4 and all(produced["digests"].values())
+        cfg = daemon_config(os.path.join(d, "pd"), host_bytes=32 * 2**20, nvme_bytes=64 * 2**20,
+                            namespace="qwen3-vl")
+        os.makedirs(os.path.join(d, "pd"))
+        cfg["remote"] = remote
+        consumer = NamespacedDaemon(hosts.b, write_config(os.path.join(d, "pd", "cfg.yaml"), cfg),
+                                    cfg["daemon"]["socket_path"])
         try:
-            produced = _run_producer(hosts, d, remote, specs)
-            assert produced["remote"]["puts"] == 4 and all(produced["digests"].values())
-            cfg = daemon_config(os.path.join(d, "pd"), host_bytes=32 * 2**20, nvme_bytes=64 * 2**20,
-                                namespace="qwen3-vl")
-            os.makedirs(os.path.join(d, "pd"))
-            cfg["remote"] = remote
-            consumer = NamespacedDaemon(hosts.b, write_config(os.path.join(d, "pd", "cfg.yaml"), cfg),
-                                        cfg["daemon"]["socket_path"])
-            try:
-                consumer.start(timeout=60)
-                rx = hosts.rx_bytes(hosts.b)
-                with DaemonClient(consumer.socket_path, client_name="pd") as c:
-                    for key in ("img0", "img1"):
-                        got = c.get(key)
-                        assert got is not None and _digest(got) == produced["digests"][key], key
-                st = daemon_stats(consumer.socket_path)["tiers"]["remote"]
-                assert st["hits"] == 2 and st["addresses"] == addresses
-                assert hosts.rx_bytes(hosts.b) - rx >= 2 * 4 * 2**20  # the bytes came across the pair
+            consumer.start(timeout=60)
+            rx = hosts.rx_bytes(hosts.b)
+            with DaemonClient(consumer.socket_path, client_name="pd") as c:
+                for key in ("img0", "img1"):
+                    got = c.get(key)
+                    assert got is not None and _digest(got) == produced["digests"][key], key
+            st = daemon_stats(consumer.socket_path)["tiers"]["remote"]
+            assert st["hits"] == 2 and st["addresses"] == remote["addresses"]
+            assert hosts.rx_bytes(hosts.b) - rx >= 2 * 4 * 2**20  # the bytes came across the pair
 
-                consumer.terminate()
-                consumer.start(timeout=60)
-                with DaemonClient(consumer.socket_path, client_name="pd") as c:
-                    for key, digest in produced["digests"].items():
-                        got = c.get(key)
-                        assert got is not None and _digest(got) == digest, key
-                st = daemon_stats(consumer.socket_path)["tiers"]["remote"]
-                assert st["hits"] == 2  # img2, img3 across the pair; img0, img1 from its own NVMe
-                assert st["errors"] + st["timeouts"] + st["checksum_failures"] == 0
-            finally:
-                consumer.stop()
+            consumer.terminate()
+            consumer.start(timeout=60)
+            with DaemonClient(consumer.socket_path, client_name="pd") as c:
+                for key, digest in produced["digests"].items():
+                    got = c.get(key)
+                    assert got is not None and _digest(got) == digest, key
+            st = daemon_stats(consumer.socket_path)["tiers"]["remote"]
+            assert st["hits"] == 2  # img2, img3 across the pair; img0, img1 from its own NVMe
+            assert st["errors"] + st["timeouts"] + st["checksum_failures"] == 0
         finally:
-            remove_dir(d)
+            consumer.stop()
+    finally:
+        remove_dir(d)
