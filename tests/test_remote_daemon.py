@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import urllib.request
 from typing import Any, Iterator
 
-from daemon_helpers import (MiB, DaemonProcess, assert_same, daemon_config, daemon_stats, make_tensor, remove_dir,
+from daemon_helpers import (ECTIER_SCRIPT, MiB, DaemonProcess, assert_same, clean_env, daemon_config, daemon_stats, make_tensor, remove_dir,
                             short_tmpdir, wait_for, write_config)
 from redis_cluster import free_port
 from remote_stores import remote_store  # noqa: F401
@@ -127,6 +128,11 @@ def test_a_store_that_is_down_is_counted_errors_and_degraded_on_the_prometheus_p
             c.put("local", t)  # the local tiers keep serving
             assert_same(c.get("local"), t)
         m = scrape(d)
+        shown = subprocess.run([ECTIER_SCRIPT, "stats", "--socket", d.socket_path], capture_output=True, text=True,
+                               timeout=60, env=dict(clean_env(), COLUMNS="200"))
+    # before: `ectier stats` of a daemon with a remote tier died on a KeyError ('evictions')
+    assert shown.returncode == 0, shown.stderr
+    assert "remote" in shown.stdout and "errors" in shown.stdout
     assert m["ectier_remote_errors_total", (("kind", "error"),)] + m[
         "ectier_remote_errors_total", (("kind", "timeout"),)] >= 1
     assert m["ectier_remote_backoffs_total", ()] >= 1
