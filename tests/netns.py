@@ -11,8 +11,9 @@ earlier run left behind (its pid gone) are deleted first.
 namespace's veth address only (``--bind 10.213.0.1``): the other namespace reaches it across the
 pair (:meth:`Hosts.rx_bytes` counts what crossed it).
 
-:func:`unavailable_reason` says why namespaces cannot be made here (not root, no ``ip``); the test
-skips with it, and on CI (``CI=true``) fails instead (as ``tests/redis_cluster.py`` does).
+:func:`unavailable_reason` says why namespaces cannot be made here (not root; no ``ip`` even after
+``apt-get install iproute2``); the test skips with it, and on CI (``CI=true``) fails instead (as
+``tests/redis_cluster.py`` does).
 
 Run as a script (``python tests/netns.py put|get CONFIG.json KEYS.json``) it is the producer or
 consumer process of a test, started in a namespace with ``ip netns exec``: ``put`` stores every
@@ -41,12 +42,29 @@ PREFIX = "ect"
 _STARTUP_S = 30.0
 
 
+def _install_ip() -> str:
+    """Install Debian's ``iproute2`` (the ``ip`` command) with apt-get; '' or why not."""
+    if shutil.which("apt-get") is None:
+        return "the ip command (iproute2) is missing and apt-get is not there to install it"
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "iproute2"]):
+        try:
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"{' '.join(cmd)} failed: {exc}"
+        if done.returncode != 0:
+            return f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr.strip()[-500:]}"
+    return "" if shutil.which("ip") else "the ip command is still missing after apt-get install iproute2"
+
+
 def unavailable_reason() -> str:
-    """'' if network namespaces can be made here, else why not."""
+    """'' if network namespaces can be made here (installing ``iproute2`` when missing), else why not."""
     if os.geteuid() != 0:
         return "network namespaces need root (ip netns add)"
     if shutil.which("ip") is None:
-        return "the ip command (iproute2) is missing"
+        why = _install_ip()
+        if why:
+            return why
     probe = f"{PREFIX}{os.getpid()}probe"
     done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if done.returncode != 0:
