@@ -379,7 +379,9 @@ def stats(socket_path: Optional[str], as_json: bool, timeout_s: float) -> None:
     rows = [("used / capacity", lambda t: f"{format_bytes(t['used_bytes'])} / {format_bytes(t['capacity_bytes'])}"),
             ("entries", lambda t: str(t["entries"])), ("hits", lambda t: str(t["hits"])),
             ("hit bytes", lambda t: format_bytes(t["hit_bytes"])), ("puts", lambda t: str(t["puts"])),
-            ("evictions", lambda t: str(t["evictions"])),
+            ("evictions", lambda t: str(t.get("evictions", "—"))),
+            ("misses", lambda t: str(t.get("misses", "—"))),  # the remote tier's
+            ("errors", lambda t: str(t["errors"] + t["timeouts"]) if "timeouts" in t else "—"),
             ("demotions", lambda t: str(t.get("demotions", "—"))), ("promotions", lambda t: str(t.get("promotions", "—"))),
             ("checksum failures", lambda t: str(t.get("checksum_failures", "—")))]
     for label, fn in rows:

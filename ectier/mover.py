@@ -366,7 +366,9 @@ class Mover:
             self.after_put(tier, digest, version, meta.nbytes)
             handle.finish(True)
             return True
-        self.nvme.store(digest, meta, version, src if src.device.type == "cpu" else src.cpu(), register=True)
+        if self.nvme.store(digest, meta, version, src if src.device.type == "cpu" else src.cpu(), register=True) \
+                and self.remote is not None:
+            self.remote.write_later(self.nvme.tier, digest, version, meta.nbytes)  # read back from NVMe
         handle.finish(True)
         return True
 

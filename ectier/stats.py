@@ -2,7 +2,8 @@
 
 One counter API: :meth:`Counters.count` (thread-safe, any thread, with or without the cache lock).
 The names each scope keeps are fixed here, so a typo is a ``KeyError`` in tests, not a silent new
-counter; ``stats()`` reports every one of them, zero or not.
+counter; ``stats()`` reports every one of them, zero or not. :class:`LatencyHistogram`: call
+latencies per operation in fixed buckets (the remote tier's calls), as Prometheus histograms take them.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Iterable
 
-__all__ = ["Counters", "COUNTER_NAMES"]
+__all__ = ["Counters", "COUNTER_NAMES", "LatencyHistogram", "LATENCY_BUCKETS_S"]
 
 #: counter names per scope ("cache" and one per tier), as ``stats()`` reports them
 COUNTER_NAMES: dict[str, tuple[str, ...]] = {
@@ -62,3 +63,48 @@ class Counters:
         """Every counter of ``scope`` (zeros included), in the order of :data:`COUNTER_NAMES`."""
         with self._lock:
             return dict(self._by_scope[scope])
+
+
+#: upper bounds (seconds) of the buckets of :class:`LatencyHistogram` (a last, unbounded bucket follows)
+LATENCY_BUCKETS_S: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                                        2.5, 5.0, 10.0)
+
+
+class LatencyHistogram:
+    """Latencies (seconds) of calls per operation, counted in the buckets of :data:`LATENCY_BUCKETS_S`.
+
+    Args:
+        ops: the operation names observed (another name is a ``KeyError``).
+    """
+
+    def __init__(self, ops: Iterable[str]) -> None:
+        self._lock = threading.Lock()
+        n = len(LATENCY_BUCKETS_S) + 1
+        self._counts = {op: [0] * n for op in ops}
+        self._sums = dict.fromkeys(self._counts, 0.0)
+
+    def observe(self, op: str, seconds: float) -> None:
+        """Count one call of ``op`` that took ``seconds``.
+
+        Raises:
+            KeyError: an unknown operation.
+        """
+        counts = self._counts[op]
+        i = next((i for i, le in enumerate(LATENCY_BUCKETS_S) if seconds <= le), len(LATENCY_BUCKETS_S))
+        with self._lock:
+            counts[i] += 1
+            self._sums[op] += seconds
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """``{op: {"buckets": [[upper bound s, cumulative count], ...], "count": calls, "sum_s":
+        seconds}}``, one bucket per bound of :data:`LATENCY_BUCKETS_S` (calls slower than the last
+        bound are only in ``count``)."""
+        out = {}
+        with self._lock:
+            for op, counts in self._counts.items():
+                cum, buckets = 0, []
+                for le, n in zip(LATENCY_BUCKETS_S, counts):
+                    cum += n
+                    buckets.append([le, cum])
+                out[op] = {"buckets": buckets, "count": cum + counts[-1], "sum_s": self._sums[op]}
+        return out

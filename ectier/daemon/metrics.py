@@ -12,6 +12,8 @@ metric                                      type       meaning
 ``ectier_tier_puts_total{tier}``            counter    entries written into a tier
 ``ectier_tier_put_bytes_total{tier}``       counter    bytes written into a tier
 ``ectier_tier_evictions_total{tier}``       counter    entries evicted from a tier
+``ectier_tier_misses_total{tier}``          counter    local misses a tier did not have either
+                                                       (the remote tier)
 ``ectier_demotions_total``                  counter    host victims written down to NVMe
 ``ectier_promotions_total``                 counter    NVMe hits copied back up to host
 ``ectier_drops_total``                      counter    host victims lost (no room below)
@@ -32,7 +34,20 @@ metric                                      type       meaning
                                                        ``expired`` (pin not taken in ``lease_s``),
                                                        ``taken`` (by a get)
 ``ectier_prefetch_held_bytes``              gauge      arena bytes pinned by finished promotions
+``ectier_remote_errors_total{kind}``        counter    remote calls that failed: ``error``,
+                                                       ``timeout`` (past ``remote.timeout_s``),
+                                                       ``checksum`` (an object failed its checks)
+``ectier_remote_skipped_total{reason}``     counter    remote work not done: ``degraded`` (calls
+                                                       in a back-off), ``backlog``, ``too_large``
+                                                       (write-throughs)
+``ectier_remote_backoffs_total``            counter    back-offs started after a failed call
+``ectier_remote_degraded``                  gauge      1 while the remote tier is in a back-off
+``ectier_remote_op_seconds{op}``            histogram  latency of remote calls (``put``, ``get``,
+                                                       ``exists``, ``delete``), failed ones included
 ==========================================  =========  ==============================================
+
+The ``ectier_remote_*`` families (and ``tier="remote"`` series) appear only with a remote tier
+(``remote.backend``).
 """
 
 from __future__ import annotations
@@ -70,6 +85,7 @@ class StatsCollector:
         yield per_tier("ectier_tier_puts", "Entries written into a tier", "puts")
         yield per_tier("ectier_tier_put_bytes", "Bytes written into a tier", "put_bytes")
         yield per_tier("ectier_tier_evictions", "Entries evicted from a tier", "evictions")
+        yield per_tier("ectier_tier_misses", "Local misses a tier did not have either", "misses")
         yield per_tier("ectier_tier_used_bytes", "Bytes held by a tier", "used_bytes", GaugeMetricFamily)
         yield per_tier("ectier_tier_capacity_bytes", "Byte budget of a tier", "capacity_bytes", GaugeMetricFamily)
         yield per_tier("ectier_tier_entries", "Entries held by a tier", "entries", GaugeMetricFamily)
@@ -80,6 +96,8 @@ class StatsCollector:
         yield CounterMetricFamily("ectier_drops", "Host victims lost for lack of room below", value=host.get("drops", 0))
         yield CounterMetricFamily("ectier_checksum_failures", "NVMe records that failed a check",
                                   value=nvme.get("checksum_failures", 0))
+        if "remote" in tiers:
+            yield from _remote_families(tiers["remote"])
         daemon = s.get("daemon")
         if daemon is not None:
             yield GaugeMetricFamily("ectier_clients", "Connected clients", value=len(daemon["clients"]))
@@ -104,6 +122,30 @@ class StatsCollector:
             yield fam
             yield GaugeMetricFamily("ectier_prefetch_held_bytes", "Arena bytes pinned by finished promotions",
                                     value=prefetch.get("held_bytes", 0))
+
+
+def _remote_families(r: dict[str, Any]) -> Iterable[Any]:
+    """The remote tier's own families, from ``stats()["tiers"]["remote"]``."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    errors = CounterMetricFamily("ectier_remote_errors", "Remote calls that failed", labels=["kind"])
+    for kind, field in (("error", "errors"), ("timeout", "timeouts"), ("checksum", "checksum_failures")):
+        errors.add_metric([kind], r.get(field, 0))
+    yield errors
+    skipped = CounterMetricFamily("ectier_remote_skipped", "Remote work not done", labels=["reason"])
+    for reason, field in (("degraded", "skipped_degraded"), ("backlog", "skipped_backlog"),
+                          ("too_large", "skipped_too_large")):
+        skipped.add_metric([reason], r.get(field, 0))
+    yield skipped
+    yield CounterMetricFamily("ectier_remote_backoffs", "Back-offs started after a failed remote call",
+                              value=r.get("backoffs", 0))
+    yield GaugeMetricFamily("ectier_remote_degraded", "1 while the remote tier is in a back-off",
+                            value=1 if r.get("degraded") else 0)
+    hist = HistogramMetricFamily("ectier_remote_op_seconds", "Latency of remote calls", labels=["op"])
+    for op, h in (r.get("latency") or {}).items():
+        buckets = [(repr(float(le)), n) for le, n in h["buckets"]] + [("+Inf", h["count"])]
+        hist.add_metric([op], buckets, h["sum_s"])
+    yield hist
 
 
 def start_metrics_server(server, host: str, port: int):

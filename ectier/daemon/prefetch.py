@@ -5,6 +5,8 @@ For each key, :meth:`Prefetcher.states` answers from memory (no I/O in the reque
 
 - ``"absent"``: stored nowhere, or its promotion failed (answered once; the next ``prefetch``
   tries again), or (a client without ``direct``) it cannot be leased through the arena;
+  with a remote tier, a key stored nowhere locally is first ``"promoting"`` while the cache's
+  prefetch pool asks the store (then ``"ready"``, fetched into the arena, or ``"absent"``);
 - ``"ready"``: a ``get`` pins it now without I/O: it is in the host arena, or a finished promotion
   holds it for the next ``get``;
 - ``"promoting"``: a promotion runs in a worker thread; ask again later.
@@ -71,6 +73,7 @@ class Prefetcher:
         self.scratch_dir = scratch_dir
         self.gid = gid
         self.max_held_bytes = cache.host_arena_bytes // 2
+        self.remote = cache.config.remote.enabled  # a key stored nowhere here may be on the store
         self._lock = threading.Lock()
         self._running: dict[tuple[str, str], bool] = {}  # (ns, key) -> direct wanted
         self._failed: set[tuple[str, str]] = set()
@@ -101,7 +104,10 @@ class Prefetcher:
                 self._failed.discard(ident)
                 return ABSENT
         if not self.cache.contains(key, namespace=ns):
-            return ABSENT
+            if not self.remote:
+                return ABSENT
+            # maybe on the remote store: the cache's prefetch pool asks it (no I/O here)
+            return self._start(ident, self.cache.prefetch([key], namespace=ns)[0], direct)
         handle = self.cache.prefetch([key], namespace=ns)[0]  # done at once: in the arena, or gone
         if handle.done():
             if not handle.wait(0):
@@ -149,8 +155,9 @@ class Prefetcher:
         ns, key = ident
         held = None
         try:
-            handle.wait()
-            held = self._pin(ns, key, self._running.get(ident, False))
+            # not found and not here: stored nowhere, not even remotely (no second remote call)
+            if handle.wait() or self.cache.contains(key, namespace=ns):
+                held = self._pin(ns, key, self._running.get(ident, False))
         except Exception as exc:  # noqa: BLE001 - a failed promotion is a miss, logged
             log.warning("prefetch of a key failed: %s: %s", type(exc).__name__, exc)
         with self._lock:

@@ -17,10 +17,12 @@ import torch
 from ..entry import EntryMeta
 from ..errors import TierWriteError
 from ..tiers.remote.tier import RemoteTier
+from .nvme import RETRY
 
 if TYPE_CHECKING:
     from ..mover import Mover
     from ..tiers.arena import ArenaTier
+    from ..tiers.base import Tier
 
 __all__ = ["RemoteMoves", "MAX_BACKLOG"]
 
@@ -43,8 +45,9 @@ class RemoteMoves:
         self._idle = threading.Condition(self._lock)
 
     # ------------------------------------------------------------------------- write-through
-    def write_later(self, src: "ArenaTier", digest: bytes, version: int, nbytes: int) -> None:
-        """Queue the write of ``version`` of ``digest`` (committed in ``src``) to the remote tier."""
+    def write_later(self, src: "ArenaTier | Tier", digest: bytes, version: int, nbytes: int) -> None:
+        """Queue the write of ``version`` of ``digest`` (committed in ``src``: a memory tier, or the
+        NVMe tier for a put that went straight there) to the remote tier."""
         if not self.tier.config.write_through:
             return
         if not self.tier.fits(nbytes):
@@ -60,9 +63,12 @@ class RemoteMoves:
             pool = self._pool
         pool.submit(self._write, src, digest, version)
 
-    def _write(self, src: "ArenaTier", digest: bytes, version: int) -> None:
+    def _write(self, src: "ArenaTier | Tier", digest: bytes, version: int) -> None:
         m = self.m
         try:
+            if not src.is_arena:
+                self._write_stored(digest, version)
+                return
             with m.cond:
                 slot = src.current(digest, version)
                 if slot is None:
@@ -80,6 +86,20 @@ class RemoteMoves:
             with self._lock:
                 self._queued -= 1
                 self._idle.notify_all()
+
+    def _write_stored(self, digest: bytes, version: int) -> None:
+        """Write through an entry that only NVMe holds: read its record back (checked), unless a
+        newer version replaced it meanwhile."""
+        m = self.m
+        rec = m.nvme.tier.record(digest)
+        if rec is None or rec.version != version:
+            return  # replaced, deleted or evicted meanwhile
+        got = m.nvme.read(digest, rec.header.namespace, rec.header.key, version)
+        if got is None or got is RETRY:
+            return
+        meta, data = got
+        if self.tier.write(meta, data, version, digest):
+            m.counters.count("remote", puts=1, put_bytes=meta.nbytes)
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued write-through ran; False on timeout."""

@@ -28,7 +28,8 @@ from ...codec import RawCodec
 from ...config import RemoteTierConfig
 from ...entry import EntryMeta
 from ...errors import CorruptRecordError, UnknownCodecError
-from ...record import header_nbytes, pack_record
+from ...record import header_nbytes
+from ...stats import LatencyHistogram
 from ..base import Tier
 from ..nvme_index import HEADER_ALLOWANCE_BYTES
 from ..nvme_record import encode_record, verify_record
@@ -64,6 +65,7 @@ class RemoteTier(Tier):
         self._backoff_until = 0.0
         self._warned = False
         self.counters = dict.fromkeys(REMOTE_COUNTERS, 0)
+        self.latency = LatencyHistogram(("put", "get", "exists", "delete"))  # of the calls made
 
     # ------------------------------------------------------------------- the Tier protocol
     @property
@@ -91,7 +93,8 @@ class RemoteTier(Tier):
         with self._lock:
             counters = dict(self.counters)
         return {**counters, **self.backend.describe(), "prefix": self.config.prefix, "degraded": self.degraded,
-                "capacity_bytes": self.capacity_bytes, "used_bytes": 0, "entries": 0}
+                "capacity_bytes": self.capacity_bytes, "used_bytes": 0, "entries": 0,
+                "latency": self.latency.snapshot()}
 
     def close(self) -> None:
         self.backend.close()
@@ -112,11 +115,14 @@ class RemoteTier(Tier):
         if self.degraded:
             self._count(skipped_degraded=1)
             return False, None
+        t0 = time.perf_counter()
         try:
             result = fn()
         except RemoteError as exc:
+            self.latency.observe(what, time.perf_counter() - t0)
             self._fail(what, exc)
             return False, None
+        self.latency.observe(what, time.perf_counter() - t0)
         with self._lock:
             if self._warned:
                 log.warning("remote tier: %s is answering again", self.backend.describe().get("addresses", "the store"))
@@ -142,7 +148,7 @@ class RemoteTier(Tier):
     def write(self, meta: EntryMeta, src: torch.Tensor, version: int, digest: bytes) -> bool:
         """Write version ``version`` of an entry (``src``: its flat ``uint8`` CPU bytes). True if stored."""
         record = encode_record(self._codec, meta, src, version)
-        data = pack_record(record.header, record.payload)  # one copy of the payload
+        data = b"".join((record.header_bytes, record.payload))  # one copy of the payload, no zero-fill first
         ok, _ = self._call("put", lambda: self.backend.put(self.key_of(digest), data,
                                                             deadline_s=self.config.timeout_s))
         return ok
