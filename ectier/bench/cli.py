@@ -1,4 +1,4 @@
-"""``ectier bench``: tiers | replay | baseline | crossover. Results go to ``--out DIR`` as JSON,
+"""``ectier bench``: tiers | replay | baseline | crossover | connectors (:mod:`.connectors_cmd`). Results go to ``--out DIR`` as JSON,
 markdown (``*.md``) and PNG plots; the main table is printed.
 
 ::
@@ -491,3 +491,12 @@ def crossover_cmd(out, cost_model, workdir, quiet, tiers_json, max_tokens, token
     _plot(console, written, png, lambda: plot_crossover(cross, [(n, cost.seconds(n)) for n in grid if n <= max_tokens],
                                                         png, cost.source))
     console.print(f"wrote {out}/{', '.join(written)} in {result['elapsed_s']:.1f} s")
+
+
+def _register_connectors() -> None:
+    from .connectors_cmd import connectors_cmd  # imports this module's helpers: registered last
+
+    bench.add_command(connectors_cmd)
+
+
+_register_connectors()
