@@ -1,6 +1,6 @@
 """``ectier bench connectors``: the numbers of vLLM EC connectors driven through vLLM's calls.
 
-The driving (vLLM imports) is :mod:`ectier_vllm.connector_driver`; this module is pure Python over
+The driving (vLLM imports) is :mod:`.connector_driver`; this module is pure Python over
 its results: how many items each size gets, medians and p90 per metric, ratios against vLLM's
 ``ECExampleConnector``, the table, the verdict and the plot (matplotlib, optional).
 
@@ -55,7 +55,7 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (variant, N) row of :func:`ectier_vllm.connector_driver.run_variant` results: for each
+    """Per (variant, N) row of :func:`.connector_driver.run_variant` results: for each
     metric ``<key>`` the median ``<key>_p50`` and ``<key>_p90`` (seconds) and, where the baseline ran
     at the same N, ``<key>_vs_example`` = baseline median / this median (> 1: faster than
     ``ECExampleConnector``). Skipped results pass through with their ``skipped`` reason."""

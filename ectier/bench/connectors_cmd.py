@@ -31,18 +31,20 @@ VARIANT_NAMES = ("example", "cpu", "ectier-host", "ectier-nvme", "ectier-daemon"
 
 
 def _driver():
-    """:mod:`ectier_vllm.connector_driver`, or a one-line ClickException saying what is missing."""
+    """:mod:`.connector_driver`, or a one-line ClickException saying what is missing."""
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
         raise click.ClickException(
             f"vLLM is not importable ({exc}): `ectier bench connectors` drives vLLM's own connectors; run it "
             "in the environment where vLLM 0.33 is installed") from None
-    try:
-        from ectier_vllm import connector_driver
-    except ImportError as exc:
-        raise click.ClickException(f"ectier's vLLM bindings are not importable ({exc}): install ectier[vllm] "
-                                   "or put bindings/ on PYTHONPATH") from None
+    import importlib.util
+
+    if importlib.util.find_spec("ectier_vllm") is None:  # vLLM loads ECTierConnector from it by name
+        raise click.ClickException("ectier's vLLM binding (ectier_vllm) is not importable: install ectier[vllm] "
+                                   "or put bindings/ on PYTHONPATH")
+    from . import connector_driver
+
     return connector_driver
 
 

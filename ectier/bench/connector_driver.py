@@ -29,7 +29,8 @@ Timings (seconds, one sample per item): ``save_block_s`` (inside ``save_caches``
 every :data:`POLL_S`), ``load_s`` (bind + ``start_load_caches`` + touching every byte),
 ``consumer_s`` (the whole consumer side, lookup to ``request_finished``).
 
-Importing this module imports vLLM (it lives in the bindings, never in ``ectier``).
+vLLM is imported when a run starts (:func:`run_variant`), never at import; ``ECTierConnector`` is
+named to vLLM by its module path (``ectier_vllm.connector``), so ``ectier`` never imports the binding.
 """
 
 from __future__ import annotations
@@ -42,17 +43,10 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # scheduler + worker in one process
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the tiny model is local; nothing may be downloaded
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-import torch  # noqa: E402
-from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole  # noqa: E402
-from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory  # noqa: E402
-from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
-from vllm.v1.outputs import ECConnectorOutput  # noqa: E402
+import torch
 
 __all__ = ["VARIANTS", "WIDTH", "Variant", "run_variant", "write_model"]
 
@@ -64,6 +58,24 @@ POLL_S = 0.0005
 #: give up on an item whose save is not reported (or whose lookup stays deferred) after this long
 ITEM_TIMEOUT_S = 60.0
 MiB = 1 << 20
+_VLLM: SimpleNamespace | None = None
+
+
+def _v() -> SimpleNamespace:
+    """vLLM's names this driver calls (imported on first use, after its environment is set)."""
+    global _VLLM
+    if _VLLM is None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # scheduler + worker in one process
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the tiny model is local; nothing may be downloaded
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+        from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+        from vllm.v1.core.sched.output import SchedulerOutput
+        from vllm.v1.outputs import ECConnectorOutput
+
+        _VLLM = SimpleNamespace(Role=ECConnectorRole, Factory=ECConnectorFactory, SchedulerOutput=SchedulerOutput,
+                                ECConnectorOutput=ECConnectorOutput)
+    return _VLLM
 #: items saved and loaded first and left out of the samples (first-call costs: imports, arena pages)
 WARMUP = 1
 
@@ -229,9 +241,9 @@ def skip_reason(v: Variant) -> str | None:
     return None
 
 
-def _make(setup: _Setup, model_dir: str, max_tokens: int, role: str, which: ECConnectorRole):
+def _make(setup: _Setup, model_dir: str, max_tokens: int, role: str, which: str):
     cfg = _vllm_config(model_dir, max_tokens, setup.connector, role, setup.extra, setup.module_path)
-    return ECConnectorFactory.create_connector(cfg, which)
+    return _v().Factory.create_connector(cfg, getattr(_v().Role, which))
 
 
 def _device() -> str:
@@ -273,7 +285,7 @@ def _consume(sched, worker, req, mm_hash: str, dst: torch.Tensor) -> dict[str, f
     t0 = time.perf_counter()
     steps = 1
     while not sched.ensure_cache_available(req, 0):
-        sched.build_connector_meta(SchedulerOutput.make_empty())  # the step ends with the request deferred
+        sched.build_connector_meta(_v().SchedulerOutput.make_empty())  # the step ends with the request deferred
         steps += 1
         if time.perf_counter() - t0 > ITEM_TIMEOUT_S:
             raise RuntimeError(f"{sched.__class__.__name__}: {mm_hash} still deferred after {ITEM_TIMEOUT_S} s")
@@ -282,7 +294,7 @@ def _consume(sched, worker, req, mm_hash: str, dst: torch.Tensor) -> dict[str, f
         raise RuntimeError(f"{sched.__class__.__name__}: has_cache_item({mm_hash}) is False for a saved item")
     t1 = time.perf_counter()
     sched.update_state_after_alloc(req, 0)
-    meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+    meta = sched.build_connector_meta(_v().SchedulerOutput.make_empty())
     t2 = time.perf_counter()
     encoder_cache: dict[str, torch.Tensor] = {}
     worker.bind_connector_metadata(meta)
@@ -292,7 +304,7 @@ def _consume(sched, worker, req, mm_hash: str, dst: torch.Tensor) -> dict[str, f
     t3 = time.perf_counter()
     wmeta = worker.build_connector_worker_meta()
     worker.clear_connector_metadata()
-    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wmeta))
+    sched.update_connector_output(_v().ECConnectorOutput(ec_connector_worker_meta=wmeta))
     sched.request_finished(req)
     t4 = time.perf_counter()
     return {"lookup_s": t1 - t0, "lookup_steps": steps, "load_s": t3 - t2, "consumer_s": t4 - t0}
@@ -317,6 +329,7 @@ def run_variant(v: Variant, n: int, reps: int, workdir: str | None = None,
         RuntimeError: a save never reported, a saved item never loadable (the benchmark's own
             checks; a bitwise mismatch is counted, not raised).
     """
+    _v()  # vLLM's environment first
     reason = skip_reason(v)
     if reason:
         return {"variant": v.name, "num_tokens": n, "skipped": reason}
@@ -327,7 +340,7 @@ def run_variant(v: Variant, n: int, reps: int, workdir: str | None = None,
     producer = sched = worker = None
     try:
         setup = _setup(v, directory, (reps + WARMUP) * nbytes + 16 * MiB)
-        producer = _make(setup, model_dir, n, "ec_producer", ECConnectorRole.WORKER)
+        producer = _make(setup, model_dir, n, "ec_producer", "WORKER")
         sync_save = v.kind == "example"
         dev = _device()
         base = torch.randn(n, WIDTH, generator=torch.Generator().manual_seed(n)).to(DTYPE).to(dev)
@@ -346,8 +359,8 @@ def run_variant(v: Variant, n: int, reps: int, workdir: str | None = None,
             if setup.daemon is not None:
                 setup.daemon.stop()
                 setup.daemon.start()
-        sched = _make(setup, model_dir, n, "ec_consumer", ECConnectorRole.SCHEDULER)
-        worker = _make(setup, model_dir, n, "ec_consumer", ECConnectorRole.WORKER)
+        sched = _make(setup, model_dir, n, "ec_consumer", "SCHEDULER")
+        worker = _make(setup, model_dir, n, "ec_consumer", "WORKER")
         dst = torch.empty(n, WIDTH, dtype=DTYPE, device=dev)
         mismatches = 0
         for r, (mm_hash, ref) in enumerate(items):
