@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ectier_vllm.recompute import EncoderCost, RecomputePolicy, TierBandwidth
+from ectier_vllm.recompute import EncoderCost, EncoderStepTimer, LoadOrRecompute, RecomputePolicy, TierBandwidth
 
 MiB = 1 << 20
 ROW = 8192 * 2  # bytes per token of an (N, 8192) bf16 entry
@@ -96,3 +96,112 @@ def test_snapshot_names_sources():
     snap = p.snapshot()
     assert snap["encoder_source"] == "configured" and snap["encoder_seconds_per_token"] == 2e-5
     assert snap["tiers"]["host"]["bytes_per_s"] == pytest.approx(10e9)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _slow_promotions(lor: LoadOrRecompute, clock: Clock, n: int, nbytes: int, seconds: float) -> None:
+    """``n`` promotions seen pending at t and t + seconds, ready one step later."""
+    for i in range(n):
+        assert not lor.check(f"seen{i}", "wait", nbytes, 64)
+        clock.t += seconds
+        assert not lor.check(f"seen{i}", "wait", nbytes, 64)
+        clock.t += 0.05
+        assert not lor.check(f"seen{i}", "ready", nbytes, 64)
+
+
+def test_load_or_recompute_learns_promotions_and_worker_loads():
+    clock = Clock()
+    lor = LoadOrRecompute(True, 1e-6, explore_every=0, now=clock)  # 64 tokens: 64 us to recompute
+    # unknown estimates: every promotion is waited for (loaded)
+    assert not lor.check("a", "wait", MiB, 64)
+    _slow_promotions(lor, clock, 3, MiB, 0.1)  # >= 0.1 s per MiB (the lower end of each bracket)
+    assert lor.policy.bandwidth.bytes_per_s("promote") == pytest.approx(MiB / 0.1)
+    assert not lor.check("b", "wait", MiB, 64)  # the host reads are still unknown
+    for _ in range(3):
+        stats = {"load_bytes": MiB, "load_seconds": [0.0005, 0.0005], "encoder_tokens": 9, "encoder_seconds": 1.0}
+        lor.observe_report(stats)
+        assert "encoder_tokens" not in stats and "encoder_seconds" not in stats and stats["load_bytes"] == MiB
+    assert lor.policy.bandwidth.bytes_per_s("host") == pytest.approx(MiB / 0.001)
+    assert lor.policy.encoder.seconds_per_token() == 1e-6  # configured: the reports do not change it
+    assert lor.check("c", "wait", MiB, 64)  # 0.101 s to load > 64 us to recompute
+    assert not lor.check("c", "ready", 64, 64)  # no pending promotion left for a settled item
+    assert not lor.check("host-hit", "ready", MiB, 64)  # found in the host tier: never recomputed
+
+
+def test_promotion_within_one_step_is_no_observation():
+    clock = Clock()
+    lor = LoadOrRecompute(True, 1e-9, now=clock)
+    for i in range(5):
+        lor.check(f"k{i}", "wait", MiB, 64)
+        clock.t += 0.03
+        lor.check(f"k{i}", "ready", MiB, 64)
+    assert lor.policy.bandwidth.bytes_per_s("promote") is None
+
+
+def test_load_or_recompute_disabled_and_learned_encoder_cost():
+    clock = Clock()
+    off = LoadOrRecompute(False, 1e-9, now=clock)
+    _slow_promotions(off, clock, 3, MiB, 10.0)
+    assert not off.check("x", "wait", MiB, 64) and off.policy.bandwidth.bytes_per_s("promote") is None
+    learned = LoadOrRecompute(True, None, now=clock)
+    for _ in range(3):
+        learned.observe_report({"encoder_tokens": 1000, "encoder_seconds": 0.02})
+    assert learned.policy.encoder.seconds_per_token() == pytest.approx(2e-5)
+    assert learned.policy.encoder.source == "learned"
+
+
+class Event:
+    def __init__(self, ms: float, done: bool = True) -> None:
+        self.ms, self.done = ms, done
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, other: "Event") -> float:
+        return other.ms - self.ms
+
+
+def test_encoder_step_timer_wall_clock_minus_saves():
+    t = EncoderStepTimer()
+    t.begin((10.0, None))
+    t.item(64, (10.5, None))  # encoder ran 0.5 s
+    t.saved(0.2)  # the first save took 0.2 s ...
+    t.item(36, (11.0, None))  # ... so the second item's 0.5 s after it are 0.3 s of encoder
+    t.saved(0.2)  # the last save is not inside the measured window
+    assert t.take() == [(100, pytest.approx(0.8))]
+    assert t.take() == []
+    t.begin((20.0, None))
+    assert t.take() == []  # a step that encoded nothing
+
+
+def test_encoder_step_timer_cuda_events_wait_for_completion():
+    t = EncoderStepTimer()
+    last = Event(250.0, done=False)
+    t.begin((0.0, Event(100.0)))
+    t.item(1000, (0.001, last))  # the CPU only launched the kernels: GPU time comes from the events
+    assert t.take() == []
+    t.begin((0.002, Event(300.0)))  # the next step starts before the last event completed
+    last.done = True
+    assert t.take() == [(1000, pytest.approx(0.150))]
+
+
+def test_extra_config_keys():
+    from ectier.errors import ConfigError
+    from ectier_vllm.config import settings_from_extra_config
+
+    s = settings_from_extra_config({}, default_ns="m")
+    assert s.recompute is True and s.encoder_seconds_per_token is None
+    s = settings_from_extra_config({"mode": "daemon", "recompute": False, "encoder_seconds_per_token": 2e-5},
+                                   default_ns="m")
+    assert s.recompute is False and s.encoder_seconds_per_token == 2e-5
+    with pytest.raises(ConfigError, match=r"ec_connector_extra_config\.recompute: expected true or false"):
+        settings_from_extra_config({"recompute": "yes"}, default_ns="m")
+    with pytest.raises(ConfigError, match=r"ec_connector_extra_config\.encoder_seconds_per_token"):
+        settings_from_extra_config({"encoder_seconds_per_token": 0}, default_ns="m")

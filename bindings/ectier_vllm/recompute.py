@@ -24,7 +24,7 @@ import math
 import threading
 from dataclasses import dataclass
 
-__all__ = ["Decision", "EncoderCost", "RecomputePolicy", "TierBandwidth"]
+__all__ = ["Decision", "EncoderCost", "EncoderStepTimer", "LoadOrRecompute", "RecomputePolicy", "TierBandwidth"]
 
 #: weight of the newest observation in every EWMA
 ALPHA = 0.2
@@ -195,3 +195,124 @@ class RecomputePolicy:
         """Estimates for logs and stats: tiers' bandwidths, seconds per token and its source."""
         return {"tiers": self.bandwidth.snapshot(), "encoder_seconds_per_token": self.encoder.seconds_per_token(),
                 "encoder_source": self.encoder.source}
+
+
+#: the path of an item the scheduler had to wait for: promoted into the host tier (from NVMe or the
+#: remote tier, whichever holds it), then loaded by the worker
+PROMOTED_PATH = ("promote", "host")
+
+
+class LoadOrRecompute:
+    """The scheduler side's use of :class:`RecomputePolicy` (:mod:`ectier_vllm.scheduler` calls it).
+
+    ``check(mm_hash, status, nbytes, tokens)`` is called with each lookup's outcome (``status``:
+    ``"wait"`` while a promotion runs, ``"ready"``, ``"miss"``, ``"timeout"``) and returns True
+    when the item should be recomputed instead (a promotion is needed and the policy says the load
+    would be slower; the promotion itself goes on, so a later request may find it in the host tier).
+
+    Promotion reads are observed as the scheduler sees them, once per step: a promotion's duration
+    lies between the last step that saw it pending and the step that saw it ready; the lower end
+    is observed (an optimistic bandwidth: recompute is chosen only when even that is too slow), and a
+    promotion done within one step gives no observation (a tier that fast is never worth skipping).
+    Worker loads (``load_bytes`` over the sum of ``load_seconds`` of a report) are the ``"host"``
+    reads; the reports' ``encoder_tokens`` / ``encoder_seconds`` (the producer's own encoder steps,
+    :class:`EncoderStepTimer`) teach the encoder's cost unless it is configured.
+
+    Args:
+        enabled: False: ``check`` always loads (nothing is learned either).
+        seconds_per_token: the encoder's configured cost (``None``: learned).
+        now: the clock (seconds); tests pass their own.
+    """
+
+    def __init__(self, enabled: bool = True, seconds_per_token: float | None = None, *,
+                 explore_every: int = EXPLORE_EVERY, now=None) -> None:
+        import time
+
+        self.enabled = enabled
+        self.policy = RecomputePolicy(TierBandwidth(), EncoderCost(seconds_per_token), explore_every=explore_every)
+        self._now = now or time.monotonic
+        self._pending: dict[str, tuple[float, float, int]] = {}  # mm_hash -> (first, last pending, nbytes)
+
+    def check(self, mm_hash: str, status: str, nbytes: int, tokens: int) -> bool:
+        if not self.enabled:
+            return False
+        now = self._now()
+        if status == "wait":
+            first, _, _ = self._pending.get(mm_hash, (now, now, nbytes))
+            self._pending[mm_hash] = (first, now, nbytes)
+            if self.policy.decide(PROMOTED_PATH, nbytes, tokens).recompute:
+                del self._pending[mm_hash]
+                return True
+            return False
+        seen = self._pending.pop(mm_hash, None)
+        if status == "ready" and seen is not None:
+            first, last, size = seen
+            self.policy.bandwidth.observe(PROMOTED_PATH[0], size, last - first)
+        return False
+
+    def observe_report(self, stats: dict) -> None:
+        """Learn from a worker report's ``stats`` (``encoder_tokens``/``encoder_seconds`` are taken
+        out of it: they are inputs of this estimate, not counters)."""
+        tokens, seconds = stats.pop("encoder_tokens", 0), stats.pop("encoder_seconds", 0.0)
+        if not self.enabled:
+            return
+        self.policy.encoder.observe(tokens, seconds)
+        loads = stats.get("load_seconds") or ()
+        self.policy.bandwidth.observe("host", stats.get("load_bytes", 0), float(sum(loads)))
+
+
+class EncoderStepTimer:
+    """A producer worker's encoder time per step: from the end of ``start_load_caches`` (:meth:`begin`)
+    to the start of the step's last ``save_caches`` (:meth:`item`), minus the time spent inside the
+    earlier saves of the step (:meth:`saved`). A mark is ``(seconds, event)``: with CUDA ``event``
+    is a timing event recorded on the current stream, and the GPU time between the two events is
+    used once the last one has completed (``event.query()``); ``event`` None: wall-clock seconds.
+    """
+
+    def __init__(self) -> None:
+        self._start = None
+        self._last = None
+        self._tokens = 0
+        self._saving = 0.0  # seconds inside save_caches before the last item's mark
+        self._save_now = 0.0
+        self._closed: list[tuple[int, object, object, float]] = []
+
+    def begin(self, mark: tuple[float, object]) -> None:
+        self._close()
+        self._start, self._last, self._tokens, self._saving, self._save_now = mark, None, 0, 0.0, 0.0
+
+    def item(self, tokens: int, mark: tuple[float, object]) -> None:
+        if self._start is None:
+            return
+        self._tokens += tokens
+        self._last = mark
+        self._saving += self._save_now
+        self._save_now = 0.0
+
+    def saved(self, seconds: float) -> None:
+        """Seconds the last item's ``save_caches`` took (not encoder time if another item follows)."""
+        self._save_now += seconds
+
+    def _close(self) -> None:
+        if self._start is not None and self._last is not None and self._tokens:
+            self._closed.append((self._tokens, self._start, self._last, self._saving))
+        self._start = self._last = None
+        self._tokens = 0
+
+    def take(self) -> list[tuple[int, float]]:
+        """Finished steps ``(tokens, seconds)`` (the current step is finished by this call); a step
+        whose last CUDA event has not completed yet is kept for a later call."""
+        self._close()
+        out, keep = [], []
+        for tokens, (t0, e0), (t1, e1), saving in self._closed:
+            if e0 is not None and e1 is not None:
+                if not e1.query():
+                    keep.append((tokens, (t0, e0), (t1, e1), saving))
+                    continue
+                seconds = e0.elapsed_time(e1) / 1e3  # milliseconds
+            else:
+                seconds = (t1 - t0) - saving
+            if seconds > 0:
+                out.append((tokens, seconds))
+        self._closed = keep
+        return out

@@ -24,6 +24,7 @@ from . import confirm as save_confirm
 from .common import STORE_ERRORS, logger
 from .metadata import ECTierConnectorMetadata, ECTierWorkerMetadata, LoadItem
 from .metrics import merge_stats_data
+from .recompute import LoadOrRecompute
 from .store import Pin
 
 if TYPE_CHECKING:
@@ -70,6 +71,8 @@ class SchedulerSide:
         # neither encode nor load them again, so this connector reloads them from the store itself,
         # or fails the requests that need them (never a worker crash)
         self._poisoned: set[str] = set()
+        # load or recompute, per item (recompute.py): fed by the lookups and the workers' reports
+        self._recompute = LoadOrRecompute(self.settings.recompute, self.settings.encoder_seconds_per_token)
         # producer on the V1 model runner: the scheduler counts the saves (see confirm.py)
         self._confirm: save_confirm.SaveConfirmer | None = None
         if role == ECConnectorRole.SCHEDULER and not save_confirm.reports_reach_scheduler(
@@ -131,6 +134,14 @@ class SchedulerSide:
                 state.req_ids.add(request.request_id)
                 continue
             status = self._promotion(mm_hash)
+            rows = request.get_num_encoder_embeds(index)
+            if self._recompute.check(mm_hash, status.value, self._item_nbytes(rows), rows):
+                # loading would take longer than encoding: a miss (vLLM encodes it); the promotion
+                # goes on, so a later request may find it in the host tier
+                self._count(recompute_chosen=1)
+                self._prefetching.pop(mm_hash, None)
+                self._settled.setdefault(request.request_id, set()).add(mm_hash)
+                continue
             if status is Promotion.WAIT:
                 ready = False
             elif status is Promotion.TIMEOUT:
@@ -277,6 +288,7 @@ class SchedulerSide:
             self._poisoned.add(mm_hash)
             self._release_pin(mm_hash)
         if meta.stats:
+            self._recompute.observe_report(meta.stats)  # takes out encoder_tokens/_seconds
             self._stats = merge_stats_data(self._stats, meta.stats)
 
     def take_unavailable_requests(self) -> set[str]:

@@ -19,6 +19,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from .common import STORE_ERRORS
 from .metadata import ECTierConnectorMetadata, ECTierWorkerMetadata
 from .ranks import is_lead_worker
+from .recompute import EncoderStepTimer
 
 
 @dataclass
@@ -47,6 +48,10 @@ class WorkerSide:
         self._loaded: list[str] = []
         self._failed: dict[str, list[str]] = {}
         self._placeholders: list[tuple[dict, str]] = []
+        # the producer's encoder time per step, for the scheduler's load-or-recompute choice
+        settings = self.settings
+        self._encoder_timer = EncoderStepTimer() if (
+            role == ECConnectorRole.WORKER and self.is_producer and self._lead and settings.recompute and settings.encoder_seconds_per_token is None) else None
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         if not self.is_producer or self._closed or not self._lead:
@@ -54,6 +59,9 @@ class WorkerSide:
         tensor = encoder_cache.get(mm_hash)
         if tensor is None:
             return
+        if self._encoder_timer is not None:
+            self._encoder_timer.item(tensor.shape[0], _mark(tensor.device))
+        t0 = time.perf_counter()
         nbytes = tensor.numel() * tensor.element_size()
         try:
             if tensor.device.type == "cuda" and not self._store.async_put:  # daemon mode
@@ -64,6 +72,8 @@ class WorkerSide:
         except STORE_ERRORS as exc:  # e.g. no room for a pinned staging copy (OutOfMemoryError)
             self._save_failure(mm_hash, exc)
         self._poll_saves(wait=False)
+        if self._encoder_timer is not None:
+            self._encoder_timer.saved(time.perf_counter() - t0)
 
     def _save_failure(self, mm_hash: str, exc: BaseException) -> None:
         self._count(save_failures=1)
@@ -104,6 +114,11 @@ class WorkerSide:
         self._pending_saves = still
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        self._load_caches(encoder_cache)
+        if self._encoder_timer is not None:  # the step's encoder runs next
+            self._encoder_timer.begin(_mark(torch.device(self.worker_device())))
+
+    def _load_caches(self, encoder_cache: dict[str, torch.Tensor]) -> None:
         meta = self._connector_metadata
         if not isinstance(meta, ECTierConnectorMetadata):
             return
@@ -154,6 +169,8 @@ class WorkerSide:
             cache.pop(mm_hash, None)
         self._placeholders = []
         self._poll_saves(wait=False)
+        for tokens, seconds in self._encoder_timer.take() if self._encoder_timer is not None else ():
+            self._count(encoder_tokens=tokens, encoder_seconds=seconds)
         meta = ECTierWorkerMetadata(
             loaded=self._loaded, failed=self._failed, saved=self._saved,
             save_failed=self._save_failed, stats=self._stats,
@@ -162,6 +179,15 @@ class WorkerSide:
         if not (meta.loaded or meta.failed or meta.saved or meta.save_failed or meta.stats):
             return None
         return meta
+
+
+def _mark(device: torch.device) -> tuple[float, Any]:
+    """Now, and on a CUDA device a timing event recorded on its current stream (EncoderStepTimer)."""
+    event = None
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(device))
+    return time.perf_counter(), event
 
 
 def _start_d2h(mm_hash: str, tensor: torch.Tensor, nbytes: int) -> _PendingSave:
