@@ -205,3 +205,62 @@ def test_extra_config_keys():
         settings_from_extra_config({"recompute": "yes"}, default_ns="m")
     with pytest.raises(ConfigError, match=r"ec_connector_extra_config\.encoder_seconds_per_token"):
         settings_from_extra_config({"encoder_seconds_per_token": 0}, default_ns="m")
+
+
+# ------------------------------------------------- `ectier bench crossover`: the tiers and the model
+
+
+def _tier_rows(tier: str, op: str, gbps: float, ns=(64, 1024, 4096)) -> list[dict]:
+    return [{"tier": tier, "op": op, "impl": "ectier", "num_tokens": n, "p50_s": n * ROW / (gbps * 1e9)} for n in ns]
+
+
+def test_crossover_with_the_connectors_per_token_rule(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from ectier.bench.crossover import crossover
+    from ectier.bench.crossover_cmd import per_token_cost
+    from ectier.cli import main
+
+    # recompute = 20 us/token; loading costs ROW bytes/token: host (10 GB/s) 1.6 ns/token always wins,
+    # a 0.5 GB/s tier costs 32.8 us/token: never wins, at any N
+    cost = per_token_cost(20e-6)
+    assert cost.seconds(1000) == pytest.approx(0.02) and cost.source == "configured"
+    cross = crossover(_tier_rows("host", "get", 10.0) + _tier_rows("remote", "get", 0.5), cost)
+    assert cross["host"]["crossover_tokens"] is None
+    assert cross["remote"]["crossover_tokens"] == 64  # loading stops winning at the smallest N
+    saved = tmp_path / "tiers.json"
+    saved.write_text(json.dumps({"rows": _tier_rows("host", "get", 10.0) + _tier_rows("nvme", "get", 1.0)}))
+    res = CliRunner().invoke(main, ["bench", "crossover", "--tiers-json", str(saved), "--encoder-seconds-per-token",
+                                    "2e-5", "--out", str(tmp_path / "o"), "-q"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    out = json.loads((tmp_path / "o" / "crossover.json").read_text())
+    assert out["cost_model"]["source"] == "configured" and out["cost_model"]["b_s_per_token"] == 2e-5
+    assert out["tiers"]["nvme"]["crossover_tokens"] is None  # 1 GB/s: 16.4 us/token < 20 us/token
+    md = (tmp_path / "o" / "crossover.md").read_text()
+    assert "encoder us/token there" in md and "| 20.00 |" in md and "not measured (no --remote-config)" in md
+    res = CliRunner().invoke(main, ["bench", "crossover", "--tiers-json", str(saved), "--encoder-seconds-per-token",
+                                    "0", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "--encoder-seconds-per-token" in res.output
+
+
+def test_remote_rows_on_an_in_memory_backend():
+    from ectier import testing
+    from ectier.bench.crossover import crossover
+    from ectier.bench.remote_rows import measure_remote
+    from ectier.config import CacheConfig
+    from ectier.errors import ConfigError
+
+    backend = testing.MemoryBackend()
+    cfg = CacheConfig.from_dict({"remote": {"backend": "redis", "addresses": "unused:1"}})
+    rows = measure_remote(cfg, (16, 64), budget_bytes=1 << 20,
+                          open_cache=lambda c: testing.make_cache(c, remote_backend=backend))
+    assert [(r["tier"], r["op"], r["impl"], r["num_tokens"]) for r in rows] == [("remote", "get", "ectier", 16),
+                                                                                ("remote", "get", "ectier", 64)]
+    assert all(r["reps"] >= 3 and r["p50_s"] > 0 for r in rows)
+    from ectier.bench.crossover_cmd import per_token_cost
+
+    assert "remote" in crossover(rows, per_token_cost(1e-5))
+    with pytest.raises(ConfigError, match="remote.backend"):
+        measure_remote(CacheConfig(), (16,))

@@ -71,8 +71,10 @@ class SchedulerSide:
         # neither encode nor load them again, so this connector reloads them from the store itself,
         # or fails the requests that need them (never a worker crash)
         self._poisoned: set[str] = set()
-        # load or recompute, per item (recompute.py): fed by the lookups and the workers' reports
-        self._recompute = LoadOrRecompute(self.settings.recompute, self.settings.encoder_seconds_per_token)
+        # load or recompute, per item (recompute.py): fed by the lookups and the workers' reports;
+        # off with an in-process GPU tier (a wait may then be a host -> GPU promotion, never worth skipping)
+        gpu_tier = self.settings.cache is not None and self.settings.cache.gpu.enabled
+        self._recompute = LoadOrRecompute(self.settings.recompute and not gpu_tier, self.settings.encoder_seconds_per_token)
         # producer on the V1 model runner: the scheduler counts the saves (see confirm.py)
         self._confirm: save_confirm.SaveConfirmer | None = None
         if role == ECConnectorRole.SCHEDULER and not save_confirm.reports_reach_scheduler(
