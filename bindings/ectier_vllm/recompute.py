@@ -197,6 +197,8 @@ class RecomputePolicy:
                 "encoder_source": self.encoder.source}
 
 
+#: promotions followed at most (one per item a request waits for; older ones are forgotten)
+MAX_TRACKED = 4096
 #: the path of an item the scheduler had to wait for: promoted into the host tier (from NVMe or the
 #: remote tier, whichever holds it), then loaded by the worker
 PROMOTED_PATH = ("promote", "host")
@@ -240,6 +242,8 @@ class LoadOrRecompute:
         if status == "wait":
             first, _, _ = self._pending.get(mm_hash, (now, now, nbytes))
             self._pending[mm_hash] = (first, now, nbytes)
+            if len(self._pending) > MAX_TRACKED:  # requests that went away mid-promotion: oldest first
+                del self._pending[next(iter(self._pending))]
             if self.policy.decide(PROMOTED_PATH, nbytes, tokens).recompute:
                 del self._pending[mm_hash]
                 return True

@@ -141,6 +141,21 @@ class _BenchGroup(click.Group):
     """Runs a bench command with SIGTERM turned into a normal exit (so temporary stores are removed)
     and ectier's own errors (e.g. budgets no tier can use) reported as clean CLI errors."""
 
+    #: commands in modules of their own (they import this module's helpers): loaded when named
+    LAZY = {"crossover": ("ectier.bench.crossover_cmd", "crossover_cmd"),
+            "connectors": ("ectier.bench.connectors_cmd", "connectors_cmd")}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self.LAZY))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.LAZY and name not in self.commands:
+            import importlib
+
+            module, attr = self.LAZY[name]
+            self.add_command(getattr(importlib.import_module(module), attr))
+        return super().get_command(ctx, name)
+
     def invoke(self, ctx: click.Context) -> Any:
         previous = signal.getsignal(signal.SIGTERM)
         if threading.current_thread() is threading.main_thread():
@@ -439,15 +454,3 @@ def tiers_cmd(out, workdir, quiet, max_tokens, tokens, sync, budget_bytes, retri
     png = os.path.join(out, "tiers.png")
     _plot(console, written, png, lambda: plot_tiers(data["rows"], png))
     console.print(f"wrote {out}/{', '.join(written)} in {data['elapsed_s']:.1f} s")
-
-
-def _register_connectors() -> None:
-    # these import this module's helpers: registered last
-    from .connectors_cmd import connectors_cmd
-    from .crossover_cmd import crossover_cmd
-
-    bench.add_command(crossover_cmd)
-    bench.add_command(connectors_cmd)
-
-
-_register_connectors()

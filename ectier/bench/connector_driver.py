@@ -9,8 +9,9 @@ runner make, in their order:
 
 - producer (worker connector, ``ec_producer``): ``save_caches(encoder_cache, mm_hash)``, then the
   completion calls a model runner makes every step (``start_save_caches``,
-  ``build_connector_worker_meta``) until the save is reported (ectier; a connector whose save is
-  synchronous is loadable when ``save_caches`` returns);
+  ``build_connector_worker_meta``) until the save is reported (ectier; vLLM's connectors report
+  no saves: they count as loadable when ``save_caches`` returns, which is exact for the example
+  connector's synchronous file write);
 - consumer scheduler connector (``ec_consumer``): ``ensure_cache_available(request, 0)``, each
   ``False`` ending a scheduler step (``build_connector_meta``), then ``has_cache_item``,
   ``update_state_after_alloc`` and ``build_connector_meta``;
@@ -216,8 +217,13 @@ class _Setup:
 def _setup(v: Variant, directory: str, store_bytes: int) -> _Setup:
     if v.kind == "example":
         return _Setup(v, "ECExampleConnector", None, {"shared_storage_path": os.path.join(directory, "example")})
-    if v.kind == "cpu":
-        return _Setup(v, "ECCPUConnector", None, {})
+    if v.kind == "cpu":  # it refuses the V1 model runner (VllmConfig.use_v2_model_runner reads this)
+        before = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+        s = _Setup(v, "ECCPUConnector", None, {})
+        s.cleanup.append(lambda: os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None) if before is None
+                         else os.environ.__setitem__("VLLM_USE_V2_MODEL_RUNNER", before))
+        return s
     host = {"capacity_bytes": store_bytes, "block_bytes": 256 * 1024}
     if v.kind == "inprocess":
         extra: dict[str, Any] = {"mode": "inprocess", "namespace": "bench", "host": host}
@@ -341,7 +347,7 @@ def run_variant(v: Variant, n: int, reps: int, workdir: str | None = None,
     try:
         setup = _setup(v, directory, (reps + WARMUP) * nbytes + 16 * MiB)
         producer = _make(setup, model_dir, n, "ec_producer", "WORKER")
-        sync_save = v.kind == "example"
+        sync_save = setup.connector != "ECTierConnector"  # vLLM's: loadable once save_caches returns
         dev = _device()
         base = torch.randn(n, WIDTH, generator=torch.Generator().manual_seed(n)).to(DTYPE).to(dev)
         items, samples = [], []
