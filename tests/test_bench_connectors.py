@@ -41,7 +41,8 @@ def test_summary_medians_p90_and_ratios():
     assert rows[("example", 64)]["consumer_s_vs_example"] == 1.0
     assert rows[("cpu", 64)] == {"variant": "cpu", "num_tokens": 64, "skipped": "ECCPUConnector needs CUDA"}
     lines = verdict(summarize(RESULTS))
-    assert "ectier-host: whole consumer side faster than ECExampleConnector at N = 64; not faster at N = 1024" in lines
+    assert ("ectier-host: whole consumer side faster than ECExampleConnector at N = 64; not faster at N = 1024; "
+            "worker blocked saving p50 3000-20000 us per item (goal <= 100 us on CPU: NOT met)") in lines
     assert "cpu: skipped (ECCPUConnector needs CUDA)" in lines
     headers, cells = table(summarize(RESULTS))
     assert len(cells) == 4 and cells[1][headers.index("consumer vs example")] == "10.00x"
