@@ -231,7 +231,7 @@ def _setup(v: Variant, directory: str, store_bytes: int) -> _Setup:
             extra["nvme"] = {"path": os.path.join(directory, "nvme"), "capacity_bytes": 2 * store_bytes + 64 * MiB,
                              "sync": False, "write_through": True}
         return _Setup(v, "ECTierConnector", "ectier_vllm.connector", extra)
-    d = tempfile.mkdtemp(prefix="ectb", dir="/tmp")  # AF_UNIX paths: short
+    d = tempfile.mkdtemp(prefix="ectier-bench-d", dir="/tmp")  # AF_UNIX paths: short
     daemon = _Daemon(d, store_bytes, v.nvme).start()
     s = _Setup(v, "ECTierConnector", "ectier_vllm.connector",
                {"mode": "daemon", "socket_path": daemon.socket_path, "namespace": "bench"}, daemon=daemon)
