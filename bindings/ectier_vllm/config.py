@@ -16,6 +16,10 @@ Keys (see docs/vllm.md for the full table)::
     daemon_timeout_s  daemon mode: seconds per daemon call (default 30)
     load_timeout_s  how long a request may wait for a promotion before the item counts as a miss
                     and is re-encoded (default 10)
+    recompute       true (default): an item whose load would take longer than re-encoding it is a
+                    miss (ectier_vllm.recompute); false: always load
+    encoder_seconds_per_token  the encoder's cost for that choice (default: learned from this
+                    engine's own encoder steps, ec_producer / ec_both)
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ KEYS = (
     "socket_path",
     "daemon_timeout_s",
     "load_timeout_s",
+    "recompute",
+    "encoder_seconds_per_token",
 )
 MODES = ("inprocess", "daemon")
 TIER_KEYS = ("host", "nvme", "gpu")
@@ -58,6 +64,11 @@ class ConnectorSettings:
         daemon_timeout_s: daemon mode: socket timeout per call.
         load_timeout_s: seconds a request may stay deferred waiting for a promotion.
         config_path: in-process mode: the ectier config file ``cache`` was read from, if any.
+        recompute: answer a miss for an item whose load would take longer than re-encoding it
+            (:mod:`ectier_vllm.recompute`). Default ``True``.
+        encoder_seconds_per_token: the encoder's seconds per token for that choice; ``None``
+            (default): learned from this engine's own encoder steps (a pure ``ec_consumer`` learns
+            nothing, so it always loads unless this is set).
     """
 
     mode: str = "inprocess"
@@ -67,6 +78,8 @@ class ConnectorSettings:
     daemon_timeout_s: float = 30.0
     load_timeout_s: float = 10.0
     config_path: str | None = None
+    recompute: bool = True
+    encoder_seconds_per_token: float | None = None
 
 
 def default_namespace(model: str, revision: str | None, dtype: Any) -> str:
@@ -133,6 +146,13 @@ def settings_from_extra_config(extra: Mapping[str, Any] | None, *, default_ns: s
 
     load_timeout_s = _seconds("load_timeout_s", extra.get("load_timeout_s", 10.0))
     daemon_timeout_s = _seconds("daemon_timeout_s", extra.get("daemon_timeout_s", 30.0))
+    recompute = extra.get("recompute", True)
+    if not isinstance(recompute, bool):
+        raise ConfigError(f"{PREFIX}.recompute: expected true or false, got {recompute!r}")
+    per_token = extra.get("encoder_seconds_per_token")
+    if per_token is not None:
+        per_token = _seconds("encoder_seconds_per_token", per_token)
+    choice = {"recompute": recompute, "encoder_seconds_per_token": per_token}
 
     socket_path = extra.get("socket_path")
     if socket_path is not None and (not isinstance(socket_path, str) or not socket_path):
@@ -149,7 +169,7 @@ def settings_from_extra_config(extra: Mapping[str, Any] | None, *, default_ns: s
             )
         return ConnectorSettings(
             mode=mode, namespace=namespace, cache=None, socket_path=socket_path,
-            daemon_timeout_s=daemon_timeout_s, load_timeout_s=load_timeout_s,
+            daemon_timeout_s=daemon_timeout_s, load_timeout_s=load_timeout_s, **choice,
         )
 
     if socket_path is not None:
@@ -175,5 +195,5 @@ def settings_from_extra_config(extra: Mapping[str, Any] | None, *, default_ns: s
             raise ConfigError(problems=[operator_key(m, None) for m in exc.problems]) from exc
     return ConnectorSettings(
         mode=mode, namespace=namespace, cache=cache, socket_path=None,
-        daemon_timeout_s=daemon_timeout_s, load_timeout_s=load_timeout_s, config_path=config_path,
+        daemon_timeout_s=daemon_timeout_s, load_timeout_s=load_timeout_s, config_path=config_path, **choice,
     )

@@ -22,6 +22,8 @@ lookups             ``has_cache_item`` calls (scheduler, after a local encoder-c
 hits                of those, items found and pinned in ectier (no encoder run)
 misses              of those, items not in ectier (the encoder runs)
 deferrals           steps a request waited for a promotion (``ensure_cache_available``)
+recompute_chosen    stored items answered as a miss because loading them would take longer than
+                    re-encoding them (:mod:`ectier_vllm.recompute`)
 rejected            stored items refused: wrong shape/dtype for the request, failed checksum,
                     vanished between index and read, or promotion timed out (re-encoded)
 loads               items placed in the (lead) worker's ``encoder_cache``
@@ -51,6 +53,7 @@ COUNTERS = (
     "misses",
     "deferrals",
     "rejected",
+    "recompute_chosen",
     "loads",
     "load_failures",
     "load_bytes",
@@ -102,6 +105,7 @@ PROM_COUNTERS = {
     "vllm:ectier_misses": ("misses", "EC lookups not in ectier (encoder runs)"),
     "vllm:ectier_deferrals": ("deferrals", "Scheduler steps a request waited for an ectier promotion"),
     "vllm:ectier_rejected": ("rejected", "Stored items refused (shape/dtype mismatch, checksum, vanished, timeout)"),
+    "vllm:ectier_recompute_chosen": ("recompute_chosen", "Stored items re-encoded because loading them would be slower"),
     "vllm:ectier_loads": ("loads", "Encoder outputs loaded into the worker's encoder cache"),
     "vllm:ectier_load_failures": ("load_failures", "Worker loads that failed (request failed, retryable)"),
     "vllm:ectier_load_bytes": ("load_bytes", "Bytes loaded into the worker's encoder cache"),

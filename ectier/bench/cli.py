@@ -1,4 +1,4 @@
-"""``ectier bench``: tiers | replay | baseline | crossover. Results go to ``--out DIR`` as JSON,
+"""``ectier bench``: tiers | replay | baseline | crossover (:mod:`.crossover_cmd`) | connectors (:mod:`.connectors_cmd`). Results go to ``--out DIR`` as JSON,
 markdown (``*.md``) and PNG plots; the main table is printed.
 
 ::
@@ -6,7 +6,9 @@ markdown (``*.md``) and PNG plots; the main table is printed.
     ectier bench replay   [--requests 300 --policy lru,gdsf --host-bytes .. --nvme-bytes .. --trace t.csv]
     ectier bench tiers    [--max-tokens 16384 --no-sync]
     ectier bench baseline [workload options as replay]
-    ectier bench crossover [--tiers-json DIR/tiers.json | --max-tokens 16384]
+    ectier bench crossover [--tiers-json DIR/tiers.json | --max-tokens 16384] [--remote-config F]
+                           [--encoder-seconds-per-token S]
+    ectier bench connectors [--sizes 64,1024,2040,4096]
 """
 
 from __future__ import annotations
@@ -138,6 +140,21 @@ def _workload(f):
 class _BenchGroup(click.Group):
     """Runs a bench command with SIGTERM turned into a normal exit (so temporary stores are removed)
     and ectier's own errors (e.g. budgets no tier can use) reported as clean CLI errors."""
+
+    #: commands in modules of their own (they import this module's helpers): loaded when named
+    LAZY = {"crossover": ("ectier.bench.crossover_cmd", "crossover_cmd"),
+            "connectors": ("ectier.bench.connectors_cmd", "connectors_cmd")}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self.LAZY))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.LAZY and name not in self.commands:
+            import importlib
+
+            module, attr = self.LAZY[name]
+            self.add_command(getattr(importlib.import_module(module), attr))
+        return super().get_command(ctx, name)
 
     def invoke(self, ctx: click.Context) -> Any:
         previous = signal.getsignal(signal.SIGTERM)
@@ -437,57 +454,3 @@ def tiers_cmd(out, workdir, quiet, max_tokens, tokens, sync, budget_bytes, retri
     png = os.path.join(out, "tiers.png")
     _plot(console, written, png, lambda: plot_tiers(data["rows"], png))
     console.print(f"wrote {out}/{', '.join(written)} in {data['elapsed_s']:.1f} s")
-
-
-# ================================================================================= crossover
-
-
-@bench.command("crossover")
-@_common
-@click.option("--tiers-json", type=click.Path(dir_okay=False, exists=True), default=None,
-              help="reuse a `bench tiers` result instead of measuring")
-@click.option("--max-tokens", default=16384, show_default=True, type=click.IntRange(64))
-@click.option("--tokens", default=None, callback=_tokens_list,
-              help="N list to measure, each 1..16384 (default 64,1024,4096 up to --max-tokens)")
-@click.option("--budget-bytes", callback=_bytes, default="256MiB", show_default=True)
-def crossover_cmd(out, cost_model, workdir, quiet, tiers_json, max_tokens, tokens, budget_bytes) -> None:
-    """Per tier, the entry size N at which loading stops beating recomputing."""
-    import json
-
-    from .crossover import crossover
-    from .report import plot_crossover
-
-    console = _console()
-    t0 = time.perf_counter()
-    cost = _cost(cost_model)
-    if tiers_json:
-        try:
-            with open(tiers_json) as f:
-                data = json.load(f)
-            if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
-                raise ValueError("no 'rows' list")
-        except (OSError, ValueError) as exc:
-            raise click.BadParameter(f"not a `ectier bench tiers` result ({exc})", param_hint="--tiers-json") from None
-    else:
-        data = _run_tiers(console, quiet, min(max_tokens, 4096), tokens, True, workdir, budget_bytes)
-    cross = crossover(data["rows"], cost, max_tokens=max_tokens)
-    headers = ["tier", "measured N", "load p50 ms at largest N", "recompute ms there", "crossover"]
-    rows = [[t, ",".join(str(p[0]) for p in d["points"]), fmt(d["points"][-1][1], "ms"), fmt(d["points"][-1][2], "ms"),
-             d["verdict"]] for t, d in cross.items()]
-    title = f"crossover (recompute: {cost.description}; load: measured on this machine, sync writes irrelevant)"
-    print_table(console, title, headers, rows)
-    warning = _noise_warning(console, data)
-    result = {"command": "crossover", "machine": _machine(), "cost_model": cost.to_dict(), "tiers": cross,
-              "skipped": data.get("skipped", []), "noise": {**(data.get("noise") or {}), "warning": warning},
-              "elapsed_s": time.perf_counter() - t0}
-    os.makedirs(out, exist_ok=True)
-    write_json(result, os.path.join(out, "crossover.json"))
-    with open(os.path.join(out, "crossover.md"), "w") as f:
-        f.write(f"### crossover\n\n{title}\n\n" + markdown_table(headers, rows)
-                + (f"\n**{warning}**\n" if warning else ""))
-    grid = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-    written = ["crossover.json", "crossover.md"]
-    png = os.path.join(out, "crossover.png")
-    _plot(console, written, png, lambda: plot_crossover(cross, [(n, cost.seconds(n)) for n in grid if n <= max_tokens],
-                                                        png, cost.source))
-    console.print(f"wrote {out}/{', '.join(written)} in {result['elapsed_s']:.1f} s")

@@ -1,7 +1,7 @@
 """Crossover: the entry size (N tokens) at which loading from a tier stops beating recomputing.
 
 Load time per tier is the measured ``get`` p50 of ``ectier`` rows of :func:`ectier.bench.tiers.measure_tiers`
-(``gpu`` rows: the ``h2d`` op), interpolated linearly between measured N (and extrapolated from the
+(``gpu`` rows: the ``h2d`` op; ``remote`` rows: :func:`ectier.bench.remote_rows.measure_remote`), interpolated linearly between measured N (and extrapolated from the
 last two points up to ``max_tokens``); recompute time is the :class:`CostModel`. The crossover is the
 smallest N on a dense grid where ``load(N) >= recompute(N)``; ``None`` = "never within range".
 Load rows that :mod:`ectier.bench.noise` flagged ``noisy`` are listed per tier (``noisy_tokens``)
@@ -34,7 +34,7 @@ def crossover(tier_rows: list[dict[str, Any]], cost: CostModel, *, min_tokens: i
         row (``noisy_tokens``: the N whose load row is flagged ``noisy``).
     """
     out: dict[str, Any] = {}
-    for tier, op in (("host", "get"), ("nvme", "get"), ("gpu", "h2d")):
+    for tier, op in (("host", "get"), ("nvme", "get"), ("gpu", "h2d"), ("remote", "get")):
         mine = [r for r in tier_rows if r["tier"] == tier and r["op"] == op and r["impl"] == "ectier"]
         pts = sorted((r["num_tokens"], r["p50_s"]) for r in mine)
         noisy = sorted(r["num_tokens"] for r in mine if r.get("noisy"))

@@ -1,0 +1,48 @@
+"""``ectier bench connectors`` on a small size: vLLM's ECExampleConnector and ECTierConnector (in-process
+host, host over NVMe, daemon, restarted daemon) through vLLM's connector calls, every load bitwise."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from click.testing import CliRunner
+
+from ectier.cli import main
+
+TIMINGS = ("save_block_s", "save_calls_s", "loadable_s", "lookup_s", "load_s", "consumer_s")
+RAN = ("example", "ectier-host", "ectier-nvme", "ectier-daemon", "ectier-daemon-nvme")
+
+
+def test_bench_connectors_small_size(tmp_path):
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["bench", "connectors", "--sizes", "16", "--min-reps", "2",
+                                    "--budget-bytes", "64KiB", "--out", str(out), "--quiet",
+                                    "--workdir", str(tmp_path)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    data = json.loads((out / "connectors.json").read_text())
+    by = {r["variant"]: r for r in data["results"]}
+    assert set(by) == {"cpu", *RAN}
+    for name in RAN:
+        r = by[name]
+        assert r["num_tokens"] == 16 and r["nbytes"] == 16 * 8192 * 2 and r["reps"] == 2
+        assert r["mismatches"] == 0, name  # every load bitwise equal to what was saved
+        assert len(r["samples"]) == 2
+        for s in r["samples"]:
+            assert all(s[k] > 0 for k in TIMINGS), (name, s)
+            assert s["loadable_s"] >= s["save_block_s"] and s["consumer_s"] >= s["lookup_s"] + s["load_s"]
+            assert s["lookup_steps"] >= 1
+    if not torch.cuda.is_available():
+        assert "needs CUDA" in by["cpu"]["skipped"]
+        assert "cpu: skipped (ECCPUConnector needs CUDA" in res.output
+    summary = {r["variant"]: r for r in data["summary"]}
+    assert summary["example"]["consumer_s_vs_example"] == 1.0
+    assert summary["ectier-host"]["consumer_s_p90"] >= summary["ectier-host"]["consumer_s_p50"]
+    md = (out / "connectors.md").read_text()
+    assert "| ectier-daemon-nvme | 16 |" in md
+    # nothing left behind: no in-process store open, no daemon socket dir, no connector files
+    from ectier_vllm.store import open_stores
+
+    assert open_stores() == 0
+    assert [p for p in os.listdir(tmp_path) if p != "out"] == []
