@@ -19,12 +19,17 @@ buffer that plain ``put`` / ``get`` make, and measured faster (docs/benchmarks.m
 Mooncake Store"). A buffer whose transfer failed in a way that may leave it in flight stays
 referenced (never freed under a transfer).
 
-Deadlines: Mooncake's calls block (a hung master: 30 s; ``setup`` against a master that is down:
-~90 s), so every call runs on a daemon thread and the caller waits at most ``deadline_s``: a late
-call raises :class:`RemoteTimeout` and finishes (or not) on its own thread, holding its buffers;
-at most :data:`MAX_IN_FLIGHT` calls run at once (a caller waits for a slot within its deadline).
+Deadlines: Mooncake's calls block (a hung master: 30 s each), so every call runs on a daemon
+thread (the client releases the GIL in its calls) and the caller waits at most ``deadline_s``: a
+late call raises :class:`RemoteTimeout` and finishes on its own thread, holding its buffers; at
+most :data:`MAX_IN_FLIGHT` calls run at once (a caller waits for a slot within its deadline).
+
 The client is set up in the background from construction on, and again after a failed setup, so a
-master that is down at start is reached once it is up; until then calls fail within their deadline.
+master that is down at start is reached once it is up; until then calls fail within their
+deadline. Mooncake's ``setup`` holds the GIL (0.3.13), and against a master that is down it
+retries for ~90 s, which would freeze every thread of the process; so a setup starts only after
+the master's RPC port accepts a connection and its HTTP metadata server answers, each within
+``remote.timeout_s`` (a master that dies in between is the one case left).
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import os
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable
@@ -62,6 +69,7 @@ _TOO_SMALL = -600  # get_into: the object grew since get_size (an overwrite)
 _SAFE = frozenset({0, -200, -600, -703, -704, -705, -706, -900, -901})
 _HELD: list[Any] = []  # buffers of transfers that may still be in flight: never freed
 _GET_ATTEMPTS = 3
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the probe goes straight
 
 
 def _code(rc: int) -> str:
@@ -109,8 +117,11 @@ class _Runner:
         self.late = 0  # calls whose caller gave up and that still run
         self._lock = threading.Lock()
 
-    def run(self, what: str, fn: Callable[[], Any], end: float, seconds: float) -> Any:
+    def run(self, what: str, fn: Callable[[], Any], end: float, seconds: float, done: Callable[[], None]) -> Any:
+        """``fn()`` on a daemon thread, waiting until ``end`` (monotonic seconds); ``done()`` runs
+        once the call ended (on its thread), or at once when it never started."""
         if not self._slots.acquire(timeout=max(0.0, end - time.monotonic())):
+            done()
             raise RemoteTimeout(f"mooncake {what}: no free call slot within the deadline of {seconds:g} s "
                                 f"({self.late} late calls still running)")
         fut: Future = Future()
@@ -126,6 +137,7 @@ class _Runner:
                     if not waiting[0]:
                         self.late -= 1
                 self._slots.release()
+                done()
 
         threading.Thread(target=body, name="ectier-mooncake", daemon=True).start()
         try:
@@ -180,6 +192,8 @@ class MooncakeBackend(RemoteBackend):
         self._setup_done: threading.Event | None = None
         self._setup_error = ""
         self._closed = False
+        self._in_use = 0  # calls holding the client (late ones included)
+        self._idle = threading.Condition(self._lock)
         self._runner = _Runner(MAX_IN_FLIGHT)
         self._start_setup()
 
@@ -197,14 +211,18 @@ class MooncakeBackend(RemoteBackend):
 
     def _setup(self, done: threading.Event) -> None:
         cfg = self._cfg
-        store, error = None, ""
+        store, error = None, self._unreachable()
         try:
+            if error:
+                raise RemoteError(error)
             store = self._factory()
             rc = store.setup(self._hostname, self._metadata, int(cfg.mooncake_global_segment_bytes),
                              int(cfg.mooncake_local_buffer_bytes), cfg.mooncake_protocol, cfg.mooncake_device_name,
                              self._master)
             if rc != 0:
                 error = f"setup with master {self._master} and metadata {self._metadata} failed: {_code(rc)}"
+        except RemoteError:
+            pass
         except Exception as exc:  # noqa: BLE001 - reported to the callers as RemoteError
             error = f"setup with master {self._master} failed: {type(exc).__name__}: {exc}"
         if error:
@@ -220,26 +238,54 @@ class MooncakeBackend(RemoteBackend):
                 self._setup_done = None  # the next call starts another setup
         done.set()
 
+    def _unreachable(self) -> str:
+        """'' when the master accepts a connection and an HTTP metadata server answers (within
+        ``remote.timeout_s`` each), else why not."""
+        host, _, port = self._master.rpartition(":")
+        t = self._cfg.timeout_s
+        try:
+            socket.create_connection((host, int(port)), timeout=t).close()
+        except OSError as exc:
+            return f"master {self._master} does not accept connections: {exc}"
+        if self._metadata.startswith(("http://", "https://")):
+            try:
+                _NO_PROXY.open(f"{self._metadata}?key=ectier-probe", timeout=t).close()
+            except urllib.error.HTTPError:
+                pass  # an answer (404 for the unknown key)
+            except OSError as exc:
+                return f"metadata server {self._metadata} does not answer: {exc}"
+        return ""
+
     def _client(self, what: str, end: float, seconds: float) -> Any:
+        """The client, counted in use (:meth:`_release` when the call ended)."""
         with self._lock:
             if self._closed:
                 raise RemoteError("mooncake: the backend is closed")
             if self._store is not None:
+                self._in_use += 1
                 return self._store
         done = self._start_setup()
         if not done.wait(max(0.0, end - time.monotonic())):
             raise RemoteTimeout(f"mooncake {what}: master {self._master} not reached within the deadline of "
                                 f"{seconds:g} s (setup goes on in the background)")
         with self._lock:
+            if self._closed:
+                raise RemoteError("mooncake: the backend is closed")
             if self._store is not None:
+                self._in_use += 1
                 return self._store
             raise RemoteError(f"mooncake {what}: {self._setup_error or 'not connected'}")
+
+    def _release(self) -> None:
+        with self._lock:
+            self._in_use -= 1
+            self._idle.notify_all()
 
     def _call(self, what: str, deadline_s: float, fn: Callable[[Any], Any]) -> Any:
         """``fn(client)`` on a call thread, within ``deadline_s`` (setup wait included)."""
         end = time.monotonic() + deadline_s
         store = self._client(what, end, deadline_s)
-        return self._runner.run(what, lambda: fn(store), end, deadline_s)
+        return self._runner.run(what, lambda: fn(store), end, deadline_s, self._release)
 
     def _object(self, key: str) -> str:
         return f"{self._prefix}:{key}"
@@ -360,14 +406,23 @@ class MooncakeBackend(RemoteBackend):
                 "prefix": self._prefix}
 
     def close(self) -> None:
-        """Close the client (unmounts this process's segment: the objects on it are gone), waiting
-        at most ``remote.timeout_s``. Idempotent; calls after it raise RemoteError."""
+        """Close the client (unmounts this process's segment: the objects on it are gone), after
+        the calls still running ended, waiting at most ``remote.timeout_s`` for them; a client
+        with calls still running past that is left open (closing it under a call would crash the
+        process). Idempotent; calls after it raise RemoteError."""
         with self._lock:
-            store, self._store, self._closed = self._store, None, True
-        if store is not None:
-            t = threading.Thread(target=_close_quietly, args=(store,), name="ectier-mooncake-close", daemon=True)
-            t.start()
-            t.join(self._cfg.timeout_s)
+            self._closed = True
+            idle = self._idle.wait_for(lambda: self._in_use == 0, self._cfg.timeout_s)
+            store, self._store = self._store, None
+        if store is None:
+            return
+        if not idle:
+            _HELD.append(store)
+            log.debug("mooncake: closed with calls still running; the client stays open for them")
+            return
+        t = threading.Thread(target=_close_quietly, args=(store,), name="ectier-mooncake-close", daemon=True)
+        t.start()
+        t.join(self._cfg.timeout_s)
 
 
 def _close_quietly(store: Any) -> None:
