@@ -48,6 +48,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ...errors import ConfigError
+from ...record import pack_header
 from .backend import RemoteBackend, RemoteError, RemoteTimeout
 
 __all__ = ["MooncakeBackend", "MAX_IN_FLIGHT", "ERROR_NAMES"]
@@ -323,6 +324,25 @@ class MooncakeBackend(RemoteBackend):
         rc = self._call("put", deadline_s, write)
         if rc != 0:
             raise RemoteError(f"mooncake put of {len(view)} bytes on {self._master}: {_code(rc)}")
+
+    def put_record(self, key: str, header: Any, payload: Any, *, deadline_s: float) -> None:
+        """Store one record (header, then payload) under ``key``: both copied into one new buffer
+        that is not zero-filled first (``pack_record``'s ``bytearray`` is, which measured slower
+        than the copy itself), then written from it as :meth:`put` does.
+
+        Raises:
+            ValueError / TypeError: a bad key, payload or deadline_s.
+            RemoteError, RemoteTimeout.
+        """
+        head = pack_header(header)
+        body = _byte_view(payload)
+        if len(body) != header.payload_nbytes:
+            raise ValueError(f"payload: {len(body)} bytes, header.payload_nbytes is {header.payload_nbytes}")
+        buf = np.empty(len(head) + len(body), dtype=np.uint8)
+        buf[:len(head)] = np.frombuffer(head, dtype=np.uint8)
+        if len(body):
+            buf[len(head):] = np.frombuffer(body, dtype=np.uint8)
+        self.put(key, memoryview(buf), deadline_s=deadline_s)
 
     def get(self, key: str, *, deadline_s: float) -> memoryview | bytes | None:
         """The object under ``key`` (a memoryview of a new buffer), or ``None`` if there is none.

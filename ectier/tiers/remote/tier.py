@@ -28,7 +28,7 @@ from ...codec import RawCodec
 from ...config import RemoteTierConfig
 from ...entry import EntryMeta
 from ...errors import CorruptRecordError, UnknownCodecError
-from ...record import header_nbytes, pack_record
+from ...record import header_nbytes
 from ..base import Tier
 from ..nvme_index import HEADER_ALLOWANCE_BYTES
 from ..nvme_record import encode_record, verify_record
@@ -142,9 +142,8 @@ class RemoteTier(Tier):
     def write(self, meta: EntryMeta, src: torch.Tensor, version: int, digest: bytes) -> bool:
         """Write version ``version`` of an entry (``src``: its flat ``uint8`` CPU bytes). True if stored."""
         record = encode_record(self._codec, meta, src, version)
-        data = pack_record(record.header, record.payload)  # one copy of the payload
-        ok, _ = self._call("put", lambda: self.backend.put(self.key_of(digest), data,
-                                                            deadline_s=self.config.timeout_s))
+        ok, _ = self._call("put", lambda: self.backend.put_record(self.key_of(digest), record.header, record.payload,
+                                                                   deadline_s=self.config.timeout_s))
         return ok
 
     def fetch(self, digest: bytes, namespace: str, key: str):
