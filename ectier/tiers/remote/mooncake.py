@@ -286,7 +286,12 @@ class MooncakeBackend(RemoteBackend):
         """``fn(client)`` on a call thread, within ``deadline_s`` (setup wait included)."""
         end = time.monotonic() + deadline_s
         store = self._client(what, end, deadline_s)
-        return self._runner.run(what, lambda: fn(store), end, deadline_s, self._release)
+        try:
+            return self._runner.run(what, lambda: fn(store), end, deadline_s, self._release)
+        except RemoteError:
+            raise
+        except Exception as exc:  # the client's own (a binding that raises): a failed call, not a crash
+            raise RemoteError(f"mooncake {what} on {self._master}: {type(exc).__name__}: {exc}") from exc
 
     def _object(self, key: str) -> str:
         return f"{self._prefix}:{key}"
