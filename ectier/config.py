@@ -247,8 +247,9 @@ class RemoteTierConfig:
         mooncake_global_segment_bytes: Mooncake: memory this process lends to the store for
             everyone's objects (0: none, a client only; objects then live on other nodes'
             segments). Default 512 MiB.
-        mooncake_local_buffer_bytes: Mooncake: the client's own transfer buffer (a put or get
-            outside registered memory goes through it). Default 64 MiB.
+        mooncake_local_buffer_bytes: Mooncake: the client's own transfer buffer; a remote write of
+            an entry up to half of it goes through it (measured faster than from the entry's own
+            memory), larger ones from registered memory. Default 128 MiB.
         mooncake_protocol: Mooncake transport: ``"tcp"`` (default) or ``"rdma"``.
         mooncake_device_name: Mooncake: RDMA device(s), e.g. ``"mlx5_0"`` or
             ``"mlx5_0,mlx5_1"``; ``""`` (default): none (``tcp``) or auto-detected.
@@ -269,7 +270,7 @@ class RemoteTierConfig:
     mooncake_metadata_server: str = ""
     mooncake_local_hostname: str = ""
     mooncake_global_segment_bytes: int = 512 * MiB
-    mooncake_local_buffer_bytes: int = 64 * MiB
+    mooncake_local_buffer_bytes: int = 128 * MiB
     mooncake_protocol: str = "tcp"
     mooncake_device_name: str = ""
 
