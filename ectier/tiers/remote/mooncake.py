@@ -12,12 +12,14 @@ One object ``key`` is one Mooncake object ``<remote.prefix>:<key>``, written wit
 is written, so a reader never sees a partial one; the remote tier checks each object's header
 and checksum on top.
 
-Copies: a put registers the caller's buffer with the client and writes from it
-(``register_buffer`` + ``upsert_from``); a get asks the size, registers a fresh buffer of that
-size and reads into it (``get_into``). Both skip the copy through the client's own transfer
-buffer that plain ``put`` / ``get`` make, and measured faster (docs/benchmarks.md, "Remote tier:
-Mooncake Store"). A buffer whose transfer failed in a way that may leave it in flight stays
-referenced (never freed under a transfer).
+Copies: a get asks the size, registers a fresh buffer of that size and reads into it
+(``get_into``), skipping the copy out of the client's own transfer buffer that plain ``get``
+makes; a put registers the caller's buffer and writes from it (``upsert_from``). The remote
+tier's writes come as header + payload (:meth:`MooncakeBackend.put_record`): with
+``upsert_parts`` through the client's transfer buffer when the record takes at most half of it,
+else joined into one buffer and put. Each measured faster than the alternatives
+(docs/benchmarks.md, "Remote tier: Mooncake Store"). A buffer whose transfer failed in a way that
+may leave it in flight stays referenced (never freed under a transfer).
 
 Deadlines: Mooncake's calls block (a hung master: 30 s each), so every call runs on a daemon
 thread (the client releases the GIL in its calls) and the caller waits at most ``deadline_s``: a
