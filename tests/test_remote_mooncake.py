@@ -217,3 +217,18 @@ def test_a_master_that_never_answers_costs_each_call_its_deadline_only():
         be.close()
     with pytest.raises(RemoteError, match="closed"):
         be.get("k", deadline_s=DEADLINE)
+
+
+@pytest.mark.parametrize("n", [0, 1000, 6 * MiB, 12 * MiB])  # the fixture's client buffer: 16 MiB
+def test_put_record_stores_header_then_payload_byte_exact(b, n):
+    import torch
+
+    from ectier.codec import RawCodec
+    from ectier.entry import EntryMeta
+    from ectier.record import pack_record
+    from ectier.tiers.nvme_record import encode_record
+
+    payload = torch.frombuffer(bytearray(os.urandom(n)), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+    rec = encode_record(RawCodec(), EntryMeta("ns", "k", "uint8", (n,), n), payload, 3)
+    b.put_record("r", rec.header, rec.payload, deadline_s=D)  # upsert_parts up to 8 MiB, else joined
+    assert b.get("r", deadline_s=D) == bytes(pack_record(rec.header, rec.payload))
