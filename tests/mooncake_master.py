@@ -17,12 +17,14 @@ are skipped with the reason; on CI (``CI=true``) that is a failure instead.
 
 The ectier clients in tests lend no memory (``mooncake_global_segment_bytes=0``): objects live on
 the store node, as on a deployment's dedicated store nodes. Teardown kills both processes and
-removes their directory (logs: ``master.log`` / ``node.log`` there while they run).
+removes their directory (logs: ``master.log`` / ``node.log`` there while they run); both get
+``PR_SET_PDEATHSIG``, so a test process that crashes takes them with it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import os
 import shutil
@@ -93,6 +95,12 @@ def ensure_tools() -> Path:
     return here
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGKILL when the test process dies, even by a crash that skips teardown."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as s:
@@ -114,7 +122,7 @@ class Proc:
 
     def start(self) -> None:
         with open(self.log, "ab") as f:
-            self.process = subprocess.Popen(self.args, stdout=f, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(self.args, stdout=f, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
 
     def stop(self) -> None:
         p = self.process
