@@ -1,6 +1,7 @@
 """TieredCaches on one real Mooncake Store (``mooncake_master`` + a store node, started by the test
 on loopback), through the config keys a user writes (``remote.backend: mooncake``): a producer's
-put is served byte-exact by another cache from 0 B to 64 MiB, overwrite and delete reach it; a
+put is served byte-exact by another cache from 0 B to 64 MiB (and by a process after the producer's
+process exited: the store node holds the bytes), overwrite and delete reach it; a
 damaged or foreign object is a counted miss; a master killed mid-run is misses and counted errors
 within the deadline while the local tiers keep serving; a master down at start leaves the cache
 open and degraded with one warning, and the tier reconnects by itself."""
@@ -152,3 +153,37 @@ def test_a_master_down_at_start_degrades_with_one_warning_and_reconnects_by_itse
         cache.close()
         if other is not None:
             other.close()
+
+
+_PRODUCER = r"""
+import json, sys, torch
+from ectier import CacheConfig, TieredCache, testing
+cfg = CacheConfig.from_dict(json.loads(sys.argv[1]))
+c = TieredCache(cfg)
+for i in range(3):
+    c.put(f"img{i}", torch.randn(512, 8192, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16))
+assert testing.drain(c)
+print(c.stats()["tiers"]["remote"]["puts"])
+c.close()
+"""
+
+
+def test_entries_of_a_producer_process_that_exited_are_served_to_another(mooncake_store):
+    import json
+    import subprocess
+    import sys
+
+    cfg = {"namespace": "qwen3-vl", "host": {"capacity_bytes": "64MiB", "pin_memory": False},
+           "remote": mooncake_store.remote_dict(prefix="xproc", timeout_s=5.0)}
+    done = subprocess.run([sys.executable, "-c", _PRODUCER, json.dumps(cfg)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "3"
+    consumer = TieredCache(CacheConfig.from_dict(cfg))  # the producer lent no memory: the store node holds them
+    try:
+        for i in range(3):
+            want = torch.randn(512, 8192, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+            assert _same(consumer.get(f"img{i}"), want), i
+        assert consumer.stats()["tiers"]["remote"]["hits"] == 3
+    finally:
+        consumer.close()
