@@ -21,7 +21,7 @@ from ectier.errors import ConfigError
 from ectier.tiers.remote import open_backend
 from ectier.tiers.remote.backend import RemoteError, RemoteTimeout
 from ectier.tiers.remote.mooncake import MooncakeBackend
-from mooncake_master import Store, free_port, mooncake_store, mooncake_store_fn  # noqa: F401
+from mooncake_master import free_port, mooncake_store, mooncake_store_fn  # noqa: F401
 
 KiB, MiB = 1 << 10, 1 << 20
 D = 20.0  # deadline of the calls that are not about deadlines
@@ -232,3 +232,42 @@ def test_put_record_stores_header_then_payload_byte_exact(b, n):
     rec = encode_record(RawCodec(), EntryMeta("ns", "k", "uint8", (n,), n), payload, 3)
     b.put_record("r", rec.header, rec.payload, deadline_s=D)  # upsert_parts up to 8 MiB, else joined
     assert b.get("r", deadline_s=D) == bytes(pack_record(rec.header, rec.payload))
+
+
+def test_a_store_node_killed_is_errors_within_the_deadline_and_bounded_memory(mooncake_store_fn, monkeypatch):
+    from ectier.tiers.remote import mooncake_calls
+
+    store = mooncake_store_fn
+    be = open_backend(store.config())
+    try:
+        be.put("k", os.urandom(2 * MiB), deadline_s=D)
+        store.node.stop()  # the only node with memory: every transfer now fails
+        start = time.monotonic()
+        with pytest.raises(RemoteError):
+            be.get("k", deadline_s=DEADLINE)
+        assert time.monotonic() - start < 3 * DEADLINE
+        held = be.describe()["held_bytes"]
+        assert held >= 2 * MiB  # the failed transfer's buffer is kept, not freed under it
+        monkeypatch.setattr(mooncake_calls, "HOLD_CAP_BYTES", 1)
+        with pytest.raises(RemoteError, match="kept"):  # past the cap: no new transfer
+            be.get("k", deadline_s=DEADLINE)
+    finally:
+        be.close()
+
+
+def test_buffers_of_failed_transfers_are_released_after_hold_s(mooncake_store_fn, monkeypatch):
+    from ectier.tiers.remote import mooncake_calls
+
+    monkeypatch.setattr(mooncake_calls, "HOLD_S", 0.0)
+    store = mooncake_store_fn
+    be = open_backend(store.config())
+    try:
+        be.put("k", os.urandom(2 * MiB), deadline_s=D)
+        store.node.stop()
+        with pytest.raises(RemoteError):
+            be.get("k", deadline_s=DEADLINE)
+        assert be.describe()["held_bytes"] >= 2 * MiB
+        be.exists("k", deadline_s=DEADLINE)  # the next call (the master's) unregisters and drops it...
+        assert be.describe()["held_bytes"] == 0  # ...so memory stays bounded through an outage
+    finally:
+        be.close()

@@ -19,12 +19,13 @@ tier's writes come as header + payload (:meth:`MooncakeBackend.put_record`): wit
 ``upsert_parts`` through the client's transfer buffer when the record takes at most half of it,
 else joined into one buffer and put. Each measured faster than the alternatives
 (docs/benchmarks.md, "Remote tier: Mooncake Store"). A buffer whose transfer failed in a way that
-may leave it in flight stays referenced (never freed under a transfer).
+may leave it in flight stays registered and referenced for :data:`~ectier.tiers.remote.mooncake_calls.HOLD_S` seconds (never freed
+under a transfer); past :data:`~ectier.tiers.remote.mooncake_calls.HOLD_CAP_BYTES` kept, calls fail at once until some are released.
 
 Deadlines: Mooncake's calls block (a hung master: 30 s each), so every call runs on a daemon
 thread (the client releases the GIL in its calls) and the caller waits at most ``deadline_s``: a
 late call raises :class:`RemoteTimeout` and finishes on its own thread, holding its buffers; at
-most :data:`MAX_IN_FLIGHT` calls run at once (a caller waits for a slot within its deadline).
+most :data:`~ectier.tiers.remote.mooncake_calls.MAX_IN_FLIGHT` calls run at once (a caller waits for a slot within its deadline).
 
 The client is set up in the background from construction on, and again after a failed setup, so a
 master that is down at start is reached once it is up; until then calls fail within their
@@ -43,8 +44,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable
 
 import numpy as np
@@ -52,38 +51,20 @@ import numpy as np
 from ...errors import ConfigError
 from ...record import pack_header
 from .backend import RemoteBackend, RemoteError, RemoteTimeout
+from .mooncake_calls import HOLD_S, MAX_IN_FLIGHT, Holds, Runner, code as _code
 
-__all__ = ["MooncakeBackend", "MAX_IN_FLIGHT", "ERROR_NAMES"]
+__all__ = ["MooncakeBackend"]
 
 log = logging.getLogger(__name__)
 
-#: Mooncake client calls running at once (late ones included)
-MAX_IN_FLIGHT = 16
-
-#: Mooncake's ErrorCode values (mooncake-store/include/types.h) that the backend names
-ERROR_NAMES = {
-    -1: "INTERNAL_ERROR", -200: "NO_AVAILABLE_HANDLE", -600: "INVALID_PARAMS", -703: "REPLICA_IS_NOT_READY",
-    -704: "OBJECT_NOT_FOUND", -705: "OBJECT_ALREADY_EXISTS", -706: "OBJECT_HAS_LEASE", -707: "LEASE_EXPIRED",
-    -800: "TRANSFER_FAIL", -900: "RPC_FAIL", -901: "RPC_TIMEOUT",
-}
 _NOT_FOUND = -704
 _TOO_SMALL = -600  # get_into: the object grew since get_size (an overwrite); put: too large
 _NO_HANDLE = -200  # no space (the client's transfer buffer, or the store's segments)
 #: codes returned before any transfer started or after it ended: the buffer is free again
 _SAFE = frozenset({0, -200, -600, -703, -704, -705, -706, -900, -901})
-_HELD: list[Any] = []  # buffers of transfers that may still be in flight: never freed
+_HELD: list[Any] = []  # clients closed with calls still running: never freed
 _GET_ATTEMPTS = 3
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the probe goes straight
-
-
-def _code(rc: int) -> str:
-    return f"{ERROR_NAMES.get(rc, 'error')} ({rc})"
-
-
-def _hold_if_unsafe(rc: int, buf: Any) -> None:
-    if rc < 0 and rc not in _SAFE:
-        _HELD.append(buf)
-        log.debug("mooncake: a buffer of a failed transfer (%s) is kept alive (%d held)", _code(rc), len(_HELD))
 
 
 def _byte_view(data: Any) -> memoryview:
@@ -111,49 +92,6 @@ def _route_address(host: str, port: int) -> str:
             return s.getsockname()[0]
     except OSError:
         return socket.gethostbyname(socket.gethostname())
-
-
-class _Runner:
-    """Runs blocking client calls on daemon threads; the caller waits at most its deadline."""
-
-    def __init__(self, slots: int) -> None:
-        self._slots = threading.BoundedSemaphore(slots)
-        self.late = 0  # calls whose caller gave up and that still run
-        self._lock = threading.Lock()
-
-    def run(self, what: str, fn: Callable[[], Any], end: float, seconds: float, done: Callable[[], None]) -> Any:
-        """``fn()`` on a daemon thread, waiting until ``end`` (monotonic seconds); ``done()`` runs
-        once the call ended (on its thread), or at once when it never started."""
-        if not self._slots.acquire(timeout=max(0.0, end - time.monotonic())):
-            done()
-            raise RemoteTimeout(f"mooncake {what}: no free call slot within the deadline of {seconds:g} s "
-                                f"({self.late} late calls still running)")
-        fut: Future = Future()
-        waiting = [True]
-
-        def body() -> None:
-            try:
-                fut.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(exc)
-            finally:
-                with self._lock:
-                    if not waiting[0]:
-                        self.late -= 1
-                self._slots.release()
-                done()
-
-        threading.Thread(target=body, name="ectier-mooncake", daemon=True).start()
-        try:
-            return fut.result(timeout=max(0.0, end - time.monotonic()))
-        except FutureTimeout:
-            with self._lock:
-                if not fut.done():
-                    waiting[0] = False
-                    self.late += 1
-            if fut.done():
-                return fut.result()
-            raise RemoteTimeout(f"mooncake {what}: past its deadline of {seconds:g} s") from None
 
 
 class MooncakeBackend(RemoteBackend):
@@ -198,7 +136,8 @@ class MooncakeBackend(RemoteBackend):
         self._closed = False
         self._in_use = 0  # calls holding the client (late ones included)
         self._idle = threading.Condition(self._lock)
-        self._runner = _Runner(MAX_IN_FLIGHT)
+        self._runner = Runner(MAX_IN_FLIGHT)
+        self._holds = Holds()
         self._start_setup()
 
     # ------------------------------------------------------------------ connection
@@ -288,9 +227,17 @@ class MooncakeBackend(RemoteBackend):
     def _call(self, what: str, deadline_s: float, fn: Callable[[Any], Any]) -> Any:
         """``fn(client)`` on a call thread, within ``deadline_s`` (setup wait included)."""
         end = time.monotonic() + deadline_s
+        if self._holds.full():
+            raise RemoteError(f"mooncake {what}: {self._holds.nbytes} bytes of failed transfers are kept for up to "
+                              f"{HOLD_S:g} s (they may still be in flight); no new transfer until then")
         store = self._client(what, end, deadline_s)
+
+        def call() -> Any:
+            self._holds.release_expired(store)
+            return fn(store)
+
         try:
-            return self._runner.run(what, lambda: fn(store), end, deadline_s, self._release)
+            return self._runner.run(what, call, end, deadline_s, self._release)
         except RemoteError:
             raise
         except Exception as exc:  # the client's own (a binding that raises): a failed call, not a crash
@@ -324,7 +271,7 @@ class MooncakeBackend(RemoteBackend):
                 return store.upsert(name, view)  # the copy through the client's own buffer
             rc = store.upsert_from(name, ptr, arr.size)
             if rc < 0 and rc not in _SAFE:
-                _hold_if_unsafe(rc, (view, data))
+                self._holds.hold(rc, ptr, arr.size, (view, data))
             else:
                 store.unregister_buffer(ptr)
             return rc
@@ -399,7 +346,7 @@ class MooncakeBackend(RemoteBackend):
             registered = store.register_buffer(ptr, size) == 0
             rc = store.get_into(name, ptr, size)
             if rc < 0 and rc not in _SAFE:
-                _hold_if_unsafe(rc, buf)
+                self._holds.hold(rc, ptr if registered else 0, size, buf)
             elif registered:
                 store.unregister_buffer(ptr)
             if rc == _NOT_FOUND:
@@ -440,13 +387,14 @@ class MooncakeBackend(RemoteBackend):
     def describe(self) -> dict[str, Any]:
         """``backend``, ``addresses`` (the master), ``metadata_server``, ``local_hostname``,
         ``protocol``, ``connected``, ``global_segment_bytes``, ``late_calls`` (calls past their
-        deadline still running), ``prefix``."""
+        deadline still running), ``held_bytes`` (buffers of failed transfers kept), ``prefix``."""
         cfg = self._cfg
         with self._lock:
             connected = self._store is not None
         return {"backend": self.name, "addresses": self._master, "metadata_server": self._metadata,
                 "local_hostname": self._hostname, "protocol": cfg.mooncake_protocol, "connected": connected,
                 "global_segment_bytes": int(cfg.mooncake_global_segment_bytes), "late_calls": self._runner.late,
+                "held_bytes": self._holds.nbytes,
                 "prefix": self._prefix}
 
     def close(self) -> None:
