@@ -213,10 +213,11 @@ class RemoteTierConfig:
     """Remote tier: entries shared by every engine on every node, on a distributed store.
 
     Fields:
-        backend: ``"none"`` (default: no remote tier) or ``"redis"`` (a Redis / Valkey Cluster,
-            or one server).
+        backend: ``"none"`` (default: no remote tier), ``"redis"`` (a Redis / Valkey Cluster,
+            or one server) or ``"mooncake"`` (a Mooncake Store: its ``mooncake_master``).
         addresses: ``"host:port[,host:port...]"``: seed nodes of the cluster (one is enough; the
-            others are found from it). Required when ``backend`` is not ``"none"``.
+            others are found from it); for ``mooncake`` the master's RPC address (one).
+            Required when ``backend`` is not ``"none"``.
         prefix: first part of every object's key (Redis: ``<prefix>:m:<digest of namespace and
             key>`` and its chunks ``<prefix>:c:...``), so that several deployments can share one
             store. Default ``"ectier"``.
@@ -236,6 +237,22 @@ class RemoteTierConfig:
         tls: connect with TLS. Default ``False``.
         tls_ca_path: CA bundle that signed the servers' certificates; ``None`` (default): the
             system's.
+        mooncake_metadata_server: Mooncake: the transfer engine's metadata server,
+            ``"http://host:port/metadata"`` (the master's own with
+            ``--enable_http_metadata_server=true``), or ``"etcd://host:port"``; ``""`` (default):
+            ``http://<master host>:8080/metadata``.
+        mooncake_local_hostname: Mooncake: this node's address as the other nodes reach it
+            (``"host"`` or ``"host:port"``); ``""`` (default): the local address of the route to
+            the master.
+        mooncake_global_segment_bytes: Mooncake: memory this process lends to the store for
+            everyone's objects (0: none, a client only; objects then live on other nodes'
+            segments). Default 512 MiB.
+        mooncake_local_buffer_bytes: Mooncake: the client's own transfer buffer; a remote write of
+            an entry up to half of it goes through it (measured faster than from the entry's own
+            memory), larger ones from registered memory. Default 128 MiB.
+        mooncake_protocol: Mooncake transport: ``"tcp"`` (default) or ``"rdma"``.
+        mooncake_device_name: Mooncake: RDMA device(s), e.g. ``"mlx5_0"`` or
+            ``"mlx5_0,mlx5_1"``; ``""`` (default): none (``tcp``) or auto-detected.
     """
 
     backend: str = "none"
@@ -250,6 +267,12 @@ class RemoteTierConfig:
     password: str | None = None
     tls: bool = False
     tls_ca_path: str | None = None
+    mooncake_metadata_server: str = ""
+    mooncake_local_hostname: str = ""
+    mooncake_global_segment_bytes: int = 512 * MiB
+    mooncake_local_buffer_bytes: int = 128 * MiB
+    mooncake_protocol: str = "tcp"
+    mooncake_device_name: str = ""
 
     def __post_init__(self) -> None:
         check_remote(self)

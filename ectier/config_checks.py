@@ -352,7 +352,7 @@ def check_daemon(cfg: DaemonConfig) -> None:
     p.raise_if_any()
 
 
-REMOTE_BACKENDS = ("none", "redis")
+REMOTE_BACKENDS = ("none", "redis", "mooncake")
 
 
 def check_remote(cfg: Any) -> None:
@@ -398,4 +398,31 @@ def check_remote(cfg: Any) -> None:
         if getattr(cfg, name) is not None:
             with p.check(f"remote.{name}"):
                 check_text(f"remote.{name}", getattr(cfg, name), "a string or null")
+    check_remote_mooncake(cfg, p)
     p.raise_if_any()
+
+
+def check_remote_mooncake(cfg: Any, p: Problems) -> None:
+    """The ``remote.mooncake_*`` checks (into ``p``)."""
+    with p.check("remote.addresses"):
+        if cfg.backend == "mooncake" and len([a for a in cfg.addresses.split(",") if a.strip()]) > 1:
+            raise ConfigError(f"remote.addresses: one master address with remote.backend 'mooncake', "
+                              f"got {cfg.addresses!r}")
+    for name in ("mooncake_metadata_server", "mooncake_local_hostname", "mooncake_device_name"):
+        with p.check(f"remote.{name}"):
+            value = getattr(cfg, name)
+            if not isinstance(value, str) or "\0" in value or any(c.isspace() for c in value.strip(" ")):
+                raise ConfigError(f"remote.{name}: expected a string without whitespace or NUL, got {value!r}")
+    with p.check("remote.mooncake_metadata_server"):
+        ms = cfg.mooncake_metadata_server
+        if isinstance(ms, str) and ms and not ms.startswith(("http://", "https://", "etcd://", "redis://")) \
+                and ms != "P2PHANDSHAKE":
+            raise ConfigError("remote.mooncake_metadata_server: expected 'http://host:port/metadata', "
+                              f"'etcd://host:port' or '' (the master's), got {ms!r}")
+    with p.check("remote.mooncake_protocol"):
+        if cfg.mooncake_protocol not in ("tcp", "rdma"):
+            raise ConfigError(f"remote.mooncake_protocol: expected 'tcp' or 'rdma', got {cfg.mooncake_protocol!r}")
+    with p.check("remote.mooncake_global_segment_bytes"):
+        check_int("remote.mooncake_global_segment_bytes", cfg.mooncake_global_segment_bytes, minimum=0)
+    with p.check("remote.mooncake_local_buffer_bytes"):
+        check_int("remote.mooncake_local_buffer_bytes", cfg.mooncake_local_buffer_bytes, minimum=0)

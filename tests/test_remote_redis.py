@@ -61,6 +61,33 @@ def test_round_trip_byte_exact(b, n):
     assert b.exists("k", deadline_s=D) is True
 
 
+def _record(n: int):
+    from ectier.record import RecordHeader, checksum
+
+    payload = os.urandom(n)
+    header = RecordHeader(codec_id=0, dtype="uint8", shape=(n,), namespace="ns", key="k", raw_nbytes=n,
+                          payload_nbytes=n, payload_checksum=checksum(payload), version=1, created_ns=1)
+    return header, payload
+
+
+@pytest.mark.parametrize("n", [0, 1, CHUNK - 200, CHUNK, CHUNK + 1, 3 * CHUNK + 7])
+def test_put_record_stores_the_joined_record_byte_exact(servers, b, n):
+    """A record written as parts (header, payload) is the object ``pack_record`` would make,
+    chunked the same way: a reader with another chunk size reads it too."""
+    from ectier.record import pack_record
+
+    header, payload = _record(n)
+    b.put_record("r", header, payload, deadline_s=D)
+    want = bytes(pack_record(header, payload))
+    assert b.get("r", deadline_s=D) == want
+    assert len(chunk_keys(servers, b, "r")) == -(-len(want) // CHUNK)
+    other = backend(servers, prefix=b.describe()["prefix"], chunk_bytes=MiB)
+    try:
+        assert other.get("r", deadline_s=D) == want
+    finally:
+        other.close()
+
+
 def test_64_mib_with_the_default_chunk_size(servers, request):
     be = RedisBackend(RemoteTierConfig(backend="redis", addresses=servers.addresses, prefix="big"))
     data = os.urandom(64 * MiB)

@@ -25,4 +25,7 @@ def open_backend(config: "RemoteTierConfig") -> "RemoteBackend":
             raise ConfigError(f"remote.backend: 'redis' needs the redis package (pip install 'ectier[remote]'): "
                               f"{exc}") from None
         return RedisBackend(config)
+    if config.backend == "mooncake":
+        from .mooncake import MooncakeBackend  # says how to install the client when it is missing
+        return MooncakeBackend(config)
     raise ConfigError(f"remote.backend: {config.backend!r} has no client here")

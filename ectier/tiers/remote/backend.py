@@ -11,6 +11,7 @@ import abc
 from typing import Any
 
 from ...errors import EctierError
+from ...record import pack_record
 
 __all__ = ["RemoteBackend", "RemoteError", "RemoteTimeout"]
 
@@ -41,6 +42,17 @@ class RemoteBackend(abc.ABC):
         Raises:
             RemoteError, RemoteTimeout.
         """
+
+    def put_record(self, key: str, header: Any, payload: Any, *, deadline_s: float) -> None:
+        """Store one record (``header``: a :class:`~ectier.record.RecordHeader`; ``payload``: its
+        bytes) as the object under ``key``, as :meth:`put` does. The default joins both with
+        :func:`~ectier.record.pack_record` (one copy of the payload); a backend may write them
+        without that buffer.
+
+        Raises:
+            RemoteError, RemoteTimeout.
+        """
+        self.put(key, pack_record(header, payload), deadline_s=deadline_s)
 
     @abc.abstractmethod
     def get(self, key: str, *, deadline_s: float) -> bytes | None:

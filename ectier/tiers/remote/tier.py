@@ -148,9 +148,8 @@ class RemoteTier(Tier):
     def write(self, meta: EntryMeta, src: torch.Tensor, version: int, digest: bytes) -> bool:
         """Write version ``version`` of an entry (``src``: its flat ``uint8`` CPU bytes). True if stored."""
         record = encode_record(self._codec, meta, src, version)
-        data = b"".join((record.header_bytes, record.payload))  # one copy of the payload, no zero-fill first
-        ok, _ = self._call("put", lambda: self.backend.put(self.key_of(digest), data,
-                                                            deadline_s=self.config.timeout_s))
+        ok, _ = self._call("put", lambda: self.backend.put_record(self.key_of(digest), record.header, record.payload,
+                                                                   deadline_s=self.config.timeout_s))
         return ok
 
     def fetch(self, digest: bytes, namespace: str, key: str):

@@ -1,0 +1,436 @@
+"""The Mooncake Store backend of the remote tier (``remote.backend: mooncake``).
+
+A client of ``mooncake.store.MooncakeDistributedStore`` (pip ``mooncake-transfer-engine-non-cuda``
+on machines without CUDA, ``mooncake-transfer-engine`` with CUDA; both need Debian's
+``libibverbs1``). It talks to one ``mooncake_master`` (``remote.addresses``) and its metadata
+server (``remote.mooncake_metadata_server``; the master's own HTTP one by default), and lends
+``remote.mooncake_global_segment_bytes`` of this process's memory to the store (0: none).
+
+One object ``key`` is one Mooncake object ``<remote.prefix>:<key>``, written with ``upsert`` (a
+``put`` of a key that exists keeps the old value in Mooncake) and removed with ``remove(force)``
+(a read's lease does not block a delete). Mooncake makes an object visible only once every byte
+is written, so a reader never sees a partial one; the remote tier checks each object's header
+and checksum on top.
+
+Copies: a get asks the size, registers a fresh buffer of that size and reads into it
+(``get_into``), skipping the copy out of the client's own transfer buffer that plain ``get``
+makes; a put registers the caller's buffer and writes from it (``upsert_from``). The remote
+tier's writes come as header + payload (:meth:`MooncakeBackend.put_record`): with
+``upsert_parts`` through the client's transfer buffer when the record takes at most half of it,
+else joined into one buffer and put. Each measured faster than the alternatives
+(docs/benchmarks.md, "Remote tier: Mooncake Store"). A buffer whose transfer failed in a way that
+may leave it in flight stays registered and referenced for :data:`~ectier.tiers.remote.mooncake_calls.HOLD_S` seconds (never freed
+under a transfer); past :data:`~ectier.tiers.remote.mooncake_calls.HOLD_CAP_BYTES` kept, calls fail at once until some are released.
+
+Deadlines: Mooncake's calls block (a hung master: 30 s each), so every call runs on a daemon
+thread (the client releases the GIL in its calls) and the caller waits at most ``deadline_s``: a
+late call raises :class:`RemoteTimeout` and finishes on its own thread, holding its buffers; at
+most :data:`~ectier.tiers.remote.mooncake_calls.MAX_IN_FLIGHT` calls run at once (a caller waits for a slot within its deadline).
+
+The client is set up in the background from construction on, and again after a failed setup, so a
+master that is down at start is reached once it is up; until then calls fail within their
+deadline. Mooncake's ``setup`` holds the GIL (0.3.13), and against a master that is down it
+retries for ~90 s, which would freeze every thread of the process; so a setup starts only after
+the master's RPC port accepts a connection and its HTTP metadata server answers, each within
+``remote.timeout_s`` (a master that dies in between is the one case left).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Callable
+
+import numpy as np
+
+from ...errors import ConfigError
+from ...record import pack_header
+from .backend import RemoteBackend, RemoteError, RemoteTimeout
+from .mooncake_calls import HOLD_S, MAX_IN_FLIGHT, Holds, Runner, code as _code
+
+__all__ = ["MooncakeBackend"]
+
+log = logging.getLogger(__name__)
+
+_NOT_FOUND = -704
+_TOO_SMALL = -600  # get_into: the object grew since get_size (an overwrite); put: too large
+_NO_HANDLE = -200  # no space (the client's transfer buffer, or the store's segments)
+#: codes returned before any transfer started or after it ended: the buffer is free again
+_SAFE = frozenset({0, -200, -600, -703, -704, -705, -706, -900, -901})
+_HELD: list[Any] = []  # clients closed with calls still running: never freed
+_GET_ATTEMPTS = 3
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the probe goes straight
+
+
+def _byte_view(data: Any) -> memoryview:
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise TypeError(f"data: expected bytes, bytearray or memoryview, got {type(data).__name__}") from None
+    if not view.c_contiguous:
+        raise ValueError("data: the buffer must be C-contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _check_args(key: Any, deadline_s: Any) -> None:
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"key: expected a non-empty str, got {key!r}")
+    if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
+        raise ValueError(f"deadline_s: expected seconds > 0, got {deadline_s!r}")
+
+
+def _route_address(host: str, port: int) -> str:
+    """The local address of the route to ``host:port`` (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+class MooncakeBackend(RemoteBackend):
+    """Objects on a Mooncake Store (``remote.backend: mooncake``).
+
+    Args:
+        cfg: a :class:`~ectier.config.RemoteTierConfig`: ``addresses`` (the master, ``host:port``),
+            ``prefix``, ``timeout_s`` (the deadline of the background setup's first wait), and the
+            ``mooncake_*`` fields (metadata server, local hostname, segment and buffer sizes in
+            bytes, protocol ``tcp`` / ``rdma``, RDMA device names).
+        store_factory: makes the client (default ``mooncake.store.MooncakeDistributedStore``).
+
+    The client's setup starts in the background here; calls made before it ends wait for it within
+    their deadline.
+
+    Raises:
+        ConfigError: the ``mooncake`` package is not importable (``pip install 'ectier[mooncake]'``
+            and ``apt-get install libibverbs1``), or ``remote.addresses`` is not one ``host:port``.
+    """
+
+    name = "mooncake"
+    #: put / get through registered memory (``upsert_from`` / ``get_into``); False: plain
+    #: ``upsert`` / ``get`` (slower; kept for the measurement in benchmarks/remote_mooncake_bench.py)
+    zero_copy = True
+
+    def __init__(self, cfg: Any, store_factory: Callable[[], Any] | None = None) -> None:
+        if store_factory is None:
+            store_factory = _import_store()
+        addrs = cfg.address_list
+        if len(addrs) != 1:
+            raise ConfigError(f"remote.addresses: one master 'host:port' for mooncake, got {cfg.addresses!r}")
+        self._cfg = cfg
+        self._factory = store_factory
+        self._master = f"{addrs[0][0]}:{addrs[0][1]}"
+        self._metadata = cfg.mooncake_metadata_server or f"http://{addrs[0][0]}:8080/metadata"
+        self._hostname = cfg.mooncake_local_hostname or _route_address(*addrs[0])
+        self._prefix = cfg.prefix
+        self._lock = threading.Lock()
+        self._store: Any = None
+        self._setup_done: threading.Event | None = None
+        self._setup_error = ""
+        self._closed = False
+        self._in_use = 0  # calls holding the client (late ones included)
+        self._idle = threading.Condition(self._lock)
+        self._runner = Runner(MAX_IN_FLIGHT)
+        self._holds = Holds()
+        self._start_setup()
+
+    # ------------------------------------------------------------------ connection
+
+    def _start_setup(self) -> threading.Event:
+        """Start a setup on its own thread unless one runs (call with or without the lock held
+        by nobody else: it takes it)."""
+        with self._lock:
+            if self._setup_done is None:
+                self._setup_done = threading.Event()
+                threading.Thread(target=self._setup, args=(self._setup_done,), name="ectier-mooncake-setup",
+                                 daemon=True).start()
+            return self._setup_done
+
+    def _setup(self, done: threading.Event) -> None:
+        cfg = self._cfg
+        store, error = None, self._unreachable()
+        try:
+            if error:
+                raise RemoteError(error)
+            store = self._factory()
+            rc = store.setup(self._hostname, self._metadata, int(cfg.mooncake_global_segment_bytes),
+                             int(cfg.mooncake_local_buffer_bytes), cfg.mooncake_protocol, cfg.mooncake_device_name,
+                             self._master)
+            if rc != 0:
+                error = f"setup with master {self._master} and metadata {self._metadata} failed: {_code(rc)}"
+        except RemoteError:
+            pass
+        except Exception as exc:  # noqa: BLE001 - reported to the callers as RemoteError
+            error = f"setup with master {self._master} failed: {type(exc).__name__}: {exc}"
+        if error:
+            log.debug("mooncake: %s", error)
+            _close_quietly(store)
+            store = None
+        with self._lock:
+            if self._closed:
+                _close_quietly(store)
+                store = None
+            self._store, self._setup_error = store, error
+            if store is None:
+                self._setup_done = None  # the next call starts another setup
+        done.set()
+
+    def _unreachable(self) -> str:
+        """'' when the master accepts a connection and an HTTP metadata server answers (within
+        ``remote.timeout_s`` each), else why not."""
+        host, _, port = self._master.rpartition(":")
+        t = self._cfg.timeout_s
+        try:
+            socket.create_connection((host, int(port)), timeout=t).close()
+        except OSError as exc:
+            return f"master {self._master} does not accept connections: {exc}"
+        if self._metadata.startswith(("http://", "https://")):
+            try:
+                _NO_PROXY.open(f"{self._metadata}?key=ectier-probe", timeout=t).close()
+            except urllib.error.HTTPError:
+                pass  # an answer (404 for the unknown key)
+            except OSError as exc:
+                return f"metadata server {self._metadata} does not answer: {exc}"
+        return ""
+
+    def _client(self, what: str, end: float, seconds: float) -> Any:
+        """The client, counted in use (:meth:`_release` when the call ended)."""
+        with self._lock:
+            if self._closed:
+                raise RemoteError("mooncake: the backend is closed")
+            if self._store is not None:
+                self._in_use += 1
+                return self._store
+        done = self._start_setup()
+        if not done.wait(max(0.0, end - time.monotonic())):
+            raise RemoteTimeout(f"mooncake {what}: master {self._master} not reached within the deadline of "
+                                f"{seconds:g} s (setup goes on in the background)")
+        with self._lock:
+            if self._closed:
+                raise RemoteError("mooncake: the backend is closed")
+            if self._store is not None:
+                self._in_use += 1
+                return self._store
+            raise RemoteError(f"mooncake {what}: {self._setup_error or 'not connected'}")
+
+    def _release(self) -> None:
+        with self._lock:
+            self._in_use -= 1
+            self._idle.notify_all()
+
+    def _call(self, what: str, deadline_s: float, fn: Callable[[Any], Any]) -> Any:
+        """``fn(client)`` on a call thread, within ``deadline_s`` (setup wait included)."""
+        end = time.monotonic() + deadline_s
+        if self._holds.full():
+            raise RemoteError(f"mooncake {what}: {self._holds.nbytes} bytes of failed transfers are kept for up to "
+                              f"{HOLD_S:g} s (they may still be in flight); no new transfer until then")
+        store = self._client(what, end, deadline_s)
+
+        def call() -> Any:
+            self._holds.release_expired(store)
+            return fn(store)
+
+        try:
+            return self._runner.run(what, call, end, deadline_s, self._release)
+        except RemoteError:
+            raise
+        except Exception as exc:  # the client's own (a binding that raises): a failed call, not a crash
+            raise RemoteError(f"mooncake {what} on {self._master}: {type(exc).__name__}: {exc}") from exc
+
+    def _object(self, key: str) -> str:
+        return f"{self._prefix}:{key}"
+
+    # ------------------------------------------------------------------ the interface
+
+    def put(self, key: str, data: bytes | memoryview, *, deadline_s: float) -> None:
+        """Store ``data`` (bytes-like, C-contiguous, at least 1 byte: Mooncake holds no empty
+        object) under ``key``, replacing what was there.
+
+        Raises:
+            ValueError / TypeError: a bad key, data or deadline_s.
+            RemoteError, RemoteTimeout: the store failed or the deadline passed.
+        """
+        _check_args(key, deadline_s)
+        view = _byte_view(data)
+        if not len(view):
+            raise ValueError("data: Mooncake Store holds no empty object (the remote tier's records never are)")
+        name = self._object(key)
+
+        def write(store: Any) -> int:
+            if not self.zero_copy:
+                return store.upsert(name, view)
+            arr = np.frombuffer(view, dtype=np.uint8)
+            ptr = arr.ctypes.data
+            if store.register_buffer(ptr, arr.size) != 0:
+                return store.upsert(name, view)  # the copy through the client's own buffer
+            rc = store.upsert_from(name, ptr, arr.size)
+            if rc < 0 and rc not in _SAFE:
+                self._holds.hold(rc, ptr, arr.size, (view, data))
+            else:
+                store.unregister_buffer(ptr)
+            return rc
+
+        rc = self._call("put", deadline_s, write)
+        if rc != 0:
+            raise RemoteError(f"mooncake put of {len(view)} bytes on {self._master}: {_code(rc)}")
+
+    def put_record(self, key: str, header: Any, payload: Any, *, deadline_s: float) -> None:
+        """Store one record (``header``, then ``payload``) under ``key`` without joining them first:
+        a record up to half of ``remote.mooncake_local_buffer_bytes`` goes through the client's own
+        (registered, reused) buffer with ``upsert_parts``; a larger one, or one that finds that
+        buffer full, is copied into one new buffer (not zero-filled, unlike ``pack_record``'s) and
+        written from it as :meth:`put` does. Both measured faster than ``pack_record`` + put
+        (docs/benchmarks.md). A call past its deadline may still read ``payload`` on its thread:
+        if the caller reuses that memory, the object stored fails its checksum (a miss).
+
+        Raises:
+            ValueError / TypeError: a bad key, payload or deadline_s.
+            RemoteError, RemoteTimeout.
+        """
+        _check_args(key, deadline_s)
+        start = time.monotonic()
+        head = pack_header(header)
+        body = _byte_view(payload)
+        if len(body) != header.payload_nbytes:
+            raise ValueError(f"payload: {len(body)} bytes, header.payload_nbytes is {header.payload_nbytes}")
+        name = self._object(key)
+        if self.zero_copy and len(head) + len(body) <= self._cfg.mooncake_local_buffer_bytes // 2:
+            rc = self._call("put", deadline_s, lambda store: store.upsert_parts(name, head, body))
+            if rc == 0:
+                return
+            if rc not in (_TOO_SMALL, _NO_HANDLE):
+                raise RemoteError(f"mooncake put of {len(head) + len(body)} bytes on {self._master}: {_code(rc)}")
+            deadline_s -= time.monotonic() - start  # the client's buffer is full: the copy path
+            if deadline_s <= 0:
+                raise RemoteTimeout("mooncake put: past its deadline (the client's buffer was full)")
+        buf = np.empty(len(head) + len(body), dtype=np.uint8)
+        buf[:len(head)] = np.frombuffer(head, dtype=np.uint8)
+        if len(body):
+            buf[len(head):] = np.frombuffer(body, dtype=np.uint8)
+        self.put(key, memoryview(buf), deadline_s=deadline_s)
+
+    def get(self, key: str, *, deadline_s: float) -> memoryview | bytes | None:
+        """The object under ``key`` (a memoryview of a new buffer), or ``None`` if there is none.
+
+        Raises:
+            ValueError: a bad key or deadline_s.
+            RemoteError, RemoteTimeout.
+        """
+        _check_args(key, deadline_s)
+        name = self._object(key)
+        return self._call("get", deadline_s, lambda store: self._read(store, name))
+
+    def _read(self, store: Any, name: str) -> memoryview | bytes | None:
+        if not self.zero_copy:
+            size = store.get_size(name)
+            if size == _NOT_FOUND:
+                return None
+            if size < 0:
+                raise RemoteError(f"mooncake get on {self._master}: {_code(size)}")
+            data = store.get(name)
+            return data if data else None
+        for _ in range(_GET_ATTEMPTS):  # an overwrite between get_size and get_into: again
+            size = store.get_size(name)
+            if size == _NOT_FOUND or size == 0:
+                return None
+            if size < 0:
+                raise RemoteError(f"mooncake get on {self._master}: {_code(size)}")
+            buf = np.empty(size, dtype=np.uint8)
+            ptr = buf.ctypes.data
+            registered = store.register_buffer(ptr, size) == 0
+            rc = store.get_into(name, ptr, size)
+            if rc < 0 and rc not in _SAFE:
+                self._holds.hold(rc, ptr if registered else 0, size, buf)
+            elif registered:
+                store.unregister_buffer(ptr)
+            if rc == _NOT_FOUND:
+                return None
+            if rc >= 0:
+                return memoryview(buf)[:rc]
+            if rc != _TOO_SMALL:
+                raise RemoteError(f"mooncake get of {size} bytes on {self._master}: {_code(rc)}")
+        return None  # overwritten under every attempt: a miss
+
+    def exists(self, key: str, *, deadline_s: float) -> bool:
+        """Whether an object is stored under ``key``.
+
+        Raises:
+            ValueError: a bad key or deadline_s.
+            RemoteError, RemoteTimeout.
+        """
+        _check_args(key, deadline_s)
+        name = self._object(key)
+        rc = self._call("exists", deadline_s, lambda store: store.is_exist(name))
+        if rc < 0:
+            raise RemoteError(f"mooncake exists on {self._master}: {_code(rc)}")
+        return rc == 1
+
+    def delete(self, key: str, *, deadline_s: float) -> None:
+        """Remove the object under ``key`` (even while a reader holds its lease). No error if absent.
+
+        Raises:
+            ValueError: a bad key or deadline_s.
+            RemoteError, RemoteTimeout.
+        """
+        _check_args(key, deadline_s)
+        name = self._object(key)
+        rc = self._call("delete", deadline_s, lambda store: store.remove(name, True))
+        if rc not in (0, _NOT_FOUND):
+            raise RemoteError(f"mooncake delete on {self._master}: {_code(rc)}")
+
+    def describe(self) -> dict[str, Any]:
+        """``backend``, ``addresses`` (the master), ``metadata_server``, ``local_hostname``,
+        ``protocol``, ``connected``, ``global_segment_bytes``, ``late_calls`` (calls past their
+        deadline still running), ``held_bytes`` (buffers of failed transfers kept), ``prefix``."""
+        cfg = self._cfg
+        with self._lock:
+            connected = self._store is not None
+        return {"backend": self.name, "addresses": self._master, "metadata_server": self._metadata,
+                "local_hostname": self._hostname, "protocol": cfg.mooncake_protocol, "connected": connected,
+                "global_segment_bytes": int(cfg.mooncake_global_segment_bytes), "late_calls": self._runner.late,
+                "held_bytes": self._holds.nbytes,
+                "prefix": self._prefix}
+
+    def close(self) -> None:
+        """Close the client (unmounts this process's segment: the objects on it are gone), after
+        the calls still running ended, waiting at most ``remote.timeout_s`` for them; a client
+        with calls still running past that is left open (closing it under a call would crash the
+        process). Idempotent; calls after it raise RemoteError."""
+        with self._lock:
+            self._closed = True
+            idle = self._idle.wait_for(lambda: self._in_use == 0, self._cfg.timeout_s)
+            store, self._store = self._store, None
+        if store is None:
+            return
+        if not idle:
+            _HELD.append(store)
+            log.debug("mooncake: closed with calls still running; the client stays open for them")
+            return
+        t = threading.Thread(target=_close_quietly, args=(store,), name="ectier-mooncake-close", daemon=True)
+        t.start()
+        t.join(self._cfg.timeout_s)
+
+
+def _close_quietly(store: Any) -> None:
+    if store is None:
+        return
+    try:
+        store.close()
+    except Exception as exc:  # noqa: BLE001
+        log.debug("mooncake: close: %s", exc)
+
+
+def _import_store() -> Callable[[], Any]:
+    os.environ.setdefault("GLOG_minloglevel", "1")  # the client's INFO lines; warnings still show
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:
+        raise ConfigError("remote.backend: 'mooncake' needs the Mooncake client: pip install 'ectier[mooncake]' "
+                          f"(and Debian's libibverbs1: apt-get install libibverbs1): {exc}") from None
+    return MooncakeDistributedStore

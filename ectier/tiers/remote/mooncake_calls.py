@@ -1,0 +1,117 @@
+"""How the Mooncake backend runs client calls: each on a daemon thread, the caller waiting at most
+its deadline (:class:`Runner`); buffers of failed transfers kept alive for a while (:class:`Holds`);
+Mooncake's return codes by name. Used by ``ectier/tiers/remote/mooncake.py`` only."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Callable
+
+from .backend import RemoteTimeout
+
+__all__ = ["Runner", "Holds", "code", "ERROR_NAMES", "MAX_IN_FLIGHT", "HOLD_S", "HOLD_CAP_BYTES"]
+
+log = logging.getLogger("ectier.tiers.remote.mooncake")
+
+#: Mooncake client calls running at once (late ones included)
+MAX_IN_FLIGHT = 16
+
+#: Mooncake's ErrorCode values (mooncake-store/include/types.h) that the backend names
+ERROR_NAMES = {
+    -1: "INTERNAL_ERROR", -200: "NO_AVAILABLE_HANDLE", -600: "INVALID_PARAMS", -703: "REPLICA_IS_NOT_READY",
+    -704: "OBJECT_NOT_FOUND", -705: "OBJECT_ALREADY_EXISTS", -706: "OBJECT_HAS_LEASE", -707: "LEASE_EXPIRED",
+    -800: "TRANSFER_FAIL", -900: "RPC_FAIL", -901: "RPC_TIMEOUT",
+}
+#: a buffer whose transfer failed (TRANSFER_FAIL, ...) is kept this long before it is unregistered
+#: and freed (its transfer may still be in flight), and while more than HOLD_CAP_BYTES are kept,
+#: calls fail at once (RemoteError) rather than hold more
+HOLD_S = 60.0
+HOLD_CAP_BYTES = 1 << 30
+
+
+def code(rc: int) -> str:
+    """``NAME (rc)`` of a Mooncake return code."""
+    return f"{ERROR_NAMES.get(rc, 'error')} ({rc})"
+
+
+class Holds:
+    """Buffers of failed transfers, kept registered and alive for :data:`HOLD_S` seconds."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: list[tuple[float, int, int, Any]] = []  # (until, ptr, nbytes, owner)
+        self.nbytes = 0
+
+    def hold(self, rc: int, ptr: int, nbytes: int, owner: Any) -> None:
+        """Keep ``owner`` (the buffer at ``ptr``, registered unless 0) after a failure ``rc``."""
+        with self._lock:
+            self._items.append((time.monotonic() + HOLD_S, ptr, nbytes, owner))
+            self.nbytes += nbytes
+            held = self.nbytes
+        log.debug("mooncake: the buffer of a failed transfer (%s) is kept for %g s (%d bytes kept)", code(rc),
+                  HOLD_S, held)
+
+    def release_expired(self, store: Any) -> None:
+        """Unregister and drop the buffers kept long enough (on a call thread: may block)."""
+        now = time.monotonic()
+        with self._lock:
+            done = [h for h in self._items if h[0] <= now]
+            self._items = [h for h in self._items if h[0] > now]
+            self.nbytes -= sum(h[2] for h in done)
+        for _, ptr, _, _ in done:
+            if ptr:
+                store.unregister_buffer(ptr)
+
+    def full(self) -> bool:
+        """More than :data:`HOLD_CAP_BYTES` kept and not yet past :data:`HOLD_S` (those past it
+        are unregistered and dropped by the next call)."""
+        now = time.monotonic()
+        with self._lock:
+            return sum(h[2] for h in self._items if h[0] > now) > HOLD_CAP_BYTES
+
+
+class Runner:
+    """Runs blocking client calls on daemon threads; the caller waits at most its deadline."""
+
+    def __init__(self, slots: int) -> None:
+        self._slots = threading.BoundedSemaphore(slots)
+        self.late = 0  # calls whose caller gave up and that still run
+        self._lock = threading.Lock()
+
+    def run(self, what: str, fn: Callable[[], Any], end: float, seconds: float, done: Callable[[], None]) -> Any:
+        """``fn()`` on a daemon thread, waiting until ``end`` (monotonic seconds); ``done()`` runs
+        once the call ended (on its thread), or at once when it never started."""
+        if not self._slots.acquire(timeout=max(0.0, end - time.monotonic())):
+            done()
+            raise RemoteTimeout(f"mooncake {what}: no free call slot within the deadline of {seconds:g} s "
+                                f"({self.late} late calls still running)")
+        fut: Future = Future()
+        waiting = [True]
+
+        def body() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
+            finally:
+                with self._lock:
+                    if not waiting[0]:
+                        self.late -= 1
+                self._slots.release()
+                done()
+
+        threading.Thread(target=body, name="ectier-mooncake", daemon=True).start()
+        try:
+            return fut.result(timeout=max(0.0, end - time.monotonic()))
+        except FutureTimeout:
+            with self._lock:
+                if not fut.done():
+                    waiting[0] = False
+                    self.late += 1
+            if fut.done():
+                return fut.result()
+            raise RemoteTimeout(f"mooncake {what}: past its deadline of {seconds:g} s") from None
