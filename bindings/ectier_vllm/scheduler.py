@@ -1,0 +1,312 @@
+"""The scheduler side of :class:`~ectier_vllm.connector.ECTierConnector` (engine-core process).
+
+Each step: ``ensure_cache_available`` promotes the request's stored items towards the worker and
+pins them once ready (all through :meth:`SchedulerSide._promotion`, the one place that decides
+whether an item is looked up, waited for or a miss); ``has_cache_item`` answers from the pins;
+``update_state_after_alloc`` / ``build_connector_meta`` hand the pinned items to the workers;
+``update_connector_output`` drops the pins the workers report loaded and takes their counters.
+See the module docstring of :mod:`ectier_vllm.connector` for the whole path.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ectier.tensors import dtype_name
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata, ECConnectorRole
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import ECConnectorOutput
+
+from . import confirm as save_confirm
+from .common import STORE_ERRORS, logger
+from .metadata import ECTierConnectorMetadata, ECTierWorkerMetadata, LoadItem
+from .metrics import merge_stats_data
+from .store import Pin
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.request import Request
+
+
+class Promotion(enum.Enum):
+    """Where an item stands for the scheduler (``ECTierConnector._promotion``)."""
+
+    MISS = "miss"  #: not stored: vLLM encodes it
+    WAIT = "wait"  #: a promotion towards the worker is in flight: the request waits this step
+    TIMEOUT = "timeout"  #: the promotion ran past ``load_timeout_s``: re-encode
+    READY = "ready"  #: ready to pin
+
+
+@dataclass
+class _PinState:
+    pin: Pin
+    req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Prefetch:
+    handles: list[Any]
+    started: float
+
+
+class SchedulerSide:
+    """Scheduler-side methods of the connector (a mixin: the state is set up in
+    ``ECTierConnector.__init__``, :meth:`_init_scheduler_side`)."""
+
+    def _init_scheduler_side(self, vllm_config: "VllmConfig", role: ECConnectorRole) -> None:
+        self._pins: dict[str, _PinState] = {}
+        self._prefetching: dict[str, _Prefetch] = {}
+        self._to_load: dict[str, LoadItem] = {}
+        self._unavailable: set[str] = set()
+        # req_id -> mm_hashes settled for it: already placed in the worker's encoder_cache, or
+        # refused (wrong shape/dtype, promotion timed out): not looked up again in later steps
+        # (e.g. the next chunks of a chunked prefill)
+        self._settled: dict[str, set[str]] = {}
+        # mm_hashes whose load failed at a worker after vLLM's encoder-cache manager had counted
+        # them as present: until the manager evicts them (free_encoder_mm_hashes) vLLM would
+        # neither encode nor load them again, so this connector reloads them from the store itself,
+        # or fails the requests that need them (never a worker crash)
+        self._poisoned: set[str] = set()
+        # producer on the V1 model runner: the scheduler counts the saves (see confirm.py)
+        self._confirm: save_confirm.SaveConfirmer | None = None
+        if role == ECConnectorRole.SCHEDULER and not save_confirm.reports_reach_scheduler(
+                vllm_config, is_producer=self.is_producer, is_consumer=self.is_consumer):
+            self._confirm = save_confirm.SaveConfirmer(timeout_s=save_confirm.CONFIRM_TIMEOUT_S)
+
+    def _release_pin(self, mm_hash: str) -> None:
+        state = self._pins.pop(mm_hash, None)
+        if state is None:
+            return
+        self._store.unstage(mm_hash)
+        try:
+            self._store.release(state.pin)
+        except STORE_ERRORS as exc:
+            self._warn.warning(("release-pin", type(exc).__name__), "ectier: releasing the pin of %s failed (%s: %s)",
+                               mm_hash, type(exc).__name__, exc)
+
+
+    def has_cache_item(self, identifier: str) -> bool:
+        """True iff the item is pinned in ectier for a load (see module docstring, step 2)."""
+        self._count(lookups=1)
+        if identifier in self._pins:
+            self._count(hits=1)
+            return True
+        self._count(misses=1)
+        return False
+
+    def ensure_cache_available(self, request: "Request", num_computed_tokens: int) -> bool:
+        if not self.is_consumer or self._closed:
+            return True
+        if request.request_id in self._unavailable:
+            # a worker load failed: vLLM 0.33 calls take_unavailable_requests before
+            # update_connector_output in update_from_output, so the request is failed at the end of
+            # this step; it must not run again meanwhile
+            return False
+        settled = self._settled.get(request.request_id, ())
+        # daemon mode: every item of the request is asked about in one round trip (store.expect)
+        self._store.expect([f.identifier for f in request.mm_features
+                            if f.mm_position.offset + f.mm_position.length > num_computed_tokens
+                            and f.identifier not in settled and f.identifier not in self._pins])
+        ready = True
+        for index, feature in enumerate(request.mm_features):
+            pos = feature.mm_position
+            if pos.offset + pos.length <= num_computed_tokens:
+                continue  # already consumed by the prompt's computed part
+            mm_hash = feature.identifier
+            if mm_hash in self._settled.get(request.request_id, ()):
+                continue
+            if mm_hash in self._poisoned:
+                repaired = self._repair(request, index, mm_hash)
+                if repaired is Promotion.WAIT:
+                    ready = False
+                elif repaired is not Promotion.READY:
+                    self._unavailable.add(request.request_id)
+                    return False
+                continue
+            state = self._pins.get(mm_hash)
+            if state is not None:
+                state.req_ids.add(request.request_id)
+                continue
+            status = self._promotion(mm_hash)
+            if status is Promotion.WAIT:
+                ready = False
+            elif status is Promotion.TIMEOUT:
+                self._settled.setdefault(request.request_id, set()).add(mm_hash)
+            elif status is Promotion.READY:
+                self._try_pin(request, index, mm_hash)
+        if not ready:
+            self._count(deferrals=1)
+        return ready
+
+    def _promotion(self, mm_hash: str) -> "Promotion":
+        """Where ``mm_hash`` stands (a :class:`Promotion`). In-process, ``TieredCache.prefetch`` towards the worker's device
+        gives ``LoadHandle`` s; in daemon mode the store's handles are answered by the daemon's
+        batched ``prefetch`` (one round trip per step, no I/O waited for); a daemon without it
+        (``None``): ``acquire`` promotes there, synchronously."""
+        pf = self._prefetching.get(mm_hash)
+        if pf is None:
+            try:
+                if not self._store.contains(mm_hash):
+                    return Promotion.MISS
+                handles = self._store.prefetch([mm_hash], self._target_device())
+            except STORE_ERRORS as exc:
+                self._miss("lookup", mm_hash, exc)
+                return Promotion.MISS
+            if handles is None:
+                return Promotion.READY
+            pf = self._prefetching[mm_hash] = _Prefetch(handles, time.monotonic())
+        if all(h.done() for h in pf.handles):
+            del self._prefetching[mm_hash]
+            for h in pf.handles:
+                if not h.wait(0):  # done: False = gone meanwhile (evicted, deleted, failed copy)
+                    if h.error is not None:
+                        self._miss("prefetch", mm_hash, h.error)
+                    return Promotion.MISS
+            return Promotion.READY
+        if time.monotonic() - pf.started > self.settings.load_timeout_s:
+            del self._prefetching[mm_hash]
+            self._count(rejected=1)
+            self._miss(f"promotion still running after load_timeout_s={self.settings.load_timeout_s}", mm_hash)
+            return Promotion.TIMEOUT
+        return Promotion.WAIT
+
+    def _repair(self, request: "Request", index: int, mm_hash: str) -> "Promotion":
+        """Load a poisoned item for ``request`` from the store: READY (pinned), WAIT (promotion
+        in flight: defer the request), or MISS (give up)."""
+        if mm_hash not in self._pins:
+            status = self._promotion(mm_hash)
+            if status is Promotion.WAIT:
+                return status
+            if status is Promotion.READY:
+                self._try_pin(request, index, mm_hash)
+        state = self._pins.get(mm_hash)
+        if state is None:
+            self._warn.warning(
+                "gone", "ectier: %s failed to load earlier and is no longer in the store; failing request %s "
+                "(retryable) until vLLM's encoder cache drops it", mm_hash, request.request_id,
+            )
+            return Promotion.MISS
+        state.req_ids.add(request.request_id)
+        self._add_load(mm_hash, state, request.request_id)
+        return Promotion.READY
+
+    def _add_load(self, mm_hash: str, state: _PinState, req_id: str) -> None:
+        item = self._to_load.get(mm_hash)
+        if item is None:
+            self._to_load[mm_hash] = LoadItem(mm_hash, tuple(state.pin.shape), state.pin.dtype, [req_id])
+        elif req_id not in item.req_ids:
+            item.req_ids.append(req_id)
+
+    def _try_pin(self, request: "Request", index: int, mm_hash: str) -> None:
+        try:
+            pin = self._store.acquire(mm_hash, self._target_device())
+        except STORE_ERRORS as exc:
+            self._count(rejected=1)
+            self._miss("pin", mm_hash, exc)
+            return
+        if pin is None:
+            return  # a miss (never stored, evicted, or quarantined by its checksum)
+        rows, dtype = request.get_num_encoder_embeds(index), dtype_name(self._model_dtype)
+        shape = tuple(pin.shape)
+        width_ok = len(shape) == 2 and (self._widths is None or shape[1] in self._widths)
+        if len(shape) != 2 or shape[0] != rows or pin.dtype != dtype or not width_ok:
+            self._count(rejected=1)
+            want = f"({rows}, {'*' if self._widths is None else self._width_text()})"
+            if len(shape) == 2 and not width_ok:
+                self._warn.warning(
+                    "namespace-clash", "ectier: namespace %r holds %s as %s %s, but this model's encoder outputs are "
+                    "%s %s: probably a namespace clash (another model stores under the same "
+                    "namespace; set ec_connector_extra_config.namespace to a name of its own); "
+                    "not loaded, re-encoding",
+                    self.settings.namespace, mm_hash, shape, pin.dtype, want, dtype,
+                )
+            else:
+                self._warn.warning(
+                    "shape-mismatch", "ectier: %s is stored as %s %s but request %s expects %s %s; re-encoding",
+                    mm_hash, shape, pin.dtype, request.request_id, want, dtype,
+                )
+            self._settled.setdefault(request.request_id, set()).add(mm_hash)
+            try:
+                self._store.release(pin)
+            except STORE_ERRORS as exc:
+                self._warn.warning(("release", type(exc).__name__), "ectier: releasing %s failed (%s)", mm_hash, exc)
+            return
+        self._pins[mm_hash] = _PinState(pin, {request.request_id})
+        self._store.stage(mm_hash, pin)
+
+    def update_state_after_alloc(self, request: "Request", index: int) -> None:
+        mm_hash = request.mm_features[index].identifier
+        if self._confirm is not None:  # a pure producer: every allocated item is encoded and saved
+            self._confirm.expect(mm_hash, self._item_nbytes(request.get_num_encoder_embeds(index)))
+        state = self._pins.get(mm_hash)
+        if not self.is_consumer or state is None:
+            return
+        state.req_ids.add(request.request_id)
+        self._add_load(mm_hash, state, request.request_id)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
+        self._store.new_step()  # the daemon's answers of this step are spent
+        # items vLLM's encoder-cache manager evicted this step: it will encode or load them again
+        self._poisoned.difference_update(scheduler_output.free_encoder_mm_hashes)
+        meta = ECTierConnectorMetadata(loads=list(self._to_load.values()))
+        self._to_load = {}
+        return meta
+
+    def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
+        meta = connector_output.ec_connector_worker_meta
+        if not isinstance(meta, ECTierWorkerMetadata):
+            return
+        if self._confirm is not None and (meta.saved or meta.save_failed):
+            # the workers' reports do reach us on this runner: count theirs, stop confirming
+            logger.info("ectier: the workers report their saves; the scheduler stops counting them itself")
+            self._confirm = None
+        if meta.failed:  # counted once per item here, not once per worker that failed it
+            self._count(load_failures=len(meta.failed))
+        for mm_hash in meta.loaded:
+            if mm_hash not in meta.failed:
+                state = self._pins.get(mm_hash)
+                for req_id in state.req_ids if state is not None else ():
+                    self._settled.setdefault(req_id, set()).add(mm_hash)
+                self._release_pin(mm_hash)
+        self._poisoned.difference_update(h for h in meta.loaded if h not in meta.failed)
+        for mm_hash, req_ids in meta.failed.items():
+            self._unavailable.update(req_ids)
+            self._poisoned.add(mm_hash)
+            self._release_pin(mm_hash)
+        if meta.stats:
+            self._stats = merge_stats_data(self._stats, meta.stats)
+
+    def take_unavailable_requests(self) -> set[str]:
+        out, self._unavailable = self._unavailable, set()
+        return out
+
+    def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+        self._settled.pop(request.request_id, None)
+        for feature in request.mm_features:
+            state = self._pins.get(feature.identifier)
+            if state is not None:
+                state.req_ids.discard(request.request_id)
+                if not state.req_ids and feature.identifier not in self._to_load:
+                    self._release_pin(feature.identifier)
+        return False, None
+
+    def _confirm_saves(self) -> None:
+        found = self._confirm.poll(self._store.contains, STORE_ERRORS)
+        if found.saves:
+            self._count(saves=found.saves, save_bytes=found.save_bytes)
+        if found.failed:
+            self._count(save_failures=len(found.failed))
+            self._warn.warning(
+                "save-unconfirmed", "ectier: %s (and %d more) not in the store %.0f s after it was encoded; "
+                "counted as a failed save", found.failed[0], len(found.failed) - 1, save_confirm.CONFIRM_TIMEOUT_S)
+
+    def _item_nbytes(self, rows: int) -> int:
+        """Bytes of an encoder output of ``rows`` rows: rows x width x the model dtype's size
+        (0 when the model has several widths or an unknown one)."""
+        if self._widths is None or len(self._widths) != 1:
+            return 0
+        return rows * next(iter(self._widths)) * self._model_dtype.itemsize
+

@@ -1,0 +1,178 @@
+"""The worker side of :class:`~ectier_vllm.connector.ECTierConnector` (each model-runner process).
+
+``save_caches`` stores freshly encoded items without waiting for their copies (the lead worker
+only, :mod:`ectier_vllm.ranks`); ``start_load_caches`` places the items the scheduler pinned in
+``encoder_cache``; ``build_connector_worker_meta`` reports both to the scheduler.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from ectier.errors import EctierError
+from ectier.tensors import dtype_name
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+from .common import STORE_ERRORS
+from .metadata import ECTierConnectorMetadata, ECTierWorkerMetadata
+from .ranks import is_lead_worker
+
+
+@dataclass
+class _PendingSave:
+    """A save in flight: a ``TieredCache.put`` ``PutHandle`` (in-process), or, in daemon mode, our
+    own D2H copy awaiting its event."""
+
+    mm_hash: str
+    nbytes: int
+    handle: Any = None  # PutHandle (in-process); None once a daemon put returned
+    host: torch.Tensor | None = None  # daemon mode: pinned host copy ...
+    event: Any = None  # ... valid once this CUDA event completed
+    source: torch.Tensor | None = None  # kept alive until the copy completed
+
+
+class WorkerSide:
+    """Worker-side methods of the connector (a mixin: the state is set up in
+    ``ECTierConnector.__init__``, :meth:`_init_worker_side`)."""
+
+    def _init_worker_side(self, role: ECConnectorRole) -> None:
+        # worker side; only the lead worker (TP rank 0, first PP stage, PCP rank 0) saves and counts
+        self._lead = role != ECConnectorRole.WORKER or is_lead_worker()
+        self._pending_saves: list[_PendingSave] = []
+        self._saved: list[str] = []
+        self._save_failed: list[str] = []
+        self._loaded: list[str] = []
+        self._failed: dict[str, list[str]] = {}
+        self._placeholders: list[tuple[dict, str]] = []
+
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
+        if not self.is_producer or self._closed or not self._lead:
+            return  # another rank of this TP group (PP stage, PCP group) saves the same output
+        tensor = encoder_cache.get(mm_hash)
+        if tensor is None:
+            return
+        nbytes = tensor.numel() * tensor.element_size()
+        try:
+            if tensor.device.type == "cuda" and not self._store.async_put:  # daemon mode
+                self._pending_saves.append(_start_d2h(mm_hash, tensor, nbytes))
+            else:
+                handle = self._store.put(mm_hash, tensor)
+                self._pending_saves.append(_PendingSave(mm_hash, nbytes, handle=handle))
+        except STORE_ERRORS as exc:  # e.g. no room for a pinned staging copy (OutOfMemoryError)
+            self._save_failure(mm_hash, exc)
+        self._poll_saves(wait=False)
+
+    def _save_failure(self, mm_hash: str, exc: BaseException) -> None:
+        self._count(save_failures=1)
+        self._save_failed.append(mm_hash)
+        self._warn.warning(("save", type(exc).__name__), "ectier: saving %s failed (%s: %s); it is not shared",
+                           mm_hash, type(exc).__name__, exc)
+
+    def start_save_caches(self, **kwargs: Any) -> None:
+        self._poll_saves(wait=False)
+
+    def _poll_saves(self, *, wait: bool) -> None:
+        still: list[_PendingSave] = []
+        for ps in self._pending_saves:
+            try:
+                if ps.event is not None:  # our own D2H copy (daemon mode)
+                    if wait:
+                        ps.event.synchronize()
+                    elif not ps.event.query():
+                        still.append(ps)
+                        continue
+                    handle = self._store.put(ps.mm_hash, ps.host)
+                    ps.event, ps.source, ps.handle = None, None, handle
+                h = ps.handle
+                if h is not None:
+                    if wait:
+                        h.wait()
+                    elif not h.done():
+                        still.append(ps)
+                        continue
+                    if not h.wait(0):  # the copy failed (reported, not raised, by ectier)
+                        self._save_failure(ps.mm_hash, h.error or EctierError("put reported failure"))
+                        continue
+            except STORE_ERRORS as exc:
+                self._save_failure(ps.mm_hash, exc)
+                continue
+            self._count(saves=1, save_bytes=ps.nbytes)
+            self._saved.append(ps.mm_hash)
+        self._pending_saves = still
+
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, ECTierConnectorMetadata):
+            return
+        device = self.worker_device()
+        for item in meta.loads:
+            if item.mm_hash in encoder_cache:
+                self._loaded.append(item.mm_hash)
+                continue
+            t0 = time.perf_counter()
+            problem = None
+            tensor = None
+            try:
+                tensor = self._store.get(item.mm_hash, device)
+            except STORE_ERRORS as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            if problem is None:
+                if tensor is None:
+                    problem = "no longer stored"
+                elif (
+                    tuple(tensor.shape) != tuple(item.shape)
+                    or dtype_name(tensor.dtype) != item.dtype
+                    or (self._widths is not None and tensor.shape[-1] not in self._widths)
+                ):
+                    want = f"{item.shape} {item.dtype}" + (f", width {self._width_text()}" if self._widths else "")
+                    problem = f"read {tuple(tensor.shape)} {dtype_name(tensor.dtype)}, expected {want}"
+            if problem is not None:
+                self._warn.warning(
+                    "load", "ectier: loading %s failed (%s); failing requests %s (retryable)",
+                    item.mm_hash, problem, item.req_ids,
+                )
+                self._failed[item.mm_hash] = list(item.req_ids)  # counted by the scheduler, once
+                # a placeholder keeps this step from crashing in the embedding gather; it is
+                # removed in build_connector_worker_meta, right after the gather
+                from ectier.tensors import torch_dtype
+
+                encoder_cache[item.mm_hash] = torch.zeros(item.shape, dtype=torch_dtype(item.dtype), device=device)
+                self._placeholders.append((encoder_cache, item.mm_hash))
+                continue
+            encoder_cache[item.mm_hash] = tensor
+            self._loaded.append(item.mm_hash)
+            if self._lead:  # every rank loads; one counts
+                seconds = time.perf_counter() - t0
+                self._count(loads=1, load_bytes=tensor.numel() * tensor.element_size())
+                self._stats.setdefault("load_seconds", []).append(seconds)
+
+    def build_connector_worker_meta(self) -> ECTierWorkerMetadata | None:
+        for cache, mm_hash in self._placeholders:
+            cache.pop(mm_hash, None)
+        self._placeholders = []
+        self._poll_saves(wait=False)
+        meta = ECTierWorkerMetadata(
+            loaded=self._loaded, failed=self._failed, saved=self._saved,
+            save_failed=self._save_failed, stats=self._stats,
+        )
+        self._loaded, self._failed, self._saved, self._save_failed, self._stats = [], {}, [], [], {}
+        if not (meta.loaded or meta.failed or meta.saved or meta.save_failed or meta.stats):
+            return None
+        return meta
+
+
+def _start_d2h(mm_hash: str, tensor: torch.Tensor, nbytes: int) -> _PendingSave:
+    """Daemon mode (``DaemonClient.put`` is synchronous): D2H on the current stream into pinned memory.
+
+    The copy is queued after the encoder's kernels on the same stream (rule 1 holds without a side
+    stream); ``source`` keeps the (possibly view-of-a-batch) tensor alive until the event completes
+    (rule 2); the host copy is read only after the event completed (rule 3).
+    """
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensor.device))
+    return _PendingSave(mm_hash, nbytes, host=host, event=event, source=tensor)
