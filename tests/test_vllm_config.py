@@ -29,6 +29,8 @@ def test_defaults_are_inprocess_with_the_engine_namespace():
     assert isinstance(s, ConnectorSettings)
     assert s.mode == "inprocess" and s.namespace == NS and s.cache.namespace == NS
     assert s.load_timeout_s == 10.0
+    assert s.save_queue_depth == 16
+    assert settings_from_extra_config({"mode": "daemon", "save_queue_depth": 3}, default_ns=NS).save_queue_depth == 3
 
 
 def test_tier_sub_dicts_map_onto_cache_config():
@@ -65,6 +67,8 @@ def test_config_path(tmp_path):
         ({"namespace": ""}, "ec_connector_extra_config.namespace"),
         ({"load_timeout_s": 0}, "ec_connector_extra_config.load_timeout_s"),
         ({"load_timeout_s": True}, "ec_connector_extra_config.load_timeout_s"),
+        ({"save_queue_depth": 0}, "ec_connector_extra_config.save_queue_depth: expected an int from 1"),
+        ({"save_queue_depth": 2.5}, "ec_connector_extra_config.save_queue_depth"),
         ({"daemon_timeout_s": float("inf")}, "ec_connector_extra_config.daemon_timeout_s"),
         ({"host": {"capacity_bytes": "lots"}}, "ec_connector_extra_config.host.capacity_bytes"),
         ({"host": {"capacty_bytes": 1}}, "ec_connector_extra_config.host.capacty_bytes"),

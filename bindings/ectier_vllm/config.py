@@ -16,6 +16,8 @@ Keys (see docs/vllm.md for the full table)::
     daemon_timeout_s  daemon mode: seconds per daemon call (default 30)
     load_timeout_s  how long a request may wait for a promotion before the item counts as a miss
                     and is re-encoded (default 10)
+    save_queue_depth  producer: saves that may wait for the worker's background put thread before
+                    new ones are dropped (default 16)
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ KEYS = (
     "socket_path",
     "daemon_timeout_s",
     "load_timeout_s",
+    "save_queue_depth",
 )
 MODES = ("inprocess", "daemon")
 TIER_KEYS = ("host", "nvme", "gpu")
@@ -58,6 +61,8 @@ class ConnectorSettings:
         daemon_timeout_s: daemon mode: socket timeout per call.
         load_timeout_s: seconds a request may stay deferred waiting for a promotion.
         config_path: in-process mode: the ectier config file ``cache`` was read from, if any.
+        save_queue_depth: saves (items) that may wait for the worker's background put thread;
+            a save beyond them is dropped, counted as a save failure.
     """
 
     mode: str = "inprocess"
@@ -67,6 +72,7 @@ class ConnectorSettings:
     daemon_timeout_s: float = 30.0
     load_timeout_s: float = 10.0
     config_path: str | None = None
+    save_queue_depth: int = 16
 
 
 def default_namespace(model: str, revision: str | None, dtype: Any) -> str:
@@ -134,6 +140,10 @@ def settings_from_extra_config(extra: Mapping[str, Any] | None, *, default_ns: s
     load_timeout_s = _seconds("load_timeout_s", extra.get("load_timeout_s", 10.0))
     daemon_timeout_s = _seconds("daemon_timeout_s", extra.get("daemon_timeout_s", 30.0))
 
+    depth = extra.get("save_queue_depth", 16)
+    if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= 4096:
+        raise ConfigError(f"{PREFIX}.save_queue_depth: expected an int from 1 to 4096 (items), got {depth!r}")
+
     socket_path = extra.get("socket_path")
     if socket_path is not None and (not isinstance(socket_path, str) or not socket_path):
         raise ConfigError(f"{PREFIX}.socket_path: expected a non-empty path string, got {socket_path!r}")
@@ -149,7 +159,7 @@ def settings_from_extra_config(extra: Mapping[str, Any] | None, *, default_ns: s
             )
         return ConnectorSettings(
             mode=mode, namespace=namespace, cache=None, socket_path=socket_path,
-            daemon_timeout_s=daemon_timeout_s, load_timeout_s=load_timeout_s,
+            daemon_timeout_s=daemon_timeout_s, load_timeout_s=load_timeout_s, save_queue_depth=depth,
         )
 
     if socket_path is not None:
@@ -176,4 +186,5 @@ def settings_from_extra_config(extra: Mapping[str, Any] | None, *, default_ns: s
     return ConnectorSettings(
         mode=mode, namespace=namespace, cache=cache, socket_path=None,
         daemon_timeout_s=daemon_timeout_s, load_timeout_s=load_timeout_s, config_path=config_path,
+        save_queue_depth=depth,
     )

@@ -208,7 +208,8 @@ class ECTierConnector(SchedulerSide, WorkerSide, ECConnectorBase):
             return
         self._closed = True
         try:
-            self._poll_saves(wait=True)
+            self.saves.close()  # every save submitted is finished (stored or failed) ...
+            self._poll_saves()  # ... and counted
             for mm_hash in list(self._pins):
                 self._release_pin(mm_hash)
             self._store.flush()

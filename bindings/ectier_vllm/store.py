@@ -135,6 +135,10 @@ class InProcessStore:
         """``TieredCache.put``: returns its ``PutHandle`` (done at once for a synchronous put)."""
         return self.cache.put(key, tensor)
 
+    def for_saves(self) -> "InProcessStore":
+        """The store a background save thread puts through: this one (``TieredCache`` is thread-safe)."""
+        return self
+
     def get(self, key: str, device: str) -> Any:
         """Read ``key`` onto ``device``: from the scheduler's pin when there is one (same process)."""
         pin = self.take_staged(key)
@@ -165,6 +169,8 @@ class DaemonStore:
 
     def __init__(self, socket_path: str | None, namespace: str, timeout_s: float) -> None:
         from ectier.daemon.client import DaemonClient, DaemonUnavailableError
+
+        self._args = (socket_path, namespace, timeout_s)
 
         # the connector's daemon_timeout_s bounds every wait of a call, the reconnect wait too;
         # a client whose daemon is unreachable fails fast (DAEMON_BACKOFF_S) so calls are misses
@@ -267,8 +273,15 @@ class DaemonStore:
     def unstage(self, key: str) -> None:
         return None
 
-    def put(self, key: str, tensor: Any) -> Any:
-        return self.client.put(key, tensor, namespace=self.namespace)
+    def put(self, key: str, tensor: Any, *, after: Any = None) -> Any:
+        """``DaemonClient.put`` (returns ``None`` once committed); ``after``: a CUDA event the
+        copy of a device ``tensor`` waits for."""
+        return self.client.put(key, tensor, namespace=self.namespace, after=after)
+
+    def for_saves(self) -> "DaemonStore":
+        """A store with a daemon client of its own, for a background save thread (its puts never
+        hold the lock of this store's client)."""
+        return DaemonStore(*self._args)
 
     def get(self, key: str, device: str) -> Any:
         return self.client.get(key, namespace=self.namespace, device=None if device == "cpu" else device)
