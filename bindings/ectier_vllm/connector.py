@@ -38,15 +38,12 @@ How a stored item reaches a consumer's ``encoder_cache`` (one step = one ``sched
    this connector from the store, or are failed (retryable) until vLLM evicts it.
 5. ``update_connector_output``: the worker's report drops the pins and feeds the metrics.
 
-Producer: ``save_caches`` stores each freshly encoded item without waiting for the copy. In-process,
-``TieredCache.put`` returns a ``PutHandle`` after enqueueing: the cache's copy engine copies a CUDA
-tensor into the GPU tier (on ``gpu.device``) or device-to-host into the pinned host arena, on its
-own stream, which first waits for an event recorded on the current stream (after the encoder's
-kernels). A save is reported only once ``handle.done()``; a handle with an ``error`` (the copy
-failed: the item is then a miss and will be re-encoded) is a logged save failure. In daemon mode
-(``DaemonClient.put`` copies to the CPU inline), the connector starts the device-to-host copy
-itself on the current stream (pinned buffer, event, source tensor kept alive) and hands the host
-copy to the daemon once the event has completed. Completions are reported in the worker
+Producer: ``save_caches`` stores each freshly encoded item without waiting for a copy or the store
+(:mod:`ectier_vllm.saves`): in-process, a CUDA tensor goes to ``TieredCache.put``, which only
+enqueues its copy on the cache's copy engine (after an event on the current stream); everything
+else (a CPU tensor, any daemon-mode save) goes to a background put thread through a bounded queue;
+a full queue or a failed put drops the save (a logged save failure). A save is reported only once
+the store holds it. Completions are reported in the worker
 metadata; ``shutdown`` waits for all of them and flushes. With tensor (or pipeline, prefill
 context) parallelism only the engine's lead worker saves and counts (:mod:`ectier_vllm.ranks`);
 every worker loads. Where vLLM drops the workers' report (a producer on the V1 model runner), the

@@ -17,8 +17,9 @@ The in-process store speaks :class:`TieredCache`'s asynchronous API: ``put`` ret
 ``PutHandle`` (a CUDA tensor is copied by the cache's copy engine: into the GPU tier when it is on
 ``gpu.device``, else device-to-host into the pinned host arena; the copy stream first waits for the
 work already on the caller's current stream), ``prefetch(keys, device=)`` returns ``LoadHandle`` s.
-The daemon client's ``put`` copies to the CPU inline and returns ``None``, so
-:attr:`DaemonStore.async_put` is False and the connector stages device tensors itself. Its
+The daemon client's ``put`` copies and commits before it returns ``None``, so
+:attr:`DaemonStore.async_put` is False and the connector puts from a background thread
+(:mod:`ectier_vllm.saves`, :meth:`DaemonStore.for_saves`). Its
 ``prefetch`` returns handles of the same shape (``done()``, ``wait(timeout)``, ``error``) answered
 by the daemon's batched ``prefetch`` op: the daemon promotes NVMe → its arena in its own threads,
 and the store asks it about all of a scheduler step's items in **one round trip per step**
