@@ -33,6 +33,14 @@ def test_defaults_are_inprocess_with_the_engine_namespace():
     assert settings_from_extra_config({"mode": "daemon", "save_queue_depth": 3}, default_ns=NS).save_queue_depth == 3
 
 
+def test_remote_section_maps_onto_cache_config():
+    s = settings_from_extra_config({"remote": {"backend": "redis", "addresses": "10.0.0.5:7000", "timeout_s": 1}},
+                                   default_ns=NS)
+    assert s.cache.remote.enabled and s.cache.remote.addresses == "10.0.0.5:7000" and s.cache.remote.timeout_s == 1.0
+    with pytest.raises(ConfigError, match=r"ec_connector_extra_config\.remote: not used in daemon mode"):
+        settings_from_extra_config({"mode": "daemon", "remote": {"backend": "redis"}}, default_ns=NS)
+
+
 def test_tier_sub_dicts_map_onto_cache_config():
     s = settings_from_extra_config(
         {"host": {"capacity_bytes": "2GiB", "pin_memory": False},

@@ -9,9 +9,11 @@ Keys (see docs/vllm.md for the full table)::
 
     mode            "inprocess" (default) | "daemon"
     namespace       default: "<model>@<revision>:<dtype>" of the engine
-    host, nvme, gpu  in-process mode: ectier tier sub-configs (CacheConfig.host / .nvme / .gpu);
-                    gpu.device must be the worker's own device (checked when the store opens)
-    config_path     in-process mode: an ectier .yaml/.json config file (instead of host/nvme/gpu)
+    host, nvme, gpu, remote  in-process mode: ectier tier sub-configs (CacheConfig.host / .nvme /
+                    .gpu / .remote, the field names of the YAML config's sections); gpu.device must
+                    be the worker's own device (checked when the store opens); remote: a store
+                    shared by every node (two-node EPD: the same remote section on both engines)
+    config_path     in-process mode: an ectier .yaml/.json config file (instead of host/nvme/gpu/remote)
     socket_path     daemon mode: the socket of `ectier serve` (default: DaemonConfig's default)
     daemon_timeout_s  daemon mode: seconds per daemon call (default 30)
     load_timeout_s  how long a request may wait for a promotion before the item counts as a miss
@@ -37,6 +39,7 @@ KEYS = (
     "host",
     "nvme",
     "gpu",
+    "remote",
     "config_path",
     "socket_path",
     "daemon_timeout_s",
@@ -44,7 +47,7 @@ KEYS = (
     "save_queue_depth",
 )
 MODES = ("inprocess", "daemon")
-TIER_KEYS = ("host", "nvme", "gpu")
+TIER_KEYS = ("host", "nvme", "gpu", "remote")
 
 
 @dataclass(frozen=True)

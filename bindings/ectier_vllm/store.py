@@ -84,6 +84,9 @@ class InProcessStore:
         self._entry = entry
         self.cache = entry.cache
         self._closed = False
+        #: the cache has a remote tier: a local miss may still be found there (``contains`` is
+        #: local only), so the scheduler asks ``prefetch``, which fetches it asynchronously
+        self.remote = "remote" in self.cache.stats()["tiers"]
 
     # --------------------------------------------------------------------- index / pins
     def contains(self, key: str) -> bool:
@@ -165,8 +168,10 @@ class DaemonStore:
     """A :class:`DaemonClient` of one connector, with the namespace on every call."""
 
     mode = "daemon"
-    #: ``DaemonClient.put`` copies a device tensor to the CPU inline and returns ``None``
+    #: ``DaemonClient.put`` copies and commits before it returns ``None``
     async_put = False
+    #: a remote tier of the daemon is the daemon's business: its ``prefetch`` answers for it
+    remote = False
 
     def __init__(self, socket_path: str | None, namespace: str, timeout_s: float) -> None:
         from ectier.daemon.client import DaemonClient, DaemonUnavailableError
