@@ -660,6 +660,36 @@ def test_consumer_entries_in_the_gpu_tier_are_pinned_and_loaded(engine, tmp_path
     assert sched.ec_connector._pins == {}
 
 
+def test_with_a_gpu_tier_the_load_reads_the_tier_the_prefetch_filled(engine, tmp_path, cache_hooks):
+    """ec_consumer with a GPU tier (CPU-faked: the worker's device is gpu.device): an entry on the
+    host tier only is promoted into the GPU tier by the scheduler's prefetch, and the pin and the
+    load read it from there (a GPU hit), not from a host lease (before: the prefetch copied it into
+    the GPU tier, then the pin leased the host copy and the worker copied that again)."""
+    cache_hooks(InlineCopyEngine(), gpu=True)
+    sched, worker = engine("ec_consumer", {**inproc(tmp_path), "gpu": GPU})
+    cache = sched.ec_connector._store.cache
+    item = H.Item("h" * 64, 0, 40)
+    ref = H.encoder_output(item.mm_hash, item.length)
+    assert cache.put(item.mm_hash, ref).wait(10) is True  # into the GPU tier (its device is "cpu")
+    for i in range(40):  # push it down to the host tier (2 MiB GPU tier of 64 KiB blocks)
+        assert cache.put(f"filler{i}", H.encoder_output(f"f{i}", 40)).wait(10) is True
+    assert testing.where(cache, item.mm_hash) == {"host"}
+    before = cache.stats()["tiers"]
+    sched.add_request(H.make_request("c", [item]))
+    so, out = run_step(sched, worker)
+    if so.num_scheduled_tokens == {}:  # deferred while the promotion ran
+        wait_prefetches(sched.ec_connector)
+        so, out = run_step(sched, worker)
+    assert worker.encoded == [] and so.scheduled_encoder_inputs == {}
+    assert same_bytes(worker.encoder_cache[item.mm_hash], ref)
+    after = cache.stats()["tiers"]
+    assert after["gpu"]["promotions"] == before["gpu"]["promotions"] + 1  # the prefetch
+    assert after["gpu"]["hits"] == before["gpu"]["hits"] + 1  # the pin read the GPU tier ...
+    assert after["host"]["hits"] == before["host"]["hits"]  # ... and no host lease
+    assert host_pins(cache) == 0
+    assert errors_of(out) == {}
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_gpu_tier_without_cuda_stops_the_engine_naming_the_key(model_dir, tmp_path):
     """The gpu key reaches TieredCache: on a machine without CUDA the store refuses to open, and

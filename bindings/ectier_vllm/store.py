@@ -103,14 +103,19 @@ class InProcessStore:
         return None
 
     def acquire(self, key: str, device: str) -> Pin | None:
-        """Pin ``key`` for a load onto ``device``: a host-arena lease, or, for an entry that only
-        the GPU tier holds (put there by this process's worker and not yet demoted), a copy read
-        from the GPU tier onto ``device`` (a device-to-device copy ready on the current stream)."""
-        lease = self.cache.acquire(key)
-        if lease is not None:
-            return Pin(tuple(lease.meta.shape), str(lease.meta.dtype), lease)
-        if not self.cache.config.gpu.enabled or not self.cache.contains(key):
-            return None
+        """Pin ``key`` for a load onto ``device`` (the worker's; with a GPU tier, its device:
+        the connector checks ``gpu.device`` against the worker's at start-up).
+
+        With a GPU tier, the GPU tier is read first, where :meth:`prefetch` promoted the entry
+        (or the worker's own put left it): a copy read from it onto ``device`` (device-to-device,
+        ready on the current stream), which the worker places as is; no host lease and no second
+        host-to-device copy. Should the GPU tier not hold it (evicted meanwhile, larger than its
+        budget), the host copy is read onto ``device``. Without one: a host-arena lease, loaded by
+        the worker straight onto its device on the copy engine (:meth:`get`).
+        """
+        if not self.cache.config.gpu.enabled:
+            lease = self.cache.acquire(key)
+            return None if lease is None else Pin(tuple(lease.meta.shape), str(lease.meta.dtype), lease)
         tensor = self.cache.get(key, device=device)
         if tensor is None:
             return None
