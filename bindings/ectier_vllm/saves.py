@@ -69,10 +69,9 @@ class SaveQueue:
     """Saves of one worker connector (see module docstring).
 
     Args:
-        store: the connector's store (an ``InProcessStore``: ``put`` → ``PutHandle``).
-        open_put_store: makes the store the background thread puts through (daemon mode: a
-            ``DaemonStore`` with a client of its own; in-process: ``store`` itself). Called on the
-            thread at its start.
+        get_store: returns the connector's store (an ``InProcessStore``: ``put`` → ``PutHandle``),
+            called at the first save; the background thread puts through its ``for_saves()``
+            (daemon mode: a ``DaemonStore`` with a client of its own; in-process: the store itself).
         depth: saves that may wait for the thread (int >= 1).
         errors: exception types a put may raise that make it a failed save (others propagate in
             the thread and are reported as failures too, never raised into the worker).
@@ -81,12 +80,12 @@ class SaveQueue:
         ValueError: ``depth`` below 1.
     """
 
-    def __init__(self, store: Any, open_put_store: Callable[[], Any], *, depth: int = DEFAULT_SAVE_QUEUE_DEPTH,
+    def __init__(self, get_store: Callable[[], Any], *, depth: int = DEFAULT_SAVE_QUEUE_DEPTH,
                  errors: tuple[type[BaseException], ...] = (EctierError, OSError, RuntimeError)) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"save_queue_depth: expected an int >= 1, got {depth!r}")
-        self._store = store
-        self._open_put_store = open_put_store
+        self._get_store = get_store
+        self._store: Any = None  # the connector's store, from the first save on
         self._errors = errors
         self._jobs: queue.Queue = queue.Queue(maxsize=depth)
         self._done: deque[SaveResult] = deque()
@@ -105,6 +104,8 @@ class SaveQueue:
             SaveQueueFullError: dropped, the queue is full. The store's errors (in-process CUDA put).
         """
         nbytes = tensor.numel() * tensor.element_size()
+        if self._store is None:
+            self._store = self._get_store()
         if tensor.device.type == "cuda" and self._store.async_put:
             self._handles.append((mm_hash, nbytes, self._store.put(mm_hash, tensor)))
             return
@@ -177,7 +178,7 @@ class SaveQueue:
             error: BaseException | None = None
             try:
                 if store is None:
-                    store = self._open_put_store()
+                    store = self._store.for_saves()
                 error = self._put(store, job)
             except BaseException as exc:  # noqa: BLE001 - reported as a failed save, never raised
                 error = exc

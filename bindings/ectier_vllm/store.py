@@ -362,14 +362,17 @@ _REGISTRY: dict[str, _Shared] = {}
 _REGISTRY_LOCK = threading.Lock()
 
 
-def open_inprocess(config: CacheConfig) -> InProcessStore:
-    """A handle on this process's :class:`TieredCache` for ``config`` (created on first use)."""
+def open_inprocess(config: CacheConfig, before_create: Any = None) -> InProcessStore:
+    """A handle on this process's :class:`TieredCache` for ``config`` (created on first use;
+    ``before_create()`` runs first then, and may raise to refuse it)."""
     from ectier.cache import TieredCache
 
     key = json.dumps(config.to_dict(), sort_keys=True, default=str)
     with _REGISTRY_LOCK:
         entry = _REGISTRY.get(key)
         if entry is None:
+            if before_create is not None:
+                before_create()
             entry = _Shared(key=key, cache=(_CACHE_FACTORY or TieredCache)(config), refs=0, lock=threading.Lock(), staged={})
             _REGISTRY[key] = entry
         entry.refs += 1

@@ -28,7 +28,7 @@ class WorkerSide:
         # worker side; only the lead worker (TP rank 0, first PP stage, PCP rank 0) saves and counts
         self._lead = role != ECConnectorRole.WORKER or is_lead_worker()
         #: saves off the model step (:mod:`ectier_vllm.saves`)
-        self.saves = SaveQueue(self._store, self._store.for_saves, depth=self.settings.save_queue_depth)
+        self.saves = SaveQueue(lambda: self._store, depth=self.settings.save_queue_depth)
         self._saved: list[str] = []
         self._save_failed: list[str] = []
         self._loaded: list[str] = []
