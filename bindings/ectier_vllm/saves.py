@@ -7,7 +7,9 @@ anything it waits for delays the step. :meth:`SaveQueue.submit` therefore never 
   the copy on the cache's copy engine, after an event on the current stream, and returns a
   ``PutHandle``), polled without blocking by :meth:`SaveQueue.finished`;
 - everything else (a CPU tensor in either mode; any tensor in daemon mode) goes to one background
-  thread through a bounded queue (``save_queue_depth`` items). For a CUDA tensor in daemon mode
+  thread through a bounded queue (``save_queue_depth`` items). The thread looks for work every
+  ``POLL_S`` while saves come, so a save does not wake it (waking a thread makes the caller hand
+  CPython's GIL over); after ``PARK_AFTER_S`` without one it sleeps until the next save. For a CUDA tensor in daemon mode
   the caller records an event on its current stream first; the thread hands the tensor and the
   event to ``DaemonClient.put(after=)``, which copies device → the daemon's shared arena (straight
   into it where the mapping is page-locked, ``cudaHostRegister``) once the encoder's kernels are
@@ -27,8 +29,8 @@ holds, on the worker's device in daemon mode.
 
 from __future__ import annotations
 
-import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -39,6 +41,11 @@ from ectier.errors import EctierError
 
 #: items a worker may have waiting for the background put thread before new saves are dropped
 DEFAULT_SAVE_QUEUE_DEPTH = 16
+#: the put thread looks for new saves this often (seconds) while saves keep coming ...
+POLL_S = 0.002
+#: ... and, after this long without one, sleeps until the next save wakes it. Waking a thread
+#: costs the caller about 50-150 us (CPython hands it the GIL); a look costs it nothing
+PARK_AFTER_S = 1.0
 
 
 class SaveQueueFullError(EctierError):
@@ -62,7 +69,6 @@ class _Job:
     event: Any = None  # CUDA event recorded on the caller's stream after the encoder's kernels
 
 
-_STOP = object()
 
 
 class SaveQueue:
@@ -87,7 +93,10 @@ class SaveQueue:
         self._get_store = get_store
         self._store: Any = None  # the connector's store, from the first save on
         self._errors = errors
-        self._jobs: queue.Queue = queue.Queue(maxsize=depth)
+        self._depth = depth
+        self._jobs: deque[_Job] = deque()  # guarded by _lock
+        self._wake = threading.Event()
+        self._parked = False  # the thread sleeps until _wake (guarded by _lock)
         self._done: deque[SaveResult] = deque()
         self._handles: list[tuple[str, int, Any]] = []  # in-process CUDA puts: PutHandles in flight
         self._thread: threading.Thread | None = None
@@ -116,16 +125,18 @@ class SaveQueue:
         with self._lock:
             if self._closed:
                 raise EctierError("the connector is shutting down")
-            try:
-                self._jobs.put_nowait(_Job(mm_hash, nbytes, tensor, event))
-            except queue.Full:
+            if len(self._jobs) >= self._depth:
                 raise SaveQueueFullError(
-                    f"{self._jobs.maxsize} saves already wait for the store (ec_connector_extra_config."
-                    "save_queue_depth); this one is dropped") from None
+                    f"{self._depth} saves already wait for the store (ec_connector_extra_config."
+                    "save_queue_depth); this one is dropped")
+            self._jobs.append(_Job(mm_hash, nbytes, tensor, event))
             self._queued += 1
+            wake, self._parked = self._parked, False
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ectier-saves", daemon=True)
                 self._thread.start()
+        if wake:
+            self._wake.set()
 
     def finished(self) -> list[SaveResult]:
         """Saves finished since the last call (never blocks)."""
@@ -165,15 +176,35 @@ class SaveQueue:
             self._closed = True
             thread = self._thread
         if thread is not None:
-            self._jobs.put(_STOP)
+            self._wake.set()
             thread.join()
 
     # ------------------------------------------------------------------ background thread
+    def _next(self) -> "_Job | None":
+        """The next save, waiting for one (a look every POLL_S, asleep after PARK_AFTER_S);
+        ``None`` once closed and drained."""
+        idle_since = time.monotonic()
+        while True:
+            with self._lock:
+                if self._jobs:
+                    return self._jobs.popleft()
+                if self._closed:
+                    return None
+                park = time.monotonic() - idle_since >= PARK_AFTER_S
+                if park:
+                    self._parked = True
+                    self._wake.clear()
+            if park:
+                self._wake.wait()
+                idle_since = time.monotonic()
+            else:
+                time.sleep(POLL_S)
+
     def _run(self) -> None:
         store = None
         while True:
-            job = self._jobs.get()
-            if job is _STOP:
+            job = self._next()
+            if job is None:
                 break
             error: BaseException | None = None
             try:
