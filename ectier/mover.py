@@ -155,6 +155,8 @@ class Mover:
         ``host.promote_clean_only`` a promotion into the host evicts only entries a lower tier
         already holds, so a get never waits on demotion writes.
         """
+        # waits only for readers' pins: room that open reservations hold (another party's put in
+        # progress, e.g. a daemon client's) is not waited for, the caller tries the next tier
         deadline = time.monotonic() + self.config.host.admit_wait_s
         clean_only = promotion and tier.name == "host" and self.config.host.promote_clean_only
         step = 0.01 if tier.device is not None else 0.05
@@ -170,7 +172,7 @@ class Mover:
                     return None
                 if adm.blocked:
                     remaining = deadline - time.monotonic()
-                    if promotion or remaining <= 0:
+                    if promotion or remaining <= 0 or _held_by_reservations(tier, meta.nbytes):
                         self.counters.count(tier.name, admission_timeouts=1)
                         return None
                     self.cond.wait(timeout=min(remaining, step))
@@ -447,3 +449,10 @@ class Mover:
                 finally:
                     self.unpin(tier, s)
         return written
+
+
+def _held_by_reservations(tier: ArenaTier, nbytes: int) -> bool:
+    """True when ``tier``'s open reservations leave too little of its budget for ``nbytes`` even
+    once every reader's pin is released: waiting would only wait for those puts to end."""
+    idx = tier.index
+    return idx.alloc_bytes(nbytes) > idx.capacity_bytes - idx.reserved_bytes

@@ -230,6 +230,48 @@ def test_an_open_reservation_does_not_fail_another_clients_put():
             assert b.stats()["tiers"]["nvme"]["entries"] >= 3
 
 
+ADMIT_WAIT_S = 3.0
+
+
+def test_an_open_reservation_does_not_make_another_put_wait():
+    """Client A's open 6 MiB reservation leaves 2 MiB of the 8 MiB arena: client B's 3 MiB put goes
+    to NVMe at once, not after host.admit_wait_s (3 s here) spent waiting for A to commit."""
+    d = short_tmpdir()
+    try:
+        cfg = daemon_config(d, host_bytes=8 * MiB, nvme_bytes=64 * MiB)
+        cfg["host"]["admit_wait_s"] = ADMIT_WAIT_S
+        proc = DaemonProcess(write_config(os.path.join(d, "cfg.json"), cfg), cfg["daemon"]["socket_path"]).start()
+        try:
+            with DaemonClient(proc.socket_path, client_name="a") as a, \
+                    DaemonClient(proc.socket_path, client_name="b") as b:
+                a.call("reserve", key="open", dtype="uint8", shape=[6 * MiB])
+                value = make_tensor(7, "uint8", (3 * MiB,))
+                _, took = timed(b.put, "k", value)
+                assert took < ADMIT_WAIT_S / 3, f"the put waited {took:.2f} s for another client's reservation"
+                assert_same(b.get("k"), value)
+                assert b.stats()["tiers"]["nvme"]["entries"] == 1
+        finally:
+            proc.stop()
+    finally:
+        remove_dir(d)
+
+
+def test_an_open_reservation_does_not_make_an_inprocess_put_wait(tmp_path):
+    """The same in one process: an open TieredCache.reserve (a two-phase put in progress) holding
+    most of the host arena; a put that cannot fit beside it is stored on NVMe at once."""
+    cfg = CacheConfig.from_dict({"host": {"capacity_bytes": 8 * MiB, "block_bytes": 64 * 1024, "pin_memory": False,
+                                          "admit_wait_s": ADMIT_WAIT_S},
+                                 "nvme": {"path": str(tmp_path / "nvme"), "capacity_bytes": 64 * MiB, "sync": False}})
+    with TieredCache(cfg) as cache:
+        lease = cache.reserve("open", dtype="uint8", shape=[6 * MiB])
+        value = make_tensor(3, "uint8", (3 * MiB,))
+        handle, took = timed(cache.put, "k", value)
+        assert handle.wait(10) is True
+        assert took < ADMIT_WAIT_S / 3, f"the put waited {took:.2f} s for an open reservation"
+        assert_same(cache.get("k"), value)
+        cache.abort(lease)
+
+
 def test_without_nvme_the_refusal_names_the_reservations():
     with daemon(host_bytes=8 * MiB, nvme=False) as proc:
         with DaemonClient(proc.socket_path, client_name="a") as a, DaemonClient(proc.socket_path, client_name="b") as b:

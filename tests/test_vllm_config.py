@@ -29,6 +29,16 @@ def test_defaults_are_inprocess_with_the_engine_namespace():
     assert isinstance(s, ConnectorSettings)
     assert s.mode == "inprocess" and s.namespace == NS and s.cache.namespace == NS
     assert s.load_timeout_s == 10.0
+    assert s.save_queue_depth == 16
+    assert settings_from_extra_config({"mode": "daemon", "save_queue_depth": 3}, default_ns=NS).save_queue_depth == 3
+
+
+def test_remote_section_maps_onto_cache_config():
+    s = settings_from_extra_config({"remote": {"backend": "redis", "addresses": "10.0.0.5:7000", "timeout_s": 1}},
+                                   default_ns=NS)
+    assert s.cache.remote.enabled and s.cache.remote.addresses == "10.0.0.5:7000" and s.cache.remote.timeout_s == 1.0
+    with pytest.raises(ConfigError, match=r"ec_connector_extra_config\.remote: not used in daemon mode"):
+        settings_from_extra_config({"mode": "daemon", "remote": {"backend": "redis"}}, default_ns=NS)
 
 
 def test_tier_sub_dicts_map_onto_cache_config():
@@ -65,6 +75,8 @@ def test_config_path(tmp_path):
         ({"namespace": ""}, "ec_connector_extra_config.namespace"),
         ({"load_timeout_s": 0}, "ec_connector_extra_config.load_timeout_s"),
         ({"load_timeout_s": True}, "ec_connector_extra_config.load_timeout_s"),
+        ({"save_queue_depth": 0}, "ec_connector_extra_config.save_queue_depth: expected an int from 1"),
+        ({"save_queue_depth": 2.5}, "ec_connector_extra_config.save_queue_depth"),
         ({"daemon_timeout_s": float("inf")}, "ec_connector_extra_config.daemon_timeout_s"),
         ({"host": {"capacity_bytes": "lots"}}, "ec_connector_extra_config.host.capacity_bytes"),
         ({"host": {"capacty_bytes": 1}}, "ec_connector_extra_config.host.capacty_bytes"),

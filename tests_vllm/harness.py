@@ -185,10 +185,18 @@ class Worker:
                     raise RuntimeError(f"Encoder cache miss for {f.identifier}.")
                 self.gathered[f.identifier] = t.clone()
 
+    #: after each step, wait for the saves it started (the connector puts in a background
+    #: thread): the next step then finds them stored, as it would after a real model step's time.
+    #: Tests that hold copies in flight (a deferred copy engine) set this False.
+    settle_saves = True
+
     def execute(self, scheduler_output):
         """One execute_model: encode what was scheduled, gather, and return a ModelRunnerOutput."""
         with as_agent(self.connector):
-            return self._execute(scheduler_output)
+            out = self._execute(scheduler_output)
+        if self.settle_saves and hasattr(self.connector, "saves"):
+            assert self.connector.saves.wait(30), "the connector's saves did not finish"
+        return out
 
     def _execute(self, scheduler_output):
         from vllm.v1.outputs import ModelRunnerOutput

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 
 import lmdb
 import pytest
@@ -62,6 +63,14 @@ def cache_hooks(monkeypatch):
         if isinstance(e, Engine):
             e.auto = True
             e.complete()
+
+
+def wait_until(predicate, timeout_s: float = 10.0) -> None:
+    """Wait for ``predicate()`` (e.g. the connector's background put thread reaching the cache)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
 
 
 def host_pins(cache) -> int:
@@ -513,6 +522,7 @@ def test_promotion_past_load_timeout_is_reencoded(engine, tmp_path, cache_hooks,
     copies = cache_hooks(Engine())
     item = H.Item("t" * 64, 0, 40)
     sched, worker = engine("ec_both", {**inproc(tmp_path), "load_timeout_s": 0.05})
+    worker.settle_saves = False  # the re-encoded item's save waits behind the copy that never runs
     store = sched.ec_connector._store
     store.put(item.mm_hash, H.encoder_output(item.mm_hash, 40))  # its copy never runs in this test
     acquired = []
@@ -535,12 +545,14 @@ def test_promotion_past_load_timeout_is_reencoded(engine, tmp_path, cache_hooks,
 
 @pytest.mark.parametrize("gpu", [False, True], ids=["host-tier", "gpu-tier"])
 def test_async_put_is_reported_once_its_copy_completed(engine, tmp_path, cache_hooks, gpu):
-    """save_caches hands the tensor to TieredCache.put and keeps its PutHandle: the save is not
-    reported while the copy engine has not run the copy (into the pinned host arena, or into the
-    GPU tier), and is once it has; shutdown waits for a put still in flight."""
+    """save_caches hands the tensor to the connector's background put thread, which calls
+    TieredCache.put and waits for its PutHandle: the save is not reported while the copy engine has
+    not run the copy (into the pinned host arena, or into the GPU tier), and is once it has;
+    shutdown waits for a put still in flight."""
     copies = cache_hooks(Engine(), gpu=gpu)
     extra = {**inproc(tmp_path), **({"gpu": GPU} if gpu else {})}
     sched, worker = engine("ec_producer", extra)
+    worker.settle_saves = False  # the put thread waits for copies this test runs
     cache = worker.connector._store.cache
     item = H.Item("k" * 64, 0, 30)
     sched.add_request(H.make_request("p", [item]))
@@ -549,12 +561,12 @@ def test_async_put_is_reported_once_its_copy_completed(engine, tmp_path, cache_h
     assert worker.encoded == [item.mm_hash]
     # save still in flight: nothing to report (the V1 runner's producer output carries no report)
     assert out.ec_connector_output is None or out.ec_connector_output.ec_connector_worker_meta is None
-    [ps] = worker.connector._pending_saves
-    assert isinstance(ps.handle, PutHandle) and not ps.handle.done()
-    assert copies.pending == 1
+    saves = worker.connector.saves
+    wait_until(lambda: copies.pending == 1)  # the background put thread enqueued the copy
+    assert saves.pending() == 1
     assert worker.connector.build_connector_worker_meta() is None  # polled again: still in flight
     copies.complete()
-    assert ps.handle.wait(10) is True
+    assert saves.wait(10) is True
     meta = worker.connector.build_connector_worker_meta()
     assert meta.saved == [item.mm_hash] and meta.save_failed == []
     assert meta.stats["saves"] == 1 and meta.stats["save_bytes"] == 30 * H.WIDTH * 2
@@ -566,8 +578,8 @@ def test_async_put_is_reported_once_its_copy_completed(engine, tmp_path, cache_h
     # shutdown waits for puts still in flight
     late = torch.randn(2, H.WIDTH).to(H.DTYPE)
     worker.connector.save_caches({"x" * 64: late}, "x" * 64)
-    [ps] = worker.connector._pending_saves
-    assert not ps.handle.done()
+    wait_until(lambda: copies.pending == 1)
+    assert saves.pending() == 1
 
     def finish():
         copies.auto = True  # the flush after the wait reads the GPU tier through the engine
@@ -577,7 +589,7 @@ def test_async_put_is_reported_once_its_copy_completed(engine, tmp_path, cache_h
     timer.start()
     worker.connector.shutdown()  # returns only after the timer ran the copy
     timer.join()
-    assert ps.handle.done() and ps.handle.wait(0) is True
+    assert saves.pending() == 0
     assert same_bytes(sched.ec_connector._store.cache.get("x" * 64), late)
 
 
@@ -593,14 +605,15 @@ def test_failed_put_copy_is_a_logged_save_failure_then_a_miss(engine, tmp_path, 
     monkeypatch.setattr(conn_mod.logger, "warning", lambda fmt, *a: warnings.append(fmt % a))
     extra = {**inproc(tmp_path), **({"gpu": GPU} if gpu else {})}
     sched, worker = engine("ec_both", extra)
+    worker.settle_saves = False  # the put thread waits for copies this test runs
     item = H.Item("x" * 64, 0, 30)
     sched.add_request(H.make_request("p", [item], max_tokens=1))
     so, out = run_step(sched, worker)
     assert so.scheduled_encoder_inputs == {"p": [0]}
-    [ps] = worker.connector._pending_saves
+    wait_until(lambda: copies.pending == 1)  # the background put thread enqueued the copy
     copies.fail_with = RuntimeError("CUDA error: an illegal memory access was encountered")
     copies.complete()
-    assert ps.handle.wait(10) is False and isinstance(ps.handle.error, RuntimeError)
+    assert worker.connector.saves.wait(10) is True
     meta = worker.connector.build_connector_worker_meta()
     assert meta.save_failed == [item.mm_hash] and meta.saved == []
     assert meta.stats["save_failures"] == 1 and "saves" not in meta.stats
@@ -645,6 +658,36 @@ def test_consumer_entries_in_the_gpu_tier_are_pinned_and_loaded(engine, tmp_path
     assert stats["hits"] == 2 and stats["loads"] == 2
     assert cache.stats()["tiers"]["gpu"]["hits"] == 2  # read out of the GPU tier
     assert sched.ec_connector._pins == {}
+
+
+def test_with_a_gpu_tier_the_load_reads_the_tier_the_prefetch_filled(engine, tmp_path, cache_hooks):
+    """ec_consumer with a GPU tier (CPU-faked: the worker's device is gpu.device): an entry on the
+    host tier only is promoted into the GPU tier by the scheduler's prefetch, and the pin and the
+    load read it from there (a GPU hit), not from a host lease (before: the prefetch copied it into
+    the GPU tier, then the pin leased the host copy and the worker copied that again)."""
+    cache_hooks(InlineCopyEngine(), gpu=True)
+    sched, worker = engine("ec_consumer", {**inproc(tmp_path), "gpu": GPU})
+    cache = sched.ec_connector._store.cache
+    item = H.Item("h" * 64, 0, 40)
+    ref = H.encoder_output(item.mm_hash, item.length)
+    assert cache.put(item.mm_hash, ref).wait(10) is True  # into the GPU tier (its device is "cpu")
+    for i in range(40):  # push it down to the host tier (2 MiB GPU tier of 64 KiB blocks)
+        assert cache.put(f"filler{i}", H.encoder_output(f"f{i}", 40)).wait(10) is True
+    assert testing.where(cache, item.mm_hash) == {"host"}
+    before = cache.stats()["tiers"]
+    sched.add_request(H.make_request("c", [item]))
+    so, out = run_step(sched, worker)
+    if so.num_scheduled_tokens == {}:  # deferred while the promotion ran
+        wait_prefetches(sched.ec_connector)
+        so, out = run_step(sched, worker)
+    assert worker.encoded == [] and so.scheduled_encoder_inputs == {}
+    assert same_bytes(worker.encoder_cache[item.mm_hash], ref)
+    after = cache.stats()["tiers"]
+    assert after["gpu"]["promotions"] == before["gpu"]["promotions"] + 1  # the prefetch
+    assert after["gpu"]["hits"] == before["gpu"]["hits"] + 1  # the pin read the GPU tier ...
+    assert after["host"]["hits"] == before["host"]["hits"]  # ... and no host lease
+    assert host_pins(cache) == 0
+    assert errors_of(out) == {}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

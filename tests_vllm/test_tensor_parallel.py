@@ -126,7 +126,10 @@ def test_tp2_producer_saves_each_item_once_and_counts_it_once(tp_engine, daemon,
     assert all(sorted(w.encoded) == sorted(i.mm_hash for i in items) for w in workers)  # both ranks encode
     stats = sched.ec_connector._store.client.stats()
     assert stats["tiers"]["host"]["puts"] == 2  # one per item: rank 1 saved nothing
-    counted = out[0].scheduler_stats.ec_connector_stats
+    # reported once committed: the V1 runner's scheduler sees them in the store after this step,
+    # the V2 runner's lead worker reports them in its next step's report
+    _, later = run_tp_step(sched, workers)
+    counted = summed_stats(out, later)
     assert counted["saves"] == 2 and counted["save_bytes"] == (64 + 33) * H.WIDTH * 2
     assert "save_failures" not in counted
 
@@ -174,13 +177,24 @@ def test_producer_saves_are_counted_on_both_runners(engine, tmp_path):
     sched.add_request(H.make_request("p", items))
     so, out = run_step(sched, worker)
     assert sorted(worker.encoded) == sorted(i.mm_hash for i in items)
-    counted = out[0].scheduler_stats.ec_connector_stats
-    assert counted is not None, "producer saves were not counted"
+    _, nxt = run_step(sched, worker)  # the V2 runner reports a committed save in the next step
+    counted = summed_stats(out, nxt)
+    assert counted, "producer saves were not counted"
     assert counted["saves"] == 2 and counted["save_bytes"] == (50 + 20) * H.WIDTH * 2
     assert all(sched.ec_connector._store.contains(i.mm_hash) for i in items)
     _, out = run_step(sched, worker)  # nothing counted twice in a later step
     later = out[0].scheduler_stats.ec_connector_stats if out else None
     assert not (later or {}).get("saves")
+
+
+def summed_stats(*outs) -> dict:
+    """The connector's counters of several steps' engine outputs, added up."""
+    total: dict = {}
+    for out in outs:
+        stats = out[0].scheduler_stats.ec_connector_stats if out else None
+        for k, v in (stats or {}).items():
+            total[k] = total.get(k, 0 if not isinstance(v, list) else []) + v
+    return total
 
 
 def v1_producer(model_dir, tmp_path, monkeypatch):

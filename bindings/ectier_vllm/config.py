@@ -9,9 +9,11 @@ Keys (see docs/vllm.md for the full table)::
 
     mode            "inprocess" (default) | "daemon"
     namespace       default: "<model>@<revision>:<dtype>" of the engine
-    host, nvme, gpu  in-process mode: ectier tier sub-configs (CacheConfig.host / .nvme / .gpu);
-                    gpu.device must be the worker's own device (checked when the store opens)
-    config_path     in-process mode: an ectier .yaml/.json config file (instead of host/nvme/gpu)
+    host, nvme, gpu, remote  in-process mode: ectier tier sub-configs (CacheConfig.host / .nvme /
+                    .gpu / .remote, the field names of the YAML config's sections); gpu.device must
+                    be the worker's own device (checked when the store opens); remote: a store
+                    shared by every node (two-node EPD: the same remote section on both engines)
+    config_path     in-process mode: an ectier .yaml/.json config file (instead of host/nvme/gpu/remote)
     socket_path     daemon mode: the socket of `ectier serve` (default: DaemonConfig's default)
     daemon_timeout_s  daemon mode: seconds per daemon call (default 30)
     load_timeout_s  how long a request may wait for a promotion before the item counts as a miss
@@ -20,6 +22,8 @@ Keys (see docs/vllm.md for the full table)::
                     miss (ectier_vllm.recompute); false: always load
     encoder_seconds_per_token  the encoder's cost for that choice (default: learned from this
                     engine's own encoder steps, ec_producer / ec_both)
+    save_queue_depth  producer: saves that may wait for the worker's background put thread before
+                    new ones are dropped (default 16)
 """
 
 from __future__ import annotations
@@ -39,15 +43,17 @@ KEYS = (
     "host",
     "nvme",
     "gpu",
+    "remote",
     "config_path",
     "socket_path",
     "daemon_timeout_s",
     "load_timeout_s",
     "recompute",
     "encoder_seconds_per_token",
+    "save_queue_depth",
 )
 MODES = ("inprocess", "daemon")
-TIER_KEYS = ("host", "nvme", "gpu")
+TIER_KEYS = ("host", "nvme", "gpu", "remote")
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,8 @@ class ConnectorSettings:
         encoder_seconds_per_token: the encoder's seconds per token for that choice; ``None``
             (default): learned from this engine's own encoder steps (a pure ``ec_consumer`` learns
             nothing, so it always loads unless this is set).
+        save_queue_depth: saves (items) that may wait for the worker's background put thread;
+            a save beyond them is dropped, counted as a save failure.
     """
 
     mode: str = "inprocess"
@@ -80,6 +88,7 @@ class ConnectorSettings:
     config_path: str | None = None
     recompute: bool = True
     encoder_seconds_per_token: float | None = None
+    save_queue_depth: int = 16
 
 
 def default_namespace(model: str, revision: str | None, dtype: Any) -> str:
@@ -154,6 +163,10 @@ def settings_from_extra_config(extra: Mapping[str, Any] | None, *, default_ns: s
         per_token = _seconds("encoder_seconds_per_token", per_token)
     choice = {"recompute": recompute, "encoder_seconds_per_token": per_token}
 
+    depth = extra.get("save_queue_depth", 16)
+    if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= 4096:
+        raise ConfigError(f"{PREFIX}.save_queue_depth: expected an int from 1 to 4096 (items), got {depth!r}")
+
     socket_path = extra.get("socket_path")
     if socket_path is not None and (not isinstance(socket_path, str) or not socket_path):
         raise ConfigError(f"{PREFIX}.socket_path: expected a non-empty path string, got {socket_path!r}")
@@ -169,7 +182,7 @@ def settings_from_extra_config(extra: Mapping[str, Any] | None, *, default_ns: s
             )
         return ConnectorSettings(
             mode=mode, namespace=namespace, cache=None, socket_path=socket_path,
-            daemon_timeout_s=daemon_timeout_s, load_timeout_s=load_timeout_s, **choice,
+            daemon_timeout_s=daemon_timeout_s, load_timeout_s=load_timeout_s, save_queue_depth=depth, **choice,
         )
 
     if socket_path is not None:
@@ -195,5 +208,6 @@ def settings_from_extra_config(extra: Mapping[str, Any] | None, *, default_ns: s
             raise ConfigError(problems=[operator_key(m, None) for m in exc.problems]) from exc
     return ConnectorSettings(
         mode=mode, namespace=namespace, cache=cache, socket_path=None,
-        daemon_timeout_s=daemon_timeout_s, load_timeout_s=load_timeout_s, config_path=config_path, **choice,
+        daemon_timeout_s=daemon_timeout_s, load_timeout_s=load_timeout_s, config_path=config_path,
+        save_queue_depth=depth, **choice,
     )

@@ -38,15 +38,12 @@ How a stored item reaches a consumer's ``encoder_cache`` (one step = one ``sched
    this connector from the store, or are failed (retryable) until vLLM evicts it.
 5. ``update_connector_output``: the worker's report drops the pins and feeds the metrics.
 
-Producer: ``save_caches`` stores each freshly encoded item without waiting for the copy. In-process,
-``TieredCache.put`` returns a ``PutHandle`` after enqueueing: the cache's copy engine copies a CUDA
-tensor into the GPU tier (on ``gpu.device``) or device-to-host into the pinned host arena, on its
-own stream, which first waits for an event recorded on the current stream (after the encoder's
-kernels). A save is reported only once ``handle.done()``; a handle with an ``error`` (the copy
-failed: the item is then a miss and will be re-encoded) is a logged save failure. In daemon mode
-(``DaemonClient.put`` copies to the CPU inline), the connector starts the device-to-host copy
-itself on the current stream (pinned buffer, event, source tensor kept alive) and hands the host
-copy to the daemon once the event has completed. Completions are reported in the worker
+Producer: ``save_caches`` stores each freshly encoded item without waiting for a copy or the store
+(:mod:`ectier_vllm.saves`): in-process, a CUDA tensor goes to ``TieredCache.put``, which only
+enqueues its copy on the cache's copy engine (after an event on the current stream); everything
+else (a CPU tensor, any daemon-mode save) goes to a background put thread through a bounded queue;
+a full queue or a failed put drops the save (a logged save failure). A save is reported only once
+the store holds it. Completions are reported in the worker
 metadata; ``shutdown`` waits for all of them and flushes. With tensor (or pipeline, prefill
 context) parallelism only the engine's lead worker saves and counts (:mod:`ectier_vllm.ranks`);
 every worker loads. Where vLLM drops the workers' report (a producer on the V1 model runner), the
@@ -67,11 +64,11 @@ from ectier.errors import ConfigError, StoreLockedError, StoreOpenError
 from ectier.logutil import RateLimitedLogger
 
 from .common import STORE_ERRORS, WARN_INTERVAL_S, encoder_output_widths, logger
-from .config import ConnectorSettings, default_namespace, operator_key, settings_from_extra_config
+from .config import PREFIX, ConnectorSettings, default_namespace, operator_key, settings_from_extra_config
 from .gpubudget import check_gpu_arena_fits
 from .metrics import ECTierConnectorStats, ECTierPromMetrics
 from .scheduler import Promotion, SchedulerSide
-from .store import DaemonStore, open_inprocess
+from .store import DaemonStore, InProcessStore, open_inprocess
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -104,18 +101,18 @@ class ECTierConnector(SchedulerSide, WorkerSide, ECConnectorBase):
                 f"engine uses {backend!r}: run `ectier serve` and set \"mode\": \"daemon\""
             )
         self._device: str | None = None
+        self._store_obj: DaemonStore | InProcessStore | None = None
         if self.settings.mode == "daemon":
-            self._store = DaemonStore(self.settings.socket_path, self.settings.namespace, self.settings.daemon_timeout_s)
+            self._store_obj = DaemonStore(self.settings.socket_path, self.settings.namespace,
+                                          self.settings.daemon_timeout_s)
         else:
             self._check_gpu_device()
-            if role == ECConnectorRole.WORKER:
-                self._check_gpu_budget(vllm_config)
-            try:
-                self._store = open_inprocess(self.settings.cache)
-            except (ConfigError, StoreOpenError, StoreLockedError) as exc:
-                # the machine refuses the tiers (gpu.* without CUDA; an nvme.path that cannot be
-                # created or is in use): same error type, restated with the operator's key
-                raise type(exc)(operator_key(str(exc), self.settings.config_path)) from exc
+            if role != ECConnectorRole.WORKER or not self.settings.cache.gpu.enabled:
+                self._open_store()
+            # else: a worker with a GPU tier opens the store at first use. vLLM builds it before
+            # its memory profiling; the scheduler's connector, built after vLLM has allocated its
+            # budget (same process), opens the shared store then, so the arena is sized from
+            # what vLLM leaves (gpubudget.py)
         self._stats: dict[str, Any] = {}
         self._init_scheduler_side(vllm_config, role)
         self._init_worker_side(role)
@@ -159,18 +156,37 @@ class ECTierConnector(SchedulerSide, WorkerSide, ECConnectorBase):
                 f"runs on {device!r}; set gpu.device to the worker's device"
             )
 
-    def _check_gpu_budget(self, vllm_config: "VllmConfig") -> None:
-        """The worker's connector opens the store before vLLM's memory snapshot: a GPU-tier arena
-        must fit beside ``gpu_memory_utilization`` (:mod:`ectier_vllm.gpubudget`)."""
+    @property
+    def _store(self) -> "DaemonStore | InProcessStore":
+        """The store (opened here at first use by a worker with a GPU tier, see ``__init__``)."""
+        if self._store_obj is None:
+            self._open_store()
+        return self._store_obj
+
+    def _open_store(self) -> None:
+        """Open (or join) this process's in-process store. The GPU tier's arena, when this call
+        creates it, must fit in the device memory vLLM left (:mod:`ectier_vllm.gpubudget`)."""
         gpu = self.settings.cache.gpu
-        if gpu.enabled:
-            check_gpu_arena_fits(gpu.capacity_bytes, gpu.device, vllm_config.cache_config.gpu_memory_utilization,
-                                 self.settings.config_path)
+
+        def check_budget() -> None:
+            if gpu.enabled:
+                check_gpu_arena_fits(gpu.capacity_bytes, gpu.device, self.settings.config_path)
+
+        try:
+            self._store_obj = open_inprocess(self.settings.cache, before_create=check_budget)
+        except (StoreOpenError, StoreLockedError) as exc:
+            raise type(exc)(operator_key(str(exc), self.settings.config_path)) from exc
+        except ConfigError as exc:
+            if str(exc).startswith(PREFIX):  # the budget check names the operator's key already
+                raise
+            # the machine refuses the tiers (gpu.* without CUDA; an nvme.path that cannot be
+            # created or is in use): same error type, restated with the operator's key
+            raise ConfigError(operator_key(str(exc), self.settings.config_path)) from exc
 
     def _target_device(self) -> str:
         """Where the scheduler promotes and pins for: in-process mode, the worker's device (same
         process); daemon mode ignores it (and the scheduler process must not touch CUDA)."""
-        return self.worker_device() if self._store.mode == "inprocess" else "cpu"
+        return self.worker_device() if self.settings.mode == "inprocess" else "cpu"
 
     def worker_device(self) -> str:
         """This worker's device: ``cuda:<current index>`` under CUDA, else ``cpu``; never bare ``cuda``."""
@@ -207,15 +223,19 @@ class ECTierConnector(SchedulerSide, WorkerSide, ECConnectorBase):
         if self._closed:
             return
         self._closed = True
+        store = self._store_obj
         try:
-            self._poll_saves(wait=True)
+            self.saves.close()  # every save submitted is finished (stored or failed) ...
+            self._poll_saves()  # ... and counted
             for mm_hash in list(self._pins):
                 self._release_pin(mm_hash)
-            self._store.flush()
+            if store is not None:
+                store.flush()
         except STORE_ERRORS as exc:
             logger.warning("ectier: shutdown flush failed (%s: %s)", type(exc).__name__, exc)
         finally:
             try:
-                self._store.close()
+                if store is not None:
+                    store.close()
             except STORE_ERRORS as exc:
                 logger.warning("ectier: closing the store failed (%s: %s)", type(exc).__name__, exc)

@@ -162,7 +162,9 @@ class SchedulerSide:
         pf = self._prefetching.get(mm_hash)
         if pf is None:
             try:
-                if not self._store.contains(mm_hash):
+                # a local miss is final unless a remote tier may hold it: then prefetch fetches it
+                # (in the cache's own threads) and the request waits until it landed or missed
+                if not self._store.contains(mm_hash) and not self._store.remote:
                     return Promotion.MISS
                 handles = self._store.prefetch([mm_hash], self._target_device())
             except STORE_ERRORS as exc:

@@ -17,8 +17,9 @@ The in-process store speaks :class:`TieredCache`'s asynchronous API: ``put`` ret
 ``PutHandle`` (a CUDA tensor is copied by the cache's copy engine: into the GPU tier when it is on
 ``gpu.device``, else device-to-host into the pinned host arena; the copy stream first waits for the
 work already on the caller's current stream), ``prefetch(keys, device=)`` returns ``LoadHandle`` s.
-The daemon client's ``put`` copies to the CPU inline and returns ``None``, so
-:attr:`DaemonStore.async_put` is False and the connector stages device tensors itself. Its
+The daemon client's ``put`` copies and commits before it returns ``None``, so
+:attr:`DaemonStore.async_put` is False and the connector puts from a background thread
+(:mod:`ectier_vllm.saves`, :meth:`DaemonStore.for_saves`). Its
 ``prefetch`` returns handles of the same shape (``done()``, ``wait(timeout)``, ``error``) answered
 by the daemon's batched ``prefetch`` op: the daemon promotes NVMe → its arena in its own threads,
 and the store asks it about all of a scheduler step's items in **one round trip per step**
@@ -83,6 +84,9 @@ class InProcessStore:
         self._entry = entry
         self.cache = entry.cache
         self._closed = False
+        #: the cache has a remote tier: a local miss may still be found there (``contains`` is
+        #: local only), so the scheduler asks ``prefetch``, which fetches it asynchronously
+        self.remote = "remote" in self.cache.stats()["tiers"]
 
     # --------------------------------------------------------------------- index / pins
     def contains(self, key: str) -> bool:
@@ -99,14 +103,19 @@ class InProcessStore:
         return None
 
     def acquire(self, key: str, device: str) -> Pin | None:
-        """Pin ``key`` for a load onto ``device``: a host-arena lease, or, for an entry that only
-        the GPU tier holds (put there by this process's worker and not yet demoted), a copy read
-        from the GPU tier onto ``device`` (a device-to-device copy ready on the current stream)."""
-        lease = self.cache.acquire(key)
-        if lease is not None:
-            return Pin(tuple(lease.meta.shape), str(lease.meta.dtype), lease)
-        if not self.cache.config.gpu.enabled or not self.cache.contains(key):
-            return None
+        """Pin ``key`` for a load onto ``device`` (the worker's; with a GPU tier, its device:
+        the connector checks ``gpu.device`` against the worker's at start-up).
+
+        With a GPU tier, the GPU tier is read first, where :meth:`prefetch` promoted the entry
+        (or the worker's own put left it): a copy read from it onto ``device`` (device-to-device,
+        ready on the current stream), which the worker places as is; no host lease and no second
+        host-to-device copy. Should the GPU tier not hold it (evicted meanwhile, larger than its
+        budget), the host copy is read onto ``device``. Without one: a host-arena lease, loaded by
+        the worker straight onto its device on the copy engine (:meth:`get`).
+        """
+        if not self.cache.config.gpu.enabled:
+            lease = self.cache.acquire(key)
+            return None if lease is None else Pin(tuple(lease.meta.shape), str(lease.meta.dtype), lease)
         tensor = self.cache.get(key, device=device)
         if tensor is None:
             return None
@@ -135,6 +144,10 @@ class InProcessStore:
         """``TieredCache.put``: returns its ``PutHandle`` (done at once for a synchronous put)."""
         return self.cache.put(key, tensor)
 
+    def for_saves(self) -> "InProcessStore":
+        """The store a background save thread puts through: this one (``TieredCache`` is thread-safe)."""
+        return self
+
     def get(self, key: str, device: str) -> Any:
         """Read ``key`` onto ``device``: from the scheduler's pin when there is one (same process)."""
         pin = self.take_staged(key)
@@ -160,11 +173,15 @@ class DaemonStore:
     """A :class:`DaemonClient` of one connector, with the namespace on every call."""
 
     mode = "daemon"
-    #: ``DaemonClient.put`` copies a device tensor to the CPU inline and returns ``None``
+    #: ``DaemonClient.put`` copies and commits before it returns ``None``
     async_put = False
+    #: a remote tier of the daemon is the daemon's business: its ``prefetch`` answers for it
+    remote = False
 
     def __init__(self, socket_path: str | None, namespace: str, timeout_s: float) -> None:
         from ectier.daemon.client import DaemonClient, DaemonUnavailableError
+
+        self._args = (socket_path, namespace, timeout_s)
 
         # the connector's daemon_timeout_s bounds every wait of a call, the reconnect wait too;
         # a client whose daemon is unreachable fails fast (DAEMON_BACKOFF_S) so calls are misses
@@ -267,8 +284,15 @@ class DaemonStore:
     def unstage(self, key: str) -> None:
         return None
 
-    def put(self, key: str, tensor: Any) -> Any:
-        return self.client.put(key, tensor, namespace=self.namespace)
+    def put(self, key: str, tensor: Any, *, after: Any = None) -> Any:
+        """``DaemonClient.put`` (returns ``None`` once committed); ``after``: a CUDA event the
+        copy of a device ``tensor`` waits for."""
+        return self.client.put(key, tensor, namespace=self.namespace, after=after)
+
+    def for_saves(self) -> "DaemonStore":
+        """A store with a daemon client of its own, for a background save thread (its puts never
+        hold the lock of this store's client)."""
+        return DaemonStore(*self._args)
 
     def get(self, key: str, device: str) -> Any:
         return self.client.get(key, namespace=self.namespace, device=None if device == "cpu" else device)
@@ -338,14 +362,17 @@ _REGISTRY: dict[str, _Shared] = {}
 _REGISTRY_LOCK = threading.Lock()
 
 
-def open_inprocess(config: CacheConfig) -> InProcessStore:
-    """A handle on this process's :class:`TieredCache` for ``config`` (created on first use)."""
+def open_inprocess(config: CacheConfig, before_create: Any = None) -> InProcessStore:
+    """A handle on this process's :class:`TieredCache` for ``config`` (created on first use;
+    ``before_create()`` runs first then, and may raise to refuse it)."""
     from ectier.cache import TieredCache
 
     key = json.dumps(config.to_dict(), sort_keys=True, default=str)
     with _REGISTRY_LOCK:
         entry = _REGISTRY.get(key)
         if entry is None:
+            if before_create is not None:
+                before_create()
             entry = _Shared(key=key, cache=(_CACHE_FACTORY or TieredCache)(config), refs=0, lock=threading.Lock(), staged={})
             _REGISTRY[key] = entry
         entry.refs += 1

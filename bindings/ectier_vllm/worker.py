@@ -8,11 +8,9 @@ only, :mod:`ectier_vllm.ranks`); ``start_load_caches`` places the items the sche
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from ectier.errors import EctierError
 from ectier.tensors import dtype_name
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 
@@ -20,19 +18,7 @@ from .common import STORE_ERRORS
 from .metadata import ECTierConnectorMetadata, ECTierWorkerMetadata
 from .ranks import is_lead_worker
 from .recompute import EncoderStepTimer
-
-
-@dataclass
-class _PendingSave:
-    """A save in flight: a ``TieredCache.put`` ``PutHandle`` (in-process), or, in daemon mode, our
-    own D2H copy awaiting its event."""
-
-    mm_hash: str
-    nbytes: int
-    handle: Any = None  # PutHandle (in-process); None once a daemon put returned
-    host: torch.Tensor | None = None  # daemon mode: pinned host copy ...
-    event: Any = None  # ... valid once this CUDA event completed
-    source: torch.Tensor | None = None  # kept alive until the copy completed
+from .saves import SaveQueue, SaveQueueFullError
 
 
 class WorkerSide:
@@ -42,7 +28,8 @@ class WorkerSide:
     def _init_worker_side(self, role: ECConnectorRole) -> None:
         # worker side; only the lead worker (TP rank 0, first PP stage, PCP rank 0) saves and counts
         self._lead = role != ECConnectorRole.WORKER or is_lead_worker()
-        self._pending_saves: list[_PendingSave] = []
+        #: saves off the model step (:mod:`ectier_vllm.saves`)
+        self.saves = SaveQueue(lambda: self._store, depth=self.settings.save_queue_depth)
         self._saved: list[str] = []
         self._save_failed: list[str] = []
         self._loaded: list[str] = []
@@ -54,6 +41,8 @@ class WorkerSide:
             role == ECConnectorRole.WORKER and self.is_producer and self._lead and settings.recompute and settings.encoder_seconds_per_token is None) else None
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
+        """Hand ``encoder_cache[mm_hash]`` to the :class:`~ectier_vllm.saves.SaveQueue`: never
+        waits for a copy or the store (a full queue or a failing store drops the save, counted)."""
         if not self.is_producer or self._closed or not self._lead:
             return  # another rank of this TP group (PP stage, PCP group) saves the same output
         tensor = encoder_cache.get(mm_hash)
@@ -62,56 +51,32 @@ class WorkerSide:
         if self._encoder_timer is not None:
             self._encoder_timer.item(tensor.shape[0], _mark(tensor.device))
         t0 = time.perf_counter()
-        nbytes = tensor.numel() * tensor.element_size()
         try:
-            if tensor.device.type == "cuda" and not self._store.async_put:  # daemon mode
-                self._pending_saves.append(_start_d2h(mm_hash, tensor, nbytes))
-            else:
-                handle = self._store.put(mm_hash, tensor)
-                self._pending_saves.append(_PendingSave(mm_hash, nbytes, handle=handle))
-        except STORE_ERRORS as exc:  # e.g. no room for a pinned staging copy (OutOfMemoryError)
+            self.saves.submit(mm_hash, tensor)
+        except STORE_ERRORS as exc:  # the queue is full, or the in-process put refused it
             self._save_failure(mm_hash, exc)
-        self._poll_saves(wait=False)
+        self._poll_saves()
         if self._encoder_timer is not None:
             self._encoder_timer.saved(time.perf_counter() - t0)
 
     def _save_failure(self, mm_hash: str, exc: BaseException) -> None:
         self._count(save_failures=1)
         self._save_failed.append(mm_hash)
-        self._warn.warning(("save", type(exc).__name__), "ectier: saving %s failed (%s: %s); it is not shared",
+        kind = "save-dropped" if isinstance(exc, SaveQueueFullError) else ("save", type(exc).__name__)
+        self._warn.warning(kind, "ectier: saving %s failed (%s: %s); it is not shared",
                            mm_hash, type(exc).__name__, exc)
 
     def start_save_caches(self, **kwargs: Any) -> None:
-        self._poll_saves(wait=False)
+        self._poll_saves()
 
-    def _poll_saves(self, *, wait: bool) -> None:
-        still: list[_PendingSave] = []
-        for ps in self._pending_saves:
-            try:
-                if ps.event is not None:  # our own D2H copy (daemon mode)
-                    if wait:
-                        ps.event.synchronize()
-                    elif not ps.event.query():
-                        still.append(ps)
-                        continue
-                    handle = self._store.put(ps.mm_hash, ps.host)
-                    ps.event, ps.source, ps.handle = None, None, handle
-                h = ps.handle
-                if h is not None:
-                    if wait:
-                        h.wait()
-                    elif not h.done():
-                        still.append(ps)
-                        continue
-                    if not h.wait(0):  # the copy failed (reported, not raised, by ectier)
-                        self._save_failure(ps.mm_hash, h.error or EctierError("put reported failure"))
-                        continue
-            except STORE_ERRORS as exc:
-                self._save_failure(ps.mm_hash, exc)
-                continue
-            self._count(saves=1, save_bytes=ps.nbytes)
-            self._saved.append(ps.mm_hash)
-        self._pending_saves = still
+    def _poll_saves(self) -> None:
+        """Report the saves the queue finished since the last poll (never blocks)."""
+        for result in self.saves.finished():
+            if result.error is not None:
+                self._save_failure(result.mm_hash, result.error)
+            else:
+                self._count(saves=1, save_bytes=result.nbytes)
+                self._saved.append(result.mm_hash)
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
         self._load_caches(encoder_cache)
@@ -168,7 +133,7 @@ class WorkerSide:
         for cache, mm_hash in self._placeholders:
             cache.pop(mm_hash, None)
         self._placeholders = []
-        self._poll_saves(wait=False)
+        self._poll_saves()
         for tokens, seconds in self._encoder_timer.take() if self._encoder_timer is not None else ():
             self._count(encoder_tokens=tokens, encoder_seconds=seconds)
         meta = ECTierWorkerMetadata(
@@ -188,17 +153,3 @@ def _mark(device: torch.device) -> tuple[float, Any]:
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(device))
     return time.perf_counter(), event
-
-
-def _start_d2h(mm_hash: str, tensor: torch.Tensor, nbytes: int) -> _PendingSave:
-    """Daemon mode (``DaemonClient.put`` is synchronous): D2H on the current stream into pinned memory.
-
-    The copy is queued after the encoder's kernels on the same stream (rule 1 holds without a side
-    stream); ``source`` keeps the (possibly view-of-a-batch) tensor alive until the event completes
-    (rule 2); the host copy is read only after the event completed (rule 3).
-    """
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(tensor.device))
-    return _PendingSave(mm_hash, nbytes, host=host, event=event, source=tensor)

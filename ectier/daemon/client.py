@@ -34,6 +34,7 @@ from typing import Any
 from .. import errors
 from ..config import DaemonConfig
 from ..entry import validate_key, validate_namespace
+from .client_copy import copy_from_device as _copy_from_device, device_to_host as _device_to_host
 from .client_errors import DaemonFeatureError, DaemonUnavailableError, error_from_reply as _error_from
 from .protocol import PROTOCOL_VERSION, FrameDecoder, ProtocolError, encode_frame
 
@@ -104,6 +105,7 @@ class DaemonClient:
         self._arena = None  # torch uint8 tensor over the mapping, made on first data call
         self._arena_path: str | None = None
         self._arena_fd: int | None = None  # the mapped file, kept open to recognise it on reconnect
+        self._arena_registered = False  # the mapping is page-locked (cudaHostRegister)
 
     # ---------------------------------------------------------------------------- connection
 
@@ -398,11 +400,18 @@ class DaemonClient:
             return contextlib.nullcontext(self._arena_tensor())
         return mapped(reply["path"], reply["nbytes"])
 
-    def put(self, key: str, tensor, *, namespace: str | None = None) -> None:
+    def put(self, key: str, tensor, *, namespace: str | None = None, after=None) -> None:
         """Store ``tensor`` under ``key``: reserve arena space, copy into it, commit. When the arena
         has no room for it (larger than ``host.capacity_bytes``, or the rest held by other clients'
         reservations and leases) and the daemon has an NVMe tier, the bytes go through a scratch
         file and the daemon stores them on NVMe (or in the arena, if room was made meanwhile).
+
+        A CUDA ``tensor`` is copied device → arena on a copy stream of this client, straight into
+        the mapping when it is page-locked (see :meth:`_register_arena`), else through one host
+        copy. ``after`` (a ``torch.cuda.Event``): that copy first waits for it, e.g. one recorded
+        on the producer's stream after the kernels that wrote ``tensor`` (put from another thread
+        than the producer's); ``None``: it waits for the calling thread's current stream. The
+        caller keeps ``tensor`` unchanged until ``put`` returns.
 
         Raises:
             InvalidKeyError, InvalidTensorError, EntryTooLargeError, TierWriteError: as
@@ -411,9 +420,8 @@ class DaemonClient:
         from ..tensors import byte_view, meta_for
 
         meta = meta_for("-", "-", tensor)  # dtype and shape; the daemon validates key/namespace
-        src = byte_view(tensor)
-        if src.device.type != "cpu":
-            src = src.cpu()
+        on_device = tensor.device.type == "cuda"
+        src = None if on_device else byte_view(tensor)
         with self._lock:
             for attempt in (0, 1):
                 reply = self.call("reserve", key=key, dtype=meta.dtype, shape=list(meta.shape), **_ns(namespace),
@@ -421,10 +429,15 @@ class DaemonClient:
                 lease = reply["lease"]
                 try:
                     with self._bytes_of(reply) as arena:
-                        off = 0
-                        for start, length in reply["extents"]:
-                            arena[start : start + length].copy_(src[off : off + length])
-                            off += length
+                        if on_device and reply.get("path") is None and self._arena_registered:
+                            _copy_from_device(arena, reply["extents"], tensor, after)
+                        else:
+                            if src is None:
+                                src = _device_to_host(tensor, after)
+                            off = 0
+                            for start, length in reply["extents"]:
+                                arena[start : start + length].copy_(src[off : off + length])
+                                off += length
                         del arena  # before a scratch file's mapping is closed
                     self.call("commit", retry=False, lease=lease)
                     return
@@ -479,3 +492,4 @@ class DaemonClient:
 
 def _ns(namespace: str | None) -> dict[str, str]:
     return {} if namespace is None else {"namespace": namespace}
+

@@ -1,0 +1,156 @@
+"""Saves off the model step (#14 item 2): ``save_caches`` hands each item to the connector's
+background put thread and returns; a slow store (a daemon put behind a write-through NVMe
+commit, an in-process write-through to a slow disk) delays the save's completion, never the
+model step. A full queue drops the save (counted, one warning); the save is reported only once
+the store holds the item."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import harness as H
+from conftest import run_step
+from daemon_helpers import DaemonProcess, daemon_config, short_tmpdir, write_config
+from ectier import testing
+
+NS = "test-ns"
+STALL_S = 5.0  # how long the stand-in slow store holds each put
+STEP_BOUND_S = STALL_S / 5  # a model step that waited for the put would take at least STALL_S
+
+
+@pytest.fixture
+def daemon():
+    d = short_tmpdir()
+    cfg = daemon_config(d, host_bytes=8 << 20, namespace="unused-default")
+    proc = DaemonProcess(write_config(os.path.join(d, "daemon.json"), cfg), cfg["daemon"]["socket_path"])
+    proc.launch().wait_ready()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def gated_puts(monkeypatch):
+    """``DaemonClient.put`` held until the test opens the gate (at most STALL_S): a daemon whose
+    puts are slow (reserve, copy, a write-through commit). ``entered`` is set once a put waits."""
+    from ectier.daemon.client import DaemonClient
+
+    gate, entered = threading.Event(), threading.Event()
+    original = DaemonClient.put
+
+    def slow_put(self, key, tensor, **kw):
+        entered.set()
+        gate.wait(STALL_S)
+        return original(self, key, tensor, **kw)
+
+    monkeypatch.setattr(DaemonClient, "put", slow_put)
+    yield gate, entered
+    gate.set()
+
+
+def saved_of(worker) -> list[str]:
+    meta = worker.connector.build_connector_worker_meta()
+    return [] if meta is None else list(meta.saved)
+
+
+def test_a_slow_daemon_put_never_blocks_the_model_step(engine, daemon, gated_puts):
+    """The daemon's put takes STALL_S; the producer's step (encode + save_caches + the report)
+    returns far sooner, the save is not reported while the put runs, and is once it committed."""
+    gate, entered = gated_puts
+    extra = {"mode": "daemon", "socket_path": daemon.socket_path, "namespace": NS}
+    sched, worker = engine("ec_producer", extra)
+    worker.settle_saves = False
+    item = H.Item("s" * 64, 0, 64)
+    sched.add_request(H.make_request("p", [item]))
+    so = sched.schedule()
+    t0 = time.monotonic()
+    out = worker.execute(so)
+    step_s = time.monotonic() - t0
+    assert step_s < STEP_BOUND_S, f"the model step took {step_s:.2f} s: it waited for the daemon's put"
+    assert worker.encoded == [item.mm_hash]
+    assert entered.wait(STALL_S)  # the put is running, in the background
+    sched.update_from_output(so, out)
+    assert saved_of(worker) == []  # not committed yet: not reported
+    assert not sched.ec_connector._store.client.contains(item.mm_hash, namespace=NS)
+    gate.set()
+    assert worker.connector.saves.wait(30)
+    assert saved_of(worker) == [item.mm_hash]
+    assert sched.ec_connector._store.client.contains(item.mm_hash, namespace=NS)
+
+
+def test_a_full_save_queue_drops_the_save_counted_with_one_warning(engine, daemon, gated_puts, monkeypatch):
+    """save_queue_depth=1 and a put that hangs: the first save runs, the second waits in the
+    queue, the third and fourth are dropped at once (save failures, one warning line), and the
+    two accepted ones are stored once the put goes on."""
+    import ectier_vllm.connector as conn_mod
+
+    lines: list[str] = []
+    monkeypatch.setattr(conn_mod.logger, "warning", lambda fmt, *a, **kw: lines.append(fmt % a))
+    gate, entered = gated_puts
+    extra = {"mode": "daemon", "socket_path": daemon.socket_path, "namespace": NS, "save_queue_depth": 1}
+    _, worker = engine("ec_producer", extra)
+    conn = worker.connector
+    keys = [f"{i}" * 64 for i in range(4)]
+    cache = {k: H.encoder_output(k, 16) for k in keys}
+    conn.save_caches(cache, keys[0])
+    assert entered.wait(STALL_S)  # the thread holds the first
+    t0 = time.monotonic()
+    for k in keys[1:]:
+        conn.save_caches(cache, k)
+    assert time.monotonic() - t0 < STEP_BOUND_S
+    meta = conn.build_connector_worker_meta()
+    assert meta.save_failed == keys[2:] and meta.stats["save_failures"] == 2
+    dropped = [ln for ln in lines if "save_queue_depth" in ln]
+    assert len(dropped) == 1, lines  # rate-limited: one line for both
+    gate.set()
+    assert conn.saves.wait(30)
+    assert sorted(saved_of(worker)) == sorted(keys[:2])
+
+
+class SlowWrites:
+    """An LMDB environment whose write transactions start ``delay_s`` late (a slow disk)."""
+
+    def __init__(self, env, delay_s: float) -> None:
+        self._env, self._delay_s = env, delay_s
+
+    def begin(self, **kw):
+        if kw.get("write"):
+            time.sleep(self._delay_s)
+        return self._env.begin(**kw)
+
+    def __getattr__(self, name):
+        return getattr(self._env, name)
+
+
+def test_inprocess_write_through_to_a_slow_disk_is_off_the_model_step(engine, tmp_path):
+    """In-process, nvme.write_through: TieredCache.put of a CPU tensor writes NVMe before it
+    returns; behind a disk taking STALL_S per write the step still returns at once, and the entry
+    is stored (host and NVMe) and reported afterwards."""
+    extra = {"namespace": NS, "host": {"capacity_bytes": "4MiB", "block_bytes": "64KiB", "pin_memory": False},
+             "nvme": {"path": str(tmp_path / "nvme"), "capacity_bytes": "64MiB", "sync": False,
+                      "write_through": True}}
+    sched, worker = engine("ec_both", extra)
+    worker.settle_saves = False
+    cache = worker.connector._store.cache
+    env = testing.lmdb_of(cache).env
+    testing.set_lmdb_env(cache, SlowWrites(env, STALL_S))
+    item = H.Item("w" * 64, 0, 40)
+    sched.add_request(H.make_request("p", [item], max_tokens=1))
+    so = sched.schedule()
+    t0 = time.monotonic()
+    out = worker.execute(so)
+    step_s = time.monotonic() - t0
+    assert step_s < STEP_BOUND_S, f"the model step took {step_s:.2f} s: it waited for the NVMe write"
+    sched.update_from_output(so, out)
+    assert worker.connector.saves.wait(30)
+    testing.set_lmdb_env(cache, env)  # the disk is fast again (for the flush at shutdown)
+    assert saved_of(worker) == [item.mm_hash]
+    assert testing.holds(cache, "nvme", item.mm_hash)
+    got = cache.get(item.mm_hash)
+    assert torch.equal(got.view(torch.int16), worker.encoder_cache[item.mm_hash].view(torch.int16))
