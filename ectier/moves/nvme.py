@@ -83,7 +83,7 @@ class NvmeMoves:
                 flight; nothing changed.
         """
         record = self.tier.encode(meta, src, version)
-        size = record.stored_bytes
+        size = self.tier.stored_bytes(record)
         doomed = self._reserve(digest, version, size, register=register, protect=protect)
         if doomed is None:
             return False

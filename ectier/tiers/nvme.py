@@ -41,24 +41,34 @@ Fork: do not use a tier across ``fork()``; open it in the child (LMDB's rule).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 from pathlib import Path
 
 import lmdb
 import torch
 
-from ..codec import Codec, RecordHeader, get_codec, unpack_header
+import numpy as np
+
+from ..codec import Codec, RecordHeader, checksum, get_codec
 from ..config import NvmeTierConfig
 from ..entry import EntryMeta
 from ..errors import CorruptRecordError, StoreOpenError, TierWriteError
 from ..policy import make_policy
 from .base import Tier
-from .nvme_env import RELEASE_MARKER, STORE_FORMAT, NvmeEnv, free_disk_bytes, write_error_text
+from .nvme_env import (RELEASE_MARKER, STORE_FORMAT, NvmeDiskFullError, NvmeEnv, free_disk_bytes, write_error,
+                       write_error_text)
 from .nvme_index import NvmeIndex, NvmeRecord
-from .nvme_record import EncodedRecord, check_record, encode_record, verify_record
+from .nvme_record import (CheckedRecord, EncodedRecord, check_index_value, check_record, encode_record,
+                          pack_index_value, parse_index_value)
+from .nvme_segment import BLOCK_BYTES, Location, blocks_for, pack_location
 
-__all__ = ["NvmeTier", "NvmeRecord", "EncodedRecord", "STORE_FORMAT", "RELEASE_MARKER", "check_record"]
+__all__ = ["NvmeTier", "NvmeRecord", "EncodedRecord", "STORE_FORMAT", "RELEASE_MARKER", "check_record",
+           "NvmeDiskFullError"]
+
+RAW_CODEC_ID = get_codec("raw").codec_id
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +127,7 @@ class NvmeTier(Tier):
 
     @property
     def _data(self) -> object:
-        return self._store.data_db
+        return None  # layout v2: payloads live in the segment file, not in LMDB
 
     # ------------------------------------------------------------------------------- queries
 
@@ -156,7 +166,7 @@ class NvmeTier(Tier):
     def describe(self) -> dict:
         return {**self.counters, "path": str(self.path), "codec": self.config.codec,
                 "capacity_bytes": self.index.capacity_bytes, "used_bytes": self.index.used_bytes,
-                "entries": len(self.index), "map_size_bytes": self.map_size_bytes}
+                "entries": len(self.index), "map_size_bytes": self.map_size_bytes, **self.space()}
 
     @property
     def map_size_bytes(self) -> int:
@@ -166,46 +176,85 @@ class NvmeTier(Tier):
     # ------------------------------------------------------------------------------- writing
 
     def encode(self, meta: EntryMeta, src: torch.Tensor, version: int) -> EncodedRecord:
-        """Encode ``src`` (flat ``uint8`` CPU tensor of ``meta.nbytes``) into a record. No disk I/O."""
-        return encode_record(self.codec, meta, src, version)
+        """Encode ``src`` (flat ``uint8`` CPU tensor of ``meta.nbytes``) into a record. No disk I/O;
+        the payload checksum is computed by :meth:`write`, while it copies the bytes."""
+        return encode_record(self.codec, meta, src, version, with_checksum=False)
+
+    @staticmethod
+    def stored_bytes(record: EncodedRecord) -> int:
+        """What ``record`` will cost the budget: its header plus the whole segment blocks of its payload."""
+        return len(record.header_bytes) + blocks_for(record.header.payload_nbytes) * BLOCK_BYTES
 
     def write(self, digest: bytes, record: EncodedRecord) -> bool:
-        """Store ``record`` under ``digest`` atomically, unless a record of an equal or newer write
-        version is already there (then nothing is written and ``False`` is returned).
+        """Store ``record`` under ``digest``, unless a record of an equal or newer write version is
+        already there (then nothing is written and ``False`` is returned).
+
+        The payload goes to free blocks of the segment file (its checksum computed as it is
+        copied) and is made durable (``fdatasync`` with ``nvme.sync``) before the index entry that
+        points at it commits; a record it replaces keeps its blocks until then.
 
         Raises:
-            TierWriteError: disk full, map at ``nvme.map_ceiling_bytes``, or another LMDB error;
+            NvmeDiskFullError: the filesystem is full (``ENOSPC``); nothing stored is changed.
+            TierWriteError: map at ``nvme.map_ceiling_bytes``, an I/O or another LMDB error;
                 nothing stored is changed.
         """
-        version = record.header.version
+        payload = memoryview(record.payload)
+        if payload.ndim != 1 or payload.format != "B":
+            payload = payload.cast("B")
+        loc = self._store.space.allocate(len(payload))
+        try:
+            try:
+                csum = self._store.segment.write(loc, payload)
+                self._store.segment.flush()
+            except OSError as exc:
+                self.counters["write_errors"] += 1
+                raise write_error(self.path, exc, len(payload), self._free_disk_bytes()) from None
+            if record.header.payload_checksum and record.header.payload_checksum != csum:
+                raise TierWriteError("nvme tier: payload changed while it was written (checksum differs)")
+            header = dataclasses.replace(record.header, payload_checksum=csum)
+            done, old = self._commit(digest, header, loc)
+        except BaseException:
+            self._store.space.free(loc)
+            raise
+        if not done:
+            self._store.space.free(loc)
+        elif old is not None:
+            self._store.space.free(old)
+        return done
+
+    def _commit(self, digest: bytes, header: RecordHeader, loc: Location) -> tuple[bool, Location | None]:
+        """Commit the index entry of ``header`` at ``loc`` (conditional on its version); returns
+        whether it was written and the location of the record it replaced."""
+        value = pack_index_value(header, loc)
+        stored = len(value) - len(pack_location(loc)) + loc.alloc_bytes
         released = False  # one commit per write may make pages freed by earlier deletes reusable
         for _ in range(64):
             with self._rw.shared(), self._write_lock:
                 assert self._env is not None
+                old = None
                 try:
                     with self._env.begin(write=True) as txn:
                         current = txn.get(digest, db=self._meta)
                         if current is not None:
                             try:
-                                if unpack_header(current).version >= version:
-                                    return False
+                                cur_header, old = parse_index_value(current)
+                                if cur_header.version >= header.version:
+                                    return False, None
                             except CorruptRecordError:
-                                pass  # replaced below; the bad header goes away with it
-                        txn.put(digest, record.payload, db=self._data)
-                        txn.put(digest, record.header_bytes, db=self._meta)
+                                old = None  # replaced below; its blocks come back at the next open
+                        txn.put(digest, value, db=self._meta)
                 except lmdb.MapFullError:
                     if not released:
                         released = True
                         if self._store.release_freed_pages():
                             continue  # retry once before growing: the freed pages may be enough
-                    # else grow below, outside the write lock
                 except lmdb.Error as exc:
                     self.counters["write_errors"] += 1
-                    raise TierWriteError(self._write_error_text(exc, record.stored_bytes)) from None
+                    raise TierWriteError(self._write_error_text(exc, len(value))) from None
                 else:
-                    self._set_record(digest, NvmeRecord(record.header, record.stored_bytes))
-                    return True
-            self._store.grow(record.stored_bytes)
+                    self._set_record(digest, NvmeRecord(header, stored, loc))
+                    return True, old
+            self._store.grow(len(value))
         raise TierWriteError("nvme tier: map still full after growing")  # pragma: no cover
 
     def _write_error_text(self, exc: lmdb.Error, need_bytes: int) -> str:
@@ -220,25 +269,26 @@ class NvmeTier(Tier):
     def delete(self, digest: bytes, *, only_version: int | None = None) -> bool:  # noqa: D417
         """Remove the record for ``digest`` (only if its write version is ``only_version``, when given).
 
-        Returns True if a record was removed. LMDB errors are logged and return False (the record
-        stays; a later delete or overwrite removes it).
+        Returns True if a record was removed (its blocks are free once the index entry is gone).
+        LMDB errors are logged and return False (the record stays; a later delete or overwrite
+        removes it).
         """
         with self._rw.shared(), self._write_lock:
             assert self._env is not None
+            loc = None
             try:
                 with self._env.begin(write=True) as txn:
                     current = txn.get(digest, db=self._meta)
                     if current is None:
                         removed = False
                     else:
-                        if only_version is not None:
-                            try:
-                                if unpack_header(current).version != only_version:
-                                    return False
-                            except CorruptRecordError:
-                                pass
+                        try:
+                            cur_header, loc = parse_index_value(current)
+                            if only_version is not None and cur_header.version != only_version:
+                                return False
+                        except CorruptRecordError:
+                            loc = None  # its blocks come back at the next open
                         txn.delete(digest, db=self._meta)
-                        txn.delete(digest, db=self._data)
                         removed = True
             except lmdb.Error as exc:
                 log.error("nvme tier: delete failed: %s", exc)
@@ -247,31 +297,47 @@ class NvmeTier(Tier):
             rec = self.index.record(digest)
             if rec is not None and (only_version is None or rec.version == only_version):
                 self._set_record(digest, None)
+        if loc is not None:
+            self._store.space.free(loc)
         return removed
 
     # ------------------------------------------------------------------------------- reading
 
-    def read(self, digest: bytes, namespace: str, key: str) -> tuple[RecordHeader, torch.Tensor] | None:
+    def read(self, digest: bytes, namespace: str, key: str, *,
+             out: torch.Tensor | None = None) -> tuple[RecordHeader, torch.Tensor] | None:
         """Read, check and decode the record for ``(namespace, key)``.
 
-        Returns ``(header, data)`` with ``data`` a new flat ``uint8`` CPU tensor of
-        ``header.raw_nbytes`` bytes, or ``None`` for a miss. A record that fails any check is
+        Args:
+            out: a flat ``uint8`` CPU tensor of the entry's raw bytes to decode into (e.g. the slot
+                it is promoted into); ``None``: a new tensor. A raw payload is read straight into
+                it; on a miss its contents are undefined.
+
+        Returns ``(header, data)`` with ``data`` (``out``, or a new flat ``uint8`` CPU tensor) of
+        ``header.raw_nbytes`` bytes, or ``None`` for a miss. A record that fails any check (header,
+        location, payload length, xxh3-64 computed while the bytes are read, decoding) is
         quarantined, counted in ``counters["checksum_failures"]`` and read as ``None``.
         """
-        with self._rw.shared():
-            assert self._env is not None
-            failure: tuple[bytes, str] | None = None
-            with self._env.begin(buffers=True) as txn:
-                raw = txn.get(digest, db=self._meta)
-                if raw is not None:
-                    try:
-                        payload = txn.get(digest, db=self._data)
-                        rec = verify_record((namespace, key), raw, payload, codec=self.codec)
-                        out = torch.empty(rec.header.raw_nbytes, dtype=torch.uint8)
-                        rec.codec.decode_into(payload, out.numpy(), rec.itemsize)
-                        return rec.header, out
-                    except CorruptRecordError as exc:
-                        failure = (bytes(raw), str(exc))
+        for _ in range(16):
+            with self._rw.shared():
+                assert self._env is not None
+                with self._env.begin() as txn:
+                    raw = txn.get(digest, db=self._meta)
+                if raw is None:
+                    failure = None
+                    break
+                try:
+                    rec, loc = check_index_value((namespace, key), raw, codec=self.codec)
+                    with self._store.space.reading(loc):
+                        # blocks held: once the index still names them, no write can reuse them
+                        with self._env.begin() as txn:
+                            if txn.get(digest, db=self._meta) != raw:
+                                continue  # replaced or deleted since the first look: look again
+                        return rec.header, self._read_payload(rec, loc, out)
+                except CorruptRecordError as exc:
+                    failure = (raw, str(exc))
+                    break
+        else:  # pragma: no cover - 16 overwrites during one read
+            return None
         if failure is None:
             # No record in this read's snapshot. Forget the in-memory record only if LMDB still has
             # none under the write lock: a write that committed after the snapshot began is kept.
@@ -282,6 +348,26 @@ class NvmeTier(Tier):
                     digest.hex()[:16], failure[1])
         self.quarantine(digest, failure[0], failure[1])
         return None
+
+    def _read_payload(self, rec: CheckedRecord, loc: Location, out: torch.Tensor | None) -> torch.Tensor:
+        """The payload of ``rec`` at ``loc``, checked and decoded into ``out`` (or a new tensor)."""
+        h = rec.header
+        if out is None:
+            out = torch.empty(h.raw_nbytes, dtype=torch.uint8)
+        elif out.dtype != torch.uint8 or out.numel() != h.raw_nbytes or not out.is_contiguous() or out.is_cuda:
+            raise ValueError(f"out: must be a contiguous uint8 CPU tensor of {h.raw_nbytes} bytes")
+        dst = out.numpy()
+        if h.codec_id == RAW_CODEC_ID:
+            buf = dst
+        else:
+            buf = np.empty(h.payload_nbytes, dtype=np.uint8)
+        csum = self._store.segment.read_into(loc, memoryview(buf)) if h.payload_nbytes else checksum(b"")
+        if csum != h.payload_checksum:
+            raise CorruptRecordError(f"payload checksum mismatch: header {h.payload_checksum:#018x}, "
+                                     f"computed {csum:#018x}")
+        if buf is not dst:
+            rec.codec.decode_into(buf, dst, rec.itemsize)
+        return out
 
     def quarantine(self, digest: bytes, raw_header: bytes, reason: str) -> None:
         """Move a damaged record out of service (header kept in ``quarantine`` for inspection).
@@ -313,13 +399,33 @@ class NvmeTier(Tier):
                     self._set_record(digest, None)
 
     def stored_keys(self) -> tuple[set[bytes], set[bytes]]:
-        """The digests LMDB holds headers for, and those it holds payloads for (a consistency
-        check: both equal the in-memory records when the tier is idle)."""
+        """The digests the index holds entries for, and those whose entry names a payload location
+        inside the segment file, not overlapping another's (a consistency check: both equal the
+        in-memory records when the tier is idle)."""
         assert self._env is not None
+        seg_blocks = self._store.segment.size_blocks()
+        meta, placed, taken = set(), set(), set()
         with self._env.begin() as txn:
-            meta = {bytes(k) for k in txn.cursor(db=self._meta).iternext(keys=True, values=False)}
-            data = {bytes(k) for k in txn.cursor(db=self._data).iternext(keys=True, values=False)}
-        return meta, data
+            for k, v in txn.cursor(db=self._meta):
+                meta.add(bytes(k))
+                try:
+                    header, loc = parse_index_value(v)
+                except CorruptRecordError:
+                    continue
+                blocks = {b for s, n in loc.extents for b in range(s, s + n)}
+                if (blocks_for(header.payload_nbytes) <= loc.blocks and not blocks & taken
+                        and max((s + n for s, n in loc.extents), default=0) <= seg_blocks):
+                    placed.add(bytes(k))
+                taken |= blocks
+        return meta, placed
+
+    def space(self) -> dict[str, int]:
+        """Segment file figures, bytes: ``segment_bytes`` (its length), ``segment_used_bytes``
+        (blocks held by records or reads), ``segment_disk_bytes`` (allocated on disk)."""
+        st = os.fstat(self._store.segment.fd)
+        sp = self._store.space
+        return {"segment_bytes": st.st_size, "segment_used_bytes": (sp.nblocks - sp.free_blocks) * BLOCK_BYTES,
+                "segment_disk_bytes": st.st_blocks * 512}
 
     def quarantined(self) -> dict[bytes, dict]:
         """Digest -> ``{"reason", "time", "header"}`` of every quarantined record."""

@@ -22,6 +22,7 @@ from typing import Iterator
 
 from ..codec import RecordHeader
 from ..policy import EvictionPolicy
+from .nvme_segment import Location
 
 __all__ = ["NvmeIndex", "NvmeRecord", "HEADER_ALLOWANCE_BYTES"]
 
@@ -35,12 +36,14 @@ HEADER_ALLOWANCE_BYTES = 4096 + 2 * 65536
 class NvmeRecord:
     """What the tier knows, in memory, of one stored record.
 
-    Fields: ``header`` (:class:`~ectier.codec.RecordHeader`), ``stored_bytes`` (header + payload,
-    what the record costs the ``nvme.capacity_bytes`` budget).
+    Fields: ``header`` (:class:`~ectier.codec.RecordHeader`), ``stored_bytes`` (header + the whole
+    segment blocks of its payload, what the record costs the ``nvme.capacity_bytes`` budget),
+    ``location`` (:class:`~ectier.tiers.nvme_segment.Location` of its payload).
     """
 
     header: RecordHeader
     stored_bytes: int
+    location: Location | None = None
 
     @property
     def version(self) -> int:

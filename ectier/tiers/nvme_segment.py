@@ -1,0 +1,282 @@
+"""Layout v2 of the NVMe tier: payload bytes in one segment file, apart from the LMDB index.
+
+- :class:`Location` — where a payload lives: extents (first block, block count) of
+  :data:`BLOCK_BYTES` blocks in ``segment.0``; packed after the record header in the index value
+  (:func:`pack_location` / :func:`unpack_location`, with its own xxh3 checksum).
+- :class:`ExtentSpace` — which blocks are free: a :class:`~ectier.arena.BlockAllocator` rebuilt at
+  open from the index (blocks no index entry points to are free: the space of a payload written
+  before a crash and never committed is reclaimed by construction). A block run freed while a
+  reader holds it is returned only when the last reader lets go, so a payload is never overwritten
+  under a read. The space grows (the file too) when a write finds no room — a write replacing an
+  older record needs both until it commits.
+- :class:`SegmentFile` — the file: writes (``pwrite`` in chunks, xxh3 computed over each chunk as it
+  is written: one pass over the bytes) and reads straight into the caller's buffer (``preadv`` in
+  chunks, xxh3 over each chunk while it is in the CPU cache). Buffered I/O with
+  ``POSIX_FADV_SEQUENTIAL`` (``O_DIRECT`` measured slower here: docs/benchmarks.md, "Layout v2").
+
+See docs/operations.md ("The NVMe tier on disk") for the whole layout.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+import threading
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import xxhash
+
+from ..arena import BlockAllocator
+from ..errors import CorruptRecordError
+
+__all__ = ["BLOCK_BYTES", "SEGMENT_NAME", "Location", "pack_location", "unpack_location",
+           "ExtentSpace", "SegmentFile", "blocks_for"]
+
+#: Allocation unit of the segment file, bytes (a multiple of 4 KiB: aligned for ``O_DIRECT``).
+BLOCK_BYTES = 64 << 10
+SEGMENT_NAME = "segment.0"
+_CHUNK_BYTES = 1 << 20  # checksum granularity: a chunk is hashed while still in the CPU cache
+_LOC_MAGIC = b"ECLX"
+_LOC_HEAD = struct.Struct("<4sII")  # magic, block bytes, extent count
+_EXTENT = struct.Struct("<QI")  # first block, block count
+_TRAILER = struct.Struct("<Q")
+
+
+def blocks_for(nbytes: int) -> int:
+    """Blocks of :data:`BLOCK_BYTES` a payload of ``nbytes`` bytes takes."""
+    return -(-nbytes // BLOCK_BYTES)
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where one payload lives: ``extents`` of ``(first block, blocks)`` in the segment file, in
+    payload order; ``nbytes`` of them hold the payload (the rest of the last block is slack)."""
+
+    extents: tuple[tuple[int, int], ...]
+
+    @property
+    def blocks(self) -> int:
+        return sum(n for _, n in self.extents)
+
+    @property
+    def alloc_bytes(self) -> int:
+        """Bytes of the segment this payload holds (whole blocks)."""
+        return self.blocks * BLOCK_BYTES
+
+
+def pack_location(loc: Location) -> bytes:
+    """The bytes stored after the record header in an index value."""
+    body = _LOC_HEAD.pack(_LOC_MAGIC, BLOCK_BYTES, len(loc.extents)) + b"".join(
+        _EXTENT.pack(s, n) for s, n in loc.extents)
+    return body + _TRAILER.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def unpack_location(buf: memoryview | bytes) -> Location:
+    """Parse :func:`pack_location`'s bytes (exactly those).
+
+    Raises:
+        CorruptRecordError: too short, bad magic, another block size, a count that does not match
+            the length, a checksum mismatch, or an empty/negative extent.
+    """
+    mv = memoryview(buf)
+    if len(mv) < _LOC_HEAD.size + _TRAILER.size:
+        raise CorruptRecordError("payload location missing or too short")
+    magic, block, count = _LOC_HEAD.unpack_from(mv)
+    if magic != _LOC_MAGIC:
+        raise CorruptRecordError("payload location: bad magic")
+    if len(mv) != _LOC_HEAD.size + count * _EXTENT.size + _TRAILER.size:
+        raise CorruptRecordError("payload location: length does not match its extent count")
+    (stored,) = _TRAILER.unpack_from(mv, len(mv) - _TRAILER.size)
+    if stored != xxhash.xxh3_64_intdigest(mv[: len(mv) - _TRAILER.size]):
+        raise CorruptRecordError("payload location checksum mismatch")
+    if block != BLOCK_BYTES:
+        raise CorruptRecordError(f"payload location in blocks of {block} bytes, this ectier uses {BLOCK_BYTES}")
+    extents = tuple(_EXTENT.unpack_from(mv, _LOC_HEAD.size + i * _EXTENT.size) for i in range(count))
+    if any(n <= 0 for _, n in extents):
+        raise CorruptRecordError("payload location: empty extent")
+    return Location(extents)
+
+
+class ExtentSpace:
+    """Free and used blocks of the segment file; thread-safe.
+
+    Args:
+        nblocks: blocks of the region (``ceil(nvme.capacity_bytes / BLOCK_BYTES)``, or more); the
+            extents of the committed records are marked used with :meth:`rebuild` at open.
+    """
+
+    def __init__(self, nblocks: int) -> None:
+        self._lock = threading.Lock()
+        self._alloc = BlockAllocator(nblocks)
+        self._readers: Counter = Counter()  # extent -> reads in progress
+        self._deferred: list[tuple[int, int]] = []  # freed while read: returned at the last unpin
+
+    @property
+    def nblocks(self) -> int:
+        return self._alloc.nblocks
+
+    @property
+    def free_blocks(self) -> int:
+        return self._alloc.free_blocks
+
+    def rebuild(self, used: list[tuple[int, int]]) -> None:
+        """Mark exactly ``used`` (non-overlapping extents) as allocated, everything else free."""
+        end = max([self._alloc.nblocks] + [s + n for s, n in used])
+        with self._lock:
+            self._alloc = _rebuilt(end, used)
+            self._readers.clear()
+            self._deferred = []
+
+    def allocate(self, nbytes: int) -> Location:
+        """Blocks for a payload of ``nbytes`` bytes; grows the region when it is short."""
+        count = blocks_for(nbytes)
+        with self._lock:
+            got = self._alloc.alloc(count)
+            if got is None:
+                self._grow(count)
+                got = self._alloc.alloc(count)
+                assert got is not None
+        return Location(tuple(got))
+
+    def _grow(self, count: int) -> None:
+        old = self._alloc
+        end = old.nblocks + max(count, old.nblocks // 16)
+        used = _complement(old.free_runs(), old.nblocks)
+        self._alloc = _rebuilt(end, used)
+
+    def free(self, loc: Location) -> None:
+        """Return ``loc``'s blocks (later, if a read holds some of them)."""
+        with self._lock:
+            held = [e for e in loc.extents if self._readers[e]]
+            free_now = [e for e in loc.extents if not self._readers[e]]
+            self._deferred.extend(held)
+            if free_now:
+                self._alloc.free(free_now)
+
+    @contextmanager
+    def reading(self, loc: Location) -> Iterator[None]:
+        """Hold ``loc``'s blocks against reuse while the body reads them."""
+        with self._lock:
+            for e in loc.extents:
+                self._readers[e] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                for e in loc.extents:
+                    self._readers[e] -= 1
+                    if self._readers[e] <= 0:
+                        del self._readers[e]
+                        if e in self._deferred:
+                            self._deferred.remove(e)
+                            self._alloc.free([e])
+
+
+def _complement(free_runs: list[tuple[int, int]], nblocks: int) -> list[tuple[int, int]]:
+    used, pos = [], 0
+    for s, n in sorted(free_runs):
+        if s > pos:
+            used.append((pos, s - pos))
+        pos = s + n
+    if pos < nblocks:
+        used.append((pos, nblocks - pos))
+    return used
+
+
+def _rebuilt(nblocks: int, used: list[tuple[int, int]]) -> BlockAllocator:
+    """An allocator of ``nblocks`` blocks with exactly ``used`` allocated."""
+    alloc = BlockAllocator(nblocks)
+    if nblocks:
+        alloc.alloc(nblocks)
+        free = _complement(sorted(used), nblocks)
+        if free:
+            alloc.free(free)
+    return alloc
+
+
+class SegmentFile:
+    """The segment file of one store (``<nvme.path>/segment.0``), opened read-write.
+
+    Args:
+        path: the file (created if missing).
+        sync: ``fdatasync`` after writes (``nvme.sync``).
+
+    Raises:
+        OSError: the file cannot be opened or created.
+    """
+
+    def __init__(self, path: str, *, sync: bool) -> None:
+        self.path = path
+        self.sync = sync
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except (OSError, AttributeError):  # pragma: no cover - not Linux
+            pass
+
+    def size_blocks(self) -> int:
+        """Blocks the file reaches into now (a last block may be partly there)."""
+        return blocks_for(os.fstat(self.fd).st_size)
+
+    def write(self, loc: Location, src: memoryview) -> int:
+        """Write ``src`` (bytes) into ``loc``'s blocks in order; returns the xxh3-64 of ``src``,
+        computed chunk by chunk as it is written.
+
+        Raises:
+            OSError: the write failed (``ENOSPC``: the filesystem is full; a short write is one too).
+        """
+        h = xxhash.xxh3_64()
+        pos, total = 0, len(src)
+        for start, count in loc.extents:
+            off = start * BLOCK_BYTES
+            end = min(total, pos + count * BLOCK_BYTES)
+            while pos < end:
+                chunk = src[pos:min(end, pos + _CHUNK_BYTES)]
+                n = os.pwrite(self.fd, chunk, off)
+                if n <= 0:
+                    raise OSError(errno.ENOSPC, "short write to the segment file")
+                h.update(chunk[:n])
+                pos += n
+                off += n
+        return h.intdigest()
+
+    def flush(self) -> None:
+        """Make every write so far durable (``fdatasync``) when ``sync`` is on."""
+        if self.sync:
+            os.fdatasync(self.fd)
+
+    def read_into(self, loc: Location, dst: memoryview) -> int:
+        """Read ``len(dst)`` payload bytes from ``loc`` straight into ``dst``; returns their xxh3-64.
+
+        A read past the end of the file (a truncated segment) leaves the rest of ``dst`` unread and
+        raises :class:`~ectier.errors.CorruptRecordError`.
+        """
+        h = xxhash.xxh3_64()
+        pos, total = 0, len(dst)
+        for start, count in loc.extents:
+            off = start * BLOCK_BYTES
+            end = min(total, pos + count * BLOCK_BYTES)
+            while pos < end:
+                chunk = dst[pos:min(end, pos + _CHUNK_BYTES)]
+                n = os.preadv(self.fd, [chunk], off)
+                if n <= 0:
+                    raise CorruptRecordError("payload extends past the end of the segment file (truncated)")
+                h.update(chunk[:n])
+                pos += n
+                off += n
+        if pos < total:
+            raise CorruptRecordError("payload location holds fewer bytes than the header says")
+        return h.intdigest()
+
+    def truncate_blocks(self, nblocks: int) -> None:
+        """Cut the file to ``nblocks`` blocks (nothing past them is in use)."""
+        os.ftruncate(self.fd, nblocks * BLOCK_BYTES)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
