@@ -16,7 +16,7 @@ import torch
 from ..entry import EntryMeta
 from ..errors import TierWriteError
 from ..index import Slot
-from ..tiers.nvme import NvmeTier
+from ..tiers.nvme import NvmeDiskFullError, NvmeTier
 
 if TYPE_CHECKING:
     from ..mover import Mover
@@ -88,11 +88,9 @@ class NvmeMoves:
         if doomed is None:
             return False
         try:
-            for d, v in doomed:
-                if self.tier.delete(d, only_version=v):
-                    self.after_delete(d, v)
+            self._delete_victims(doomed)
             try:
-                written = self.tier.write(digest, record)
+                written = self._write_or_make_room(digest, record, size, protect)
             except TierWriteError:
                 self.m.counters.count("nvme", write_failures=1)
                 raise
@@ -102,6 +100,47 @@ class NvmeMoves:
                 self.m.cond.notify_all()
             raise
         return self._finish_store(digest, meta, version, size, written, register=register)
+
+    def _write_or_make_room(self, digest: bytes, record, size: int, protect: bytes | None) -> bool:
+        """Write ``record``; on a full filesystem evict this tier's least valuable records (at
+        least ``size`` bytes of them when there are) and retry once: a new entry is never refused
+        while older ones hold the space.
+
+        Raises:
+            NvmeDiskFullError: still full after the evictions (or nothing to evict).
+            TierWriteError: another write failure.
+        """
+        try:
+            return self.tier.write(digest, record)
+        except NvmeDiskFullError as exc:
+            with self.m.cond:
+                victims = self.index.victims_for_space(size, digest, protect)
+                doomed = self._claim_victims_locked(victims)
+            if not doomed:
+                raise NvmeDiskFullError(f"{exc}; no record of this tier could be evicted to make room") from None
+            self._delete_victims(doomed)
+            self.m.counters.count("nvme", disk_full_evictions=len(doomed))
+            log.warning("nvme tier: filesystem full; evicted %d records (least valuable first) and retrying "
+                        "the write once", len(doomed))
+        try:
+            return self.tier.write(digest, record)
+        except NvmeDiskFullError as exc:
+            raise NvmeDiskFullError(f"{exc}; still full after evicting {len(doomed)} records of this tier") from None
+
+    def _delete_victims(self, doomed: list[tuple[bytes, int]]) -> None:
+        """Delete claimed victims; one whose delete failed (LMDB error, e.g. a full disk) is still
+        stored: it becomes its key's entry again (tracked), so nothing stored is lost or leaked."""
+        for d, v in doomed:
+            if self.tier.delete(d, only_version=v):
+                self.after_delete(d, v)
+                continue
+            with self.m.cond:
+                rec = self.tier.record(d)
+                current = self.m.catalog.version(d)
+                if rec is not None and rec.version == v and (current is None or current == v):
+                    self.m.catalog.set_current(d, v)
+                    if not self.index.tracked(d):
+                        self.index.track(d, rec.stored_bytes, self.m.catalog.cost(d))
 
     def _reserve(self, digest: bytes, version: int, size: int, *, register: bool,
                  protect: bytes | None) -> list[tuple[bytes, int]] | None:

@@ -214,13 +214,23 @@ class NvmeTier(Tier):
             header = dataclasses.replace(record.header, payload_checksum=csum)
             done, old = self._commit(digest, header, loc)
         except BaseException:
-            self._store.space.free(loc)
+            self._free(loc)
             raise
         if not done:
-            self._store.space.free(loc)
+            self._free(loc)
         elif old is not None:
-            self._store.space.free(old)
+            self._free(old)
         return done
+
+    def _free(self, loc: Location) -> None:
+        """Return ``loc``'s blocks; cut the segment file when the free end of a grown region went."""
+        def cut(nblocks: int) -> None:
+            seg = self._store.segment
+            if seg is not None and os.fstat(seg.fd).st_size > nblocks * BLOCK_BYTES:
+                seg.truncate_blocks(nblocks)
+
+        with self._rw.shared():
+            self._store.space.free(loc, cut)
 
     def _commit(self, digest: bytes, header: RecordHeader, loc: Location) -> tuple[bool, Location | None]:
         """Commit the index entry of ``header`` at ``loc`` (conditional on its version); returns
@@ -298,7 +308,7 @@ class NvmeTier(Tier):
             if rec is not None and (only_version is None or rec.version == only_version):
                 self._set_record(digest, None)
         if loc is not None:
-            self._store.space.free(loc)
+            self._free(loc)
         return removed
 
     # ------------------------------------------------------------------------------- reading

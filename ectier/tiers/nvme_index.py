@@ -146,6 +146,16 @@ class NvmeIndex:
         not cover it) — to trim the tier back within budget."""
         return self.policy.victims(need_bytes) or list(self.policy)
 
+    def victims_for_space(self, need_bytes: int, digest: bytes, protect: bytes | None) -> list[bytes]:
+        """Tracked records covering ``need_bytes`` (least valuable first; as many as there are when
+        they do not cover it) to free disk space after ``ENOSPC`` — never ``digest``, ``protect`` or
+        a record with a write in flight."""
+        def protected(d: bytes) -> bool:
+            return d == digest or d == protect or d in self._writing or d not in self._records
+
+        got = self.policy.victims(need_bytes, protected=protected)
+        return got if got is not None else [d for d in self.policy if not protected(d)]
+
     def begin_delete(self) -> None:
         """A delete of an untracked record starts: its bytes still count in ``used_bytes``."""
         self.deleting += 1

@@ -26,7 +26,7 @@ import threading
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import xxhash
 
@@ -101,17 +101,71 @@ def unpack_location(buf: memoryview | bytes) -> Location:
     return Location(extents)
 
 
+class _Blocks(BlockAllocator):
+    """A :class:`~ectier.arena.BlockAllocator` that allocates from the lowest address up (first fit),
+    and grows or shrinks at its end: the used blocks stay packed at the start of the file."""
+
+    def alloc_low(self, count: int) -> list[tuple[int, int]] | None:
+        """``count`` blocks: the lowest run that holds them all, else runs from the lowest up;
+        ``None`` if fewer are free."""
+        if count > self.free_blocks:
+            return None
+        if count == 0:
+            return []
+        for start in self._starts:
+            if self._runs[start] >= count:
+                self._take(start, count)
+                return [(start, count)]
+        got, left = [], count
+        while left:
+            start = self._starts[0]
+            take = min(self._runs[start], left)
+            self._take(start, take)
+            got.append((start, take))
+            left -= take
+        return got
+
+    def grow(self, extra: int) -> None:
+        """Add ``extra`` free blocks at the end."""
+        old = self.nblocks
+        self.nblocks += extra
+        self.free([(old, extra)])
+
+    def shrink_to(self, floor: int) -> bool:
+        """Drop the free blocks at the end down to ``floor`` blocks (never a used one); True if any."""
+        if not self._starts or self.nblocks <= floor:
+            return False
+        start = self._starts[-1]
+        length = self._runs[start]
+        if start + length != self.nblocks:
+            return False
+        cut = min(length, self.nblocks - max(floor, start))
+        if cut <= 0:
+            return False
+        if cut == length:
+            self._starts.pop()
+            del self._runs[start]
+        else:
+            self._runs[start] = length - cut
+        self.nblocks -= cut
+        self.free_blocks -= cut
+        return True
+
+
 class ExtentSpace:
     """Free and used blocks of the segment file; thread-safe.
 
     Args:
-        nblocks: blocks of the region (``ceil(nvme.capacity_bytes / BLOCK_BYTES)``, or more); the
-            extents of the committed records are marked used with :meth:`rebuild` at open.
+        nblocks: blocks of the region (``ceil(nvme.capacity_bytes / BLOCK_BYTES)``); the extents of
+            the committed records are marked used with :meth:`rebuild` at open. Blocks are handed
+            out lowest first; the region grows past ``nblocks`` only while a write needs more (a
+            write replacing a record holds both until it commits) and shrinks back when the end is free.
     """
 
     def __init__(self, nblocks: int) -> None:
         self._lock = threading.Lock()
-        self._alloc = BlockAllocator(nblocks)
+        self.base_blocks = nblocks
+        self._alloc = _Blocks(nblocks)
         self._readers: Counter = Counter()  # extent -> reads in progress
         self._deferred: list[tuple[int, int]] = []  # freed while read: returned at the last unpin
 
@@ -125,9 +179,15 @@ class ExtentSpace:
 
     def rebuild(self, used: list[tuple[int, int]]) -> None:
         """Mark exactly ``used`` (non-overlapping extents) as allocated, everything else free."""
-        end = max([self._alloc.nblocks] + [s + n for s, n in used])
+        end = max([self.base_blocks] + [s + n for s, n in used])
+        alloc = _Blocks(end)
+        if end:
+            alloc.alloc(end)
+            free = _complement(sorted(used), end)
+            if free:
+                alloc.free(free)
         with self._lock:
-            self._alloc = _rebuilt(end, used)
+            self._alloc = alloc
             self._readers.clear()
             self._deferred = []
 
@@ -135,27 +195,25 @@ class ExtentSpace:
         """Blocks for a payload of ``nbytes`` bytes; grows the region when it is short."""
         count = blocks_for(nbytes)
         with self._lock:
-            got = self._alloc.alloc(count)
+            got = self._alloc.alloc_low(count)
             if got is None:
-                self._grow(count)
-                got = self._alloc.alloc(count)
+                self._alloc.grow(count - self._alloc.free_blocks)
+                got = self._alloc.alloc_low(count)
                 assert got is not None
         return Location(tuple(got))
 
-    def _grow(self, count: int) -> None:
-        old = self._alloc
-        end = old.nblocks + max(count, old.nblocks // 16)
-        used = _complement(old.free_runs(), old.nblocks)
-        self._alloc = _rebuilt(end, used)
-
-    def free(self, loc: Location) -> None:
-        """Return ``loc``'s blocks (later, if a read holds some of them)."""
+    def free(self, loc: Location, on_shrink: Callable[[int], None] | None = None) -> None:
+        """Return ``loc``'s blocks (later, if a read holds some of them). When the region had grown
+        and its end is free again it shrinks, and ``on_shrink(new size in blocks)`` runs under the
+        lock (no block past that size can be handed out meanwhile: the file may be cut there)."""
         with self._lock:
             held = [e for e in loc.extents if self._readers[e]]
             free_now = [e for e in loc.extents if not self._readers[e]]
             self._deferred.extend(held)
             if free_now:
                 self._alloc.free(free_now)
+            if self._alloc.shrink_to(self.base_blocks) and on_shrink is not None:
+                on_shrink(self._alloc.nblocks)
 
     @contextmanager
     def reading(self, loc: Location) -> Iterator[None]:
@@ -185,17 +243,6 @@ def _complement(free_runs: list[tuple[int, int]], nblocks: int) -> list[tuple[in
     if pos < nblocks:
         used.append((pos, nblocks - pos))
     return used
-
-
-def _rebuilt(nblocks: int, used: list[tuple[int, int]]) -> BlockAllocator:
-    """An allocator of ``nblocks`` blocks with exactly ``used`` allocated."""
-    alloc = BlockAllocator(nblocks)
-    if nblocks:
-        alloc.alloc(nblocks)
-        free = _complement(sorted(used), nblocks)
-        if free:
-            alloc.free(free)
-    return alloc
 
 
 class SegmentFile:
