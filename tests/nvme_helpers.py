@@ -78,6 +78,21 @@ def flip_payload_byte(store_dir, value: bytes, pos: int | None = None, bit: int 
         p -= n
 
 
+def read_payload(store_dir, value: bytes) -> bytes:
+    """The payload bytes of index ``value`` as they are in the segment file."""
+    with open(segment_path(store_dir), "rb") as f:
+        return b"".join(os.pread(f.fileno(), n, off) for off, n in payload_spans(value))
+
+
+def write_payload(store_dir, value: bytes, data: bytes) -> None:
+    """Write ``data`` over the payload bytes of index ``value`` (as many as fit, zero-padded)."""
+    with open(segment_path(store_dir), "r+b") as f:
+        pos = 0
+        for off, n in payload_spans(value):
+            os.pwrite(f.fileno(), data[pos:pos + n].ljust(n, b"\0"), off)
+            pos += n
+
+
 def copy_payload(store_dir, src_value: bytes, dst_value: bytes) -> None:
     """Overwrite the payload bytes of ``dst_value`` with those of ``src_value`` (as many as fit)."""
     with open(segment_path(store_dir), "r+b") as f:

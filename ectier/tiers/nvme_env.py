@@ -346,21 +346,45 @@ class NvmeEnv:
         log.info("nvme tier: opened %s with %d records, %d bytes", self.path, len(self.index), self.index.used_bytes)
 
     def _overlaps(self, found: dict[bytes, NvmeRecord], txn: lmdb.Transaction) -> list[tuple[bytes, bytes, str]]:
-        """Remove from ``found`` every record whose blocks overlap a newer record's; returns them
-        as ``(digest, raw value, reason)`` to quarantine."""
-        runs = sorted((s, s + n, rec.version, d) for d, rec in found.items() for s, n in rec.location.extents)
-        losers: set[bytes] = set()
-        best_end, best = -1, None  # the run reaching furthest so far, and its (version, digest)
-        for start, end, version, digest in runs:
-            if best is not None and start < best_end and best[1] != digest:
-                losers.add(digest if version < best[0] else best[1])
-            if end > best_end:
-                best_end, best = end, (version, digest)
+        """Remove from ``found`` every record whose blocks overlap another's and that does not own
+        them: the payloads of overlapping records are read and checked (their checksums decide;
+        of two that both pass, the newer keeps the blocks). Returns them as ``(digest, raw value,
+        reason)`` to quarantine. Only overlapping records are read: none in a healthy store."""
+        runs = sorted((s, s + n, d) for d, rec in found.items() for s, n in rec.location.extents)
+        clash: set[bytes] = set()
+        reach, holder = -1, None
+        for start, end, digest in runs:
+            if holder is not None and start < reach and holder != digest:
+                clash.update((digest, holder))
+            if end > reach:
+                reach, holder = end, digest
+        if not clash:
+            return []
+        good = {d for d in clash if self._payload_ok(found[d])}
+        owner: dict[int, bytes] = {}  # block -> the newest good record holding it
+        for d in sorted(good, key=lambda d: found[d].version):
+            for s, n in found[d].location.extents:
+                for blk in range(s, s + n):
+                    owner[blk] = d
         out = []
-        for d in losers:
+        for d in clash:
+            rec = found[d]
+            if d in good and all(owner.get(blk) == d for s, n in rec.location.extents for blk in range(s, s + n)):
+                continue
             del found[d]
-            out.append((d, bytes(txn.get(d, db=self.meta_db)), "payload blocks overlap a newer record's (reused extent)"))
+            reason = ("payload blocks overlap another record's (reused extent)" if d in good
+                      else "payload checksum mismatch (its blocks overlap another record's: reused extent)")
+            out.append((d, bytes(txn.get(d, db=self.meta_db)), reason))
         return out
+
+    def _payload_ok(self, rec: NvmeRecord) -> bool:
+        """Whether the payload of ``rec`` reads back with its checksum (open-time check of a clash)."""
+        assert self.segment is not None
+        buf = bytearray(rec.header.payload_nbytes)
+        try:
+            return self.segment.read_into(rec.location, memoryview(buf)) == rec.header.payload_checksum
+        except (CorruptRecordError, OSError):
+            return False
 
     # ------------------------------------------------------------------------------- in service
 
