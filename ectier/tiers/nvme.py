@@ -223,14 +223,8 @@ class NvmeTier(Tier):
         return done
 
     def _free(self, loc: Location) -> None:
-        """Return ``loc``'s blocks; cut the segment file when the free end of a grown region went."""
-        def cut(nblocks: int) -> None:
-            seg = self._store.segment
-            if seg is not None and os.fstat(seg.fd).st_size > nblocks * BLOCK_BYTES:
-                seg.truncate_blocks(nblocks)
-
-        with self._rw.shared():
-            self._store.space.free(loc, cut)
+        """Return ``loc``'s blocks (the segment file is cut when a grown region shrinks back)."""
+        self._store.space.free(loc)
 
     def _commit(self, digest: bytes, header: RecordHeader, loc: Location) -> tuple[bool, Location | None]:
         """Commit the index entry of ``header`` at ``loc`` (conditional on its version); returns
@@ -327,27 +321,19 @@ class NvmeTier(Tier):
         location, payload length, xxh3-64 computed while the bytes are read, decoding) is
         quarantined, counted in ``counters["checksum_failures"]`` and read as ``None``.
         """
-        for _ in range(16):
-            with self._rw.shared():
-                assert self._env is not None
-                with self._env.begin() as txn:
-                    raw = txn.get(digest, db=self._meta)
-                if raw is None:
-                    failure = None
-                    break
+        with self._rw.shared(), self._store.space.reading():
+            # entered before the lookup: blocks the snapshot names stay unreused until this read ends
+            assert self._env is not None
+            with self._env.begin(buffers=True) as txn:
+                raw = txn.get(digest, db=self._meta)
+                raw = bytes(raw) if raw is not None else None  # a small copy: the header and location
+            failure = None
+            if raw is not None:
                 try:
                     rec, loc = check_index_value((namespace, key), raw, codec=self.codec)
-                    with self._store.space.reading(loc):
-                        # blocks held: once the index still names them, no write can reuse them
-                        with self._env.begin() as txn:
-                            if txn.get(digest, db=self._meta) != raw:
-                                continue  # replaced or deleted since the first look: look again
-                        return rec.header, self._read_payload(rec, loc, out)
+                    return rec.header, self._read_payload(rec, loc, out)
                 except CorruptRecordError as exc:
                     failure = (raw, str(exc))
-                    break
-        else:  # pragma: no cover - 16 overwrites during one read
-            return None
         if failure is None:
             # No record in this read's snapshot. Forget the in-memory record only if LMDB still has
             # none under the write lock: a write that committed after the snapshot began is kept.

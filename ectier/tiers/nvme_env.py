@@ -29,7 +29,7 @@ from ..errors import CorruptRecordError, StoreDamagedError, StoreLockedError, St
 from .nvme_index import NvmeIndex, NvmeRecord
 from .nvme_migrate import migrate_v1
 from .nvme_record import parse_index_value
-from .nvme_segment import SEGMENT_NAME, ExtentSpace, SegmentFile, blocks_for
+from .nvme_segment import BLOCK_BYTES, SEGMENT_NAME, ExtentSpace, SegmentFile, blocks_for
 from .storedir import check_local_filesystem, move_aside
 
 __all__ = ["NvmeEnv", "RWLock", "STORE_FORMAT", "RELEASE_MARKER", "write_error_text", "free_disk_bytes",
@@ -154,7 +154,7 @@ class NvmeEnv:
         self.env: lmdb.Environment | None = None
         self.meta_db = self.quarantine_db = self.settings_db = None
         self.segment: SegmentFile | None = None
-        self.space = ExtentSpace(blocks_for(config.capacity_bytes))
+        self.space = ExtentSpace(blocks_for(config.capacity_bytes), self._cut_segment)
         self.rw = RWLock()
         self.write_lock = threading.Lock()
         self._lock_file = None
@@ -244,6 +244,12 @@ class NvmeEnv:
         except BaseException:
             self._close_env()
             raise
+
+    def _cut_segment(self, nblocks: int) -> None:
+        """The region shrank to ``nblocks``: give the free end of the segment file back."""
+        seg = self.segment
+        if seg is not None and os.fstat(seg.fd).st_size > nblocks * BLOCK_BYTES:
+            seg.truncate_blocks(nblocks)
 
     def _close_env(self) -> None:
         if self.env is not None:

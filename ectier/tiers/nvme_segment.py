@@ -160,14 +160,24 @@ class ExtentSpace:
             the committed records are marked used with :meth:`rebuild` at open. Blocks are handed
             out lowest first; the region grows past ``nblocks`` only while a write needs more (a
             write replacing a record holds both until it commits) and shrinks back when the end is free.
+        on_shrink: called with the region's new size in blocks when it shrank, under the lock (no
+            block past that size can be handed out meanwhile: the file may be cut there).
+
+    Reads and reuse: every read runs inside :meth:`reading`, entered *before* it looks the record up
+    in the index. Blocks freed while reads that started earlier are still running wait (in limbo)
+    until those reads end, so a read that found a record in its LMDB snapshot reads that record's
+    bytes whole even if the record is deleted or replaced meanwhile — the snapshot semantics of
+    layout v1, where payloads lived in LMDB's MVCC pages.
     """
 
-    def __init__(self, nblocks: int) -> None:
+    def __init__(self, nblocks: int, on_shrink: Callable[[int], None] | None = None) -> None:
         self._lock = threading.Lock()
         self.base_blocks = nblocks
+        self.on_shrink = on_shrink
         self._alloc = _Blocks(nblocks)
-        self._readers: Counter = Counter()  # extent -> reads in progress
-        self._deferred: list[tuple[int, int]] = []  # freed while read: returned at the last unpin
+        self._epoch = 0
+        self._active: Counter = Counter()  # epoch -> reads in progress that began in it
+        self._limbo: list[tuple[int, tuple[tuple[int, int], ...]]] = []  # (epoch freed, extents)
 
     @property
     def nblocks(self) -> int:
@@ -188,8 +198,7 @@ class ExtentSpace:
                 alloc.free(free)
         with self._lock:
             self._alloc = alloc
-            self._readers.clear()
-            self._deferred = []
+            self._limbo = []
 
     def allocate(self, nbytes: int) -> Location:
         """Blocks for a payload of ``nbytes`` bytes; grows the region when it is short."""
@@ -202,36 +211,42 @@ class ExtentSpace:
                 assert got is not None
         return Location(tuple(got))
 
-    def free(self, loc: Location, on_shrink: Callable[[int], None] | None = None) -> None:
-        """Return ``loc``'s blocks (later, if a read holds some of them). When the region had grown
-        and its end is free again it shrinks, and ``on_shrink(new size in blocks)`` runs under the
-        lock (no block past that size can be handed out meanwhile: the file may be cut there)."""
+    def free(self, loc: Location) -> None:
+        """Return ``loc``'s blocks: at once when no read is running, else once every read that
+        began before this call has ended."""
+        if not loc.extents:
+            return
         with self._lock:
-            held = [e for e in loc.extents if self._readers[e]]
-            free_now = [e for e in loc.extents if not self._readers[e]]
-            self._deferred.extend(held)
-            if free_now:
-                self._alloc.free(free_now)
-            if self._alloc.shrink_to(self.base_blocks) and on_shrink is not None:
-                on_shrink(self._alloc.nblocks)
+            self._epoch += 1
+            if self._active:
+                self._limbo.append((self._epoch, loc.extents))
+            else:
+                self._return(list(loc.extents))
+
+    def _return(self, extents: list[tuple[int, int]]) -> None:
+        self._alloc.free(extents)
+        if self._alloc.shrink_to(self.base_blocks) and self.on_shrink is not None:
+            self.on_shrink(self._alloc.nblocks)
 
     @contextmanager
-    def reading(self, loc: Location) -> Iterator[None]:
-        """Hold ``loc``'s blocks against reuse while the body reads them."""
+    def reading(self) -> Iterator[None]:
+        """Hold every block that is in use now against reuse while the body runs."""
         with self._lock:
-            for e in loc.extents:
-                self._readers[e] += 1
+            epoch = self._epoch
+            self._active[epoch] += 1
         try:
             yield
         finally:
             with self._lock:
-                for e in loc.extents:
-                    self._readers[e] -= 1
-                    if self._readers[e] <= 0:
-                        del self._readers[e]
-                        if e in self._deferred:
-                            self._deferred.remove(e)
-                            self._alloc.free([e])
+                self._active[epoch] -= 1
+                if self._active[epoch] <= 0:
+                    del self._active[epoch]
+                if self._limbo:
+                    oldest = min(self._active) if self._active else None
+                    ready = [ext for e, ext in self._limbo if oldest is None or e <= oldest]
+                    if ready:
+                        self._limbo = [(e, ext) for e, ext in self._limbo if not (oldest is None or e <= oldest)]
+                        self._return([x for ext in ready for x in ext])
 
 
 def _complement(free_runs: list[tuple[int, int]], nblocks: int) -> list[tuple[int, int]]:
