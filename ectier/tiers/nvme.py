@@ -60,6 +60,7 @@ from ..policy import make_policy
 from .base import Tier
 from .nvme_env import (RELEASE_MARKER, STORE_FORMAT, NvmeDiskFullError, NvmeEnv, free_disk_bytes, write_error,
                        write_error_text)
+from .nvme_commit import GroupCommit, Pending
 from .nvme_index import NvmeIndex, NvmeRecord
 from .nvme_record import (CheckedRecord, EncodedRecord, check_index_value, check_record, encode_record,
                           pack_index_value, parse_index_value)
@@ -100,6 +101,7 @@ class NvmeTier(Tier):
         self.counters = {"checksum_failures": 0, "quarantined": 0, "orphans_reclaimed": 0,
                          "write_errors": 0, "map_growths": 0, "damaged_resets": 0}
         self._store = NvmeEnv(config, self.index, self.counters)
+        self._group = GroupCommit(self._commit_group, config.group_commit_s)
         self._rw = self._store.rw
         self._write_lock = self._store.write_lock
         self._store.open()
@@ -166,7 +168,8 @@ class NvmeTier(Tier):
     def describe(self) -> dict:
         return {**self.counters, "path": str(self.path), "codec": self.config.codec,
                 "capacity_bytes": self.index.capacity_bytes, "used_bytes": self.index.used_bytes,
-                "entries": len(self.index), "map_size_bytes": self.map_size_bytes, **self.space()}
+                "entries": len(self.index), "map_size_bytes": self.map_size_bytes,
+                "commit_groups": self._group.groups, "committed_entries": self._group.entries, **self.space()}
 
     @property
     def map_size_bytes(self) -> int:
@@ -203,16 +206,16 @@ class NvmeTier(Tier):
             payload = payload.cast("B")
         loc = self._store.space.allocate(len(payload))
         try:
-            try:
-                csum = self._store.segment.write(loc, payload)
-                self._store.segment.flush()
-            except OSError as exc:
-                self.counters["write_errors"] += 1
-                raise write_error(self.path, exc, len(payload), self._free_disk_bytes()) from None
+            with self._group.copying():
+                try:
+                    csum = self._store.segment.write(loc, payload)
+                except OSError as exc:
+                    self.counters["write_errors"] += 1
+                    raise write_error(self.path, exc, len(payload), self._free_disk_bytes()) from None
             if record.header.payload_checksum and record.header.payload_checksum != csum:
                 raise TierWriteError("nvme tier: payload changed while it was written (checksum differs)")
             header = dataclasses.replace(record.header, payload_checksum=csum)
-            done, old = self._commit(digest, header, loc)
+            done, old = self._group.submit((digest, header, loc))
         except BaseException:
             self._free(loc)
             raise
@@ -226,27 +229,26 @@ class NvmeTier(Tier):
         """Return ``loc``'s blocks (the segment file is cut when a grown region shrinks back)."""
         self._store.space.free(loc)
 
-    def _commit(self, digest: bytes, header: RecordHeader, loc: Location) -> tuple[bool, Location | None]:
-        """Commit the index entry of ``header`` at ``loc`` (conditional on its version); returns
-        whether it was written and the location of the record it replaced."""
-        value = pack_index_value(header, loc)
-        stored = len(value) - len(pack_location(loc)) + loc.alloc_bytes
-        released = False  # one commit per write may make pages freed by earlier deletes reusable
+    def _commit_group(self, batch: list[Pending]) -> None:
+        """Sync the payloads of ``batch`` (``fdatasync`` with ``nvme.sync``), then commit their
+        index entries in one LMDB transaction, each conditional on its version: ``result`` is
+        ``(written, location of the record it replaced)``."""
+        try:
+            self._store.segment.flush()
+        except OSError as exc:
+            self.counters["write_errors"] += 1
+            raise write_error(self.path, exc, 0, self._free_disk_bytes()) from None
+        values = [pack_index_value(h, loc) for _, h, loc in (p.item for p in batch)]
+        need = sum(len(v) for v in values)
+        released = False  # one commit may make pages freed by earlier deletes reusable
         for _ in range(64):
             with self._rw.shared(), self._write_lock:
                 assert self._env is not None
-                old = None
+                results = []
                 try:
                     with self._env.begin(write=True) as txn:
-                        current = txn.get(digest, db=self._meta)
-                        if current is not None:
-                            try:
-                                cur_header, old = parse_index_value(current)
-                                if cur_header.version >= header.version:
-                                    return False, None
-                            except CorruptRecordError:
-                                old = None  # replaced below; its blocks come back at the next open
-                        txn.put(digest, value, db=self._meta)
+                        for p, value in zip(batch, values):
+                            results.append(self._put_entry(txn, p.item, value))
                 except lmdb.MapFullError:
                     if not released:
                         released = True
@@ -254,12 +256,32 @@ class NvmeTier(Tier):
                             continue  # retry once before growing: the freed pages may be enough
                 except lmdb.Error as exc:
                     self.counters["write_errors"] += 1
-                    raise TierWriteError(self._write_error_text(exc, len(value))) from None
+                    raise TierWriteError(self._write_error_text(exc, need)) from None
                 else:
-                    self._set_record(digest, NvmeRecord(header, stored, loc))
-                    return True, old
-            self._store.grow(len(value))
+                    for p, value, (done, old) in zip(batch, values, results):
+                        digest, header, loc = p.item
+                        if done:
+                            stored = len(value) - len(pack_location(loc)) + loc.alloc_bytes
+                            self._set_record(digest, NvmeRecord(header, stored, loc))
+                        p.result = (done, old)
+                    return
+            self._store.grow(need)
         raise TierWriteError("nvme tier: map still full after growing")  # pragma: no cover
+
+    def _put_entry(self, txn: lmdb.Transaction, item: tuple, value: bytes) -> tuple[bool, Location | None]:
+        """In ``txn``: put one index entry unless an equal or newer version is there."""
+        digest, header, _ = item
+        current = txn.get(digest, db=self._meta)
+        old = None
+        if current is not None:
+            try:
+                cur_header, old = parse_index_value(current)
+                if cur_header.version >= header.version:
+                    return False, None
+            except CorruptRecordError:
+                old = None  # replaced below; its blocks come back at the next open
+        txn.put(digest, value, db=self._meta)
+        return True, old
 
     def _write_error_text(self, exc: lmdb.Error, need_bytes: int) -> str:
         return write_error_text(self.path, exc, need_bytes, self._free_disk_bytes())
