@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..entry import EntryMeta
-from ..errors import TierWriteError
+from ..errors import EctierError, TierWriteError
 from ..index import Slot
+from ..tensors import byte_view, output_for
 from ..tiers.nvme import NvmeDiskFullError, NvmeTier
 
 if TYPE_CHECKING:
@@ -268,11 +269,16 @@ class NvmeMoves:
                     m.catalog.forget(digest, version)
 
     # ------------------------------------------------------------------------- reads
-    def read(self, digest: bytes, ns: str, key: str, version: int):
+    def read(self, digest: bytes, ns: str, key: str, version: int, out: torch.Tensor | None = None):
         """Read and check the record of ``version``: ``(meta, data)`` (``data`` a flat ``uint8``
-        CPU tensor), ``None`` on a miss (failed check: the key is forgotten), or :data:`RETRY`."""
+        CPU tensor), ``None`` on a miss (failed check: the key is forgotten), or :data:`RETRY`.
+
+        ``out``: the caller's ``get(out=)`` tensor; when it is a CPU tensor of the record's shape
+        and dtype the payload is decoded straight into it (``data`` is then its bytes; on a miss its
+        contents are undefined)."""
         m = self.m
-        result = self.tier.read(digest, ns, key)
+        into = self._into(digest, out)
+        result = self.tier.read(digest, ns, key, out=into) if into is not None else self.tier.read(digest, ns, key)
         if result is None:
             m.counters.count("nvme", read_failures=1)
             with m.cond:
@@ -286,6 +292,17 @@ class NvmeMoves:
             return RETRY
         meta = EntryMeta(header.namespace, header.key, header.dtype, tuple(header.shape), header.raw_nbytes)
         return meta, data
+
+    def _into(self, digest: bytes, out: torch.Tensor | None) -> torch.Tensor | None:
+        """The bytes of ``out`` if the record of ``digest`` can be decoded straight into them."""
+        rec = self.tier.record(digest) if isinstance(out, torch.Tensor) and out.device.type == "cpu" else None
+        if rec is None:
+            return None
+        h = rec.header
+        try:
+            return byte_view(output_for(EntryMeta(h.namespace, h.key, h.dtype, tuple(h.shape), h.raw_nbytes), out))
+        except EctierError:
+            return None  # unsuitable: tensor_from_bytes raises for it after the read, as before
 
     # ------------------------------------------------------------------------- memory -> NVMe
     def demote_slot(self, src_tier, slot: Slot, *, write_through: bool = False, protect: bytes | None = None) -> bool:

@@ -334,9 +334,9 @@ class NvmeTier(Tier):
         """Read, check and decode the record for ``(namespace, key)``.
 
         Args:
-            out: a flat ``uint8`` CPU tensor of the entry's raw bytes to decode into (e.g. the slot
-                it is promoted into); ``None``: a new tensor. A raw payload is read straight into
-                it; on a miss its contents are undefined.
+            out: a flat ``uint8`` CPU tensor of the entry's raw bytes to decode into (e.g. the
+                caller's ``get(out=)``); ``None``, or one of another size: a new tensor. A raw
+                payload is read straight into it; on a miss its contents are undefined.
 
         Returns ``(header, data)`` with ``data`` (``out``, or a new flat ``uint8`` CPU tensor) of
         ``header.raw_nbytes`` bytes, or ``None`` for a miss. A record that fails any check (header,
@@ -370,10 +370,9 @@ class NvmeTier(Tier):
     def _read_payload(self, rec: CheckedRecord, loc: Location, out: torch.Tensor | None) -> torch.Tensor:
         """The payload of ``rec`` at ``loc``, checked and decoded into ``out`` (or a new tensor)."""
         h = rec.header
-        if out is None:
-            out = torch.empty(h.raw_nbytes, dtype=torch.uint8)
-        elif out.dtype != torch.uint8 or out.numel() != h.raw_nbytes or not out.is_contiguous() or out.is_cuda:
-            raise ValueError(f"out: must be a contiguous uint8 CPU tensor of {h.raw_nbytes} bytes")
+        if (out is None or out.dtype != torch.uint8 or out.numel() != h.raw_nbytes or not out.is_contiguous()
+                or out.device.type != "cpu"):
+            out = torch.empty(h.raw_nbytes, dtype=torch.uint8)  # (an unsuitable out= is not used)
         dst = out.numpy()
         if h.codec_id == RAW_CODEC_ID:
             buf = dst
