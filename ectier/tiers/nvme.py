@@ -1,42 +1,48 @@
-"""NVMe tier: self-describing, checksummed records in an LMDB environment under one directory.
+"""NVMe tier: self-describing, checksummed records — an LMDB index and a segment file of payloads.
 
-Layout under ``nvme.path``::
+Layout v2 under ``nvme.path`` (store format 2)::
 
     ectier.lock        flock'ed by the one process that owns the store (StoreLockedError otherwise)
-    lmdb/data.mdb      the LMDB environment, four named databases:
+    lmdb/data.mdb      the LMDB index, three named databases:
         meta           digest (32 B) -> packed RecordHeader (magic, version, codec, dtype, shape,
-                       namespace, key, sizes, payload checksum, write version; own checksum)
-        data           digest -> stored payload (raw or compressed bytes)
+                       namespace, key, sizes, payload checksum, write version; own checksum),
+                       then the payload's location (extents of 64 KiB blocks; own checksum)
         quarantine     digest -> JSON {reason, time, header hex} of records that failed a check
         settings       store format and creation facts, checked on reopen
+    segment.0          the payloads (:mod:`ectier.tiers.nvme_segment`)
 
 Contract (docs/operations.md, "The NVMe tier on disk"):
 
-- **Atomic writes.** Header and payload go in one LMDB write transaction: after a crash at any
-  point a record is either wholly there (old or new) or absent, never torn.
-- **Checked reads.** Every read checks the header (magic, format, its own checksum), the identity
-  (namespace and key), the payload length and its xxh3-64 checksum, and the decoded length. Any
-  failure quarantines the record (moved out of ``meta``/``data``), counts it, and reads as a miss.
-- **Restart.** Opening the directory again scans ``meta`` (headers) and the payload keys, never
-  the payload bytes, and serves every committed record; headers that fail to parse or lack a
-  payload are quarantined, payloads without a header are reclaimed as orphans; a damaged payload
-  is caught by the checks of its first read.
+- **Atomic writes.** The payload is written into free blocks (xxh3-64 computed while it is copied)
+  and synced before the index entry naming it commits in one LMDB transaction (group commit:
+  :mod:`ectier.tiers.nvme_commit`); a record it replaces keeps its blocks until then. After a crash
+  at any point a record is either wholly there (old or new) or absent, never torn.
+- **Checked reads.** Every read checks the index entry (magic, format, checksums, location), the
+  identity (namespace and key), and the payload's xxh3-64 computed while it is read straight into
+  its destination, and the decoded length. Any failure quarantines the record (its index entry
+  moved to ``quarantine``), counts it, and reads as a miss. A read holds the blocks its snapshot
+  names: a record deleted or replaced meanwhile is still read whole.
+- **Restart.** Opening the directory scans the index only, never a payload byte; the free-space map
+  is rebuilt from it (space of a write cut by a crash is free again). A layout-v1 store is migrated
+  (:mod:`ectier.tiers.nvme_migrate`).
 - **Map growth.** The map starts at ``nvme.map_initial_bytes`` and doubles when LMDB reports it full,
   up to ``nvme.map_ceiling_bytes``; beyond that a write fails with :class:`TierWriteError`. Before
   growing, a write that found the map full commits a marker (``settings``) and retries once, so
   that pages freed by earlier deletes become reusable (LMDB reuses them only after a later commit).
-- **Disk full / I/O errors** fail that one write with :class:`TierWriteError`; reads and the other
-  tiers keep working.
+- **Disk full** fails that one write with :class:`NvmeDiskFullError` (the mover then evicts and
+  retries once: :mod:`ectier.moves.nvme`); I/O errors fail it with :class:`TierWriteError`; reads
+  and the other tiers keep working.
 
 Code: this module is the tier (the Tier protocol, record I/O, quarantine);
-:mod:`ectier.tiers.nvme_env` opens, locks, scans, grows and closes the LMDB environment;
-:mod:`ectier.tiers.nvme_record` encodes records and holds the checks of every read (also used by
-``ectier fsck``); :mod:`ectier.tiers.nvme_index` is the in-memory index (records, policy, budget).
+:mod:`ectier.tiers.nvme_env` opens, locks, scans, grows and closes the store;
+:mod:`ectier.tiers.nvme_record` encodes records and index values and holds the checks of every read
+(also used by ``ectier fsck``); :mod:`ectier.tiers.nvme_index` is the in-memory index (records,
+policy, budget); :mod:`ectier.tiers.nvme_segment` the segment file and its free-space map.
 
-Threads: the tier is safe to share between threads. Writes are serialised (LMDB has one writer);
-reads run in parallel with each other and with the writer (MVCC snapshots), so a record deleted or
-replaced while it is read is still read whole and consistent. Map growth briefly excludes everyone.
-Fork: do not use a tier across ``fork()``; open it in the child (LMDB's rule).
+Threads: the tier is safe to share between threads. Index commits are serialised (LMDB has one
+writer; concurrent writes share a group commit); reads run in parallel with each other and with
+writers. Map growth briefly excludes everyone. Fork: do not use a tier across ``fork()``; open it
+in the child (LMDB's rule).
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ import numpy as np
 
 from ..codec import Codec, RecordHeader, checksum, get_codec
 from ..config import NvmeTierConfig
-from ..entry import EntryMeta
+from ..entry import DTYPE_ITEMSIZE, EntryMeta
 from ..errors import CorruptRecordError, StoreOpenError, TierWriteError
 from ..policy import make_policy
 from .base import Tier
@@ -262,7 +268,7 @@ class NvmeTier(Tier):
                         digest, header, loc = p.item
                         if done:
                             stored = len(value) - len(pack_location(loc)) + loc.alloc_bytes
-                            self._set_record(digest, NvmeRecord(header, stored, loc))
+                            self._set_record(digest, NvmeRecord(header, stored, loc, value))
                         p.result = (done, old)
                     return
             self._store.grow(need)
@@ -352,7 +358,7 @@ class NvmeTier(Tier):
             failure = None
             if raw is not None:
                 try:
-                    rec, loc = check_index_value((namespace, key), raw, codec=self.codec)
+                    rec, loc = self._checked(digest, (namespace, key), raw)
                     return rec.header, self._read_payload(rec, loc, out)
                 except CorruptRecordError as exc:
                     failure = (raw, str(exc))
@@ -366,6 +372,18 @@ class NvmeTier(Tier):
                     digest.hex()[:16], failure[1])
         self.quarantine(digest, failure[0], failure[1])
         return None
+
+    def _checked(self, digest: bytes, identity: tuple[str, str], raw: bytes) -> tuple[CheckedRecord, Location]:
+        """The checks of index entry ``raw``; an entry byte-equal to the one this tier committed or
+        scanned (already checked then) is only checked for identity."""
+        known = self.index.record(digest)
+        if known is not None and known.value == raw and known.location is not None:
+            h = known.header
+            if (h.namespace, h.key) != identity:
+                raise CorruptRecordError("record identity does not match the requested key")
+            codec = self.codec if h.codec_id == self.codec.codec_id else get_codec(h.codec_id)
+            return CheckedRecord(h, codec, DTYPE_ITEMSIZE[h.dtype]), known.location
+        return check_index_value(identity, raw, codec=self.codec)
 
     def _read_payload(self, rec: CheckedRecord, loc: Location, out: torch.Tensor | None) -> torch.Tensor:
         """The payload of ``rec`` at ``loc``, checked and decoded into ``out`` (or a new tensor)."""

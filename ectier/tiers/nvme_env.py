@@ -22,14 +22,14 @@ from typing import Iterator
 
 import lmdb
 
-from ..codec import header_nbytes
+from ..codec import peek_header
 from ..config import NvmeTierConfig
 from ..entry import entry_digest
 from ..errors import CorruptRecordError, StoreDamagedError, StoreLockedError, StoreOpenError, TierWriteError
 from .nvme_index import NvmeIndex, NvmeRecord
 from .nvme_migrate import migrate_v1
 from .nvme_record import parse_index_value
-from .nvme_segment import BLOCK_BYTES, SEGMENT_NAME, ExtentSpace, SegmentFile, blocks_for
+from .nvme_segment import BLOCK_BYTES, SEGMENT_NAME, ExtentSpace, SegmentFile, blocks_for, unpack_location
 from .storedir import check_local_filesystem, move_aside
 
 __all__ = ["NvmeEnv", "RWLock", "STORE_FORMAT", "RELEASE_MARKER", "write_error_text", "free_disk_bytes",
@@ -325,17 +325,22 @@ class NvmeEnv:
             for digest, raw in txn.cursor(db=self.meta_db):
                 digest = bytes(digest)
                 try:
-                    header, loc = parse_index_value(raw)
-                    if entry_digest(header.namespace, header.key) != digest:
-                        raise CorruptRecordError("header identity does not match its digest")
-                    if blocks_for(header.payload_nbytes) > loc.blocks:
+                    # cheap checks only (checksums, sizes, location): the full parse, and the
+                    # identity check, happen at the record's first use / read
+                    hn, version, payload_nbytes = peek_header(raw)
+                    loc = unpack_location(raw[hn:])
+                    blocks = end = 0
+                    for s, n in loc.extents:
+                        blocks += n
+                        end = max(end, s + n)
+                    if -(-payload_nbytes // BLOCK_BYTES) > blocks:
                         raise CorruptRecordError("payload location is smaller than the payload")
-                    if max((s + n for s, n in loc.extents), default=0) > seg_blocks:
+                    if end > seg_blocks:
                         raise CorruptRecordError("payload past the end of the segment file (truncated)")
                 except CorruptRecordError as exc:
                     bad.append((digest, bytes(raw), str(exc)))
                     continue
-                found[digest] = NvmeRecord(header, header_nbytes(raw) + loc.alloc_bytes, loc)
+                found[digest] = NvmeRecord(None, hn + blocks * BLOCK_BYTES, loc, bytes(raw), version)
             bad.extend(self._overlaps(found, txn))
         self.index.load(found)
         used = [e for r in found.values() for e in r.location.extents]
@@ -356,7 +361,11 @@ class NvmeEnv:
         them: the payloads of overlapping records are read and checked (their checksums decide;
         of two that both pass, the newer keeps the blocks). Returns them as ``(digest, raw value,
         reason)`` to quarantine. Only overlapping records are read: none in a healthy store."""
-        runs = sorted((s, s + n, d) for d, rec in found.items() for s, n in rec.location.extents)
+        runs = []
+        for d, rec in found.items():
+            for s, n in rec.location.extents:
+                runs.append((s, s + n, d))
+        runs.sort()
         clash: set[bytes] = set()
         reach, holder = -1, None
         for start, end, digest in runs:

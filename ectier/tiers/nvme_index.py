@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator
 
-from ..codec import RecordHeader
+from ..codec import RecordHeader, header_nbytes, unpack_header
 from ..policy import EvictionPolicy
 from .nvme_segment import Location
 
@@ -32,22 +32,42 @@ __all__ = ["NvmeIndex", "NvmeRecord", "HEADER_ALLOWANCE_BYTES"]
 HEADER_ALLOWANCE_BYTES = 4096 + 2 * 65536
 
 
-@dataclass(frozen=True)
 class NvmeRecord:
     """What the tier knows, in memory, of one stored record.
 
-    Fields: ``header`` (:class:`~ectier.codec.RecordHeader`), ``stored_bytes`` (header + the whole
-    segment blocks of its payload, what the record costs the ``nvme.capacity_bytes`` budget),
-    ``location`` (:class:`~ectier.tiers.nvme_segment.Location` of its payload).
+    Fields: ``header`` (:class:`~ectier.codec.RecordHeader`; a record scanned at open keeps only
+    its checked bytes and parses them at first use), ``stored_bytes`` (header + the whole segment
+    blocks of its payload, what the record costs the ``nvme.capacity_bytes`` budget),
+    ``location`` (:class:`~ectier.tiers.nvme_segment.Location` of its payload), ``value`` (its
+    index entry's bytes as committed: a read whose entry is byte-equal skips parsing it again),
+    ``version`` (its write version).
     """
 
-    header: RecordHeader
-    stored_bytes: int
-    location: Location | None = None
+    __slots__ = ("_header", "stored_bytes", "location", "value", "version")
+
+    def __init__(self, header: RecordHeader | None, stored_bytes: int, location: Location | None = None,
+                 value: bytes | None = None, version: int | None = None) -> None:
+        if header is None and (value is None or version is None):
+            raise ValueError("NvmeRecord: a header, or its value and version")
+        self._header = header
+        self.stored_bytes = stored_bytes
+        self.location = location
+        self.value = value
+        self.version = header.version if header is not None else version
 
     @property
-    def version(self) -> int:
-        return self.header.version
+    def header(self) -> RecordHeader:
+        if self._header is None:
+            assert self.value is not None
+            self._header = unpack_header(memoryview(self.value)[: header_nbytes(self.value)])
+        return self._header
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, NvmeRecord) and self.version == other.version
+                and self.stored_bytes == other.stored_bytes and self.location == other.location)
+
+    def __repr__(self) -> str:
+        return f"NvmeRecord(version={self.version}, stored_bytes={self.stored_bytes}, location={self.location})"
 
 
 class NvmeIndex:

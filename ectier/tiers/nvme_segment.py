@@ -82,7 +82,7 @@ def unpack_location(buf: memoryview | bytes) -> Location:
         CorruptRecordError: too short, bad magic, another block size, a count that does not match
             the length, a checksum mismatch, or an empty/negative extent.
     """
-    mv = memoryview(buf)
+    mv = buf if isinstance(buf, memoryview) else memoryview(buf)
     if len(mv) < _LOC_HEAD.size + _TRAILER.size:
         raise CorruptRecordError("payload location missing or too short")
     magic, block, count = _LOC_HEAD.unpack_from(mv)
@@ -95,9 +95,13 @@ def unpack_location(buf: memoryview | bytes) -> Location:
         raise CorruptRecordError("payload location checksum mismatch")
     if block != BLOCK_BYTES:
         raise CorruptRecordError(f"payload location in blocks of {block} bytes, this ectier uses {BLOCK_BYTES}")
-    extents = tuple(_EXTENT.unpack_from(mv, _LOC_HEAD.size + i * _EXTENT.size) for i in range(count))
-    if any(n <= 0 for _, n in extents):
-        raise CorruptRecordError("payload location: empty extent")
+    if count == 1:
+        extents = (_EXTENT.unpack_from(mv, _LOC_HEAD.size),)
+    else:
+        extents = tuple(_EXTENT.unpack_from(mv, _LOC_HEAD.size + i * _EXTENT.size) for i in range(count))
+    for _, n in extents:
+        if n <= 0:
+            raise CorruptRecordError("payload location: empty extent")
     return Location(extents)
 
 
