@@ -341,10 +341,10 @@ class NvmeEnv:
                     bad.append((digest, bytes(raw), str(exc)))
                     continue
                 found[digest] = NvmeRecord(None, hn + blocks * BLOCK_BYTES, loc, bytes(raw), version)
-            bad.extend(self._overlaps(found, txn))
+            clashes, used = self._overlaps(found, txn)
+            bad.extend(clashes)
         self.index.load(found)
-        used = [e for r in found.values() for e in r.location.extents]
-        self.space.rebuild(used)
+        self.space.rebuild(used, presorted=True)
         end = max((s + n for s, n in used), default=0)
         if self.segment.size_blocks() > end:  # nothing past the last record's blocks is in use
             self.segment.truncate_blocks(end)
@@ -356,11 +356,13 @@ class NvmeEnv:
                 log.warning("nvme tier: quarantined record %s at open: %s", digest.hex()[:16], reason)
         log.info("nvme tier: opened %s with %d records, %d bytes", self.path, len(self.index), self.index.used_bytes)
 
-    def _overlaps(self, found: dict[bytes, NvmeRecord], txn: lmdb.Transaction) -> list[tuple[bytes, bytes, str]]:
+    def _overlaps(self, found: dict[bytes, NvmeRecord],
+                  txn: lmdb.Transaction) -> tuple[list[tuple[bytes, bytes, str]], list[tuple[int, int]]]:
         """Remove from ``found`` every record whose blocks overlap another's and that does not own
         them: the payloads of overlapping records are read and checked (their checksums decide;
         of two that both pass, the newer keeps the blocks). Returns them as ``(digest, raw value,
-        reason)`` to quarantine. Only overlapping records are read: none in a healthy store."""
+        reason)`` to quarantine, and the extents of the records kept, sorted by start. Only
+        overlapping records are read: none in a healthy store."""
         runs = []
         for d, rec in found.items():
             for s, n in rec.location.extents:
@@ -374,8 +376,8 @@ class NvmeEnv:
             if end > reach:
                 reach, holder = end, digest
         if not clash:
-            return []
-        good = {d for d in clash if self._payload_ok(found[d])}
+            return [], [(s, e - s) for s, e, _ in runs]
+        good = {d for d in clash if self._payload_ok(d, found[d])}
         owner: dict[int, bytes] = {}  # block -> the newest good record holding it
         for d in sorted(good, key=lambda d: found[d].version):
             for s, n in found[d].location.extents:
@@ -390,14 +392,18 @@ class NvmeEnv:
             reason = ("payload blocks overlap another record's (reused extent)" if d in good
                       else "payload checksum mismatch (its blocks overlap another record's: reused extent)")
             out.append((d, bytes(txn.get(d, db=self.meta_db)), reason))
-        return out
+        return out, sorted(e for rec in found.values() for e in rec.location.extents)
 
-    def _payload_ok(self, rec: NvmeRecord) -> bool:
-        """Whether the payload of ``rec`` reads back with its checksum (open-time check of a clash)."""
+    def _payload_ok(self, digest: bytes, rec: NvmeRecord) -> bool:
+        """Whether ``rec`` is stored under its own identity and its payload reads back with its
+        checksum (the open-time check of records whose blocks clash)."""
         assert self.segment is not None
-        buf = bytearray(rec.header.payload_nbytes)
         try:
-            return self.segment.read_into(rec.location, memoryview(buf)) == rec.header.payload_checksum
+            h = rec.header
+            if entry_digest(h.namespace, h.key) != digest:
+                return False
+            buf = bytearray(h.payload_nbytes)
+            return self.segment.read_into(rec.location, memoryview(buf)) == h.payload_checksum
         except (CorruptRecordError, OSError):
             return False
 
