@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 import lmdb
+import numpy as np
 
 from ..codec import peek_header
 from ..config import NvmeTierConfig
@@ -363,11 +364,18 @@ class NvmeEnv:
         of two that both pass, the newer keeps the blocks). Returns them as ``(digest, raw value,
         reason)`` to quarantine, and the extents of the records kept, sorted by start. Only
         overlapping records are read: none in a healthy store."""
-        runs = []
-        for d, rec in found.items():
+        starts, lens = [], []
+        for rec in found.values():
             for s, n in rec.location.extents:
-                runs.append((s, s + n, d))
-        runs.sort()
+                starts.append(s)
+                lens.append(n)
+        st = np.array(starts, dtype=np.int64)
+        order = np.argsort(st, kind="stable")
+        st, ln = st[order], np.array(lens, dtype=np.int64)[order]
+        ends = st + ln
+        if not len(st) or not (st[1:] < np.maximum.accumulate(ends)[:-1]).any():  # the usual case
+            return [], list(zip(st.tolist(), ln.tolist()))
+        runs = sorted((s, s + n, d) for d, rec in found.items() for s, n in rec.location.extents)
         clash: set[bytes] = set()
         reach, holder = -1, None
         for start, end, digest in runs:
@@ -375,7 +383,7 @@ class NvmeEnv:
                 clash.update((digest, holder))
             if end > reach:
                 reach, holder = end, digest
-        if not clash:
+        if not clash:  # pragma: no cover - the vector check above found one
             return [], [(s, e - s) for s, e, _ in runs]
         good = {d for d in clash if self._payload_ok(d, found[d])}
         owner: dict[int, bytes] = {}  # block -> the newest good record holding it
