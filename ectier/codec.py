@@ -51,7 +51,7 @@ import zstandard
 from ectier.errors import ConfigError, CorruptRecordError, UnknownCodecError
 from ectier.record import (  # the record names are re-exported, see __all__
     _RAW_CODEC_ID, MAX_HEADER_NBYTES, RECORD_FORMAT_VERSION, RECORD_MAGIC, BytesLike, RecordHeader,
-    _byte_view, checksum, header_nbytes, pack_header, pack_record, split_record, unpack_header,
+    _byte_view, checksum, header_nbytes, pack_header, pack_record, peek_header, split_record, unpack_header,
     verify_payload,
 )
 
@@ -59,7 +59,7 @@ __all__ = [
     "Codec", "RawCodec", "ZstdCodec", "PlaneZstdCodec",
     "get_codec", "register_codec", "codec_from_config", "registered_codecs",
     # re-exported from ectier.record
-    "checksum", "RecordHeader", "pack_header", "unpack_header", "header_nbytes", "verify_payload",
+    "checksum", "RecordHeader", "pack_header", "unpack_header", "header_nbytes", "peek_header", "verify_payload",
     "pack_record", "split_record", "RECORD_MAGIC", "RECORD_FORMAT_VERSION", "MAX_HEADER_NBYTES",
 ]
 

@@ -170,6 +170,10 @@ class NvmeTierConfig:
             Set it below ``capacity_bytes`` and writes fail with ``TierWriteError`` once the map is
             full, before the budget evicts anything.
         policy: eviction policy of the tier, ``"lru"`` (default) or ``"gdsf"`` (as ``host.policy``).
+        group_commit_s: group commit: how long a write whose payload is on disk waits, at most, for
+            other writes still copying theirs, so that they share one ``fdatasync`` and one LMDB
+            commit (seconds, >= 0). A lone write never waits; every write still returns once its
+            own entry is durable. Default 0.002.
         allow_network_fs: open a store on a network or FUSE filesystem (NFS, CIFS/SMB, 9p, Ceph,
             GlusterFS, Lustre, GPFS, ``fuse.*``, ...). Default ``False``: such a ``path`` is refused
             with ``ConfigError`` at open, because LMDB's locks and shared memory map are unsafe there.
@@ -189,6 +193,7 @@ class NvmeTierConfig:
     map_initial_bytes: int = 256 * MiB
     map_max_bytes: int | None = None
     policy: str = "lru"
+    group_commit_s: float = 0.002
     allow_network_fs: bool = False
     on_damaged: str = "fail"
 

@@ -269,6 +269,8 @@ def check_nvme(cfg: NvmeTierConfig) -> None:
         known = sorted(_codec.registered_codecs())
         if cfg.codec not in known:
             raise ConfigError(f"nvme.codec: unknown codec {cfg.codec!r}; known: {', '.join(known)}")
+    with p.check("nvme.group_commit_s"):
+        check_seconds("nvme.group_commit_s", cfg.group_commit_s)
     with p.check("nvme.zstd_level"):
         check_int("nvme.zstd_level", cfg.zstd_level)
         if not -7 <= cfg.zstd_level <= 22:

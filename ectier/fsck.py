@@ -3,10 +3,15 @@
 :func:`check` reads every record of a store that no process has open (it takes the store's
 ``ectier.lock``) and makes the checks a read makes (:func:`ectier.tiers.nvme.check_record`: the
 header's own checksum, the identity, the sizes, the payload's xxh3-64 checksum, decoding). It
-reads through LMDB when LMDB can open and walk the whole store ("lmdb" mode). When it cannot —
-meta pages zeroed, garbage in B-tree pages, a truncated ``data.mdb`` — it reads the file's pages
-directly (:mod:`ectier.tiers.lmdbpages`, "page-scan" mode) and keeps, per key, the newest record
-whose checksums hold.
+reads the index through LMDB when LMDB can open and walk the whole store ("lmdb" mode). When it
+cannot — meta pages zeroed, garbage in B-tree pages, a truncated ``data.mdb`` — it reads the file's
+pages directly (:mod:`ectier.tiers.lmdbpages`, "page-scan" mode) and keeps, per key, the newest
+record whose checksums hold.
+
+Both layouts are understood: layout v2 (format 2: the index entry is the header and the payload's
+location; the payload is read from ``segment.0``; entries whose blocks overlap keep the newest,
+the older is reported as a reused extent) and layout v1 (format 1: header and payload both in LMDB;
+a cache migrates such a store when it opens it).
 
 :func:`repair` writes every intact, checksum-valid record (with its header as it was: codec,
 write version, creation time) into a fresh LMDB environment built next to the damaged one, keeps
@@ -36,12 +41,15 @@ from typing import Callable, Iterator
 
 import lmdb
 
-from .codec import RECORD_MAGIC, RecordHeader, checksum, unpack_header
+from .codec import RECORD_MAGIC, RecordHeader, checksum, header_nbytes, unpack_header
 from .config import GiB, MiB, NvmeTierConfig
 from .entry import entry_digest
 from .errors import CorruptRecordError, StoreLockedError, StoreOpenError
 from .tiers.lmdbpages import LeafValue, PageFile
 from .tiers.nvme import RELEASE_MARKER, STORE_FORMAT, EncodedRecord, NvmeTier, check_record
+from .tiers.nvme_record import parse_index_value
+from .fsck_segment import Segment, reused_extents
+from .tiers.nvme_segment import SEGMENT_NAME, Location
 from .tiers.storedir import damaged_copies, move_aside
 
 __all__ = ["FsckReport", "RepairResult", "check", "repair"]
@@ -155,9 +163,9 @@ def repair(path: str | os.PathLike) -> RepairResult:
         if not report.damaged:
             return result
         fmt = report.settings.get("format")
-        if fmt is not None and fmt != str(STORE_FORMAT):
+        if fmt is not None and fmt not in ("1", str(STORE_FORMAT)):
             raise StoreOpenError(f"--path: {str(store)!r} holds store format {fmt}; this ectier repairs "
-                                 f"format {STORE_FORMAT} only")
+                                 f"formats 1 and {STORE_FORMAT} only")
         for stale in store.glob(".repair-*"):  # left by a repair that was killed (we hold the lock)
             shutil.rmtree(stale, ignore_errors=True)
         staging = store / f".repair-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}"
@@ -169,6 +177,8 @@ def repair(path: str | os.PathLike) -> RepairResult:
             raise
         try:
             os.rename(staging / "lmdb", store / "lmdb")
+            if (staging / SEGMENT_NAME).exists():
+                os.rename(staging / SEGMENT_NAME, store / SEGMENT_NAME)
         except OSError as exc:
             raise StoreOpenError(f"--path: the damaged store was moved to {result.moved_to!r} but the repaired "
                                  f"one could not be moved into place: rename {str(staging / 'lmdb')!r} to "
@@ -234,23 +244,51 @@ def _lmdb_pass(lmdb_dir: Path, report: FsckReport, sink: Sink | None = None) -> 
     except (lmdb.Error, OSError) as exc:
         return str(exc)
     try:
-        dbs = [env.open_db(name) for name in (b"meta", b"data", b"quarantine", b"settings")]
-        meta, data, quarantine, settings = dbs
-        with env.begin(buffers=True) as txn:
+        with env.begin() as txn:
+            names = {bytes(k) for k in txn.cursor().iternext(values=False)}
+        meta, quarantine, settings = (env.open_db(name) for name in (b"meta", b"quarantine", b"settings"))
+        data = env.open_db(b"data") if b"data" in names else None
+        segment = Segment(lmdb_dir.parent)
+        with env.begin(buffers=True) as txn, segment:
             report.settings = {bytes(k).decode(errors="replace"): bytes(v).decode(errors="replace")
                                for k, v in txn.cursor(db=settings)}
             report.quarantined = sum(1 for _ in txn.cursor(db=quarantine).iternext(values=False))
-            headers = set()
-            for digest, raw in txn.cursor(db=meta):
-                digest = bytes(digest)
-                headers.add(digest)
-                _check_one(report, digest, raw, txn.get(digest, db=data), sink)
-            report.orphans = sum(1 for k in txn.cursor(db=data).iternext(values=False) if bytes(k) not in headers)
+            if report.settings.get("format", "1") == "1" and data is not None:  # layout v1
+                headers = set()
+                for digest, raw in txn.cursor(db=meta):
+                    digest = bytes(digest)
+                    headers.add(digest)
+                    _check_one(report, digest, raw, txn.get(digest, db=data), sink)
+                report.orphans = sum(1 for k in txn.cursor(db=data).iternext(values=False) if bytes(k) not in headers)
+            else:
+                _check_v2(report, [(bytes(d), bytes(v)) for d, v in txn.cursor(db=meta)], segment, sink)
     except lmdb.Error as exc:
         return str(exc)
     finally:
         env.close()
     return None
+
+
+def _check_v2(report: FsckReport, entries: list[tuple[bytes, bytes]], segment: Segment, sink: Sink | None) -> None:
+    """Check layout-v2 index entries ``(digest, value)``: each payload read from the segment file;
+    of entries whose blocks overlap, the older is reported (a reused extent)."""
+    parsed: list[tuple[bytes, bytes, RecordHeader, Location]] = []
+    for digest, value in entries:
+        try:
+            header, loc = parse_index_value(value)
+        except CorruptRecordError as exc:
+            report.entries += 1
+            report._problem(digest, None, str(exc), unreadable=False)
+            continue
+        parsed.append((digest, value, header, loc))
+    reused = reused_extents([(d, h.version, loc) for d, _, h, loc in parsed])
+    for digest, value, header, loc in parsed:
+        if digest in reused:
+            report.entries += 1
+            report._problem(digest, header, "payload blocks overlap a newer record's (reused extent)", unreadable=False)
+            continue
+        raw = value[:header_nbytes(value)]
+        _check_one(report, digest, raw, segment.payload(loc, header.payload_nbytes), sink)
 
 
 def _check_one(report: FsckReport, digest: bytes, raw: object, payload: object | None, sink: Sink | None) -> None:
@@ -280,10 +318,15 @@ def _page_pass(data_file: Path, report: FsckReport, sink: Sink | None = None) ->
     with pf:
         headers: dict[bytes, dict[bytes, RecordHeader]] = {}
         payloads: dict[bytes, dict[tuple, LeafValue]] = {}
+        v2: dict[bytes, dict[bytes, None]] = {}  # digest -> layout-v2 index values found (in order)
         for value in pf.iter_leaf_values():
             if len(value.key) != 32:
                 if value.key in _KEPT_SETTINGS and value.inline is not None:
                     report.settings[value.key.decode()] = value.inline.decode(errors="replace")
+                continue
+            index_value = _as_index_value(pf, value)
+            if index_value is not None:
+                v2.setdefault(value.key, {})[index_value] = None
                 continue
             header_raw = _as_header(pf, value)
             if header_raw is not None:
@@ -292,6 +335,9 @@ def _page_pass(data_file: Path, report: FsckReport, sink: Sink | None = None) ->
             ident = ("o", value.overflow_pgno, value.size) if value.inline is None else ("i", value.inline)
             payloads.setdefault(value.key, {})[ident] = value
         report.damaged_pages = pf.damaged_pages
+        with Segment(data_file.parent.parent) as segment:
+            for digest, values in v2.items():
+                _salvage_v2(report, digest, list(values), segment, sink)
         unmatched: dict[bytes, tuple[dict[bytes, RecordHeader], str | None]] = {}
         for digest, found in headers.items():
             report.entries += 1
@@ -299,6 +345,40 @@ def _page_pass(data_file: Path, report: FsckReport, sink: Sink | None = None) ->
             if not matched:
                 unmatched[digest] = (found, error)
         _salvage_from_runs(report, pf, unmatched, sink)
+
+
+def _as_index_value(pf: PageFile, value: LeafValue) -> bytes | None:
+    """A layout-v2 index value (header + location) of this digest found in a page, else None."""
+    if value.size > _MAX_HEADER_GUESS:
+        return None
+    raw = pf.read_value(value)
+    if raw is None or raw[:4] != RECORD_MAGIC:
+        return None
+    try:
+        header, _ = parse_index_value(raw)
+    except CorruptRecordError:
+        return None
+    return raw if entry_digest(header.namespace, header.key) == value.key else None
+
+
+def _salvage_v2(report: FsckReport, digest: bytes, values: list[bytes], segment: "Segment", sink: Sink | None) -> None:
+    """Page scan, layout v2: the newest index value of ``digest`` whose payload passes every check."""
+    report.entries += 1
+    parsed = sorted(((parse_index_value(v), v) for v in values), key=lambda x: -x[0][0].version)
+    error = "payload not readable from the segment file"
+    for (header, loc), value in parsed:
+        raw = value[:header_nbytes(value)]
+        payload = segment.payload(loc, header.payload_nbytes)
+        if payload is None:
+            continue
+        try:
+            check_record(digest, raw, payload, decode=True)
+        except CorruptRecordError as exc:
+            error = str(exc)
+            continue
+        _salvaged(report, raw, header, payload, digest, sink)
+        return
+    report._problem(digest, parsed[0][0][0], error, unreadable=error.startswith("payload not readable"))
 
 
 def _as_header(pf: PageFile, value: LeafValue) -> tuple[bytes, RecordHeader] | None:

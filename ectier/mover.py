@@ -375,12 +375,14 @@ class Mover:
         return True
 
     # ------------------------------------------------------------------------- promotion
-    def promote_from_store(self, digest: bytes, ns: str, key: str, version: int, upto: Tier | None):
+    def promote_from_store(self, digest: bytes, ns: str, key: str, version: int, upto: Tier | None,
+                           out: torch.Tensor | None = None):
         """The one promotion sequence: read ``version`` from the store tier (checked, decoded),
         count the hit, then copy it up the stack, tier by tier, as far as ``upto`` (``None``: no
         promotion). Returns ``(meta, data, promoted)`` — ``data`` a flat ``uint8`` CPU tensor,
-        ``promoted`` the names of the tiers that took it — ``None`` on a miss, or ``RETRY``."""
-        result = self.nvme.read(digest, ns, key, version)
+        ``promoted`` the names of the tiers that took it — ``None`` on a miss, or ``RETRY``.
+        ``out``: the caller's ``get(out=)``; the record is decoded straight into it when it fits."""
+        result = self.nvme.read(digest, ns, key, version, out)
         if result is None or result is RETRY:
             return result
         meta, data = result

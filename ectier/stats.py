@@ -21,7 +21,7 @@ COUNTER_NAMES: dict[str, tuple[str, ...]] = {
     "host": ("hits", "hit_bytes", "puts", "put_bytes", "promotions", "evictions", "demotions",
              "drops", "skipped_too_large", "admission_timeouts"),
     "nvme": ("hits", "hit_bytes", "puts", "put_bytes", "evictions", "skipped_too_large",
-             "write_failures", "read_failures"),
+             "write_failures", "read_failures", "disk_full_evictions"),
     "remote": ("hits", "hit_bytes", "misses", "puts", "put_bytes", "skipped_too_large", "skipped_backlog"),
 }
 

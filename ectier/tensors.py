@@ -136,7 +136,9 @@ def tensor_from_bytes(meta: EntryMeta, data: torch.Tensor, out: torch.Tensor | N
     copy into the caller's ``out`` (checked as :func:`output_for` does)."""
     if out is not None:
         out = output_for(meta, out)
-        byte_view(out).copy_(data)
+        dst = byte_view(out)
+        if dst.numel() and dst.data_ptr() != data.data_ptr():  # already decoded into out: no copy
+            dst.copy_(data)
         return out
     if meta.nbytes:
         return data.view(torch_dtype(meta.dtype)).view(meta.shape)

@@ -10,7 +10,9 @@
 Points (the LMDB write transaction is reached through a proxy of the tier's environment, since an
 ``lmdb.Environment`` cannot be monkeypatched):
 
-- ``mid-txn-payload``: inside the transaction of v2, after its payload ``put``, before its header;
+- ``mid-txn-payload``: v2's payload written to the segment file (and synced), inside the index
+  transaction of v2 after its ``put``, before the commit (layout v2: the payload's blocks are
+  orphaned by the kill and free again at the next open);
 - ``after-commit``: after the v2 transaction committed, before the tier's in-memory bookkeeping;
 - ``mid-delete-txn``: inside the delete transaction of ``k``, after the header was deleted;
 - ``wt-between-commit-and-write``: write-through overwrite, after v2 committed in the host tier and
@@ -80,7 +82,7 @@ class _Txn:
 
     def put(self, key, value, db=None, **kw):
         r = self._txn.put(key, value, db=db, **kw)
-        if self._env.armed in ("mid-txn-payload", "wt-mid-txn") and db is self._env.data_db:
+        if self._env.armed in ("mid-txn-payload", "wt-mid-txn") and db is self._env.meta_db:
             stop(self._env.armed)
         return r
 
@@ -97,7 +99,7 @@ class _Txn:
 class _Env:
     def __init__(self, env, tier: NvmeTier) -> None:
         self._env = env
-        self.data_db, self.meta_db = testing.lmdb_of(tier).data, testing.lmdb_of(tier).meta
+        self.meta_db = testing.lmdb_of(tier).meta
         self.armed: str | None = None
 
     def begin(self, *args, **kwargs):

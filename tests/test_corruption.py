@@ -1,12 +1,13 @@
-"""Corruption, Hypothesis-driven: random bit flips, truncations, extensions and swaps of records,
-made through LMDB (value rewrites) or straight into ``data.mdb`` at the bytes of a record's
-payload or header, while the store is closed or open, for every codec.
+"""Corruption, Hypothesis-driven: random bit flips, truncations, swaps and misplaced locations of
+records, made in the segment file at the bytes of a record's payload, in its LMDB index entry
+(header + location), or straight into ``data.mdb`` at the bytes of a header, while the store is
+closed or open, for every codec.
 
 Promise (``docs/operations.md``, "Corruption"): every damaged entry is detected on read (or at
-open, for headers), quarantined, counted and served as a miss; every undamaged entry is still
+open, for index entries), quarantined, counted and served as a miss; every undamaged entry is still
 served byte-exact; the key can be stored again afterwards. ``tests/test_nvme.py`` covers the fixed
-cases (a flip at one position, truncations, a record under another digest, orphans, a truncated
-data file); this file draws the damage at random.
+cases (a flip at one position, truncations, a record under another digest, orphaned space, a
+truncated data file); this file draws the damage at random.
 """
 
 from __future__ import annotations
@@ -21,13 +22,17 @@ from hypothesis import strategies as st
 
 from ectier import TieredCache
 
-from conftest import KiB, MiB, assert_same, check_quiescent, digest, make_config, random_tensor
+from conftest import KiB, MiB, assert_same, check_quiescent, digest, make_config, open_lmdb, random_tensor
 from ectier import testing
+from ectier.tiers.nvme_record import parse_index_value
+
+import nvme_helpers as nh
 
 N_ENTRIES = 6
-KINDS = ["flip-payload", "flip-header", "truncate-payload", "truncate-header", "extend-payload", "swap-payloads",
-         "empty-payload"]
-FILE_KINDS = {"flip-payload", "flip-header"}  # what can be done in place in data.mdb
+# payload kinds act on the segment file; header/location kinds on the LMDB index entry
+KINDS = ["flip-payload", "flip-header", "truncate-payload", "truncate-header", "flip-location", "swap-payloads",
+         "missing-payload", "foreign-payload", "reused-extent"]
+FILE_KINDS = {"flip-header"}  # also done in place in data.mdb
 
 
 def _values():
@@ -61,23 +66,56 @@ def _flip_in_file(store: Path, needle: bytes, pos: int, bit: int) -> int:
     return len(offsets)
 
 
-def _damage_lmdb(txn, meta_db, data_db, kind, d, other, pos, bit):
-    db = meta_db if kind.endswith("header") else data_db
-    v = bytes(txn.get(d, db=db))
-    if kind.startswith("flip"):
+def _damage(store: Path, put_value, values: dict[str, bytes], kind: str, k: str, other: str, pos: int,
+            bit: int) -> set[str]:
+    """Damage key ``k`` (``other``: a second key some kinds involve); returns the keys damaged.
+    ``values``: key -> index value (as stored now); ``put_value(key, value)`` rewrites one."""
+    v = values[k]
+    hn = _header_len(v)
+    if kind == "flip-payload":
+        nh.flip_payload_byte(store, v, pos, 1 << bit)
+        return {k}
+    if kind == "truncate-payload":  # the segment file cut inside k's payload: later payloads go too
+        spans = nh.payload_spans(v)
+        total = sum(n for _, n in spans)
+        p = pos % total
+        for off, n in spans:
+            if p < n:
+                cut = off + p
+                break
+            p -= n
+        os.truncate(nh.segment_path(store), cut)
+        return {key for key, val in values.items() if any(o + n > cut for o, n in nh.payload_spans(val))}
+    if kind == "swap-payloads":
+        a, b = nh.read_payload(store, v), nh.read_payload(store, values[other])
+        if a == b:
+            return set()
+        nh.write_payload(store, v, b)
+        nh.write_payload(store, values[other], a)
+        return {k, other}
+    if kind in ("flip-header", "flip-location"):
         b = bytearray(v)
-        b[pos % len(b)] ^= 1 << bit
-        txn.put(d, bytes(b), db=db)
-    elif kind.startswith("truncate"):
-        txn.put(d, v[: pos % len(v)], db=db)
-    elif kind == "extend-payload":
-        txn.put(d, v + bytes([bit]) * (1 + pos % 64), db=db)
-    elif kind == "empty-payload":
-        txn.put(d, b"", db=db)
-    elif kind == "swap-payloads":
-        w = bytes(txn.get(other, db=data_db))
-        txn.put(d, w, db=data_db)
-        txn.put(other, v, db=data_db)
+        at = pos % hn if kind == "flip-header" else hn + pos % (len(v) - hn)
+        b[at] ^= 1 << bit
+        put_value(k, bytes(b))
+        return {k}
+    if kind == "truncate-header":
+        put_value(k, v[: pos % len(v)])
+        return {k}
+    if kind == "missing-payload":  # its blocks lie past the end of the segment file
+        put_value(k, nh.with_location(v, [(1 << 24, 1)]))
+        return {k}
+    # "foreign-payload": k's entry names the blocks of another record's payload (k is newer: the
+    # other's bytes stay good); "reused-extent": the other record names k's blocks
+    a, b = (k, other) if kind == "foreign-payload" else (other, k)
+    put_value(a, nh.with_location(values[a], parse_index_value(values[b])[1].extents))
+    return {a}
+
+
+def _header_len(v: bytes) -> int:
+    from ectier.codec import header_nbytes
+
+    return header_nbytes(v)
 
 
 damage_st = st.lists(
@@ -100,52 +138,36 @@ def test_random_damage_is_detected_quarantined_and_a_miss(codec, damage, via, wh
             for k, t in values.items():
                 cache.put(k, t)
             nv = testing.tier(cache, "nvme")
-            with testing.lmdb_of(nv).env.begin() as txn:
-                stored = {k: (bytes(txn.get(digest(k), db=testing.lmdb_of(nv).meta)), bytes(txn.get(digest(k), db=testing.lmdb_of(nv).data)))
-                          for k in keys}
-            damaged: set[str] = set()
+            env = testing.lmdb_of(nv).env
+            stored = {k: nh.index_value(store, k, env=env) for k in keys}
             if when == "closed":
                 cache.close()
-            for idx, kind, pos, bit in damage:
-                k = keys[idx]
-                if via == "file" and kind in FILE_KINDS:
-                    header, payload = stored[k]
-                    needle = header if kind == "flip-header" else payload
-                    if not needle:
-                        continue  # an empty payload has no bytes to flip
-                    if when == "open":
-                        testing.lmdb_of(nv).env.sync(True)  # make sure the live page is in the file, not only in memory
-                    assert _flip_in_file(store, needle, pos, bit) >= 1, f"{k}: record bytes not found in data.mdb"
-                    damaged.add(k)
-                    stored[k] = (None, None)  # damaged again below: only through LMDB
-                    continue
-                if kind == "swap-payloads":
-                    other = keys[(idx + 1) % N_ENTRIES]
-                    if stored[k][1] == stored[other][1]:
-                        continue
-                    damaged.update({k, other})
-                else:
-                    damaged.add(k)
-                    other = None
-                if when == "closed":
-                    from conftest import open_lmdb
+                env, meta_db = open_lmdb(store)[:2]
+            else:
+                meta_db = testing.lmdb_of(nv).meta
 
-                    env, meta_db, data_db, _, _ = open_lmdb(store)
-                    try:
-                        with env.begin(write=True) as txn:
-                            if txn.get(digest(k), db=meta_db) is not None and (
-                                    other is None or txn.get(digest(other), db=data_db) is not None):
-                                _damage_lmdb(txn, meta_db, data_db, kind, digest(k), other and digest(other), pos, bit)
-                    finally:
-                        env.close()
-                else:
-                    with testing.lmdb_of(nv).env.begin(write=True) as txn:
-                        if txn.get(digest(k), db=testing.lmdb_of(nv).meta) is not None and (
-                                other is None or txn.get(digest(other), db=testing.lmdb_of(nv).data) is not None):
-                            _damage_lmdb(txn, testing.lmdb_of(nv).meta, testing.lmdb_of(nv).data, kind, digest(k), other and digest(other), pos, bit)
+            def put_value(key: str, value: bytes) -> None:
+                with env.begin(write=True) as txn:
+                    txn.put(digest(key), value, db=meta_db)
+
+            damaged: set[str] = set()
+            try:
+                for idx, kind, pos, bit in damage:
+                    k, other = keys[idx], keys[(idx + 1) % N_ENTRIES]
+                    if k in damaged or (kind in ("swap-payloads", "foreign-payload", "reused-extent")
+                                        and other in damaged):
+                        continue  # one damage per record (a second could undo the first)
+                    if via == "file" and kind in FILE_KINDS:
+                        env.sync(True)  # the live page in the file, not only in memory
+                        assert _flip_in_file(store, stored[k], pos, bit) >= 1, f"{k}: entry not found in data.mdb"
+                        damaged.add(k)
+                        continue
+                    damaged |= _damage(store, put_value, stored, kind, k, other, pos, bit)
+            finally:
+                if when == "closed":
+                    env.close()
             if when == "closed":
                 cache = TieredCache(cfg)
-            # a truncation to the full length or an "extension" by nothing cannot happen (>= 1 byte)
             for k in keys:
                 got = cache.get(k)
                 if k in damaged:

@@ -1,10 +1,13 @@
 """A real full disk: the NVMe tier on a small tmpfs mounted by the test (root only; skipped with the
 reason otherwise), and the LMDB map ceiling (``nvme.map_max_bytes``) next to a working host tier.
 
-Promise (``docs/operations.md``, "Full map, full disk"): that one write fails with
-``TierWriteError`` saying what is full and naming the knob; nothing stored changes; reads, deletes
-and the host tier keep working; once space is freed (a file removed, entries deleted) puts succeed
-again; a restart serves everything that was stored, nothing quarantined.
+Promise (``docs/operations.md``, "Full map, full disk"): on a full filesystem the tier evicts its
+own least valuable records and retries the write once (new entries are never dropped while old
+ones hold the space); with nothing to evict, that one write fails with ``TierWriteError`` saying
+what is full and naming the knob, and nothing stored changes. A full LMDB map (index entries) fails
+that one write. Reads, deletes and the host tier keep working; once space is freed puts succeed
+again; a restart serves everything that was stored, nothing quarantined. Disk usage stays within
+1.1 x ``nvme.capacity_bytes`` under churn.
 """
 
 from __future__ import annotations
@@ -43,16 +46,17 @@ def small_fs(tmp_path):
             subprocess.run(["umount", "-l", str(d)], capture_output=True)
 
 
-def _fill_until_full(cache, prefix, nbytes, limit=200):
-    """Put ``nbytes`` entries until one fails; returns (stored values, the error)."""
+def _fill_until_full(cache, prefix, nbytes, limit=200, key_bytes=0):
+    """Put ``nbytes`` entries until one fails; returns (stored values, the error). ``key_bytes``
+    pads the keys (layout v2: the LMDB map holds the index entries, and a key is part of its entry)."""
     stored = {}
     for i in range(limit):
         t = filled(nbytes, len(stored) + 17 * len(prefix))
         try:
-            cache.put(f"{prefix}{i}", t)
+            cache.put(f"{prefix}{i}".ljust(key_bytes, "x"), t)
         except TierWriteError as exc:
-            return stored, exc, f"{prefix}{i}"
-        stored[f"{prefix}{i}"] = t
+            return stored, exc, f"{prefix}{i}".ljust(key_bytes, "x")
+        stored[f"{prefix}{i}".ljust(key_bytes, "x")] = t
     raise AssertionError(f"the file system never filled up after {limit} puts")
 
 
@@ -61,72 +65,80 @@ def _snapshot(cache):
     return len(cache), st["nvme"]["used_bytes"], st["nvme"]["entries"]
 
 
+def _disk_bytes(path) -> int:
+    """Bytes allocated on disk under ``path`` (st_blocks, so sparse files count what they hold)."""
+    return sum(os.lstat(os.path.join(d, f)).st_blocks * 512 for d, _, fs in os.walk(path) for f in fs)
+
+
 @pytest.mark.parametrize("sync", [True, False])
-def test_disk_full_fails_that_put_clearly_and_recovers_when_space_frees(small_fs, sync):
+def test_disk_full_evicts_old_entries_for_new_ones(small_fs, sync):
+    """nvme.capacity_bytes above what the filesystem holds (thin provisioning): when the disk fills
+    up, the tier evicts its own least recently used records and retries, so every put succeeds and
+    the newest entries are kept — it never drops new entries while old ones hold the space. The old
+    code failed every put from then on (TierWriteError) and kept the old entries."""
     cfg = make_config(small_fs / "store", host_bytes=0, nvme_bytes=64 * MiB, map_initial_bytes=1 * MiB, sync=sync)
-    filler = small_fs / "filler"
-    filler.write_bytes(b"\0" * (3 * MiB))
-    cache = TieredCache(cfg)
-    try:
-        stored, exc, failed = _fill_until_full(cache, "a", 256 * KiB)
-        assert len(stored) >= 4
-        text = str(exc)
-        assert "disk full" in text and str(small_fs / "store") in text and "nvme.capacity_bytes" in text, text
-        before = _snapshot(cache)
-        with pytest.raises(TierWriteError, match="disk full"):  # again: still a clean error, nothing changes
-            cache.put(failed, filled(256 * KiB, 999))
-        assert _snapshot(cache) == before
-        assert not cache.contains(failed) and cache.get(failed) is None
+    (small_fs / "filler").write_bytes(b"\0" * (3 * MiB))
+    stored = {}
+    with TieredCache(cfg) as cache:
+        for i in range(60):  # 15 MiB of puts into ~4.5 MiB of free space
+            t = filled(256 * KiB, i)
+            cache.put(f"a{i}", t)  # TierWriteError("disk full") here on the old code
+            stored[f"a{i}"] = t
         st = cache.stats()["tiers"]["nvme"]
-        assert st["write_failures"] == 2 and st["write_errors"] == 2
-        for k, t in stored.items():  # reads keep working
-            assert_same(cache.get(k), t)
+        assert st["disk_full_evictions"] > 0 and st["write_failures"] == 0
+        held = [k for k in stored if cache.contains(k)]
+        assert len(held) >= 4 and held == list(stored)[-len(held):]  # the newest, in order
+        for k in held:
+            assert_same(cache.get(k), stored[k])
+        assert _disk_bytes(small_fs / "store") <= FS_BYTES
         check_quiescent(cache)
-
-        filler.unlink()  # space freed by someone else: puts succeed again
-        cache.put(failed, filled(256 * KiB, 5))
-        stored[failed] = filled(256 * KiB, 5)
-        more, exc2, _ = _fill_until_full(cache, "b", 256 * KiB)
-        assert len(more) >= 4 and "disk full" in str(exc2)
-        stored.update(more)
-
-        for k in list(stored)[:6]:  # space freed by deleting entries: LMDB reuses their pages
-            assert cache.delete(k)
-            del stored[k]
-        for i in range(4):
-            t = filled(256 * KiB, 500 + i)
-            cache.put(f"c{i}", t)
-            stored[f"c{i}"] = t
-        check_quiescent(cache)
-    finally:
-        cache.close()
-    with TieredCache(cfg) as again:  # a restart serves all of it, nothing torn by the failed commits
+    with TieredCache(cfg) as again:  # a restart serves all of it, nothing torn by the failed writes
         st = again.stats()["tiers"]["nvme"]
-        assert st["quarantined"] == 0 and len(again) == len(stored)
-        for k, t in stored.items():
-            assert_same(again.get(k), t)
+        assert st["quarantined"] == 0 and sorted(k for k in stored if again.contains(k)) == sorted(held)
+        for k in held:
+            assert_same(again.get(k), stored[k])
         check_quiescent(again)
 
 
+def test_disk_full_with_nothing_to_evict_fails_that_put_clearly(small_fs):
+    """Someone else filled the disk and the tier holds nothing to evict: that one put fails with
+    TierWriteError naming the directory, the cause and the knob; nothing stored changes; once space
+    frees up, puts succeed again."""
+    cfg = make_config(small_fs / "store", host_bytes=0, nvme_bytes=64 * MiB, map_initial_bytes=1 * MiB)
+    filler = small_fs / "filler"
+    with TieredCache(cfg) as cache:
+        cache.put("first", filled(64 * KiB, 1))
+        free = os.statvfs(small_fs).f_bavail * os.statvfs(small_fs).f_frsize
+        filler.write_bytes(b"\0" * (free - 64 * KiB))
+        with pytest.raises(TierWriteError) as exc:  # needs 256 KiB: evicting "first" frees only 64 KiB
+            cache.put("big", filled(256 * KiB, 2))
+        text = str(exc.value)
+        assert "disk full" in text and str(small_fs / "store") in text and "nvme.capacity_bytes" in text, text
+        assert "evict" in text
+        assert not cache.contains("big") and cache.get("big") is None
+        assert cache.stats()["tiers"]["nvme"]["write_failures"] == 1
+        filler.unlink()
+        cache.put("big", filled(256 * KiB, 3))
+        assert_same(cache.get("big"), filled(256 * KiB, 3))
+        check_quiescent(cache)
+
+
 def test_disk_full_keeps_the_host_tier_working(small_fs):
-    """With a host tier: entries too large for host fail; host entries keep going in and out;
-    a write-through that hits the full disk leaves the entry in host (served, counted, logged)."""
+    """With a host tier and write-through, the disk filled by someone else: the write-through fails
+    (nothing of the tier's to evict), the entry stays in host (served, counted, logged); once
+    space frees, write-through works again."""
     cfg = make_config(small_fs / "store", host_bytes=1 * MiB, nvme_bytes=64 * MiB, map_initial_bytes=1 * MiB,
                       write_through=True)
-    (small_fs / "filler").write_bytes(b"\0" * (5 * MiB))
     with TieredCache(cfg) as cache:
-        big_stored, exc, _ = _fill_until_full(cache, "big", 1280 * KiB)  # larger than host: NVMe only
-        assert "disk full" in str(exc)
-        failures = cache.stats()["tiers"]["nvme"]["write_failures"]
+        free = os.statvfs(small_fs).f_bavail * os.statvfs(small_fs).f_frsize
+        (small_fs / "filler").write_bytes(b"\0" * (free - 32 * KiB))
         small = {f"s{i}": filled(100 * KiB, 300 + i) for i in range(6)}
         for k, t in small.items():
             cache.put(k, t)  # host admits it; the write-through to the full disk fails
-        assert cache.stats()["tiers"]["nvme"]["write_failures"] > failures
-        assert any(not nvme_holds(cache, k) for k in small)  # (the first ones may fit in free pages)
+        assert cache.stats()["tiers"]["nvme"]["write_failures"] > 0
+        assert any(not nvme_holds(cache, k) for k in small)
         for k, t in small.items():
             assert host_holds(cache, k)
-            assert_same(cache.get(k), t)
-        for k, t in big_stored.items():
             assert_same(cache.get(k), t)
         check_quiescent(cache)
         (small_fs / "filler").unlink()
@@ -134,12 +146,33 @@ def test_disk_full_keeps_the_host_tier_working(small_fs):
         assert nvme_holds(cache, "s-after")  # write-through works again
 
 
+def test_disk_usage_stays_within_the_budget_under_churn(make_cache, tmp_path):
+    """Issue 12, item 4: after a steady churn of overwrites, deletes and evictions the store takes
+    at most 1.1 x nvme.capacity_bytes on disk (layout v1 grew data.mdb to ~1.9x)."""
+    import random
+
+    capacity = 16 * MiB
+    cache, cfg = make_cache(host_bytes=0, nvme_bytes=capacity)
+    rng = random.Random(7)
+    for i in range(400):
+        key = f"k{rng.randrange(60)}"
+        if rng.random() < 0.1:
+            cache.delete(key)
+        else:
+            cache.put(key, filled(rng.choice([64, 200, 512, 1024, 1500]) * KiB, i))
+    check_quiescent(cache)
+    assert cache.stats()["tiers"]["nvme"]["evictions"] > 0
+    assert _disk_bytes(tmp_path / "nvme") <= 1.1 * capacity, _disk_bytes(tmp_path / "nvme")
+    cache.close()
+
+
 def test_map_ceiling_keeps_the_host_tier_working_and_recovers(make_cache):
     cache, _ = make_cache(host_bytes=256 * KiB, nvme_bytes=16 * MiB, map_initial_bytes=1 * MiB,
                           map_max_bytes=1 * MiB)
-    stored, exc, failed = _fill_until_full(cache, "big", 300 * KiB)  # larger than host: NVMe only
+    # larger than host: NVMe only; 60 KiB keys fill the 1 MiB map of index entries
+    stored, exc, failed = _fill_until_full(cache, "big", 300 * KiB, key_bytes=60 * KiB)
     assert "map full" in str(exc) and "nvme.map_max_bytes" in str(exc), str(exc)
-    assert 2 <= len(stored) <= 3 and not cache.contains(failed)
+    assert 4 <= len(stored) <= 16 and not cache.contains(failed)
     before = _snapshot(cache)
     small = filled(64 * KiB, 1)
     cache.put("small", small)  # the host tier keeps working
@@ -155,14 +188,15 @@ def test_map_ceiling_keeps_the_host_tier_working_and_recovers(make_cache):
     check_quiescent(cache)
 
 
-@pytest.mark.parametrize("nbytes", [200 * KiB, 300 * KiB])
-def test_map_ceiling_a_put_after_a_delete_of_the_same_size_succeeds(make_cache, nbytes):
+@pytest.mark.parametrize("key_bytes", [30 * KiB, 60 * KiB])
+def test_map_ceiling_a_put_after_a_delete_of_the_same_size_succeeds(make_cache, key_bytes):
     """Issue 16, item 2: at the map ceiling, the space of a deleted record is reused by the next put
     of the same size. LMDB reuses pages freed by a transaction only after a later one committed, and
     an aborted write does not move that point: the old code failed every such put with
     TierWriteError until some unrelated write committed."""
     cache, cfg = make_cache(host_bytes=0, nvme_bytes=16 * MiB, map_initial_bytes=1 * MiB, map_max_bytes=1 * MiB)
-    stored, exc, failed = _fill_until_full(cache, "k", nbytes)
+    nbytes = 64 * KiB  # layout v2: the map holds index entries, sized by their keys
+    stored, exc, failed = _fill_until_full(cache, "k", nbytes, key_bytes=key_bytes)
     assert "map full" in str(exc) and len(stored) >= 2
     keys = list(stored)
     for rnd in range(2 * len(keys)):  # delete one, put one of the same size, over and over

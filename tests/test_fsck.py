@@ -25,6 +25,9 @@ from ectier.fsck import check, repair
 
 from click.testing import CliRunner
 from conftest import KiB, MiB, assert_same, digest, filled, make_config, open_lmdb
+from ectier.tiers.nvme_record import parse_index_value
+
+import nvme_helpers as nh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = (300, 3000, 40 * KiB)  # inline in a leaf, one overflow page, many overflow pages
@@ -155,25 +158,23 @@ def test_garbage_in_branch_and_leaf_pages_salvages_what_survived(tmp_path):
 def test_a_record_failing_its_checksum_is_reported_and_dropped_by_repair(tmp_path, runner):
     store = tmp_path / "nvme"
     cfg, _ = _build_store(store)
-    env, _meta, data, _q, _s = open_lmdb(store)
-    try:
-        with env.begin(write=True) as txn:
-            bad = bytearray(txn.get(digest("k4"), db=data))
-            bad[len(bad) // 2] ^= 0x40
-            txn.put(digest("k4"), bytes(bad), db=data)
-            txn.delete(digest("k7"), db=data)  # a header without its payload
-    finally:
-        env.close()
+    nh.flip_payload_byte(store, nh.index_value(store, "k4"), bit=0x40)
+    # a header whose payload is not there: its blocks lie past the end of the segment file
+    nh.set_index_value(store, "k7", nh.with_location(nh.index_value(store, "k7"), [(1 << 20, 1)]))
+    # a reused extent: k9's index entry names k10's blocks (k10 is newer: k9 is the one reported)
+    k10 = nh.index_value(store, "k10")
+    nh.set_index_value(store, "k9", nh.with_location(nh.index_value(store, "k9"), parse_index_value(k10)[1].extents))
     result = runner.invoke(main, ["fsck", "--path", str(store)])
     assert result.exit_code == 1
     assert "test/k4" in result.output and "checksum" in result.output and "test/k7" in result.output
+    assert "test/k9" in result.output and "reused extent" in result.output
     report = check(store)
     assert report.mode == "lmdb" and report.lmdb_error is None
-    assert (report.entries, report.intact, report.checksum_failed, report.unreadable) == (N, N - 2, 1, 1)
+    assert (report.entries, report.intact, report.checksum_failed, report.unreadable) == (N, N - 3, 2, 1)
     res = repair(store)
-    assert res.repaired and res.salvaged == N - 2 and res.lost == 2
+    assert res.repaired and res.salvaged == N - 3 and res.lost == 3
     served = _served(cfg)
-    assert set(served) == {f"k{i}" for i in range(N)} - {"k4", "k7"}
+    assert set(served) == {f"k{i}" for i in range(N)} - {"k4", "k7", "k9"}
 
 
 def test_healthy_store_passes_and_repair_changes_nothing(tmp_path, runner):

@@ -34,6 +34,9 @@ from conftest import (
     random_tensor,
 )
 from ectier import testing
+from ectier.tiers.nvme_segment import BLOCK_BYTES
+
+import nvme_helpers as nh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -285,7 +288,7 @@ def _flip(db, key, pos=None, bit=0x10):
 @pytest.mark.parametrize("host_bytes", [0, 1 * MiB], ids=["nvme-only", "with-host"])
 def test_bit_flip_in_payload_is_a_miss_and_quarantined(make_cache, tmp_path, codec, host_bytes):
     cfg, vals = _put_three(make_cache, codec=codec)
-    _edit(tmp_path / "nvme", _flip("data", digest("a")))
+    nh.flip_payload_byte(tmp_path / "nvme", nh.index_value(tmp_path / "nvme", "a"))
     cfg = cfg.replace(host=dataclasses.replace(cfg.host, capacity_bytes=host_bytes))
     cache = reopen(cfg)
     try:
@@ -316,59 +319,68 @@ def test_bit_flip_in_payload_is_a_miss_and_quarantined(make_cache, tmp_path, cod
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "drop-meta-tail"])
 def test_damage_while_open_is_a_miss(make_cache, damage):
-    """Bit rot after the store was opened: caught by the per-read checks."""
+    """Bit rot after the store was opened: caught by the per-read checks (the segment file
+    truncated under the last record's payload: a short read)."""
     cache, _ = make_cache(host_bytes=0, codec="zstd")
     vals = {k: normal_bf16((4, 4096), i) for i, k in enumerate("abc")}
     for k, t in vals.items():
         cache.put(k, t)
     env, nv = testing.lmdb_of(cache).env, testing.tier(cache, "nvme")
-    with env.begin(write=True) as txn:
-        if damage == "flip":
-            _flip("data", digest("b"), pos=-3)(txn, testing.lmdb_of(nv).meta, testing.lmdb_of(nv).data)
-        elif damage == "truncate":
-            v = bytes(txn.get(digest("b"), db=testing.lmdb_of(nv).data))
-            txn.put(digest("b"), v[: len(v) // 2], db=testing.lmdb_of(nv).data)
-        else:
-            v = bytes(txn.get(digest("b"), db=testing.lmdb_of(nv).meta))
-            txn.put(digest("b"), v[:-5], db=testing.lmdb_of(nv).meta)
-    assert cache.get("b") is None
+    store = nv.path
+    bad = "c" if damage == "truncate" else "b"
+    value = nh.index_value(store, bad, env=env)
+    if damage == "flip":
+        nh.flip_payload_byte(store, value, pos=-3)
+    elif damage == "truncate":
+        off, n = nh.payload_spans(value)[-1]
+        os.truncate(nh.segment_path(store), off + n // 2)
+    else:
+        with env.begin(write=True) as txn:
+            txn.put(digest("b"), value[:-5], db=testing.lmdb_of(nv).meta)
+    assert cache.get(bad) is None
     st = cache.stats()["tiers"]["nvme"]
     assert st["checksum_failures"] == 1 and st["quarantined"] == 1
-    assert digest("b") in nv.quarantined()
-    for k in "ac":
+    assert digest(bad) in nv.quarantined()
+    for k in set("abc") - {bad}:
         assert_same(cache.get(k), vals[k])
     check_quiescent(cache)
 
 
-@pytest.mark.parametrize("damage", ["truncate-payload", "truncate-header", "flip-header", "empty-payload"])
+@pytest.mark.parametrize("damage", ["truncate-payload", "truncate-header", "flip-header", "missing-payload",
+                                    "flip-location"])
 def test_damage_found_at_open_is_quarantined(make_cache, tmp_path, damage):
     cfg, vals = _put_three(make_cache)
-
-    def fn(txn, meta, data):
-        d = digest("a")
-        if damage == "truncate-payload":
-            txn.put(d, bytes(txn.get(d, db=data))[:1000], db=data)
-        elif damage == "empty-payload":
-            txn.put(d, b"", db=data)
-        elif damage == "truncate-header":
-            txn.put(d, bytes(txn.get(d, db=meta))[:40], db=meta)
-        else:
-            _flip("meta", d, pos=30)(txn, meta, data)
-
-    _edit(tmp_path / "nvme", fn)
+    store = tmp_path / "nvme"
+    bad = "c" if damage in ("truncate-payload", "missing-payload") else "a"
+    value = nh.index_value(store, bad)
+    if damage == "truncate-payload":  # the segment file cut inside the last payload
+        off, n = nh.payload_spans(value)[-1]
+        os.truncate(nh.segment_path(store), off + n // 2)
+    elif damage == "missing-payload":  # cut before it: its blocks are past the end of the file
+        os.truncate(nh.segment_path(store), nh.payload_spans(value)[0][0])
+    elif damage == "truncate-header":
+        nh.set_index_value(store, bad, value[:40])
+    elif damage == "flip-header":
+        v = bytearray(value)
+        v[30] ^= 0x10
+        nh.set_index_value(store, bad, bytes(v))
+    else:
+        v = bytearray(value)
+        v[-12] ^= 0x01  # inside the location's extent list
+        nh.set_index_value(store, bad, bytes(v))
     cache = reopen(cfg)
     try:
-        if damage in ("truncate-payload", "empty-payload"):
+        if damage == "truncate-payload":
             # payloads are not read at open (that would read the whole store): a damaged one is
             # found, quarantined and served as a miss at its first read
             assert cache.stats()["tiers"]["nvme"]["quarantined"] == 0
-            assert cache.get("a") is None
+            assert cache.get(bad) is None
             assert cache.stats()["tiers"]["nvme"]["checksum_failures"] == 1
         st = cache.stats()["tiers"]["nvme"]
         assert st["quarantined"] == 1 and st["entries"] == 2
-        assert set(testing.tier(cache, "nvme").quarantined()) == {digest("a")}
-        assert not cache.contains("a") and cache.get("a") is None
-        for k in "bc":
+        assert set(testing.tier(cache, "nvme").quarantined()) == {digest(bad)}
+        assert not cache.contains(bad) and cache.get(bad) is None
+        for k in set("abc") - {bad}:
             assert_same(cache.get(k), vals[k])
         check_quiescent(cache)
     finally:
@@ -380,11 +392,7 @@ def test_record_under_another_digest_is_never_served(make_cache, tmp_path):
     is quarantined; it is never served as the other key's bytes."""
     cfg, vals = _put_three(make_cache)
 
-    def fn(txn, meta, data):
-        txn.put(digest("evil"), bytes(txn.get(digest("a"), db=meta)), db=meta)
-        txn.put(digest("evil"), bytes(txn.get(digest("a"), db=data)), db=data)
-
-    _edit(tmp_path / "nvme", fn)
+    nh.set_index_value(tmp_path / "nvme", "evil", nh.index_value(tmp_path / "nvme", "a"))
     cache = reopen(cfg)
     try:
         assert cache.get("evil") is None
@@ -395,33 +403,34 @@ def test_record_under_another_digest_is_never_served(make_cache, tmp_path):
         cache.close()
 
 
-def test_orphans_reclaimed_at_open(make_cache, tmp_path):
+def test_orphaned_payload_space_is_reclaimed_at_open(make_cache, tmp_path):
+    """Payload blocks no index entry names (a crash between the payload write and the index commit;
+    here: an index entry removed by hand, and bytes written past the last record) are free after a
+    reopen: the next puts reuse them and the segment file does not grow."""
     cfg, vals = _put_three(make_cache)
-    orphan = digest("never-put")
-
-    def fn(txn, meta, data):
-        txn.put(orphan, b"\x01" * 5000, db=data)  # payload without a header
-        txn.delete(digest("c"), db=data)  # header without a payload
-
-    _edit(tmp_path / "nvme", fn)
+    store = tmp_path / "nvme"
+    c_spans = nh.payload_spans(nh.index_value(store, "c"))
+    nh.set_index_value(store, "c", None)  # "c"'s payload is now an orphan
+    with open(nh.segment_path(store), "r+b") as f:
+        f.seek(0, os.SEEK_END)
+        f.write(b"\x01" * (300 * KiB))  # an orphan past the end
     cache = reopen(cfg)
     try:
         st = cache.stats()["tiers"]["nvme"]
-        assert st["orphans_reclaimed"] >= 1
-        assert st["orphans_reclaimed"] + st["quarantined"] == 2
+        assert st["entries"] == 2 and st["quarantined"] == 0
+        env = testing.lmdb_of(cache).env
+        assert st["segment_used_bytes"] == sum(-(-n // BLOCK_BYTES) * BLOCK_BYTES for k in "ab"
+                                               for _, n in nh.payload_spans(nh.index_value(store, k, env=env)))
+        assert st["segment_bytes"] <= c_spans[-1][0] + c_spans[-1][1]  # the orphan past the end is cut off
         assert cache.get("c") is None and not cache.contains("c")
         for k in "ab":
             assert_same(cache.get(k), vals[k])
-        check_quiescent(cache)  # LMDB meta and data hold exactly the served records
+        cache.put("d", vals["c"])  # takes the orphaned blocks of "c"
+        assert nh.payload_spans(nh.index_value(store, "d", env=testing.lmdb_of(cache).env)) == c_spans
+        assert cache.stats()["tiers"]["nvme"]["segment_bytes"] == c_spans[-1][0] + c_spans[-1][1]
+        check_quiescent(cache)
     finally:
         cache.close()
-    env, meta, data, _, _ = open_lmdb(tmp_path / "nvme")
-    try:
-        with env.begin() as txn:
-            assert txn.get(orphan, db=data) is None
-            assert {bytes(k) for k, _ in txn.cursor(db=data)} == {digest("a"), digest("b")}
-    finally:
-        env.close()
 
 
 # ============================================================================ codecs
@@ -506,13 +515,14 @@ def test_promotion_from_compressed_record(make_cache):
 
 def test_map_grows_from_a_tiny_initial_map(make_cache):
     cache, cfg = make_cache(host_bytes=0, nvme_bytes=8 * MiB, map_initial_bytes=1 * MiB)
-    vals = {f"k{i}": filled(256 * KiB, i) for i in range(12)}  # 3 MiB in a 1 MiB map
+    # layout v2: the map holds index entries only; 60 KiB keys make 12 of them ~720 KiB of headers
+    vals = {f"k{i}".ljust(60 * KiB, "x"): filled(4 * KiB, i) for i in range(24)}  # 1.4 MiB in a 1 MiB map
     for k, t in vals.items():
         cache.put(k, t)
     st = cache.stats()["tiers"]["nvme"]
     assert st["map_growths"] > 0
     assert st["map_size_bytes"] > 1 * MiB
-    assert st["entries"] == 12 and st["write_failures"] == 0
+    assert st["entries"] == 24 and st["write_failures"] == 0
     for k, t in vals.items():
         assert_same(cache.get(k), t)
     cache.close()
@@ -527,13 +537,14 @@ def test_map_grows_from_a_tiny_initial_map(make_cache):
 def test_map_ceiling_fails_that_put_only(make_cache):
     cache, _ = make_cache(host_bytes=0, nvme_bytes=8 * MiB, map_initial_bytes=1 * MiB, map_max_bytes=2 * MiB)
     stored = {}
+    key = lambda i: f"k{i}".ljust(60 * KiB, "x")  # noqa: E731 - the index entry is ~60 KiB
     with pytest.raises(TierWriteError, match="map"):
-        for i in range(16):  # 4 MiB into a map capped at 2 MiB
-            t = filled(256 * KiB, i)
-            cache.put(f"k{i}", t)
-            stored[f"k{i}"] = t
-    failed = f"k{len(stored)}"
-    assert 2 <= len(stored) < 8
+        for i in range(64):  # 3.8 MiB of index entries into a map capped at 2 MiB
+            t = filled(4 * KiB, i)
+            cache.put(key(i), t)
+            stored[key(i)] = t
+    failed = key(len(stored))
+    assert 8 <= len(stored) < 40
     assert not cache.contains(failed) and cache.get(failed) is None
     assert len(cache) == len(stored)
     st = cache.stats()["tiers"]["nvme"]
@@ -542,7 +553,7 @@ def test_map_ceiling_fails_that_put_only(make_cache):
     for k, t in stored.items():
         assert_same(cache.get(k), t)
     # the store keeps working: free a record, then a smaller write fits
-    assert cache.delete("k0")
+    assert cache.delete(key(0))
     cache.put("small", filled(64 * KiB, 99))
     assert_same(cache.get("small"), filled(64 * KiB, 99))
     check_quiescent(cache)
@@ -551,17 +562,18 @@ def test_map_ceiling_fails_that_put_only(make_cache):
 def test_map_ceiling_during_demotion_drops_the_victim_not_the_put(make_cache):
     cache, _ = make_cache(host_bytes=2 * 128 * KiB, nvme_bytes=8 * MiB, map_initial_bytes=1 * MiB,
                           map_max_bytes=1 * MiB)
-    for i in range(16):
-        cache.put(f"k{i}", filled(128 * KiB, i))  # never raises: a failed demotion drops the victim
+    key = lambda i: f"k{i}".ljust(60 * KiB, "x")  # noqa: E731 - the index entry is ~60 KiB
+    for i in range(40):
+        cache.put(key(i), filled(64 * KiB, i))  # never raises: a failed demotion drops the victim
         check_budgets(cache)
     st = cache.stats()["tiers"]
     assert st["nvme"]["write_failures"] >= 1
     assert st["host"]["drops"] >= 1
-    assert cache.contains("k14") and cache.contains("k15")
-    for i in range(16):
-        got = cache.get(f"k{i}")
+    assert cache.contains(key(38)) and cache.contains(key(39))
+    for i in range(40):
+        got = cache.get(key(i))
         if got is not None:
-            assert_same(got, filled(128 * KiB, i))
+            assert_same(got, filled(64 * KiB, i))
     check_quiescent(cache)
 
 
@@ -651,7 +663,7 @@ def test_store_of_another_format_is_refused_and_released(make_cache, tmp_path):
     _set_format(tmp_path / "nvme", b"99")
     with pytest.raises(StoreOpenError, match="format"):
         TieredCache(cfg)
-    _set_format(tmp_path / "nvme", b"1")
+    _set_format(tmp_path / "nvme", b"2")
     with TieredCache(cfg) as again:  # the failed open released the directory lock
         assert_same(again.get("a"), vals["a"])
 
@@ -676,7 +688,7 @@ def test_quarantine_of_an_old_header_keeps_a_newer_record(tmp_path):
         assert tier.write(d, r2)
         tier.quarantine(d, r1.header_bytes, "test: stale reader")
         assert tier.record(d) is not None and tier.record(d).version == r2.header.version
-        assert tier.used_bytes == r2.stored_bytes
+        assert tier.used_bytes == tier.stored_bytes(r2)
         assert tier.quarantined() == {}
         header, data = tier.read(d, "test", "k")
         assert header.version == r2.header.version

@@ -205,17 +205,23 @@ def test_corrupted_item_fails_checksum_and_is_encoded(engine, tmp_path, monkeypa
 
     item = H.Item("e" * 64, 0, 80)
     produce(engine, inproc(tmp_path), [item])
-    # the producer flushed to NVMe on shutdown: flip a bit of the stored payload
+    # the producer flushed to NVMe on shutdown: flip a bit of the stored payload (layout v2: in
+    # segment.0, at the first block the index entry names)
+    from ectier.tiers.nvme_record import parse_index_value
+    from ectier.tiers.nvme_segment import BLOCK_BYTES
+
     env = lmdb.open(str(tmp_path / "nvme" / "lmdb"), subdir=True, max_dbs=4, map_size=1 << 30)
     try:
-        data = env.open_db(b"data")
-        with env.begin(write=True) as txn:
-            key = entry_digest(NS, item.mm_hash)
-            v = bytearray(txn.get(key, db=data))
-            v[len(v) // 2] ^= 0x10
-            txn.put(key, bytes(v), db=data)
+        meta = env.open_db(b"meta")
+        with env.begin() as txn:
+            _, loc = parse_index_value(txn.get(entry_digest(NS, item.mm_hash), db=meta))
     finally:
         env.close()
+    with open(tmp_path / "nvme" / "segment.0", "r+b") as f:
+        f.seek(loc.extents[0][0] * BLOCK_BYTES + 100)
+        b = f.read(1)[0]
+        f.seek(-1, 1)
+        f.write(bytes([b ^ 0x10]))
     sched, worker = engine("ec_consumer", inproc(tmp_path, admit_wait_s=0.25, capacity_bytes="4MiB"))
     sched.add_request(H.make_request("c", [item]))
     so, out = run_step_loading(sched, worker)  # the prefetch reads the record: checksum fails

@@ -44,10 +44,11 @@ of the key space, the linearizability of the single-key history against what ``g
   delete, a non-durable put (write-back host-only), or (in ``demotion`` only, write-back) a put cut
   by the kill; otherwise it is a **lost committed entry** (so in ``write-through``, ``nvme-only``
   and ``daemon`` an overwrite cut by the kill must leave the old value or the new one);
-- the index agrees with LMDB: ``stats`` ``used_bytes`` equals the bytes of the headers and
-  payloads in LMDB, ``entries`` equals the number of headers and of payloads (same keys), every
-  header's ``payload_nbytes`` equals its payload's length, nothing is quarantined, no read fails
-  its checksum.
+- the index agrees with the store (layout v2): ``stats`` ``used_bytes`` equals the bytes of the
+  index entries' headers plus their payload blocks, ``entries`` equals the number of index entries,
+  every entry's blocks lie inside the segment file and no two entries share a block, the blocks in
+  use are exactly those the index names (orphaned payload space of a cut write reclaimed), nothing
+  is quarantined, no read fails its checksum.
 
 The report (``--json``, also printed) has kills survived, keys checked, wrong bytes, lost committed
 entries, accounting mismatches, writer errors and reopen times (p50, p99, max). Exit code 1 when any
@@ -84,7 +85,9 @@ if str(REPO) not in sys.path:  # `python tools/crash_campaign.py` from anywhere
 import torch  # noqa: E402
 
 from ectier import CacheConfig, HostTierConfig, NvmeTierConfig, TieredCache  # noqa: E402
-from ectier.record import unpack_header  # noqa: E402
+from ectier.errors import CorruptRecordError  # noqa: E402
+from ectier.record import header_nbytes  # noqa: E402
+from ectier.tiers.nvme_record import parse_index_value  # noqa: E402
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -334,17 +337,23 @@ def check_accounting(cache: TieredCache, tally: Tally, where: str) -> None:
     lm = testing.lmdb_of(nv)
     with lm.env.begin() as txn:
         meta = {bytes(k): bytes(v) for k, v in txn.cursor(db=lm.meta)}
-        data = {bytes(k): len(v) for k, v in txn.cursor(db=lm.data)}
         quarantined = len(nv.quarantined())
     problems = []
-    if set(meta) != set(data):
-        problems.append(f"{len(set(meta) ^ set(data))} headers/payloads without their other half")
-    disk_bytes = 0
+    indexed, placed = nv.stored_keys()  # layout v2: every entry's blocks inside the segment, no overlaps
+    if indexed != placed:
+        problems.append(f"{len(indexed - placed)} index entries whose payload blocks are missing or shared")
+    disk_bytes = blocks = 0
     for d, raw in meta.items():
-        h = unpack_header(raw)
-        if h.payload_nbytes != data.get(d):
-            problems.append(f"record {d.hex()[:12]}: header says {h.payload_nbytes} payload bytes, LMDB holds {data.get(d)}")
-        disk_bytes += len(raw) + (data.get(d) or 0)
+        try:
+            h, loc = parse_index_value(raw)
+        except CorruptRecordError as exc:
+            problems.append(f"record {d.hex()[:12]}: {exc}")
+            continue
+        disk_bytes += header_nbytes(raw) + loc.alloc_bytes
+        blocks += loc.alloc_bytes
+    if st["segment_used_bytes"] != blocks:
+        problems.append(f"segment blocks in use {st['segment_used_bytes']} != {blocks} bytes named by the index "
+                        "(orphaned payload space not reclaimed?)")
     if st["used_bytes"] != disk_bytes:
         problems.append(f"stats used_bytes {st['used_bytes']} != {disk_bytes} bytes of records in LMDB")
     if not st["entries"] == len(meta) == len(cache):

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..entry import EntryMeta
-from ..errors import TierWriteError
+from ..errors import EctierError, TierWriteError
 from ..index import Slot
-from ..tiers.nvme import NvmeTier
+from ..tensors import byte_view, output_for
+from ..tiers.nvme import NvmeDiskFullError, NvmeTier
 
 if TYPE_CHECKING:
     from ..mover import Mover
@@ -83,16 +84,14 @@ class NvmeMoves:
                 flight; nothing changed.
         """
         record = self.tier.encode(meta, src, version)
-        size = record.stored_bytes
+        size = self.tier.stored_bytes(record)
         doomed = self._reserve(digest, version, size, register=register, protect=protect)
         if doomed is None:
             return False
         try:
-            for d, v in doomed:
-                if self.tier.delete(d, only_version=v):
-                    self.after_delete(d, v)
+            self._delete_victims(doomed)
             try:
-                written = self.tier.write(digest, record)
+                written = self._write_or_make_room(digest, record, size, protect)
             except TierWriteError:
                 self.m.counters.count("nvme", write_failures=1)
                 raise
@@ -102,6 +101,47 @@ class NvmeMoves:
                 self.m.cond.notify_all()
             raise
         return self._finish_store(digest, meta, version, size, written, register=register)
+
+    def _write_or_make_room(self, digest: bytes, record, size: int, protect: bytes | None) -> bool:
+        """Write ``record``; on a full filesystem evict this tier's least valuable records (at
+        least ``size`` bytes of them when there are) and retry once: a new entry is never refused
+        while older ones hold the space.
+
+        Raises:
+            NvmeDiskFullError: still full after the evictions (or nothing to evict).
+            TierWriteError: another write failure.
+        """
+        try:
+            return self.tier.write(digest, record)
+        except NvmeDiskFullError as exc:
+            with self.m.cond:
+                victims = self.index.victims_for_space(size, digest, protect)
+                doomed = self._claim_victims_locked(victims)
+            if not doomed:
+                raise NvmeDiskFullError(f"{exc}; no record of this tier could be evicted to make room") from None
+            self._delete_victims(doomed)
+            self.m.counters.count("nvme", disk_full_evictions=len(doomed))
+            log.warning("nvme tier: filesystem full; evicted %d records (least valuable first) and retrying "
+                        "the write once", len(doomed))
+        try:
+            return self.tier.write(digest, record)
+        except NvmeDiskFullError as exc:
+            raise NvmeDiskFullError(f"{exc}; still full after evicting {len(doomed)} records of this tier") from None
+
+    def _delete_victims(self, doomed: list[tuple[bytes, int]]) -> None:
+        """Delete claimed victims; one whose delete failed (LMDB error, e.g. a full disk) is still
+        stored: it becomes its key's entry again (tracked), so nothing stored is lost or leaked."""
+        for d, v in doomed:
+            if self.tier.delete(d, only_version=v):
+                self.after_delete(d, v)
+                continue
+            with self.m.cond:
+                rec = self.tier.record(d)
+                current = self.m.catalog.version(d)
+                if rec is not None and rec.version == v and (current is None or current == v):
+                    self.m.catalog.set_current(d, v)
+                    if not self.index.tracked(d):
+                        self.index.track(d, rec.stored_bytes, self.m.catalog.cost(d))
 
     def _reserve(self, digest: bytes, version: int, size: int, *, register: bool,
                  protect: bytes | None) -> list[tuple[bytes, int]] | None:
@@ -229,11 +269,16 @@ class NvmeMoves:
                     m.catalog.forget(digest, version)
 
     # ------------------------------------------------------------------------- reads
-    def read(self, digest: bytes, ns: str, key: str, version: int):
+    def read(self, digest: bytes, ns: str, key: str, version: int, out: torch.Tensor | None = None):
         """Read and check the record of ``version``: ``(meta, data)`` (``data`` a flat ``uint8``
-        CPU tensor), ``None`` on a miss (failed check: the key is forgotten), or :data:`RETRY`."""
+        CPU tensor), ``None`` on a miss (failed check: the key is forgotten), or :data:`RETRY`.
+
+        ``out``: the caller's ``get(out=)`` tensor; when it is a CPU tensor of the record's shape
+        and dtype the payload is decoded straight into it (``data`` is then its bytes; on a miss its
+        contents are undefined)."""
         m = self.m
-        result = self.tier.read(digest, ns, key)
+        into = self._into(digest, out)
+        result = self.tier.read(digest, ns, key, out=into) if into is not None else self.tier.read(digest, ns, key)
         if result is None:
             m.counters.count("nvme", read_failures=1)
             with m.cond:
@@ -247,6 +292,17 @@ class NvmeMoves:
             return RETRY
         meta = EntryMeta(header.namespace, header.key, header.dtype, tuple(header.shape), header.raw_nbytes)
         return meta, data
+
+    def _into(self, digest: bytes, out: torch.Tensor | None) -> torch.Tensor | None:
+        """The bytes of ``out`` if the record of ``digest`` can be decoded straight into them."""
+        rec = self.tier.record(digest) if isinstance(out, torch.Tensor) and out.device.type == "cpu" else None
+        if rec is None:
+            return None
+        h = rec.header
+        try:
+            return byte_view(output_for(EntryMeta(h.namespace, h.key, h.dtype, tuple(h.shape), h.raw_nbytes), out))
+        except EctierError:
+            return None  # unsuitable: tensor_from_bytes raises for it after the read, as before
 
     # ------------------------------------------------------------------------- memory -> NVMe
     def demote_slot(self, src_tier, slot: Slot, *, write_through: bool = False, protect: bytes | None = None) -> bool:

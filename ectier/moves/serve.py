@@ -106,7 +106,7 @@ class Reads:
             m.counters.count_hit(tier.name, loc.slot.meta.nbytes)
             return result
         upto = target if (target is not None and out is None) else m.stack.get("host")
-        got = m.promote_from_store(digest, ns, key, loc.version, upto)
+        got = m.promote_from_store(digest, ns, key, loc.version, upto, out)
         if got is None or got is RETRY:
             return got
         meta, data, _ = got

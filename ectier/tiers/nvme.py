@@ -1,64 +1,81 @@
-"""NVMe tier: self-describing, checksummed records in an LMDB environment under one directory.
+"""NVMe tier: self-describing, checksummed records — an LMDB index and a segment file of payloads.
 
-Layout under ``nvme.path``::
+Layout v2 under ``nvme.path`` (store format 2)::
 
     ectier.lock        flock'ed by the one process that owns the store (StoreLockedError otherwise)
-    lmdb/data.mdb      the LMDB environment, four named databases:
+    lmdb/data.mdb      the LMDB index, three named databases:
         meta           digest (32 B) -> packed RecordHeader (magic, version, codec, dtype, shape,
-                       namespace, key, sizes, payload checksum, write version; own checksum)
-        data           digest -> stored payload (raw or compressed bytes)
+                       namespace, key, sizes, payload checksum, write version; own checksum),
+                       then the payload's location (extents of 64 KiB blocks; own checksum)
         quarantine     digest -> JSON {reason, time, header hex} of records that failed a check
         settings       store format and creation facts, checked on reopen
+    segment.0          the payloads (:mod:`ectier.tiers.nvme_segment`)
 
 Contract (docs/operations.md, "The NVMe tier on disk"):
 
-- **Atomic writes.** Header and payload go in one LMDB write transaction: after a crash at any
-  point a record is either wholly there (old or new) or absent, never torn.
-- **Checked reads.** Every read checks the header (magic, format, its own checksum), the identity
-  (namespace and key), the payload length and its xxh3-64 checksum, and the decoded length. Any
-  failure quarantines the record (moved out of ``meta``/``data``), counts it, and reads as a miss.
-- **Restart.** Opening the directory again scans ``meta`` (headers) and the payload keys, never
-  the payload bytes, and serves every committed record; headers that fail to parse or lack a
-  payload are quarantined, payloads without a header are reclaimed as orphans; a damaged payload
-  is caught by the checks of its first read.
+- **Atomic writes.** The payload is written into free blocks (xxh3-64 computed while it is copied)
+  and synced before the index entry naming it commits in one LMDB transaction (group commit:
+  :mod:`ectier.tiers.nvme_commit`); a record it replaces keeps its blocks until then. After a crash
+  at any point a record is either wholly there (old or new) or absent, never torn.
+- **Checked reads.** Every read checks the index entry (magic, format, checksums, location), the
+  identity (namespace and key), and the payload's xxh3-64 computed while it is read straight into
+  its destination, and the decoded length. Any failure quarantines the record (its index entry
+  moved to ``quarantine``), counts it, and reads as a miss. A read holds the blocks its snapshot
+  names: a record deleted or replaced meanwhile is still read whole.
+- **Restart.** Opening the directory scans the index only, never a payload byte; the free-space map
+  is rebuilt from it (space of a write cut by a crash is free again). A layout-v1 store is migrated
+  (:mod:`ectier.tiers.nvme_migrate`).
 - **Map growth.** The map starts at ``nvme.map_initial_bytes`` and doubles when LMDB reports it full,
   up to ``nvme.map_ceiling_bytes``; beyond that a write fails with :class:`TierWriteError`. Before
   growing, a write that found the map full commits a marker (``settings``) and retries once, so
   that pages freed by earlier deletes become reusable (LMDB reuses them only after a later commit).
-- **Disk full / I/O errors** fail that one write with :class:`TierWriteError`; reads and the other
-  tiers keep working.
+- **Disk full** fails that one write with :class:`NvmeDiskFullError` (the mover then evicts and
+  retries once: :mod:`ectier.moves.nvme`); I/O errors fail it with :class:`TierWriteError`; reads
+  and the other tiers keep working.
 
 Code: this module is the tier (the Tier protocol, record I/O, quarantine);
-:mod:`ectier.tiers.nvme_env` opens, locks, scans, grows and closes the LMDB environment;
-:mod:`ectier.tiers.nvme_record` encodes records and holds the checks of every read (also used by
-``ectier fsck``); :mod:`ectier.tiers.nvme_index` is the in-memory index (records, policy, budget).
+:mod:`ectier.tiers.nvme_env` opens, locks, scans, grows and closes the store;
+:mod:`ectier.tiers.nvme_record` encodes records and index values and holds the checks of every read
+(also used by ``ectier fsck``); :mod:`ectier.tiers.nvme_index` is the in-memory index (records,
+policy, budget); :mod:`ectier.tiers.nvme_segment` the segment file and its free-space map.
 
-Threads: the tier is safe to share between threads. Writes are serialised (LMDB has one writer);
-reads run in parallel with each other and with the writer (MVCC snapshots), so a record deleted or
-replaced while it is read is still read whole and consistent. Map growth briefly excludes everyone.
-Fork: do not use a tier across ``fork()``; open it in the child (LMDB's rule).
+Threads: the tier is safe to share between threads. Index commits are serialised (LMDB has one
+writer; concurrent writes share a group commit); reads run in parallel with each other and with
+writers. Map growth briefly excludes everyone. Fork: do not use a tier across ``fork()``; open it
+in the child (LMDB's rule).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 from pathlib import Path
 
 import lmdb
 import torch
 
-from ..codec import Codec, RecordHeader, get_codec, unpack_header
+import numpy as np
+
+from ..codec import Codec, RecordHeader, checksum, get_codec
 from ..config import NvmeTierConfig
-from ..entry import EntryMeta
+from ..entry import DTYPE_ITEMSIZE, EntryMeta
 from ..errors import CorruptRecordError, StoreOpenError, TierWriteError
 from ..policy import make_policy
 from .base import Tier
-from .nvme_env import RELEASE_MARKER, STORE_FORMAT, NvmeEnv, free_disk_bytes, write_error_text
+from .nvme_env import (RELEASE_MARKER, STORE_FORMAT, NvmeDiskFullError, NvmeEnv, free_disk_bytes, write_error,
+                       write_error_text)
+from .nvme_commit import GroupCommit, Pending
 from .nvme_index import NvmeIndex, NvmeRecord
-from .nvme_record import EncodedRecord, check_record, encode_record, verify_record
+from .nvme_record import (CheckedRecord, EncodedRecord, check_index_value, check_record, encode_record,
+                          pack_index_value, parse_index_value)
+from .nvme_segment import BLOCK_BYTES, Location, blocks_for, pack_location
 
-__all__ = ["NvmeTier", "NvmeRecord", "EncodedRecord", "STORE_FORMAT", "RELEASE_MARKER", "check_record"]
+__all__ = ["NvmeTier", "NvmeRecord", "EncodedRecord", "STORE_FORMAT", "RELEASE_MARKER", "check_record",
+           "NvmeDiskFullError"]
+
+RAW_CODEC_ID = get_codec("raw").codec_id
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +107,7 @@ class NvmeTier(Tier):
         self.counters = {"checksum_failures": 0, "quarantined": 0, "orphans_reclaimed": 0,
                          "write_errors": 0, "map_growths": 0, "damaged_resets": 0}
         self._store = NvmeEnv(config, self.index, self.counters)
+        self._group = GroupCommit(self._commit_group, config.group_commit_s)
         self._rw = self._store.rw
         self._write_lock = self._store.write_lock
         self._store.open()
@@ -117,7 +135,7 @@ class NvmeTier(Tier):
 
     @property
     def _data(self) -> object:
-        return self._store.data_db
+        return None  # layout v2: payloads live in the segment file, not in LMDB
 
     # ------------------------------------------------------------------------------- queries
 
@@ -156,7 +174,8 @@ class NvmeTier(Tier):
     def describe(self) -> dict:
         return {**self.counters, "path": str(self.path), "codec": self.config.codec,
                 "capacity_bytes": self.index.capacity_bytes, "used_bytes": self.index.used_bytes,
-                "entries": len(self.index), "map_size_bytes": self.map_size_bytes}
+                "entries": len(self.index), "map_size_bytes": self.map_size_bytes,
+                "commit_groups": self._group.groups, "committed_entries": self._group.entries, **self.space()}
 
     @property
     def map_size_bytes(self) -> int:
@@ -166,47 +185,109 @@ class NvmeTier(Tier):
     # ------------------------------------------------------------------------------- writing
 
     def encode(self, meta: EntryMeta, src: torch.Tensor, version: int) -> EncodedRecord:
-        """Encode ``src`` (flat ``uint8`` CPU tensor of ``meta.nbytes``) into a record. No disk I/O."""
-        return encode_record(self.codec, meta, src, version)
+        """Encode ``src`` (flat ``uint8`` CPU tensor of ``meta.nbytes``) into a record. No disk I/O;
+        the payload checksum is computed by :meth:`write`, while it copies the bytes."""
+        return encode_record(self.codec, meta, src, version, with_checksum=False)
+
+    @staticmethod
+    def stored_bytes(record: EncodedRecord) -> int:
+        """What ``record`` will cost the budget: its header plus the whole segment blocks of its payload."""
+        return len(record.header_bytes) + blocks_for(record.header.payload_nbytes) * BLOCK_BYTES
 
     def write(self, digest: bytes, record: EncodedRecord) -> bool:
-        """Store ``record`` under ``digest`` atomically, unless a record of an equal or newer write
-        version is already there (then nothing is written and ``False`` is returned).
+        """Store ``record`` under ``digest``, unless a record of an equal or newer write version is
+        already there (then nothing is written and ``False`` is returned).
+
+        The payload goes to free blocks of the segment file (its checksum computed as it is
+        copied) and is made durable (``fdatasync`` with ``nvme.sync``) before the index entry that
+        points at it commits; a record it replaces keeps its blocks until then.
 
         Raises:
-            TierWriteError: disk full, map at ``nvme.map_ceiling_bytes``, or another LMDB error;
+            NvmeDiskFullError: the filesystem is full (``ENOSPC``); nothing stored is changed.
+            TierWriteError: map at ``nvme.map_ceiling_bytes``, an I/O or another LMDB error;
                 nothing stored is changed.
         """
-        version = record.header.version
-        released = False  # one commit per write may make pages freed by earlier deletes reusable
+        payload = memoryview(record.payload)
+        if payload.ndim != 1 or payload.format != "B":
+            payload = payload.cast("B")
+        loc = self._store.space.allocate(len(payload))
+        try:
+            with self._group.copying():
+                try:
+                    csum = self._store.segment.write(loc, payload)
+                except OSError as exc:
+                    self.counters["write_errors"] += 1
+                    raise write_error(self.path, exc, len(payload), self._free_disk_bytes()) from None
+            if record.header.payload_checksum and record.header.payload_checksum != csum:
+                raise TierWriteError("nvme tier: payload changed while it was written (checksum differs)")
+            header = dataclasses.replace(record.header, payload_checksum=csum)
+            done, old = self._group.submit((digest, header, loc))
+        except BaseException:
+            self._free(loc)
+            raise
+        if not done:
+            self._free(loc)
+        elif old is not None:
+            self._free(old)
+        return done
+
+    def _free(self, loc: Location) -> None:
+        """Return ``loc``'s blocks (the segment file is cut when a grown region shrinks back)."""
+        self._store.space.free(loc)
+
+    def _commit_group(self, batch: list[Pending]) -> None:
+        """Sync the payloads of ``batch`` (``fdatasync`` with ``nvme.sync``), then commit their
+        index entries in one LMDB transaction, each conditional on its version: ``result`` is
+        ``(written, location of the record it replaced)``."""
+        try:
+            self._store.segment.flush()
+        except OSError as exc:
+            self.counters["write_errors"] += 1
+            raise write_error(self.path, exc, 0, self._free_disk_bytes()) from None
+        values = [pack_index_value(h, loc) for _, h, loc in (p.item for p in batch)]
+        need = sum(len(v) for v in values)
+        released = False  # one commit may make pages freed by earlier deletes reusable
         for _ in range(64):
             with self._rw.shared(), self._write_lock:
                 assert self._env is not None
+                results = []
                 try:
                     with self._env.begin(write=True) as txn:
-                        current = txn.get(digest, db=self._meta)
-                        if current is not None:
-                            try:
-                                if unpack_header(current).version >= version:
-                                    return False
-                            except CorruptRecordError:
-                                pass  # replaced below; the bad header goes away with it
-                        txn.put(digest, record.payload, db=self._data)
-                        txn.put(digest, record.header_bytes, db=self._meta)
+                        for p, value in zip(batch, values):
+                            results.append(self._put_entry(txn, p.item, value))
                 except lmdb.MapFullError:
                     if not released:
                         released = True
                         if self._store.release_freed_pages():
                             continue  # retry once before growing: the freed pages may be enough
-                    # else grow below, outside the write lock
                 except lmdb.Error as exc:
                     self.counters["write_errors"] += 1
-                    raise TierWriteError(self._write_error_text(exc, record.stored_bytes)) from None
+                    raise TierWriteError(self._write_error_text(exc, need)) from None
                 else:
-                    self._set_record(digest, NvmeRecord(record.header, record.stored_bytes))
-                    return True
-            self._store.grow(record.stored_bytes)
+                    for p, value, (done, old) in zip(batch, values, results):
+                        digest, header, loc = p.item
+                        if done:
+                            stored = len(value) - len(pack_location(loc)) + loc.alloc_bytes
+                            self._set_record(digest, NvmeRecord(header, stored, loc, value))
+                        p.result = (done, old)
+                    return
+            self._store.grow(need)
         raise TierWriteError("nvme tier: map still full after growing")  # pragma: no cover
+
+    def _put_entry(self, txn: lmdb.Transaction, item: tuple, value: bytes) -> tuple[bool, Location | None]:
+        """In ``txn``: put one index entry unless an equal or newer version is there."""
+        digest, header, _ = item
+        current = txn.get(digest, db=self._meta)
+        old = None
+        if current is not None:
+            try:
+                cur_header, old = parse_index_value(current)
+                if cur_header.version >= header.version:
+                    return False, None
+            except CorruptRecordError:
+                old = None  # replaced below; its blocks come back at the next open
+        txn.put(digest, value, db=self._meta)
+        return True, old
 
     def _write_error_text(self, exc: lmdb.Error, need_bytes: int) -> str:
         return write_error_text(self.path, exc, need_bytes, self._free_disk_bytes())
@@ -220,25 +301,26 @@ class NvmeTier(Tier):
     def delete(self, digest: bytes, *, only_version: int | None = None) -> bool:  # noqa: D417
         """Remove the record for ``digest`` (only if its write version is ``only_version``, when given).
 
-        Returns True if a record was removed. LMDB errors are logged and return False (the record
-        stays; a later delete or overwrite removes it).
+        Returns True if a record was removed (its blocks are free once the index entry is gone).
+        LMDB errors are logged and return False (the record stays; a later delete or overwrite
+        removes it).
         """
         with self._rw.shared(), self._write_lock:
             assert self._env is not None
+            loc = None
             try:
                 with self._env.begin(write=True) as txn:
                     current = txn.get(digest, db=self._meta)
                     if current is None:
                         removed = False
                     else:
-                        if only_version is not None:
-                            try:
-                                if unpack_header(current).version != only_version:
-                                    return False
-                            except CorruptRecordError:
-                                pass
+                        try:
+                            cur_header, loc = parse_index_value(current)
+                            if only_version is not None and cur_header.version != only_version:
+                                return False
+                        except CorruptRecordError:
+                            loc = None  # its blocks come back at the next open
                         txn.delete(digest, db=self._meta)
-                        txn.delete(digest, db=self._data)
                         removed = True
             except lmdb.Error as exc:
                 log.error("nvme tier: delete failed: %s", exc)
@@ -247,31 +329,39 @@ class NvmeTier(Tier):
             rec = self.index.record(digest)
             if rec is not None and (only_version is None or rec.version == only_version):
                 self._set_record(digest, None)
+        if loc is not None:
+            self._free(loc)
         return removed
 
     # ------------------------------------------------------------------------------- reading
 
-    def read(self, digest: bytes, namespace: str, key: str) -> tuple[RecordHeader, torch.Tensor] | None:
+    def read(self, digest: bytes, namespace: str, key: str, *,
+             out: torch.Tensor | None = None) -> tuple[RecordHeader, torch.Tensor] | None:
         """Read, check and decode the record for ``(namespace, key)``.
 
-        Returns ``(header, data)`` with ``data`` a new flat ``uint8`` CPU tensor of
-        ``header.raw_nbytes`` bytes, or ``None`` for a miss. A record that fails any check is
+        Args:
+            out: a flat ``uint8`` CPU tensor of the entry's raw bytes to decode into (e.g. the
+                caller's ``get(out=)``); ``None``, or one of another size: a new tensor. A raw
+                payload is read straight into it; on a miss its contents are undefined.
+
+        Returns ``(header, data)`` with ``data`` (``out``, or a new flat ``uint8`` CPU tensor) of
+        ``header.raw_nbytes`` bytes, or ``None`` for a miss. A record that fails any check (header,
+        location, payload length, xxh3-64 computed while the bytes are read, decoding) is
         quarantined, counted in ``counters["checksum_failures"]`` and read as ``None``.
         """
-        with self._rw.shared():
+        with self._rw.shared(), self._store.space.reading():
+            # entered before the lookup: blocks the snapshot names stay unreused until this read ends
             assert self._env is not None
-            failure: tuple[bytes, str] | None = None
             with self._env.begin(buffers=True) as txn:
                 raw = txn.get(digest, db=self._meta)
-                if raw is not None:
-                    try:
-                        payload = txn.get(digest, db=self._data)
-                        rec = verify_record((namespace, key), raw, payload, codec=self.codec)
-                        out = torch.empty(rec.header.raw_nbytes, dtype=torch.uint8)
-                        rec.codec.decode_into(payload, out.numpy(), rec.itemsize)
-                        return rec.header, out
-                    except CorruptRecordError as exc:
-                        failure = (bytes(raw), str(exc))
+                raw = bytes(raw) if raw is not None else None  # a small copy: the header and location
+            failure = None
+            if raw is not None:
+                try:
+                    rec, loc = self._checked(digest, (namespace, key), raw)
+                    return rec.header, self._read_payload(rec, loc, out)
+                except CorruptRecordError as exc:
+                    failure = (raw, str(exc))
         if failure is None:
             # No record in this read's snapshot. Forget the in-memory record only if LMDB still has
             # none under the write lock: a write that committed after the snapshot began is kept.
@@ -282,6 +372,37 @@ class NvmeTier(Tier):
                     digest.hex()[:16], failure[1])
         self.quarantine(digest, failure[0], failure[1])
         return None
+
+    def _checked(self, digest: bytes, identity: tuple[str, str], raw: bytes) -> tuple[CheckedRecord, Location]:
+        """The checks of index entry ``raw``; an entry byte-equal to the one this tier committed or
+        scanned (already checked then) is only checked for identity."""
+        known = self.index.record(digest)
+        if known is not None and known.value == raw and known.location is not None:
+            h = known.header
+            if (h.namespace, h.key) != identity:
+                raise CorruptRecordError("record identity does not match the requested key")
+            codec = self.codec if h.codec_id == self.codec.codec_id else get_codec(h.codec_id)
+            return CheckedRecord(h, codec, DTYPE_ITEMSIZE[h.dtype]), known.location
+        return check_index_value(identity, raw, codec=self.codec)
+
+    def _read_payload(self, rec: CheckedRecord, loc: Location, out: torch.Tensor | None) -> torch.Tensor:
+        """The payload of ``rec`` at ``loc``, checked and decoded into ``out`` (or a new tensor)."""
+        h = rec.header
+        if (out is None or out.dtype != torch.uint8 or out.numel() != h.raw_nbytes or not out.is_contiguous()
+                or out.device.type != "cpu"):
+            out = torch.empty(h.raw_nbytes, dtype=torch.uint8)  # (an unsuitable out= is not used)
+        dst = out.numpy()
+        if h.codec_id == RAW_CODEC_ID:
+            buf = dst
+        else:
+            buf = np.empty(h.payload_nbytes, dtype=np.uint8)
+        csum = self._store.segment.read_into(loc, memoryview(buf)) if h.payload_nbytes else checksum(b"")
+        if csum != h.payload_checksum:
+            raise CorruptRecordError(f"payload checksum mismatch: header {h.payload_checksum:#018x}, "
+                                     f"computed {csum:#018x}")
+        if buf is not dst:
+            rec.codec.decode_into(buf, dst, rec.itemsize)
+        return out
 
     def quarantine(self, digest: bytes, raw_header: bytes, reason: str) -> None:
         """Move a damaged record out of service (header kept in ``quarantine`` for inspection).
@@ -313,13 +434,33 @@ class NvmeTier(Tier):
                     self._set_record(digest, None)
 
     def stored_keys(self) -> tuple[set[bytes], set[bytes]]:
-        """The digests LMDB holds headers for, and those it holds payloads for (a consistency
-        check: both equal the in-memory records when the tier is idle)."""
+        """The digests the index holds entries for, and those whose entry names a payload location
+        inside the segment file, not overlapping another's (a consistency check: both equal the
+        in-memory records when the tier is idle)."""
         assert self._env is not None
+        seg_blocks = self._store.segment.size_blocks()
+        meta, placed, taken = set(), set(), set()
         with self._env.begin() as txn:
-            meta = {bytes(k) for k in txn.cursor(db=self._meta).iternext(keys=True, values=False)}
-            data = {bytes(k) for k in txn.cursor(db=self._data).iternext(keys=True, values=False)}
-        return meta, data
+            for k, v in txn.cursor(db=self._meta):
+                meta.add(bytes(k))
+                try:
+                    header, loc = parse_index_value(v)
+                except CorruptRecordError:
+                    continue
+                blocks = {b for s, n in loc.extents for b in range(s, s + n)}
+                if (blocks_for(header.payload_nbytes) <= loc.blocks and not blocks & taken
+                        and max((s + n for s, n in loc.extents), default=0) <= seg_blocks):
+                    placed.add(bytes(k))
+                taken |= blocks
+        return meta, placed
+
+    def space(self) -> dict[str, int]:
+        """Segment file figures, bytes: ``segment_bytes`` (its length), ``segment_used_bytes``
+        (blocks held by records or reads), ``segment_disk_bytes`` (allocated on disk)."""
+        st = os.fstat(self._store.segment.fd)
+        sp = self._store.space
+        return {"segment_bytes": st.st_size, "segment_used_bytes": (sp.nblocks - sp.free_blocks) * BLOCK_BYTES,
+                "segment_disk_bytes": st.st_blocks * 512}
 
     def quarantined(self) -> dict[bytes, dict]:
         """Digest -> ``{"reason", "time", "header"}`` of every quarantined record."""

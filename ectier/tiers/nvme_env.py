@@ -1,8 +1,10 @@
-"""The LMDB environment of one NVMe store directory, for :class:`~ectier.tiers.nvme.NvmeTier`.
+"""The LMDB index and the segment file of one NVMe store directory, for :class:`~ectier.tiers.nvme.NvmeTier`.
 
-:class:`NvmeEnv` takes the directory lock, opens the environment (file size, store format, scan of
-the headers into the tier's index), handles a damaged store (``nvme.on_damaged``), grows the map,
-and closes it all again. The layout and the contract are in :mod:`ectier.tiers.nvme`.
+:class:`NvmeEnv` takes the directory lock, opens the environment (file size, store format — a
+layout-v1 store is migrated, :mod:`ectier.tiers.nvme_migrate` — scan of the index entries into the
+tier's index and of their extents into the free-space map), handles a damaged store
+(``nvme.on_damaged``), grows the map, and closes it all again. The layout and the contract are in
+:mod:`ectier.tiers.nvme`.
 """
 
 from __future__ import annotations
@@ -19,20 +21,26 @@ from pathlib import Path
 from typing import Iterator
 
 import lmdb
+import numpy as np
 
-from ..codec import unpack_header
+from ..codec import peek_header
 from ..config import NvmeTierConfig
 from ..entry import entry_digest
 from ..errors import CorruptRecordError, StoreDamagedError, StoreLockedError, StoreOpenError, TierWriteError
 from .nvme_index import NvmeIndex, NvmeRecord
+from .nvme_migrate import migrate_v1
+from .nvme_record import parse_index_value
+from .nvme_segment import BLOCK_BYTES, SEGMENT_NAME, ExtentSpace, SegmentFile, blocks_for, unpack_location
 from .storedir import check_local_filesystem, move_aside
 
-__all__ = ["NvmeEnv", "RWLock", "STORE_FORMAT", "RELEASE_MARKER", "write_error_text", "free_disk_bytes"]
+__all__ = ["NvmeEnv", "RWLock", "STORE_FORMAT", "RELEASE_MARKER", "write_error_text", "free_disk_bytes",
+           "NvmeDiskFullError", "write_error"]
 
 log = logging.getLogger("ectier.tiers.nvme")  # the tier's logger: where these messages always came from
 
-#: Version of the directory layout (bumped only for incompatible changes).
-STORE_FORMAT = 1
+#: Version of the directory layout (bumped only for incompatible changes). 2: payloads in the
+#: segment file, LMDB holds the index only; a store of format 1 is migrated at open.
+STORE_FORMAT = 2
 
 #: ``settings`` key rewritten by a write that found the map full, so that LMDB reuses freed pages.
 RELEASE_MARKER = b"freed_pages_released"
@@ -110,6 +118,20 @@ def write_error_text(path: Path, exc: lmdb.Error, need_bytes: int, free: int | N
     return f"nvme tier: write failed under {str(path)!r}: {text}"
 
 
+class NvmeDiskFullError(TierWriteError):
+    """A write found the filesystem of ``nvme.path`` full (``ENOSPC``); nothing stored changed."""
+
+
+def write_error(path: Path, exc: OSError, need_bytes: int, free: int | None) -> TierWriteError:
+    """The error of a payload write of ``need_bytes`` under ``path`` that failed with ``exc``:
+    :class:`NvmeDiskFullError` for ``ENOSPC``, else :class:`TierWriteError` (EIO, ...)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return NvmeDiskFullError(
+            f"nvme tier: disk full under {str(path)!r} ({exc.strerror}; {free} bytes free, the payload "
+            f"needs {need_bytes}); free space on that file system or lower nvme.capacity_bytes")
+    return TierWriteError(f"nvme tier: payload write failed under {str(path)!r}: {exc}")
+
+
 class NvmeEnv:
     """The directory lock and the LMDB environment under ``config.path``, and their life cycle.
 
@@ -119,7 +141,7 @@ class NvmeEnv:
         counters: the tier's counters (``quarantined``, ``orphans_reclaimed``, ``write_errors``,
             ``map_growths``, ``damaged_resets`` are counted here).
 
-    Attributes ``env``, ``meta_db``, ``data_db``, ``quarantine_db`` and ``settings_db`` are the
+    Attributes ``env``, ``meta_db``, ``quarantine_db`` and ``settings_db`` are the
     environment and its four databases once open (``env`` is ``None`` when closed). ``rw`` is
     held shared by every transaction and exclusively by a map resize or close; ``write_lock``
     serialises the writers.
@@ -131,7 +153,9 @@ class NvmeEnv:
         self.index = index
         self.counters = counters
         self.env: lmdb.Environment | None = None
-        self.meta_db = self.data_db = self.quarantine_db = self.settings_db = None
+        self.meta_db = self.quarantine_db = self.settings_db = None
+        self.segment: SegmentFile | None = None
+        self.space = ExtentSpace(blocks_for(config.capacity_bytes), self._cut_segment)
         self.rw = RWLock()
         self.write_lock = threading.Lock()
         self._lock_file = None
@@ -206,10 +230,11 @@ class NvmeEnv:
             )
             self._check_file_size()
             self.meta_db = self.env.open_db(b"meta")
-            self.data_db = self.env.open_db(b"data")
             self.quarantine_db = self.env.open_db(b"quarantine")
             self.settings_db = self.env.open_db(b"settings")
-            self._check_settings()
+            self.segment = SegmentFile(str(self.path / SEGMENT_NAME), sync=self.config.sync)
+            if self._check_settings() == b"1":
+                migrate_v1(self)
             self._scan()
         except lmdb.Error as exc:
             self._close_env()
@@ -221,11 +246,20 @@ class NvmeEnv:
             self._close_env()
             raise
 
+    def _cut_segment(self, nblocks: int) -> None:
+        """The region shrank to ``nblocks``: give the free end of the segment file back."""
+        seg = self.segment
+        if seg is not None and os.fstat(seg.fd).st_size > nblocks * BLOCK_BYTES:
+            seg.truncate_blocks(nblocks)
+
     def _close_env(self) -> None:
         if self.env is not None:
             with self.rw.exclusive():
                 self.env.close()
                 self.env = None
+                if self.segment is not None:
+                    self.segment.close()
+                    self.segment = None
 
     def _reset_damaged(self, exc: StoreDamagedError) -> None:
         """``nvme.on_damaged: reset``: move the damaged environment aside, open an empty one."""
@@ -256,64 +290,140 @@ class NvmeEnv:
                 + _damaged_hint(self.path)
             )
 
-    def _check_settings(self) -> None:
+    def _check_settings(self) -> bytes:
+        """The store format (written on a new store); a format this ectier does not read is refused.
+
+        Raises:
+            StoreOpenError: a format other than 1 (migrated by the caller) or :data:`STORE_FORMAT`.
+        """
         assert self.env is not None
         with self.env.begin(write=True) as txn:
             fmt = txn.get(b"format", db=self.settings_db)
             if fmt is None:
                 txn.put(b"format", str(STORE_FORMAT).encode(), db=self.settings_db)
                 txn.put(b"created", json.dumps({"time": time.time()}).encode(), db=self.settings_db)
-            elif fmt != str(STORE_FORMAT).encode():
+                return str(STORE_FORMAT).encode()
+            if fmt not in (b"1", str(STORE_FORMAT).encode()):
                 raise StoreOpenError(
                     f"nvme.path: {str(self.path)!r} holds store format {fmt.decode(errors='replace')}, "
-                    f"this ectier reads format {STORE_FORMAT}"
+                    f"this ectier reads formats 1 (migrated at open) and {STORE_FORMAT}"
                 )
+            return bytes(fmt)
 
     def _scan(self) -> None:
-        """Load every header into the index; quarantine bad ones; reclaim orphans."""
-        assert self.env is not None
+        """Load every index entry into the index and its extents into the free-space map;
+        quarantine bad entries. Reads no payload byte.
+
+        Blocks no entry names are free (the space of a payload whose index entry never committed
+        is reclaimed so). Entries whose blocks overlap (possible only after a lost commit of a
+        delete: ``nvme.sync`` off and a power loss) keep the newest; the older are quarantined.
+        """
+        assert self.env is not None and self.segment is not None
         bad: list[tuple[bytes, bytes, str]] = []
-        orphans: list[bytes] = []
         found: dict[bytes, NvmeRecord] = {}
+        seg_blocks = self.segment.size_blocks()
         with self.env.begin(buffers=True) as txn:
-            # keys only: fetching a payload would touch every one of its pages (a full read of the
-            # store at open); its length and checksum are checked on every read instead
-            payload_keys = {bytes(k) for k in txn.cursor(db=self.data_db).iternext(keys=True, values=False)}
             for digest, raw in txn.cursor(db=self.meta_db):
                 digest = bytes(digest)
                 try:
-                    header = unpack_header(raw)
-                    if entry_digest(header.namespace, header.key) != digest:
-                        raise CorruptRecordError("header identity does not match its digest")
-                    if digest not in payload_keys:
-                        raise CorruptRecordError("payload missing")
+                    # cheap checks only (checksums, sizes, location): the full parse, and the
+                    # identity check, happen at the record's first use / read
+                    hn, version, payload_nbytes = peek_header(raw)
+                    loc = unpack_location(raw[hn:])
+                    blocks = end = 0
+                    for s, n in loc.extents:
+                        blocks += n
+                        end = max(end, s + n)
+                    if -(-payload_nbytes // BLOCK_BYTES) > blocks:
+                        raise CorruptRecordError("payload location is smaller than the payload")
+                    if end > seg_blocks:
+                        raise CorruptRecordError("payload past the end of the segment file (truncated)")
                 except CorruptRecordError as exc:
                     bad.append((digest, bytes(raw), str(exc)))
                     continue
-                found[digest] = NvmeRecord(header, len(raw) + header.payload_nbytes)
-            bad_digests = {b[0] for b in bad}
-            orphans = [d for d in payload_keys if d not in found and d not in bad_digests]
+                found[digest] = NvmeRecord(None, hn + blocks * BLOCK_BYTES, loc, bytes(raw), version)
+            clashes, used = self._overlaps(found, txn)
+            bad.extend(clashes)
         self.index.load(found)
-        if bad or orphans:
+        self.space.rebuild(used, presorted=True)
+        end = max((s + n for s, n in used), default=0)
+        if self.segment.size_blocks() > end:  # nothing past the last record's blocks is in use
+            self.segment.truncate_blocks(end)
+        if bad:
             with self.env.begin(write=True) as txn:
                 for digest, raw, reason in bad:
                     self.quarantine_in(txn, digest, raw, reason)
-                for digest in orphans:
-                    txn.delete(digest, db=self.data_db)
-            self.counters["orphans_reclaimed"] += len(orphans)
             for digest, _, reason in bad:
                 log.warning("nvme tier: quarantined record %s at open: %s", digest.hex()[:16], reason)
         log.info("nvme tier: opened %s with %d records, %d bytes", self.path, len(self.index), self.index.used_bytes)
 
+    def _overlaps(self, found: dict[bytes, NvmeRecord],
+                  txn: lmdb.Transaction) -> tuple[list[tuple[bytes, bytes, str]], list[tuple[int, int]]]:
+        """Remove from ``found`` every record whose blocks overlap another's and that does not own
+        them: the payloads of overlapping records are read and checked (their checksums decide;
+        of two that both pass, the newer keeps the blocks). Returns them as ``(digest, raw value,
+        reason)`` to quarantine, and the extents of the records kept, sorted by start. Only
+        overlapping records are read: none in a healthy store."""
+        starts, lens = [], []
+        for rec in found.values():
+            for s, n in rec.location.extents:
+                starts.append(s)
+                lens.append(n)
+        st = np.array(starts, dtype=np.int64)
+        order = np.argsort(st, kind="stable")
+        st, ln = st[order], np.array(lens, dtype=np.int64)[order]
+        ends = st + ln
+        if not len(st) or not (st[1:] < np.maximum.accumulate(ends)[:-1]).any():  # the usual case
+            return [], list(zip(st.tolist(), ln.tolist()))
+        runs = sorted((s, s + n, d) for d, rec in found.items() for s, n in rec.location.extents)
+        clash: set[bytes] = set()
+        reach, holder = -1, None
+        for start, end, digest in runs:
+            if holder is not None and start < reach and holder != digest:
+                clash.update((digest, holder))
+            if end > reach:
+                reach, holder = end, digest
+        if not clash:  # pragma: no cover - the vector check above found one
+            return [], [(s, e - s) for s, e, _ in runs]
+        good = {d for d in clash if self._payload_ok(d, found[d])}
+        owner: dict[int, bytes] = {}  # block -> the newest good record holding it
+        for d in sorted(good, key=lambda d: found[d].version):
+            for s, n in found[d].location.extents:
+                for blk in range(s, s + n):
+                    owner[blk] = d
+        out = []
+        for d in clash:
+            rec = found[d]
+            if d in good and all(owner.get(blk) == d for s, n in rec.location.extents for blk in range(s, s + n)):
+                continue
+            del found[d]
+            reason = ("payload blocks overlap another record's (reused extent)" if d in good
+                      else "payload checksum mismatch (its blocks overlap another record's: reused extent)")
+            out.append((d, bytes(txn.get(d, db=self.meta_db)), reason))
+        return out, sorted(e for rec in found.values() for e in rec.location.extents)
+
+    def _payload_ok(self, digest: bytes, rec: NvmeRecord) -> bool:
+        """Whether ``rec`` is stored under its own identity and its payload reads back with its
+        checksum (the open-time check of records whose blocks clash)."""
+        assert self.segment is not None
+        try:
+            h = rec.header
+            if entry_digest(h.namespace, h.key) != digest:
+                return False
+            buf = bytearray(h.payload_nbytes)
+            return self.segment.read_into(rec.location, memoryview(buf)) == h.payload_checksum
+        except (CorruptRecordError, OSError):
+            return False
+
     # ------------------------------------------------------------------------------- in service
 
     def quarantine_in(self, txn: lmdb.Transaction, digest: bytes, raw_header: bytes, reason: str) -> None:
-        """In write transaction ``txn``: move the record of ``digest`` out of ``meta``/``data`` and
-        note ``reason`` (and the header) under ``quarantine``."""
+        """In write transaction ``txn``: move the index entry of ``digest`` out of ``meta`` and note
+        ``reason`` (and the entry) under ``quarantine``. Its blocks are not freed here (a damaged
+        location may name another record's blocks); the next open rebuilds the free-space map."""
         note = {"reason": reason, "time": time.time(), "header": raw_header[:4096].hex()}
         txn.put(digest, json.dumps(note).encode(), db=self.quarantine_db)
         txn.delete(digest, db=self.meta_db)
-        txn.delete(digest, db=self.data_db)
         self.counters["quarantined"] += 1
 
     def release_freed_pages(self) -> bool:

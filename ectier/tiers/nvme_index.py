@@ -20,8 +20,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator
 
-from ..codec import RecordHeader
+from ..codec import RecordHeader, header_nbytes, unpack_header
 from ..policy import EvictionPolicy
+from .nvme_segment import Location
 
 __all__ = ["NvmeIndex", "NvmeRecord", "HEADER_ALLOWANCE_BYTES"]
 
@@ -31,20 +32,42 @@ __all__ = ["NvmeIndex", "NvmeRecord", "HEADER_ALLOWANCE_BYTES"]
 HEADER_ALLOWANCE_BYTES = 4096 + 2 * 65536
 
 
-@dataclass(frozen=True)
 class NvmeRecord:
     """What the tier knows, in memory, of one stored record.
 
-    Fields: ``header`` (:class:`~ectier.codec.RecordHeader`), ``stored_bytes`` (header + payload,
-    what the record costs the ``nvme.capacity_bytes`` budget).
+    Fields: ``header`` (:class:`~ectier.codec.RecordHeader`; a record scanned at open keeps only
+    its checked bytes and parses them at first use), ``stored_bytes`` (header + the whole segment
+    blocks of its payload, what the record costs the ``nvme.capacity_bytes`` budget),
+    ``location`` (:class:`~ectier.tiers.nvme_segment.Location` of its payload), ``value`` (its
+    index entry's bytes as committed: a read whose entry is byte-equal skips parsing it again),
+    ``version`` (its write version).
     """
 
-    header: RecordHeader
-    stored_bytes: int
+    __slots__ = ("_header", "stored_bytes", "location", "value", "version")
+
+    def __init__(self, header: RecordHeader | None, stored_bytes: int, location: Location | None = None,
+                 value: bytes | None = None, version: int | None = None) -> None:
+        if header is None and (value is None or version is None):
+            raise ValueError("NvmeRecord: a header, or its value and version")
+        self._header = header
+        self.stored_bytes = stored_bytes
+        self.location = location
+        self.value = value
+        self.version = header.version if header is not None else version
 
     @property
-    def version(self) -> int:
-        return self.header.version
+    def header(self) -> RecordHeader:
+        if self._header is None:
+            assert self.value is not None
+            self._header = unpack_header(memoryview(self.value)[: header_nbytes(self.value)])
+        return self._header
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, NvmeRecord) and self.version == other.version
+                and self.stored_bytes == other.stored_bytes and self.location == other.location)
+
+    def __repr__(self) -> str:
+        return f"NvmeRecord(version={self.version}, stored_bytes={self.stored_bytes}, location={self.location})"
 
 
 class NvmeIndex:
@@ -142,6 +165,16 @@ class NvmeIndex:
         """Tracked digests covering ``need_bytes`` (least valuable first; all of them if they do
         not cover it) — to trim the tier back within budget."""
         return self.policy.victims(need_bytes) or list(self.policy)
+
+    def victims_for_space(self, need_bytes: int, digest: bytes, protect: bytes | None) -> list[bytes]:
+        """Tracked records covering ``need_bytes`` (least valuable first; as many as there are when
+        they do not cover it) to free disk space after ``ENOSPC`` — never ``digest``, ``protect`` or
+        a record with a write in flight."""
+        def protected(d: bytes) -> bool:
+            return d == digest or d == protect or d in self._writing or d not in self._records
+
+        got = self.policy.victims(need_bytes, protected=protected)
+        return got if got is not None else [d for d in self.policy if not protected(d)]
 
     def begin_delete(self) -> None:
         """A delete of an untracked record starts: its bytes still count in ``used_bytes``."""

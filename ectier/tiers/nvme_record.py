@@ -4,7 +4,9 @@ of one makes (:func:`verify_record`), shared by :class:`~ectier.tiers.nvme.NvmeT
 
 A record is a packed :class:`~ectier.codec.RecordHeader` (magic, format, codec, dtype, shape,
 namespace, key, sizes, payload checksum, write version; its own checksum) and a payload (the raw
-bytes, or their compressed form). See :mod:`ectier.tiers.nvme` for where they are stored.
+bytes, or their compressed form). In layout v2 the index value is the packed header followed by
+the payload's :class:`~ectier.tiers.nvme_segment.Location` (:func:`pack_index_value`,
+:func:`parse_index_value`); the payload lives in the segment file. See :mod:`ectier.tiers.nvme`.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..codec import Codec, RecordHeader, checksum, get_codec, pack_header, unpack_header, verify_payload
+from ..codec import (Codec, RecordHeader, checksum, get_codec, header_nbytes, pack_header, unpack_header,
+                     verify_payload)
 from ..entry import DTYPE_ITEMSIZE, EntryMeta, entry_digest
 from ..errors import CorruptRecordError, UnknownCodecError
+from .nvme_segment import Location, pack_location, unpack_location
 
-__all__ = ["EncodedRecord", "CheckedRecord", "encode_record", "verify_record", "check_record"]
+__all__ = ["EncodedRecord", "CheckedRecord", "encode_record", "verify_record", "check_record",
+           "pack_index_value", "parse_index_value", "check_index_value"]
 
 
 @dataclass(frozen=True)
@@ -37,9 +42,11 @@ class EncodedRecord:
         return len(self.header_bytes) + self.header.payload_nbytes
 
 
-def encode_record(codec: Codec, meta: EntryMeta, src: torch.Tensor, version: int) -> EncodedRecord:
+def encode_record(codec: Codec, meta: EntryMeta, src: torch.Tensor, version: int, *,
+                  with_checksum: bool = True) -> EncodedRecord:
     """Encode ``src`` (flat ``uint8`` CPU tensor of ``meta.nbytes``) with ``codec`` into a record of
-    write version ``version``. No disk I/O."""
+    write version ``version``. No disk I/O. ``with_checksum=False`` leaves ``payload_checksum`` 0
+    for a writer that computes it while it copies the payload (the NVMe tier: one pass)."""
     data = src.numpy() if src.numel() else np.empty(0, dtype=np.uint8)
     payload = codec.encode(data, meta.itemsize)
     view = memoryview(payload)
@@ -51,7 +58,7 @@ def encode_record(codec: Codec, meta: EntryMeta, src: torch.Tensor, version: int
         key=meta.key,
         raw_nbytes=meta.nbytes,
         payload_nbytes=view.nbytes,
-        payload_checksum=checksum(view),
+        payload_checksum=checksum(view) if with_checksum else 0,
         version=version,
         created_ns=time.time_ns(),
         codec_config={k: v for k, v in codec.get_config().items() if k != "name"},
@@ -87,28 +94,11 @@ def verify_record(identity: bytes | tuple[str, str], raw_header: object, payload
             length or xxh3-64 checksum fails.
     """
     header = unpack_header(raw_header)
-    if isinstance(identity, tuple):
-        if (header.namespace, header.key) != identity:
-            raise CorruptRecordError("record identity does not match the requested key")
-    elif entry_digest(header.namespace, header.key) != identity:
-        raise CorruptRecordError("header identity does not match its digest")
-    itemsize = DTYPE_ITEMSIZE.get(header.dtype)
-    if itemsize is None:
-        raise CorruptRecordError(f"unknown dtype {header.dtype!r}")
-    expected = itemsize
-    for d in header.shape:
-        expected *= d
-    if expected != header.raw_nbytes:
-        raise CorruptRecordError("raw size does not match dtype and shape")
-    if codec is None or header.codec_id != codec.codec_id:
-        try:
-            codec = get_codec(header.codec_id)
-        except UnknownCodecError as exc:
-            raise CorruptRecordError(str(exc)) from None
+    rec = _check_header(identity, header, codec)
     if payload is None:
         raise CorruptRecordError("payload missing")
     verify_payload(header, payload)
-    return CheckedRecord(header, codec, itemsize)
+    return rec
 
 
 def check_record(digest: bytes, raw_header: object, payload: object | None, *, decode: bool = False) -> RecordHeader:
@@ -133,3 +123,63 @@ def check_record(digest: bytes, raw_header: object, payload: object | None, *, d
     if decode:
         rec.codec.decode_into(payload, np.empty(rec.header.raw_nbytes, dtype=np.uint8), rec.itemsize)
     return rec.header
+
+
+def pack_index_value(header: RecordHeader, loc: Location) -> bytes:
+    """The LMDB index value of a layout-v2 record: packed header, then the payload's location."""
+    return pack_header(header) + pack_location(loc)
+
+
+def parse_index_value(raw: object) -> tuple[RecordHeader, Location]:
+    """Split and check an index value (:func:`pack_index_value`).
+
+    Raises:
+        CorruptRecordError: the header or the location fails its checks, or the location is missing
+            (a layout-v1 value: header only).
+    """
+    mv = memoryview(raw)
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")
+    n = header_nbytes(mv)
+    if n > len(mv):
+        raise CorruptRecordError(f"record header length mismatch: declares {n} bytes, got {len(mv)}")
+    header = unpack_header(mv[:n])
+    return header, unpack_location(mv[n:])
+
+
+def check_index_value(identity: bytes | tuple[str, str], raw: object, *,
+                      codec: Codec | None = None) -> tuple[CheckedRecord, Location]:
+    """The checks of a layout-v2 index value, short of reading its payload: header and location
+    (:func:`parse_index_value`), identity, dtype/shape/size, codec, and that the location holds
+    the payload length.
+
+    Raises:
+        CorruptRecordError: any check fails.
+    """
+    header, loc = parse_index_value(raw)
+    rec = _check_header(identity, header, codec)
+    if loc.alloc_bytes < header.payload_nbytes:
+        raise CorruptRecordError("payload location is smaller than the payload")
+    return rec, loc
+
+
+def _check_header(identity: bytes | tuple[str, str], header: RecordHeader, codec: Codec | None) -> CheckedRecord:
+    if isinstance(identity, tuple):
+        if (header.namespace, header.key) != identity:
+            raise CorruptRecordError("record identity does not match the requested key")
+    elif entry_digest(header.namespace, header.key) != identity:
+        raise CorruptRecordError("header identity does not match its digest")
+    itemsize = DTYPE_ITEMSIZE.get(header.dtype)
+    if itemsize is None:
+        raise CorruptRecordError(f"unknown dtype {header.dtype!r}")
+    expected = itemsize
+    for d in header.shape:
+        expected *= d
+    if expected != header.raw_nbytes:
+        raise CorruptRecordError("raw size does not match dtype and shape")
+    if codec is None or header.codec_id != codec.codec_id:
+        try:
+            codec = get_codec(header.codec_id)
+        except UnknownCodecError as exc:
+            raise CorruptRecordError(str(exc)) from None
+    return CheckedRecord(header, codec, itemsize)

@@ -8,7 +8,7 @@ moving a damaged LMDB environment aside.
   9p, Ceph, GlusterFS, Lustre, GPFS, ``fuse.*``, ...): LMDB relies on POSIX locks and a shared
   memory map that such filesystems do not keep coherent (LMDB's documentation: "do not use LMDB
   databases on remote filesystems"). ``nvme.allow_network_fs: true`` opts out.
-- :func:`move_aside` renames ``<store>/lmdb`` to ``<store>/damaged-<UTC time>/lmdb`` (used by
+- :func:`move_aside` renames ``<store>/lmdb`` (and ``segment.0``) into ``<store>/damaged-<UTC time>/`` (used by
   ``nvme.on_damaged: reset`` and ``ectier fsck --repair``). The copy stays inside the store
   directory: on the same filesystem (a rename, no copy), and possible when the store directory is
   itself a mount point.
@@ -151,7 +151,8 @@ def damaged_copies(store_dir: str | os.PathLike) -> list[Path]:
 
 
 def move_aside(store_dir: str | os.PathLike) -> Path:
-    """Rename ``store_dir/lmdb`` to ``store_dir/damaged-<YYYYmmddTHHMMSSZ>[-n]/lmdb``.
+    """Rename ``store_dir/lmdb`` to ``store_dir/damaged-<YYYYmmddTHHMMSSZ>[-n]/lmdb`` (and the
+    segment file ``store_dir/segment.0`` next to it, when there is one).
 
     The caller holds the store's directory lock and has closed the LMDB environment.
 
@@ -174,6 +175,8 @@ def move_aside(store_dir: str | os.PathLike) -> Path:
     except OSError:
         target.rmdir()
         raise
+    if (d / "segment.0").exists():  # layout v2: the payloads go with their index
+        os.rename(d / "segment.0", target / "segment.0")
     _fsync_dir(d)
     return target
 

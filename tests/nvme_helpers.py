@@ -1,0 +1,110 @@
+"""Damage a closed (or open) NVMe store of layout v2 the way a disk would: in the segment file at the
+bytes of one record's payload, or in its LMDB index entry. Used by the NVMe corruption tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ectier.entry import entry_digest
+from ectier.tiers.nvme_record import pack_index_value, parse_index_value
+from ectier.tiers.nvme_segment import BLOCK_BYTES, SEGMENT_NAME, Location
+
+from conftest import open_lmdb
+
+
+def digest(key: str, namespace: str = "test") -> bytes:
+    return entry_digest(namespace, key)
+
+
+def segment_path(store_dir) -> Path:
+    return Path(store_dir) / SEGMENT_NAME
+
+
+def index_value(store_dir, key: str, namespace: str = "test", env=None) -> bytes | None:
+    """The LMDB index value of ``key`` (``env``: an already open environment, e.g. ``lmdb_of(tier).env``)."""
+    own = env is None
+    if own:
+        env, meta, *_ = open_lmdb(Path(store_dir))
+    else:
+        meta = env.open_db(b"meta")
+    try:
+        with env.begin() as txn:
+            v = txn.get(digest(key, namespace), db=meta)
+            return bytes(v) if v is not None else None
+    finally:
+        if own:
+            env.close()
+
+
+def set_index_value(store_dir, key: str, value: bytes | None, namespace: str = "test") -> None:
+    env, meta, *_ = open_lmdb(Path(store_dir))
+    try:
+        with env.begin(write=True) as txn:
+            if value is None:
+                txn.delete(digest(key, namespace), db=meta)
+            else:
+                txn.put(digest(key, namespace), value, db=meta)
+    finally:
+        env.close()
+
+
+def payload_spans(value: bytes) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` byte ranges of the segment file holding the payload of index ``value``."""
+    header, loc = parse_index_value(value)
+    spans, left = [], header.payload_nbytes
+    for start, count in loc.extents:
+        n = min(left, count * BLOCK_BYTES)
+        spans.append((start * BLOCK_BYTES, n))
+        left -= n
+    return spans
+
+
+def flip_payload_byte(store_dir, value: bytes, pos: int | None = None, bit: int = 0x10) -> None:
+    """Flip bit ``bit`` of payload byte ``pos`` (default: the middle; negative: from the end) in the file."""
+    spans = payload_spans(value)
+    total = sum(n for _, n in spans)
+    p = total // 2 if pos is None else pos % total
+    for off, n in spans:
+        if p < n:
+            with open(segment_path(store_dir), "r+b") as f:
+                f.seek(off + p)
+                b = f.read(1)[0]
+                f.seek(off + p)
+                f.write(bytes([b ^ bit]))
+                f.flush()
+                os.fsync(f.fileno())
+            return
+        p -= n
+
+
+def read_payload(store_dir, value: bytes) -> bytes:
+    """The payload bytes of index ``value`` as they are in the segment file."""
+    with open(segment_path(store_dir), "rb") as f:
+        return b"".join(os.pread(f.fileno(), n, off) for off, n in payload_spans(value))
+
+
+def write_payload(store_dir, value: bytes, data: bytes) -> None:
+    """Write ``data`` over the payload bytes of index ``value`` (as many as fit, zero-padded)."""
+    with open(segment_path(store_dir), "r+b") as f:
+        pos = 0
+        for off, n in payload_spans(value):
+            os.pwrite(f.fileno(), data[pos:pos + n].ljust(n, b"\0"), off)
+            pos += n
+
+
+def copy_payload(store_dir, src_value: bytes, dst_value: bytes) -> None:
+    """Overwrite the payload bytes of ``dst_value`` with those of ``src_value`` (as many as fit)."""
+    with open(segment_path(store_dir), "r+b") as f:
+        data = b"".join(os.pread(f.fileno(), n, off) for off, n in payload_spans(src_value))
+        pos = 0
+        for off, n in payload_spans(dst_value):
+            chunk = data[pos:pos + n]
+            os.pwrite(f.fileno(), chunk, off)
+            pos += len(chunk)
+
+
+def with_location(value: bytes, extents) -> bytes:
+    """``value`` with its payload location replaced by ``extents`` (``(first block, blocks)``)."""
+    header, _ = parse_index_value(value)
+    return pack_index_value(header, Location(tuple(extents)))
