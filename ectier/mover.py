@@ -41,6 +41,7 @@ from .moves.nvme import RETRY, NvmeMoves
 from .moves.remote import RemoteMoves
 from .stack import TierStack
 from .stats import Counters
+from .tensors import byte_view
 from .tiers.arena import ArenaTier
 from .tiers.base import Tier
 
@@ -99,8 +100,10 @@ class Mover:
         self.stack = stack
         self.catalog = catalog
         self.cond = catalog.cond
+        self.lock = catalog.lock  # the same lock as cond (see Catalog.lock)
         self.counters = counters
         self.engine_for = engine_for
+        self._cpu_engine = engine_for(torch.device("cpu"))  # the same for every device but CUDA
         self.completer = Completer()
         self.write_through = config.nvme.write_through
         self.arena = ArenaMoves(self)
@@ -155,20 +158,22 @@ class Mover:
         ``host.promote_clean_only`` a promotion into the host evicts only entries a lower tier
         already holds, so a get never waits on demotion writes.
         """
-        deadline = time.monotonic() + self.config.host.admit_wait_s
+        deadline = None
         clean_only = promotion and tier.name == "host" and self.config.host.promote_clean_only
-        step = 0.01 if tier.device is not None else 0.05
         while True:
-            with self.cond:
+            with self.lock:
                 if promotion and (self.catalog.version(digest) != version or tier.lookup(digest) is not None):
                     return None
                 adm = tier.admit(digest, meta, version, cost_s=self.catalog.cost(digest), clean_only=clean_only)
-                if adm.granted:
+                if adm.entry is not None:
                     return adm.entry
                 if adm.too_large:
                     self.counters.count(tier.name, skipped_too_large=1)
                     return None
                 if adm.blocked:
+                    if deadline is None:  # the wait starts at the first refusal
+                        deadline = time.monotonic() + self.config.host.admit_wait_s
+                    step = 0.01 if tier.device is not None else 0.05
                     remaining = deadline - time.monotonic()
                     if promotion or remaining <= 0:
                         self.counters.count(tier.name, admission_timeouts=1)
@@ -239,7 +244,7 @@ class Mover:
         """
         digest, version = slot.digest, slot.version
         stale: list[tuple[bytes, int]] = []
-        with self.cond:
+        with self.lock:
             if pending is not None and pending.cancelled:  # deleted (or closed) while the copy ran
                 tier.abort(slot)
                 self.cond.notify_all()
@@ -296,7 +301,7 @@ class Mover:
 
     def after_put(self, tier: ArenaTier, digest: bytes, version: int, nbytes: int) -> None:
         """A put committed into ``tier``: count it and write it through to NVMe if configured."""
-        self.counters.count(tier.name, puts=1, put_bytes=nbytes)
+        self.counters.count_put(tier.name, nbytes)
         if self.write_through and self.nvme is not None and tier.name == "host":
             self.nvme.write_through(tier, digest, version)
         if self.remote is not None:
@@ -325,7 +330,7 @@ class Mover:
         self.catalog.forget(digest)
 
     def unpin(self, tier: ArenaTier, slot: Slot) -> None:
-        with self.cond:
+        with self.lock:
             if tier.unpin(slot):
                 self.cond.notify_all()
 
@@ -348,24 +353,27 @@ class Mover:
     # ------------------------------------------------------------------------- puts
     def put_into(self, tier: Tier, digest: bytes, meta: EntryMeta, version: int, src: torch.Tensor,
                  handle: "PutHandle") -> bool:
-        """Store a put's bytes ``src`` (flat ``uint8``) in ``tier``; False if it has no room (the
-        caller tries the next tier). ``handle`` is finished now, or when an async copy completes.
+        """Store a put's tensor ``src`` (the caller's: any strides, any device) in ``tier``; False
+        if it has no room (the caller tries the next tier). ``handle`` is finished now, or when an
+        async copy completes. The host tier copies ``src`` itself; other moves take its bytes
+        (:func:`~ectier.tensors.byte_view`).
 
         Raises:
             TierWriteError: the NVMe write failed (nothing changed).
         """
         if tier.is_arena and tier.device is not None:
-            return self.arena.put_device(tier, digest, meta, version, src, handle)
+            return self.arena.put_device(tier, digest, meta, version, byte_view(src), handle)
         if tier.is_arena:
-            engine = self.engine_for(src.device)
+            engine = self.engine_for(src.device) if src.is_cuda else self._cpu_engine
             if engine is not None:
-                return self.arena.put_async(tier, digest, meta, version, src, engine, handle)
+                return self.arena.put_async(tier, digest, meta, version, byte_view(src), engine, handle)
             c = self.arena.store(tier, digest, meta, version, src, promotion=False)
             if c is None:
                 return False
             self.after_put(tier, digest, version, meta.nbytes)
             handle.finish(True)
             return True
+        src = byte_view(src)
         self.nvme.store(digest, meta, version, src if src.device.type == "cpu" else src.cpu(), register=True)
         handle.finish(True)
         return True
