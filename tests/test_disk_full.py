@@ -63,7 +63,9 @@ def _snapshot(cache):
 
 @pytest.mark.parametrize("sync", [True, False])
 def test_disk_full_fails_that_put_clearly_and_recovers_when_space_frees(small_fs, sync):
-    cfg = make_config(small_fs / "store", host_bytes=0, nvme_bytes=64 * MiB, map_initial_bytes=1 * MiB, sync=sync)
+    # a budget above the small filesystem's size, on purpose (thin provisioning): the disk fills first
+    cfg = make_config(small_fs / "store", host_bytes=0, nvme_bytes=64 * MiB, map_initial_bytes=1 * MiB, sync=sync,
+                      thin_provisioning=True)
     filler = small_fs / "filler"
     filler.write_bytes(b"\0" * (3 * MiB))
     cache = TieredCache(cfg)
@@ -112,7 +114,7 @@ def test_disk_full_keeps_the_host_tier_working(small_fs):
     """With a host tier: entries too large for host fail; host entries keep going in and out;
     a write-through that hits the full disk leaves the entry in host (served, counted, logged)."""
     cfg = make_config(small_fs / "store", host_bytes=1 * MiB, nvme_bytes=64 * MiB, map_initial_bytes=1 * MiB,
-                      write_through=True)
+                      write_through=True, thin_provisioning=True)
     (small_fs / "filler").write_bytes(b"\0" * (5 * MiB))
     with TieredCache(cfg) as cache:
         big_stored, exc, _ = _fill_until_full(cache, "big", 1280 * KiB)  # larger than host: NVMe only

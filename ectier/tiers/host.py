@@ -20,6 +20,7 @@ from ..index import Slot
 from ..policy import EvictionPolicy
 from ..tensors import byte_view, cuda_available, output_for, torch_dtype
 from .arena import ArenaTier
+from .storedir import free_bytes
 
 __all__ = ["HostTier"]
 
@@ -88,7 +89,7 @@ class HostTier(ArenaTier):
         and ``daemon.shm_dir``, and leaves no file behind.
         """
         shm_dir = os.path.dirname(os.path.abspath(path))
-        free = _free_bytes(shm_dir)
+        free = free_bytes(shm_dir)
         if free is not None and nbytes > free:
             raise ConfigError(_no_room(nbytes, shm_dir, free))
         try:
@@ -108,7 +109,7 @@ class HostTier(ArenaTier):
                 except FileNotFoundError:
                     pass
                 if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-                    raise ConfigError(_no_room(nbytes, shm_dir, _free_bytes(shm_dir))) from None
+                    raise ConfigError(_no_room(nbytes, shm_dir, free_bytes(shm_dir))) from None
                 raise StoreOpenError(f"host arena: cannot reserve {nbytes} bytes for {path!r}: "
                                      f"{exc.strerror}") from None
         finally:
@@ -248,15 +249,6 @@ def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= d
     return tuple(reversed(strides))
-
-
-def _free_bytes(directory: str) -> int | None:
-    """Bytes an unprivileged file may still take in ``directory``'s filesystem (None: unknown)."""
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
 
 
 def _no_room(nbytes: int, shm_dir: str, free: int | None) -> str:

@@ -11,7 +11,6 @@ import errno
 import fcntl
 import json
 import logging
-import os
 import threading
 import time
 from contextlib import contextmanager
@@ -25,7 +24,8 @@ from ..config import NvmeTierConfig
 from ..entry import entry_digest
 from ..errors import CorruptRecordError, StoreDamagedError, StoreLockedError, StoreOpenError, TierWriteError
 from .nvme_index import NvmeIndex, NvmeRecord
-from .storedir import check_local_filesystem, move_aside
+from .storedir import check_local_filesystem, check_space, move_aside
+from .storedir import free_bytes as free_disk_bytes
 
 __all__ = ["NvmeEnv", "RWLock", "STORE_FORMAT", "RELEASE_MARKER", "write_error_text", "free_disk_bytes"]
 
@@ -87,15 +87,6 @@ class RWLock:
                 self._cond.notify_all()
 
 
-def free_disk_bytes(path: Path) -> int | None:
-    """Bytes free to an unprivileged user on the file system of ``path``, or ``None`` if unknown."""
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
-
-
 def write_error_text(path: Path, exc: lmdb.Error, need_bytes: int, free: int | None) -> str:
     """The message of the :class:`TierWriteError` for a write of ``need_bytes`` under ``path`` that
     failed with ``exc`` while ``free`` bytes were free there: "disk full" with the knob to turn
@@ -154,6 +145,8 @@ class NvmeEnv:
                 if self.config.on_damaged != "reset":
                     raise
                 self._reset_damaged(exc)
+            check_space(self.path, self.config.capacity_bytes, self.index.used_bytes,
+                        thin=self.config.thin_provisioning)
         except BaseException:
             self.close()
             raise
