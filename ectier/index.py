@@ -81,16 +81,13 @@ class ArenaIndex:
             raise ValueError(f"block_bytes: must be > 0, got {block_bytes}")
         self.block_bytes = block_bytes
         self.allocator = BlockAllocator(capacity_bytes // block_bytes)
+        #: usable budget in bytes (whole blocks)
+        self.capacity_bytes = self.allocator.nblocks * block_bytes
         self.policy = policy if policy is not None else LRUPolicy()
         self._slots: dict[bytes, Slot] = {}
         self.reserved_bytes = 0  # reserved, not yet committed
 
     # ---------------------------------------------------------------------------- accounting
-
-    @property
-    def capacity_bytes(self) -> int:
-        """Usable budget in bytes (whole blocks)."""
-        return self.allocator.nblocks * self.block_bytes
 
     @property
     def used_bytes(self) -> int:
@@ -107,7 +104,7 @@ class ArenaIndex:
 
     def fits(self, nbytes: int) -> bool:
         """Whether an entry of ``nbytes`` could ever fit this tier (i.e. within its whole budget)."""
-        return self.alloc_bytes(nbytes) <= self.capacity_bytes
+        return -(-nbytes // self.block_bytes) * self.block_bytes <= self.capacity_bytes
 
     def __len__(self) -> int:
         return len(self._slots)
