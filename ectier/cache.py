@@ -131,7 +131,9 @@ class TieredCache:
         digest = entry_digest(ns, key)
         nbytes = meta.nbytes
         tiers = self._stack.from_(start)
-        fit = [t.fits(nbytes) for t in tiers]
+        fit = []
+        for t in tiers:
+            fit.append(t.fits(nbytes))
         if True not in fit:
             raise EntryTooLargeError(f"entry of {nbytes} bytes is larger than every tier's whole budget "
                                      f"({self._stack.budgets_text()})")

@@ -93,7 +93,10 @@ def validate_key(key: object, *, arg: str = "key") -> str:
         raise InvalidKeyError(f"{arg}: expected str (e.g. vLLM's mm_hash), got {type(key).__name__}")
     if not key:
         raise InvalidKeyError(f"{arg}: must be a non-empty string")
-    _check_utf8(key, arg)
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        _check_utf8(key, arg)  # raises, naming the position
     if len(key) > MAX_KEY_BYTES // 4 and len(_utf8(key)) > MAX_KEY_BYTES:
         raise InvalidKeyError(f"{arg}: {len(_utf8(key))} bytes of UTF-8, longer than {MAX_KEY_BYTES}")
     return key

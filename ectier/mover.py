@@ -111,6 +111,7 @@ class Mover:
         self.nvme = NvmeMoves(self, store) if store is not None else None
         remote = stack.remote()
         self.remote = RemoteMoves(self, remote) if remote is not None else None
+        self._arenas, self._stores = stack.arenas(), stack.stores()  # fixed once open (hot loops)
         self._demotions: dict[tuple[str, str], Callable[..., bool]] = {}
         self._promotions: dict[tuple[str, str], Callable[..., Any]] = {}
         self._register()
@@ -251,7 +252,7 @@ class Mover:
                 return Commit.CANCELLED
             current = self.catalog.version(digest)
             newer_below = False
-            for t in self.stack.stores():
+            for t in self._stores:
                 sv = t.stored_version(digest)
                 newer_below = newer_below or (sv is not None and sv > version)
             if promotion:
@@ -309,7 +310,7 @@ class Mover:
 
     def drop_older_locked(self, digest: bytes, version: int, *, besides: Tier | None = None) -> None:
         """Remove memory copies of ``digest`` older than ``version`` (a newer one was committed)."""
-        for t in self.stack.arenas():
+        for t in self._arenas:
             if t is not besides and t.remove_older(digest, version):
                 self.cond.notify_all()
 

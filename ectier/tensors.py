@@ -73,7 +73,7 @@ def meta_for(namespace: str, key: str, tensor: object, *, arg: str = "tensor") -
         raise InvalidTensorError(f"{arg}: only dense (strided) tensors are stored, got {tensor.layout}")
     if tensor.is_quantized or tensor.is_meta:
         raise InvalidTensorError(f"{arg}: quantized and meta tensors hold no storable bytes")
-    name = dtype_name(tensor.dtype)
+    name = _DTYPE_NAMES.get(tensor.dtype) or dtype_name(tensor.dtype)  # (dtype_name raises)
     shape = tuple(tensor.shape)  # a torch.Size holds ints >= 0
     return EntryMeta.trusted(namespace, key, name, shape, tensor.numel() * DTYPE_ITEMSIZE[name])
 
