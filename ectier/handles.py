@@ -19,7 +19,7 @@ from .entry import EntryMeta
 __all__ = ["PutHandle", "LoadHandle", "WriteLease", "ReadLease"]
 
 
-#: guards the lazy creation of a handle's event (see :class:`_Handle`); held for a few lines only
+#: guards the lazy creation of a handle's event by waiters (see :class:`_Handle`)
 _EVENT_LOCK = threading.Lock()
 
 
@@ -27,7 +27,9 @@ class _Handle:
     """A result set once: ``done()``, ``wait(timeout_s)``, ``error``.
 
     Most handles are finished before anyone waits (every put of a CPU tensor), so the
-    :class:`threading.Event` a waiter blocks on is made only when someone waits first.
+    :class:`threading.Event` a waiter blocks on is made only when someone waits first, and
+    :meth:`finish` takes no lock: it sets ``_done`` and then reads ``_event``; a waiter publishes
+    ``_event`` and then reads ``_done`` again, so one of the two always sees the other.
     """
 
     __slots__ = ("key", "error", "_ok", "_done", "_event")
@@ -47,12 +49,10 @@ class _Handle:
         """Block up to ``timeout_s`` seconds (``None``: no limit); True if it finished successfully."""
         if not self._done:
             with _EVENT_LOCK:
-                event = None
-                if not self._done:
-                    if self._event is None:
-                        self._event = threading.Event()
-                    event = self._event
-            if event is not None and not event.wait(timeout_s):
+                if self._event is None:
+                    self._event = threading.Event()
+                event = self._event
+            if not self._done and not event.wait(timeout_s):
                 return False
         return self._ok
 
@@ -60,9 +60,8 @@ class _Handle:
         """Set the result (the cache's side; called once)."""
         self._ok = bool(ok)
         self.error = error
-        with _EVENT_LOCK:
-            self._done = True
-            event = self._event
+        self._done = True
+        event = self._event
         if event is not None:
             event.set()
 
