@@ -159,7 +159,7 @@ class Mover:
         ``host.promote_clean_only`` a promotion into the host evicts only entries a lower tier
         already holds, so a get never waits on demotion writes.
         """
-        deadline = None
+        started = time.monotonic()  # admit_wait_s counts from here, evictions included
         clean_only = promotion and tier.name == "host" and self.config.host.promote_clean_only
         while True:
             with self.lock:
@@ -172,10 +172,8 @@ class Mover:
                     self.counters.count(tier.name, skipped_too_large=1)
                     return None
                 if adm.blocked:
-                    if deadline is None:  # the wait starts at the first refusal
-                        deadline = time.monotonic() + self.config.host.admit_wait_s
                     step = 0.01 if tier.device is not None else 0.05
-                    remaining = deadline - time.monotonic()
+                    remaining = started + self.config.host.admit_wait_s - time.monotonic()
                     if promotion or remaining <= 0:
                         self.counters.count(tier.name, admission_timeouts=1)
                         return None
