@@ -45,6 +45,12 @@ DEFAULT_MAX_TOKENS = 4096
 
 _RESULTS: list = []  # report.Result of every benchmark of this session
 _STATE: dict = {}
+_NOTES: list[str] = []  # lines a suite adds to the summary (note())
+
+
+def note(line: str) -> None:
+    """Print ``line`` in the run's summary (after the ratio tables), e.g. a fixed cost per call."""
+    _NOTES.append(line)
 
 
 def entry_bytes(tokens: int) -> int:
@@ -227,6 +233,10 @@ def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: di
 
 @pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if _NOTES:
+        terminalreporter.section("ectier: notes")
+        for line in _NOTES:
+            terminalreporter.write_line(line)
     if not _RESULTS:
         return
     tables = report.build(_RESULTS)

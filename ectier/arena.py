@@ -77,6 +77,9 @@ class BlockAllocator:
             ValueError: an extent outside the region, with a negative count, overlapping a free
                 run (double free) or another extent of the same call. Nothing is freed then.
         """
+        if len(extents) == 1 and extents[0][1] > 0:  # the common case: one run, checked and merged at once
+            self._free_one(*extents[0])
+            return
         # Check every extent before changing anything, so a bad call leaves the runs untouched.
         prev_end = None
         for start, count in sorted(extents):
@@ -114,6 +117,30 @@ class BlockAllocator:
             self._runs[new_start] = new_len
             self._starts.insert(i, new_start)
             self.free_blocks += count
+
+    def _free_one(self, start: int, count: int) -> None:
+        """:meth:`free` of one extent of ``count > 0`` blocks (same checks, one search)."""
+        if start < 0 or start + count > self.nblocks:
+            raise ValueError(f"extent ({start}, {count}) lies outside 0..{self.nblocks}")
+        starts, runs = self._starts, self._runs
+        i = bisect.bisect_left(starts, start)
+        prev_start = starts[i - 1] if i > 0 else None
+        next_start = starts[i] if i < len(starts) else None
+        prev_end = prev_start + runs[prev_start] if prev_start is not None else None
+        if (prev_end is not None and prev_end > start) or (next_start is not None and start + count > next_start):
+            raise ValueError(f"extent ({start}, {count}) is already free (double free)")
+        new_start, new_len = start, count
+        if prev_end == start:
+            new_start = prev_start
+            new_len += runs.pop(prev_start)
+            starts.pop(i - 1)
+            i -= 1
+        if next_start is not None and start + count == next_start:
+            new_len += runs.pop(next_start)
+            starts.pop(i)
+        runs[new_start] = new_len
+        starts.insert(i, new_start)
+        self.free_blocks += count
 
     def free_runs(self) -> list[Extent]:
         """The free runs, sorted by start (for tests and stats)."""

@@ -31,7 +31,7 @@ from .moves.serve import Reads
 from .mover import Mover
 from .stack import TierStack
 from .stats import Counters
-from .tensors import byte_view, meta_for, meta_from_spec, parse_device
+from .tensors import meta_for, meta_from_spec, parse_device
 
 __all__ = ["TieredCache", "WriteLease", "ReadLease", "PutHandle", "LoadHandle"]
 
@@ -83,6 +83,7 @@ class TieredCache:
         self._reads = Reads(self._mover)
         self._host = self._stack.get("host")
         self._gpu = self._stack.device_tier()
+        self._cpu_entry = self._stack.entry_tier(torch.device("cpu"))  # where a CPU tensor's put starts
         if self._mover.nvme is not None:
             self._mover.nvme.adopt_records()
 
@@ -124,19 +125,24 @@ class TieredCache:
         if cost_s is not None and (isinstance(cost_s, bool) or not isinstance(cost_s, (int, float))
                                    or not 0 <= cost_s < math.inf):
             raise ValueError(f"cost_s: expected a finite number of seconds >= 0, got {cost_s!r}")
-        start = self._entry_tier(tensor.device)
+        start = self._cpu_entry if self._gpu is None and not tensor.is_cuda else self._entry_tier(tensor.device)
+        if start is None:
+            start = self._entry_tier(tensor.device)  # raises: a CPU tensor to a GPU-only cache
         digest = entry_digest(ns, key)
+        nbytes = meta.nbytes
         tiers = self._stack.from_(start)
-        if not any(t.fits(meta.nbytes) for t in tiers):
-            raise EntryTooLargeError(f"entry of {meta.nbytes} bytes is larger than every tier's whole budget "
-                                     f"({self._stack.budgets_text()})")
-        with self._cond:
-            self._catalog.set_cost(digest, cost_s)
-        version, src, handle = next_version(), byte_view(tensor), PutHandle(key)
+        fit = []
         for t in tiers:
-            if not t.fits(meta.nbytes):
+            fit.append(t.fits(nbytes))
+        if True not in fit:
+            raise EntryTooLargeError(f"entry of {nbytes} bytes is larger than every tier's whole budget "
+                                     f"({self._stack.budgets_text()})")
+        self._catalog.update_cost(digest, cost_s)
+        version, handle = next_version(), PutHandle(key)
+        for t, fits in zip(tiers, fit):
+            if not fits:
                 self._counters.count(t.name, skipped_too_large=1)
-            elif self._mover.put_into(t, digest, meta, version, src, handle):
+            elif self._mover.put_into(t, digest, meta, version, tensor, handle):
                 return handle
         raise TierWriteError(
             f"{tiers[-1].name} tier: no room could be made (entries pinned by readers for longer than "

@@ -35,6 +35,16 @@ class PendingWrite:
     finished: bool = False
 
 
+class _Condition(threading.Condition):
+    """A :class:`threading.Condition` whose ``notify_all`` costs nothing when nobody waits (most
+    calls: a put that replaced an entry, an unpin that freed blocks). ``_waiters`` is read under
+    the lock, where every waiter enlists before it releases it, so no wake-up is lost."""
+
+    def notify_all(self) -> None:
+        if self._waiters:
+            super().notify_all()
+
+
 class Catalog:
     """Current version per key, writes in flight, recompute costs — guarded by ``cond``.
 
@@ -43,7 +53,10 @@ class Catalog:
     """
 
     def __init__(self) -> None:
-        self.cond = threading.Condition(threading.Lock())
+        #: the cache's one lock, also as ``cond`` (a Condition on it). ``with lock:`` is the same lock
+        #: without the Condition's Python-level ``__enter__``/``__exit__`` (hot paths use it)
+        self.lock = threading.Lock()
+        self.cond = _Condition(self.lock)
         self._current: dict[bytes, int] = {}
         self._inflight: dict[bytes, list[PendingWrite]] = {}
         self._cost_s: dict[bytes, float] = {}
@@ -111,6 +124,8 @@ class Catalog:
 
     def wait_inflight(self, digest: bytes) -> None:
         """Wait (without the lock) for the writes of ``digest`` in flight now."""
+        if digest not in self._inflight:
+            return  # none now (a write added under the lock from here on started after this call)
         with self.cond:
             pend = self.pending(digest)
         for p in pend:
@@ -125,6 +140,14 @@ class Catalog:
         self._cost_s[digest] = float(cost_s)
         if len(self._cost_s) > 2 * len(self._current) + 1024:  # forget keys no longer stored
             self._cost_s = {d: c for d, c in self._cost_s.items() if d in self._current or d == digest}
+
+    def update_cost(self, digest: bytes, cost_s: float | None) -> None:
+        """:meth:`set_cost` under ``cond`` (takes it), skipped when there is nothing to change: no
+        cost given for a key that has none (a put without ``cost_s``, the common case)."""
+        if cost_s is None and digest not in self._cost_s:
+            return  # as if a concurrent put's set_cost came after this one
+        with self.cond:
+            self.set_cost(digest, cost_s)
 
     def cost(self, digest: bytes) -> float | None:
         return self._cost_s.get(digest)

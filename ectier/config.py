@@ -181,6 +181,10 @@ class NvmeTierConfig:
             does. ``"fail"`` (default): ``StoreDamagedError``; repair it with ``ectier fsck --repair``.
             ``"reset"``: move it aside to ``<path>/damaged-<time>/`` with one warning and start with
             an empty store (an engine always starts; the records are lost to it).
+        thin_provisioning: accept a ``capacity_bytes`` above what the filesystem of ``path`` can
+            hold (its free bytes plus what the store's records already take). Default ``False``:
+            such a budget is a ``ConfigError`` at open, naming the free bytes; with ``True`` writes
+            past the free space fail with disk full instead.
     """
 
     path: str | None = None
@@ -196,6 +200,7 @@ class NvmeTierConfig:
     group_commit_s: float = 0.002
     allow_network_fs: bool = False
     on_damaged: str = "fail"
+    thin_provisioning: bool = False
 
     def __post_init__(self) -> None:
         check_nvme(self)

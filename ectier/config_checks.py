@@ -275,7 +275,7 @@ def check_nvme(cfg: NvmeTierConfig) -> None:
         check_int("nvme.zstd_level", cfg.zstd_level)
         if not -7 <= cfg.zstd_level <= 22:
             raise ConfigError(f"nvme.zstd_level: must be in -7..22, got {cfg.zstd_level}")
-    for name in ("sync", "write_through", "flush_on_close", "allow_network_fs"):
+    for name in ("sync", "write_through", "flush_on_close", "allow_network_fs", "thin_provisioning"):
         with p.check(f"nvme.{name}"):
             check_bool(f"nvme.{name}", getattr(cfg, name))
     with p.check("nvme.on_damaged"):

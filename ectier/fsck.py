@@ -471,7 +471,8 @@ def _build(store: Path, staging: Path, report: FsckReport) -> tuple[int, int]:
     capacity = max(16 * GiB, report.intact_bytes)
     tier = NvmeTier(NvmeTierConfig(path=str(staging), capacity_bytes=capacity, sync=False,
                                    map_initial_bytes=max(64 * MiB, min(capacity, report.intact_bytes * 2)),
-                                   allow_network_fs=True))  # only fsck has this directory open
+                                   allow_network_fs=True,  # only fsck has this directory open
+                                   thin_provisioning=True))  # a budget for the copy; the disk bounds it
     written = [0, 0]
 
     def sink(digest: bytes, raw: bytes, payload: memoryview) -> None:

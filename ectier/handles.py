@@ -19,32 +19,51 @@ from .entry import EntryMeta
 __all__ = ["PutHandle", "LoadHandle", "WriteLease", "ReadLease"]
 
 
-class _Handle:
-    """A result set once: ``done()``, ``wait(timeout_s)``, ``error``."""
+#: guards the lazy creation of a handle's event by waiters (see :class:`_Handle`)
+_EVENT_LOCK = threading.Lock()
 
-    __slots__ = ("key", "error", "_ok", "_event")
+
+class _Handle:
+    """A result set once: ``done()``, ``wait(timeout_s)``, ``error``.
+
+    Most handles are finished before anyone waits (every put of a CPU tensor), so the
+    :class:`threading.Event` a waiter blocks on is made only when someone waits first, and
+    :meth:`finish` takes no lock: it sets ``_done`` and then reads ``_event``; a waiter publishes
+    ``_event`` and then reads ``_done`` again, so one of the two always sees the other.
+    """
+
+    __slots__ = ("key", "error", "_ok", "_done", "_event")
 
     def __init__(self, key: str) -> None:
         self.key = key
         self.error: BaseException | None = None
         self._ok = False
-        self._event = threading.Event()
+        self._done = False
+        self._event: threading.Event | None = None
 
     def done(self) -> bool:
         """True once the operation finished (successfully or not)."""
-        return self._event.is_set()
+        return self._done
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block up to ``timeout_s`` seconds (``None``: no limit); True if it finished successfully."""
-        if not self._event.wait(timeout_s):
-            return False
+        if not self._done:
+            with _EVENT_LOCK:
+                if self._event is None:
+                    self._event = threading.Event()
+                event = self._event
+            if not self._done and not event.wait(timeout_s):
+                return False
         return self._ok
 
     def finish(self, ok: bool, error: BaseException | None = None) -> None:
         """Set the result (the cache's side; called once)."""
         self._ok = bool(ok)
         self.error = error
-        self._event.set()
+        self._done = True
+        event = self._event
+        if event is not None:
+            event.set()
 
 
 class PutHandle(_Handle):

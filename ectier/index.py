@@ -30,7 +30,7 @@ from .policy import EvictionPolicy, LRUPolicy
 __all__ = ["Slot", "ArenaIndex"]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Slot:
     """One entry's place in a memory tier.
 
@@ -48,6 +48,8 @@ class Slot:
             ``None`` = unknown (the policy's default).
         pending_write: the tier's copy handle of the write that filled the slot, while the tier
             tracks it (the GPU tier: readers check it for a failed copy); ``None`` otherwise.
+        view: the tier's zero-copy tensor view of the slot's bytes, made at its first copy
+            (the host tier: the entry's dtype and shape over its one run); ``None`` until then.
     """
 
     digest: bytes
@@ -62,6 +64,7 @@ class Slot:
     cost_s: float | None = None
     freed: bool = field(default=False, repr=False)
     pending_write: object = field(default=None, repr=False)
+    view: object = field(default=None, repr=False)
 
 
 class ArenaIndex:
@@ -78,16 +81,13 @@ class ArenaIndex:
             raise ValueError(f"block_bytes: must be > 0, got {block_bytes}")
         self.block_bytes = block_bytes
         self.allocator = BlockAllocator(capacity_bytes // block_bytes)
+        #: usable budget in bytes (whole blocks)
+        self.capacity_bytes = self.allocator.nblocks * block_bytes
         self.policy = policy if policy is not None else LRUPolicy()
         self._slots: dict[bytes, Slot] = {}
         self.reserved_bytes = 0  # reserved, not yet committed
 
     # ---------------------------------------------------------------------------- accounting
-
-    @property
-    def capacity_bytes(self) -> int:
-        """Usable budget in bytes (whole blocks)."""
-        return self.allocator.nblocks * self.block_bytes
 
     @property
     def used_bytes(self) -> int:
@@ -104,7 +104,7 @@ class ArenaIndex:
 
     def fits(self, nbytes: int) -> bool:
         """Whether an entry of ``nbytes`` could ever fit this tier (i.e. within its whole budget)."""
-        return self.alloc_bytes(nbytes) <= self.capacity_bytes
+        return -(-nbytes // self.block_bytes) * self.block_bytes <= self.capacity_bytes
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -136,6 +136,8 @@ class ArenaIndex:
     def reserve(self, digest: bytes, meta: EntryMeta, version: int) -> Slot | None:
         """Allocate blocks for ``meta.nbytes``; ``None`` if the free blocks do not suffice now."""
         nblocks = -(-meta.nbytes // self.block_bytes)
+        if nblocks > self.allocator.free_blocks:
+            return None
         extents = self.allocator.alloc(nblocks)
         if extents is None:
             return None

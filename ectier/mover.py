@@ -41,6 +41,7 @@ from .moves.nvme import RETRY, NvmeMoves
 from .moves.remote import RemoteMoves
 from .stack import TierStack
 from .stats import Counters
+from .tensors import byte_view
 from .tiers.arena import ArenaTier
 from .tiers.base import Tier
 
@@ -99,8 +100,10 @@ class Mover:
         self.stack = stack
         self.catalog = catalog
         self.cond = catalog.cond
+        self.lock = catalog.lock  # the same lock as cond (see Catalog.lock)
         self.counters = counters
         self.engine_for = engine_for
+        self._cpu_engine = engine_for(torch.device("cpu"))  # the same for every device but CUDA
         self.completer = Completer()
         self.write_through = config.nvme.write_through
         self.arena = ArenaMoves(self)
@@ -108,6 +111,7 @@ class Mover:
         self.nvme = NvmeMoves(self, store) if store is not None else None
         remote = stack.remote()
         self.remote = RemoteMoves(self, remote) if remote is not None else None
+        self._arenas, self._stores = stack.arenas(), stack.stores()  # fixed once open (hot loops)
         self._demotions: dict[tuple[str, str], Callable[..., bool]] = {}
         self._promotions: dict[tuple[str, str], Callable[..., Any]] = {}
         self._register()
@@ -157,21 +161,21 @@ class Mover:
         """
         # waits only for readers' pins: room that open reservations hold (another party's put in
         # progress, e.g. a daemon client's) is not waited for, the caller tries the next tier
-        deadline = time.monotonic() + self.config.host.admit_wait_s
+        started = time.monotonic()  # admit_wait_s counts from here, evictions included
         clean_only = promotion and tier.name == "host" and self.config.host.promote_clean_only
-        step = 0.01 if tier.device is not None else 0.05
         while True:
-            with self.cond:
+            with self.lock:
                 if promotion and (self.catalog.version(digest) != version or tier.lookup(digest) is not None):
                     return None
                 adm = tier.admit(digest, meta, version, cost_s=self.catalog.cost(digest), clean_only=clean_only)
-                if adm.granted:
+                if adm.entry is not None:
                     return adm.entry
                 if adm.too_large:
                     self.counters.count(tier.name, skipped_too_large=1)
                     return None
                 if adm.blocked:
-                    remaining = deadline - time.monotonic()
+                    step = 0.01 if tier.device is not None else 0.05
+                    remaining = started + self.config.host.admit_wait_s - time.monotonic()
                     if promotion or remaining <= 0 or _held_by_reservations(tier, meta.nbytes):
                         self.counters.count(tier.name, admission_timeouts=1)
                         return None
@@ -241,14 +245,14 @@ class Mover:
         """
         digest, version = slot.digest, slot.version
         stale: list[tuple[bytes, int]] = []
-        with self.cond:
+        with self.lock:
             if pending is not None and pending.cancelled:  # deleted (or closed) while the copy ran
                 tier.abort(slot)
                 self.cond.notify_all()
                 return Commit.CANCELLED
             current = self.catalog.version(digest)
             newer_below = False
-            for t in self.stack.stores():
+            for t in self._stores:
                 sv = t.stored_version(digest)
                 newer_below = newer_below or (sv is not None and sv > version)
             if promotion:
@@ -298,7 +302,7 @@ class Mover:
 
     def after_put(self, tier: ArenaTier, digest: bytes, version: int, nbytes: int) -> None:
         """A put committed into ``tier``: count it and write it through to NVMe if configured."""
-        self.counters.count(tier.name, puts=1, put_bytes=nbytes)
+        self.counters.count_put(tier.name, nbytes)
         if self.write_through and self.nvme is not None and tier.name == "host":
             self.nvme.write_through(tier, digest, version)
         if self.remote is not None:
@@ -306,7 +310,7 @@ class Mover:
 
     def drop_older_locked(self, digest: bytes, version: int, *, besides: Tier | None = None) -> None:
         """Remove memory copies of ``digest`` older than ``version`` (a newer one was committed)."""
-        for t in self.stack.arenas():
+        for t in self._arenas:
             if t is not besides and t.remove_older(digest, version):
                 self.cond.notify_all()
 
@@ -327,7 +331,7 @@ class Mover:
         self.catalog.forget(digest)
 
     def unpin(self, tier: ArenaTier, slot: Slot) -> None:
-        with self.cond:
+        with self.lock:
             if tier.unpin(slot):
                 self.cond.notify_all()
 
@@ -350,24 +354,27 @@ class Mover:
     # ------------------------------------------------------------------------- puts
     def put_into(self, tier: Tier, digest: bytes, meta: EntryMeta, version: int, src: torch.Tensor,
                  handle: "PutHandle") -> bool:
-        """Store a put's bytes ``src`` (flat ``uint8``) in ``tier``; False if it has no room (the
-        caller tries the next tier). ``handle`` is finished now, or when an async copy completes.
+        """Store a put's tensor ``src`` (the caller's: any strides, any device) in ``tier``; False
+        if it has no room (the caller tries the next tier). ``handle`` is finished now, or when an
+        async copy completes. The host tier copies ``src`` itself; other moves take its bytes
+        (:func:`~ectier.tensors.byte_view`).
 
         Raises:
             TierWriteError: the NVMe write failed (nothing changed).
         """
         if tier.is_arena and tier.device is not None:
-            return self.arena.put_device(tier, digest, meta, version, src, handle)
+            return self.arena.put_device(tier, digest, meta, version, byte_view(src), handle)
         if tier.is_arena:
-            engine = self.engine_for(src.device)
+            engine = self.engine_for(src.device) if src.is_cuda else self._cpu_engine
             if engine is not None:
-                return self.arena.put_async(tier, digest, meta, version, src, engine, handle)
+                return self.arena.put_async(tier, digest, meta, version, byte_view(src), engine, handle)
             c = self.arena.store(tier, digest, meta, version, src, promotion=False)
             if c is None:
                 return False
             self.after_put(tier, digest, version, meta.nbytes)
             handle.finish(True)
             return True
+        src = byte_view(src)
         if self.nvme.store(digest, meta, version, src if src.device.type == "cpu" else src.cpu(), register=True) \
                 and self.remote is not None:
             self.remote.write_later(self.nvme.tier, digest, version, meta.nbytes)  # read back from NVMe

@@ -47,6 +47,13 @@ class Counters:
             for name, n in amounts.items():
                 c[name] += n
 
+    def count_put(self, scope: str, nbytes: int) -> None:
+        """One put of ``nbytes`` committed into tier ``scope``."""
+        with self._lock:
+            t = self._by_scope[scope]
+            t["puts"] += 1
+            t["put_bytes"] += nbytes
+
     def count_hit(self, scope: str, nbytes: int) -> None:
         """One hit served by tier ``scope`` (``nbytes`` long): the tier's and the cache's counters."""
         with self._lock:

@@ -28,16 +28,25 @@ __all__ = [
 ]
 
 
+#: ``torch.dtype -> its name`` for every dtype of :data:`~ectier.entry.DTYPE_ITEMSIZE` this torch
+#: build has (one dict lookup per put instead of ``str(dtype)`` and ``getattr``)
+_DTYPE_NAMES: dict[torch.dtype, str] = {
+    getattr(torch, n): n for n in DTYPE_ITEMSIZE if isinstance(getattr(torch, n, None), torch.dtype)}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16 -> "bfloat16"``.
 
     Raises:
         InvalidTensorError: for a dtype ectier does not store (e.g. quantized types).
     """
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPE_ITEMSIZE or getattr(torch, name, None) is not dtype:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
         raise InvalidTensorError(f"tensor dtype {dtype} is not supported")
     return name
+
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {n: d for d, n in _DTYPE_NAMES.items()}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -46,8 +55,8 @@ def torch_dtype(name: str) -> torch.dtype:
     Raises:
         InvalidTensorError: for an unknown name or one this torch build lacks (e.g. an fp8 type).
     """
-    dt = getattr(torch, name, None) if name in DTYPE_ITEMSIZE else None
-    if not isinstance(dt, torch.dtype):
+    dt = _TORCH_DTYPES.get(name)
+    if dt is None:
         raise InvalidTensorError(f"dtype {name!r} is not available in torch {torch.__version__}")
     return dt
 
@@ -62,11 +71,11 @@ def meta_for(namespace: str, key: str, tensor: object, *, arg: str = "tensor") -
         raise InvalidTensorError(f"{arg}: expected torch.Tensor, got {type(tensor).__name__}")
     if tensor.layout is not torch.strided:
         raise InvalidTensorError(f"{arg}: only dense (strided) tensors are stored, got {tensor.layout}")
-    if tensor.is_quantized or tensor.device.type == "meta":
+    if tensor.is_quantized or tensor.is_meta:
         raise InvalidTensorError(f"{arg}: quantized and meta tensors hold no storable bytes")
-    name = dtype_name(tensor.dtype)
-    shape = tuple(int(d) for d in tensor.shape)
-    return EntryMeta(namespace, key, name, shape, math.prod(shape) * DTYPE_ITEMSIZE[name])
+    name = _DTYPE_NAMES.get(tensor.dtype) or dtype_name(tensor.dtype)  # (dtype_name raises)
+    shape = tuple(tensor.shape)  # a torch.Size holds ints >= 0
+    return EntryMeta.trusted(namespace, key, name, shape, tensor.numel() * DTYPE_ITEMSIZE[name])
 
 
 def meta_from_spec(namespace: str, key: str, dtype: str, shape: object) -> EntryMeta:
@@ -91,6 +100,9 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     Zero-copy for a contiguous tensor; a non-contiguous tensor is first made contiguous (one copy),
     so what is stored is always the logical C-order content, whatever the strides.
     """
+    if tensor.is_contiguous() and not tensor.requires_grad and tensor.numel() > 1 and not (
+            tensor.is_conj() or tensor.is_neg()):
+        return tensor.view(-1).view(torch.uint8)  # the common case: two views, no copy
     # Lazy conjugate / negative-bit views (``x.conj()`` of a complex tensor) keep the original bytes
     # plus a flag; ``view(uint8)`` refuses them. Materialise the logical values (no copy without a flag).
     t = tensor.detach().resolve_conj().resolve_neg()
@@ -121,7 +133,7 @@ def output_for(meta: EntryMeta, out: torch.Tensor | None) -> torch.Tensor:
     dtype = torch_dtype(meta.dtype)
     if out is None:
         return torch.empty(meta.shape, dtype=dtype)
-    if not isinstance(out, torch.Tensor) or out.device.type != "cpu" or not out.is_contiguous():
+    if not isinstance(out, torch.Tensor) or not out.is_cpu or not out.is_contiguous():
         raise InvalidTensorError("out: expected a contiguous CPU tensor")
     if out.dtype != dtype or out.numel() * out.element_size() != meta.nbytes:
         raise InvalidTensorError(
@@ -150,6 +162,9 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+_CPU = torch.device("cpu")
+
+
 def parse_device(device: object, *, arg: str = "device") -> torch.device:
     """Validate a device argument: ``None``/``"cpu"`` or an explicit ``"cuda:<index>"``.
 
@@ -160,7 +175,7 @@ def parse_device(device: object, *, arg: str = "device") -> torch.device:
         InvalidDeviceError: naming ``arg``.
     """
     if device is None:
-        return torch.device("cpu")
+        return _CPU
     try:
         dev = torch.device(device)  # type: ignore[arg-type]
     except (RuntimeError, TypeError) as exc:

@@ -76,7 +76,8 @@ def test_disk_full_evicts_old_entries_for_new_ones(small_fs, sync):
     up, the tier evicts its own least recently used records and retries, so every put succeeds and
     the newest entries are kept — it never drops new entries while old ones hold the space. The old
     code failed every put from then on (TierWriteError) and kept the old entries."""
-    cfg = make_config(small_fs / "store", host_bytes=0, nvme_bytes=64 * MiB, map_initial_bytes=1 * MiB, sync=sync)
+    cfg = make_config(small_fs / "store", host_bytes=0, nvme_bytes=64 * MiB, map_initial_bytes=1 * MiB, sync=sync,
+                      thin_provisioning=True)
     (small_fs / "filler").write_bytes(b"\0" * (3 * MiB))
     stored = {}
     with TieredCache(cfg) as cache:
@@ -104,7 +105,8 @@ def test_disk_full_with_nothing_to_evict_fails_that_put_clearly(small_fs):
     """Someone else filled the disk and the tier holds nothing to evict: that one put fails with
     TierWriteError naming the directory, the cause and the knob; nothing stored changes; once space
     frees up, puts succeed again."""
-    cfg = make_config(small_fs / "store", host_bytes=0, nvme_bytes=64 * MiB, map_initial_bytes=1 * MiB)
+    cfg = make_config(small_fs / "store", host_bytes=0, nvme_bytes=64 * MiB, map_initial_bytes=1 * MiB,
+                      thin_provisioning=True)
     filler = small_fs / "filler"
     with TieredCache(cfg) as cache:
         cache.put("first", filled(64 * KiB, 1))
@@ -128,7 +130,7 @@ def test_disk_full_keeps_the_host_tier_working(small_fs):
     (nothing of the tier's to evict), the entry stays in host (served, counted, logged); once
     space frees, write-through works again."""
     cfg = make_config(small_fs / "store", host_bytes=1 * MiB, nvme_bytes=64 * MiB, map_initial_bytes=1 * MiB,
-                      write_through=True)
+                      write_through=True, thin_provisioning=True)
     with TieredCache(cfg) as cache:
         free = os.statvfs(small_fs).f_bavail * os.statvfs(small_fs).f_frsize
         (small_fs / "filler").write_bytes(b"\0" * (free - 32 * KiB))

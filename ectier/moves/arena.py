@@ -283,8 +283,7 @@ class ArenaMoves:
                 return result
         if out is not None or dev.type != "cuda":
             try:
-                result = output_for(slot.meta, out)
-                host.read_into(slot, byte_view(result))
+                result = host.read_tensor(slot, out)
             finally:
                 m.unpin(host, slot)
             return result if dev.type == "cpu" else result.to(dev)

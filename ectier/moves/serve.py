@@ -50,7 +50,7 @@ class Reads:
         """The highest tier (from ``start`` down) holding ``digest``'s current version, its slot
         pinned and touched; ``None`` on a miss; ``RETRY`` if a write of the key is in flight."""
         m = self.m
-        with m.cond:
+        with m.lock:
             v = m.catalog.version(digest)
             if v is not None:
                 for t in (m.stack.from_(start) if start is not None else m.stack):

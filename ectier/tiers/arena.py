@@ -62,7 +62,8 @@ class ArenaTier(Tier):
         return len(self.index)
 
     def fits(self, nbytes: int) -> bool:
-        return self.index.fits(nbytes)
+        idx = self.index  # ArenaIndex.fits, inlined: asked on every put
+        return -(-nbytes // idx.block_bytes) * idx.block_bytes <= idx.capacity_bytes
 
     def describe(self) -> dict[str, Any]:
         return {"capacity_bytes": self.index.capacity_bytes, "used_bytes": self.index.used_bytes,

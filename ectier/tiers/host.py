@@ -18,8 +18,9 @@ from ..config import HostTierConfig
 from ..errors import ConfigError, StoreOpenError
 from ..index import Slot
 from ..policy import EvictionPolicy
-from ..tensors import cuda_available
+from ..tensors import byte_view, cuda_available, output_for, torch_dtype
 from .arena import ArenaTier
+from .storedir import free_bytes
 
 __all__ = ["HostTier"]
 
@@ -59,6 +60,8 @@ class HostTier(ArenaTier):
         nbytes = self.index.capacity_bytes
         self.shm_path = shm_path
         self._registered = False
+        self._typed: dict[str, torch.Tensor] = {}  # the arena viewed as each dtype (typed_view)
+        self._views: dict[tuple, torch.Tensor] = {}  # typed views made, for reuse (typed_view)
         if shm_path is None:
             self.pinned = bool(want_pin)
             try:
@@ -86,7 +89,7 @@ class HostTier(ArenaTier):
         and ``daemon.shm_dir``, and leaves no file behind.
         """
         shm_dir = os.path.dirname(os.path.abspath(path))
-        free = _free_bytes(shm_dir)
+        free = free_bytes(shm_dir)
         if free is not None and nbytes > free:
             raise ConfigError(_no_room(nbytes, shm_dir, free))
         try:
@@ -106,7 +109,7 @@ class HostTier(ArenaTier):
                 except FileNotFoundError:
                     pass
                 if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-                    raise ConfigError(_no_room(nbytes, shm_dir, _free_bytes(shm_dir))) from None
+                    raise ConfigError(_no_room(nbytes, shm_dir, free_bytes(shm_dir))) from None
                 raise StoreOpenError(f"host arena: cannot reserve {nbytes} bytes for {path!r}: "
                                      f"{exc.strerror}") from None
         finally:
@@ -142,17 +145,82 @@ class HostTier(ArenaTier):
         return {**super().describe(), "pinned": self.pinned}
 
     def write(self, slot: Slot, src: torch.Tensor) -> None:
-        """Copy ``src`` (flat ``uint8``, ``slot.meta.nbytes`` long, any device) into the slot's blocks.
+        """Copy an entry into the slot's blocks. Synchronous: on return the bytes are in the arena.
 
-        Synchronous: on return the bytes are in the arena.
+        ``src``: the entry's flat ``uint8`` bytes (``slot.meta.nbytes`` long, any device), or a
+        tensor of the entry's own dtype and shape (any strides; stored in C order, as
+        :func:`~ectier.tensors.byte_view` gives its bytes) — the caller's tensor of a put, copied
+        with one ``copy_`` when the slot lies in one run.
         """
+        meta = slot.meta
+        if src.dtype is not torch.uint8 or src.dim() != 1 or src.numel() != meta.nbytes:
+            view = self.typed_view(slot)
+            if view is not None:
+                view.copy_(src.detach() if src.requires_grad else src)
+                return
+            src = byte_view(src)
+        if len(slot.extents) == 1:
+            first = slot.extents[0][0] * self.index.block_bytes
+            self.buffer[first : first + meta.nbytes].copy_(src)
+            return
         for arena_off, off, length in self.runs(slot):
             self.buffer[arena_off : arena_off + length].copy_(src[off : off + length])
 
     def read_into(self, slot: Slot, dst: torch.Tensor) -> None:
-        """Copy the slot's bytes into ``dst`` (flat ``uint8``, ``slot.meta.nbytes`` long). Synchronous."""
+        """Copy the slot's bytes into ``dst``: flat ``uint8`` (``slot.meta.nbytes`` long), or a
+        contiguous CPU tensor of the entry's dtype and shape (one ``copy_`` when the slot lies in
+        one run). Synchronous."""
+        if dst.dtype is not torch.uint8 or dst.dim() != 1 or dst.numel() != slot.meta.nbytes:
+            view = self.typed_view(slot)
+            if view is not None:
+                dst.copy_(view)
+                return
+            dst = byte_view(dst)
         for arena_off, off, length in self.runs(slot):
             dst[off : off + length].copy_(self.buffer[arena_off : arena_off + length])
+
+    def read_tensor(self, slot: Slot, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A copy of the pinned slot's entry, of its dtype and shape: a new CPU tensor, or ``out``
+        (checked as :func:`~ectier.tensors.output_for` checks it). Synchronous.
+
+        Raises:
+            InvalidTensorError: ``out`` is not a contiguous CPU tensor of the entry's dtype and size.
+        """
+        result = output_for(slot.meta, out)
+        self.read_into(slot, result)
+        return result
+
+    def typed_view(self, slot: Slot) -> torch.Tensor | None:
+        """The slot's bytes as a zero-copy view of the entry's dtype and shape (C order), or
+        ``None`` (bytes in several runs, an empty entry, or an arena offset the dtype cannot be
+        viewed at). Made once per slot (``slot.view``); valid only while the slot is pinned or
+        reserved by the caller."""
+        view = slot.view
+        if view is None and len(slot.extents) == 1 and slot.meta.nbytes:
+            meta = slot.meta
+            where = (slot.extents[0][0], meta.dtype, meta.shape)
+            view = self._views.get(where)
+            if view is None:
+                view = self._make_view(where[0] * self.index.block_bytes, meta)
+                if view is None:
+                    return None
+                if len(self._views) >= _VIEWS:
+                    self._views.clear()
+                self._views[where] = view
+            slot.view = view
+        return view
+
+    def _make_view(self, offset: int, meta) -> torch.Tensor | None:
+        """The arena bytes at ``offset`` as a C-order tensor of ``meta``'s dtype and shape (None:
+        ``offset`` is no multiple of the item size)."""
+        itemsize = meta.itemsize
+        if offset % itemsize:
+            return None
+        typed = self._typed.get(meta.dtype)
+        if typed is None:
+            usable = self.buffer.numel() - self.buffer.numel() % itemsize
+            typed = self._typed[meta.dtype] = self.buffer[:usable].view(torch_dtype(meta.dtype))
+        return typed.as_strided(meta.shape, _c_strides(meta.shape), offset // itemsize)
 
     def contiguous_view(self, slot: Slot) -> torch.Tensor | None:
         """The slot's bytes as one zero-copy ``uint8`` view when they lie in a single run, else ``None``.
@@ -168,13 +236,19 @@ class HostTier(ArenaTier):
         return self.buffer[arena_off : arena_off + length]
 
 
-def _free_bytes(directory: str) -> int | None:
-    """Bytes an unprivileged file may still take in ``directory``'s filesystem (None: unknown)."""
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
+#: typed views a host tier keeps for reuse, by (first block, dtype, shape): entries come in few
+#: shapes (one per image size) and land on the same blocks again; making one costs ~1.5-3 us
+_VIEWS = 4096
+
+
+def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a C-contiguous tensor of ``shape``."""
+    strides = []
+    step = 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return tuple(reversed(strides))
 
 
 def _no_room(nbytes: int, shm_dir: str, free: int | None) -> str:

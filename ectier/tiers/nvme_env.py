@@ -13,7 +13,6 @@ import errno
 import fcntl
 import json
 import logging
-import os
 import threading
 import time
 from contextlib import contextmanager
@@ -31,7 +30,8 @@ from .nvme_index import NvmeIndex, NvmeRecord
 from .nvme_migrate import migrate_v1
 from .nvme_record import parse_index_value
 from .nvme_segment import BLOCK_BYTES, SEGMENT_NAME, ExtentSpace, SegmentFile, blocks_for, unpack_location
-from .storedir import check_local_filesystem, move_aside
+from .storedir import check_local_filesystem, check_space, move_aside
+from .storedir import free_bytes as free_disk_bytes
 
 __all__ = ["NvmeEnv", "RWLock", "STORE_FORMAT", "RELEASE_MARKER", "write_error_text", "free_disk_bytes",
            "NvmeDiskFullError", "write_error"]
@@ -93,15 +93,6 @@ class RWLock:
             with self._cond:
                 self._exclusive = False
                 self._cond.notify_all()
-
-
-def free_disk_bytes(path: Path) -> int | None:
-    """Bytes free to an unprivileged user on the file system of ``path``, or ``None`` if unknown."""
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
 
 
 def write_error_text(path: Path, exc: lmdb.Error, need_bytes: int, free: int | None) -> str:
@@ -178,6 +169,8 @@ class NvmeEnv:
                 if self.config.on_damaged != "reset":
                     raise
                 self._reset_damaged(exc)
+            check_space(self.path, self.config.capacity_bytes, self.index.used_bytes,
+                        thin=self.config.thin_provisioning)
         except BaseException:
             self.close()
             raise

@@ -8,6 +8,9 @@ moving a damaged LMDB environment aside.
   9p, Ceph, GlusterFS, Lustre, GPFS, ``fuse.*``, ...): LMDB relies on POSIX locks and a shared
   memory map that such filesystems do not keep coherent (LMDB's documentation: "do not use LMDB
   databases on remote filesystems"). ``nvme.allow_network_fs: true`` opts out.
+- :func:`free_bytes` is what a file may still take on a directory's filesystem (``statvfs``; the
+  host tier's shared arena asks it too); :func:`check_space` refuses an ``nvme.capacity_bytes``
+  the filesystem cannot hold (``nvme.thin_provisioning: true`` opts out).
 - :func:`move_aside` renames ``<store>/lmdb`` (and ``segment.0``) into ``<store>/damaged-<UTC time>/`` (used by
   ``nvme.on_damaged: reset`` and ``ectier fsck --repair``). The copy stays inside the store
   directory: on the same filesystem (a rename, no copy), and possible when the store directory is
@@ -27,7 +30,8 @@ from pathlib import Path
 from ..errors import ConfigError
 
 __all__ = ["Mount", "NETWORK_FS_TYPES", "parse_mountinfo", "mount_of", "is_network_fs",
-           "check_local_filesystem", "move_aside", "damaged_copies", "MOUNTINFO_PATH"]
+           "check_local_filesystem", "move_aside", "damaged_copies", "MOUNTINFO_PATH", "free_bytes",
+           "check_space"]
 
 MOUNTINFO_PATH = "/proc/self/mountinfo"
 
@@ -139,6 +143,36 @@ def check_local_filesystem(path: str | os.PathLike, *, allow: bool, mountinfo: s
             "(and only one host opens the store)"
         )
     return mount
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Bytes a file of an unprivileged user may still take on the filesystem of ``path``
+    (``statvfs``: ``f_bavail * f_frsize``), or ``None`` if unknown (``path`` cannot be asked)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def check_space(path: str | os.PathLike, capacity_bytes: int, held_bytes: int, *, thin: bool) -> None:
+    """Refuse an NVMe budget the filesystem under ``path`` cannot hold: ``capacity_bytes`` above
+    the free bytes plus ``held_bytes`` (what the store's records already take of the budget).
+
+    Nothing is checked with ``thin`` (``nvme.thin_provisioning``) or when the free space is unknown.
+
+    Raises:
+        ConfigError: naming ``nvme.capacity_bytes``, the free bytes and the opt-in.
+    """
+    free = None if thin else free_bytes(path)
+    if free is None or capacity_bytes <= free + held_bytes:
+        return
+    held = f" + {held_bytes} bytes its records already take" if held_bytes else ""
+    raise ConfigError(
+        f"nvme.capacity_bytes: {capacity_bytes} bytes ({capacity_bytes / 2**30:.2f} GiB) do not fit the "
+        f"filesystem of nvme.path {str(path)!r}: it has {free} bytes ({free / 2**30:.2f} GiB) free{held}; "
+        f"lower nvme.capacity_bytes, free space there, or set nvme.thin_provisioning: true to accept a "
+        f"budget above the free space (writes past it then fail with disk full)")
 
 
 def damaged_copies(store_dir: str | os.PathLike) -> list[Path]:
