@@ -292,9 +292,18 @@ class TieredCache:
         if lease.end():
             self._mover.unpin(self._host, lease.slot)
 
-    def load(self, lease: ReadLease, *, device: str | torch.device | None = None) -> torch.Tensor:
-        """A copy of a leased entry on ``device``, through the copy engine (H2D lane for CUDA:
-        ready on the caller's current stream, no host sync). The lease stays held.
+    def load(self, lease: ReadLease, *, device: str | torch.device | None = None,
+             view: bool = False) -> torch.Tensor:
+        """The leased entry on ``device``: a copy through the copy engine (H2D lane for CUDA:
+        ready on the caller's current stream, no host sync), or, with ``view=True`` on the CPU,
+        a zero-copy **read-only view** of the host arena. The lease stays held either way.
+
+        A view holds a pin of its own for as long as its storage lives (any slice or reshape of it
+        included), however long that is after the lease is released: the entry's bytes are neither
+        evicted nor reused meanwhile, and count against ``host.capacity_bytes`` until the last view
+        is gone; an overwrite or delete of the key goes to other bytes. Writing into a view changes
+        the stored entry: don't. After :meth:`close` live views stay valid (the arena's memory is
+        freed with the last one). An entry whose bytes are not one run of the arena is copied.
 
         Raises:
             ValueError: the lease was released. InvalidDeviceError: bad ``device``.
@@ -302,6 +311,10 @@ class TieredCache:
         dev = parse_device(device)
         if lease.ended:
             raise ValueError("load: the lease was already released")
+        if view and dev.type == "cpu":
+            result = self._mover.arena.view_out(self._host, lease.slot)
+            if result is not None:
+                return result
         return self._mover.arena.copy_out(self._host, lease.slot, dev)
 
     @property

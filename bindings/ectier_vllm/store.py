@@ -156,7 +156,7 @@ class InProcessStore:
         if pin is not None:
             # straight from the pinned host arena to the destination, on the copy engine (the
             # scheduler releases the pin once the worker has reported the load)
-            return self.cache.load(pin.lease, device=device)
+            return self.cache.load(pin.lease, device=device, view=True)
         return self.cache.get(key, device=device)
 
     def flush(self) -> None:

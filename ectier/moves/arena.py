@@ -17,8 +17,9 @@ from ..copy import CopyEngine, CopyHandle
 from ..entry import EntryMeta
 from ..handles import PutHandle
 from ..index import Slot
-from ..tensors import byte_view, empty_for, output_for
+from ..tensors import byte_view, empty_for, output_for, torch_dtype
 from ..tiers.arena import ArenaTier, run_pairs
+from .views import Releaser, pinned_view
 
 if TYPE_CHECKING:
     from ..mover import Commit, Mover
@@ -42,6 +43,7 @@ class ArenaMoves:
 
     def __init__(self, m: "Mover") -> None:
         self.m = m
+        self.releaser = Releaser(m.cond)  # view pins released from finalizers, never blocking
 
     # ------------------------------------------------------------------------- host puts
     def store(self, tier: ArenaTier, digest: bytes, meta: EntryMeta, version: int, src: torch.Tensor, *,
@@ -232,6 +234,31 @@ class ArenaMoves:
         h = self.m.engine_for(dev).copy(pairs, lane="h2d")
         h.wait_stream(dev)
         return result
+
+    def view_out(self, host: ArenaTier, slot: Slot) -> torch.Tensor | None:
+        """A zero-copy CPU view of a host slot its caller keeps pinned (a lease), holding a pin of
+        its own until the view's storage is freed (:func:`~ectier.moves.views.pinned_view`): the
+        slot is neither evicted nor freed, nor its blocks reused, while any view of it lives; an
+        overwrite or delete of the key meanwhile goes to other blocks. ``None`` when the slot's
+        bytes are not one run of the arena (the caller copies instead)."""
+        extents = host.byte_extents(slot) if host.device is None else None
+        if extents is None or len(extents) > 1:
+            return None
+        m, meta = self.m, slot.meta
+        offset, nbytes = extents[0] if extents else (0, 0)
+        with m.cond:
+            host.pin(slot)
+
+        def release() -> None:  # run by the releaser with m.cond held
+            if host.unpin(slot):
+                m.cond.notify_all()
+
+        try:
+            return pinned_view(host.buffer, offset, nbytes, torch_dtype(meta.dtype), tuple(meta.shape),
+                               lambda: self.releaser.call(release))
+        except BaseException:
+            m.unpin(host, slot)
+            raise
 
     # ------------------------------------------------------------------------- serving hits
     def read_device_slot(self, gpu, slot: Slot, dev: torch.device, out: torch.Tensor | None):
