@@ -70,19 +70,21 @@ def _disk_bytes(path) -> int:
     return sum(os.lstat(os.path.join(d, f)).st_blocks * 512 for d, _, fs in os.walk(path) for f in fs)
 
 
-@pytest.mark.parametrize("sync", [True, False])
-def test_disk_full_evicts_old_entries_for_new_ones(small_fs, sync):
+@pytest.mark.parametrize("sync,entry_bytes", [(True, 256 * KiB), (False, 256 * KiB), (False, 192 * KiB + 7)])
+def test_disk_full_evicts_old_entries_for_new_ones(small_fs, sync, entry_bytes):
     """nvme.capacity_bytes above what the filesystem holds (thin provisioning): when the disk fills
     up, the tier evicts its own least recently used records and retries, so every put succeeds and
     the newest entries are kept — it never drops new entries while old ones hold the space. The old
-    code failed every put from then on (TierWriteError) and kept the old entries."""
+    code failed every put from then on (TierWriteError) and kept the old entries. Entries that end
+    inside a block (``192 KiB + 7``) too: a hole left at a block's end would need new space when
+    the block is reused, so freed blocks of a full disk would refuse writes."""
     cfg = make_config(small_fs / "store", host_bytes=0, nvme_bytes=64 * MiB, map_initial_bytes=1 * MiB, sync=sync,
                       thin_provisioning=True)
     (small_fs / "filler").write_bytes(b"\0" * (3 * MiB))
     stored = {}
     with TieredCache(cfg) as cache:
-        for i in range(60):  # 15 MiB of puts into ~4.5 MiB of free space
-            t = filled(256 * KiB, i)
+        for i in range(60):  # 11-15 MiB of puts into ~4.5 MiB of free space
+            t = filled(entry_bytes, i)
             cache.put(f"a{i}", t)  # TierWriteError("disk full") here on the old code
             stored[f"a{i}"] = t
         st = cache.stats()["tiers"]["nvme"]

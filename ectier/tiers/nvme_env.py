@@ -13,6 +13,7 @@ import errno
 import fcntl
 import json
 import logging
+import os
 import threading
 import time
 from contextlib import contextmanager

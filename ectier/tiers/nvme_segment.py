@@ -318,6 +318,11 @@ class SegmentFile:
                 h.update(chunk[:n])
                 pos += n
                 off += n
+        tail = off % BLOCK_BYTES
+        if tail and pos == total:
+            # allocate the rest of the last block too: a hole there would need new disk space
+            # when the block is reused, so a full disk could refuse writes into freed blocks
+            os.posix_fallocate(self.fd, off, BLOCK_BYTES - tail)
         return h.intdigest()
 
     def flush(self) -> None:
