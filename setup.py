@@ -39,7 +39,7 @@ setup(
         # the remote tier's Mooncake Store backend (ectier/tiers/remote/mooncake.py): the client
         # without CUDA; with CUDA install mooncake-transfer-engine instead. Needs libibverbs1.
         "mooncake": [MOONCAKE],
-        "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100", "scikit-image>=0.22", "safetensors>=0.4", "matplotlib>=3.8",
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "pyflakes>=3", "hypothesis>=6.100", "scikit-image>=0.22", "safetensors>=0.4", "matplotlib>=3.8",
                  "pytest-benchmark>=4", "redis>=8", MOONCAKE],
         "bench": ["pytest-benchmark>=4", "matplotlib>=3.8", "safetensors>=0.4", "scikit-image>=0.22"],
     },

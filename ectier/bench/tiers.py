@@ -223,7 +223,7 @@ def _odirect_rows(timer: _Timer, path: str, buf: np.ndarray, n: int, nbytes: int
     m, view = _aligned(size)
     view[:nbytes] = buf.tobytes() if nbytes < 1 << 20 else memoryview(buf)
 
-    def w(i: int) -> None:
+    def w(i: int, view: memoryview = view) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
         try:
             os.write(fd, view)
@@ -232,7 +232,7 @@ def _odirect_rows(timer: _Timer, path: str, buf: np.ndarray, n: int, nbytes: int
         finally:
             os.close(fd)
 
-    def r(i: int) -> None:
+    def r(i: int, view: memoryview = view) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
         try:
             os.readv(fd, [view])
@@ -241,7 +241,7 @@ def _odirect_rows(timer: _Timer, path: str, buf: np.ndarray, n: int, nbytes: int
 
     out = [timer.row("nvme", "put", "reference-odirect", n, nbytes, w, reps),
            timer.row("nvme", "get", "reference-odirect", n, nbytes, r, reps)]
-    del view
+    del w, r, view  # the buffer's exports go before the map closes
     m.close()
     return out
 
