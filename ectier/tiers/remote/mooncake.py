@@ -401,7 +401,13 @@ class MooncakeBackend(RemoteBackend):
         """Close the client (unmounts this process's segment: the objects on it are gone), after
         the calls still running ended, waiting at most ``remote.timeout_s`` for them; a client
         with calls still running past that is left open (closing it under a call would crash the
-        process). Idempotent; calls after it raise RemoteError."""
+        process). Idempotent; calls after it raise RemoteError.
+
+        Bounded by about 3 x ``remote.timeout_s``: Mooncake's own teardown holds the GIL and, with
+        a master that does not answer, takes its HTTP and RPC timeouts (~10-16 s) — so it runs only
+        after the master's RPC port and metadata server answered, each within ``remote.timeout_s``;
+        else the client is abandoned, left open and referenced, with one warning (Mooncake's
+        exit handler still tears it down when the process exits)."""
         with self._lock:
             self._closed = True
             idle = self._idle.wait_for(lambda: self._in_use == 0, self._cfg.timeout_s)
@@ -411,6 +417,12 @@ class MooncakeBackend(RemoteBackend):
         if not idle:
             _HELD.append(store)
             log.debug("mooncake: closed with calls still running; the client stays open for them")
+            return
+        why = self._unreachable()
+        if why:
+            _HELD.append(store)
+            log.warning("mooncake: close: %s; the client is left open (Mooncake's teardown would block the "
+                        "process for its own timeouts)", why)
             return
         t = threading.Thread(target=_close_quietly, args=(store,), name="ectier-mooncake-close", daemon=True)
         t.start()
