@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import urllib.error
@@ -53,7 +54,7 @@ from ...record import pack_header
 from .backend import RemoteBackend, RemoteError, RemoteTimeout
 from .mooncake_calls import HOLD_S, MAX_IN_FLIGHT, Holds, Runner, code as _code
 
-__all__ = ["MooncakeBackend"]
+__all__ = ["MooncakeBackend", "exit_now_if_abandoned"]
 
 log = logging.getLogger(__name__)
 
@@ -427,6 +428,24 @@ class MooncakeBackend(RemoteBackend):
         t = threading.Thread(target=_close_quietly, args=(store,), name="ectier-mooncake-close", daemon=True)
         t.start()
         t.join(self._cfg.timeout_s)
+
+
+def exit_now_if_abandoned(code: int) -> None:
+    """End the process at once with exit status ``code`` (``os._exit``, after flushing logging,
+    stdout and stderr) if :meth:`MooncakeBackend.close` left a client open (a master that did not
+    answer, or calls still running); return if it did not. For a process's last step (``ectier
+    serve``): Mooncake's exit handler would otherwise tear that client down against the master
+    that does not answer, holding the exit for its own timeouts (~10-16 s)."""
+    if not _HELD:
+        return
+    log.warning("mooncake: exiting without Mooncake's teardown of %d client(s) left open", len(_HELD))
+    logging.shutdown()
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(code)
 
 
 def _close_quietly(store: Any) -> None:
