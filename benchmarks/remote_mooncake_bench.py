@@ -16,7 +16,9 @@ size (random bytes, a fresh key per row):
   registration per call, ``upsert_from`` / ``get_size`` + ``get_into``);
 - ``backend plain``: the backend with ``zero_copy = False`` (plain ``upsert`` / ``get``);
 - ``tier``: :class:`~ectier.tiers.remote.tier.RemoteTier` ``write`` / ``fetch`` on ``backend``
-  (the record: header, xxh3 checksum, the payload copied once on each side).
+  (the record: header, xxh3 checksum; a put copies header + payload into the client's buffer
+  with ``upsert_parts`` or into one joined buffer; a fetch hands the payload out as a view of the
+  fetched buffer, no copy).
 
 The table gives median GB/s (decimal) and, against ``raw``, the ratio of the medians and the
 median of the per-round ratios (``paired``). ``other load``: the share of the machine's CPU that

@@ -336,9 +336,12 @@ def serve(config_path: Optional[str], socket_path: Optional[str], log_level: str
             raise click.BadParameter(str(exc), param_hint="--socket") from None
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        sys.exit(run_daemon(config))
+        rc = run_daemon(config)
     except EctierError as exc:
         raise click.ClickException(str(exc)) from None
+    if "ectier.tiers.remote.mooncake" in sys.modules:  # a client left open: skip Mooncake's teardown
+        sys.modules["ectier.tiers.remote.mooncake"].exit_now_if_abandoned(rc)
+    sys.exit(rc)
 
 
 # ========================================================================================= stats

@@ -146,14 +146,30 @@ class Store:
     http_port: int
     master: Proc
     node: Proc
+    address: str = "127.0.0.1"  #: where both listen
+    run_in: Any = None  #: ``args -> args`` running them elsewhere (a network namespace), or None
 
     @property
     def master_address(self) -> str:
-        return f"127.0.0.1:{self.rpc_port}"
+        return f"{self.address}:{self.rpc_port}"
 
     @property
     def metadata_server(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}/metadata"
+        return f"http://{self.address}:{self.http_port}/metadata"
+
+    def reachable(self, port: int, http: bool = False) -> bool:
+        """Whether ``port`` on :attr:`address` accepts a connection (``http``: and answers HTTP),
+        seen from where the servers run."""
+        if self.run_in is None:
+            return _metadata_answers(port) if http else _listening(port)
+        probe = (f"import socket,sys; s=socket.create_connection(({self.address!r},{port}),1); "
+                 + ("s.sendall(b'GET /metadata?key=p HTTP/1.0\\r\\n\\r\\n'); sys.exit(0 if s.recv(5) else 1)"
+                    if http else "sys.exit(0)"))
+        try:
+            return subprocess.run(self.run_in([sys.executable, "-c", probe]), capture_output=True,
+                                  timeout=10).returncode == 0
+        except subprocess.TimeoutExpired:
+            return False
 
     def config(self, **kw: Any) -> Any:
         """A :class:`~ectier.config.RemoteTierConfig` for this store (``kw`` override)."""
@@ -201,7 +217,7 @@ def _start_master(store: Store) -> None:
     store.master.start()
     end = time.monotonic() + _STARTUP_S
     while time.monotonic() < end and store.master.process.poll() is None:
-        if _listening(store.rpc_port) and _metadata_answers(store.http_port):
+        if store.reachable(store.rpc_port) and store.reachable(store.http_port, http=True):
             return
         time.sleep(0.05)
     raise RuntimeError(f"mooncake_master on port {store.rpc_port} did not start: {store.master.tail()}")
@@ -212,31 +228,35 @@ def _start_node(store: Store) -> None:
     port = int(next(a for a in store.node.args if a.startswith("--port=")).split("=")[1])
     end = time.monotonic() + _STARTUP_S
     while time.monotonic() < end and store.node.process.poll() is None:
-        if _listening(port) and "Starting real client service" in store.node.tail():
+        if store.reachable(port) and "Starting real client service" in store.node.tail():
             return
         time.sleep(0.05)
     raise RuntimeError(f"mooncake_client (store node) on port {port} did not start: {store.node.tail()}")
 
 
 @contextlib.contextmanager
-def running_store(node_segment: str = NODE_SEGMENT) -> Iterator[Store]:
-    """Start a master and a store node for the block, then kill both and remove their directory."""
+def running_store(node_segment: str = NODE_SEGMENT, *, address: str = "127.0.0.1",
+                  run_in: Any = None) -> Iterator[Store]:
+    """Start a master and a store node for the block, then kill both and remove their directory.
+    ``address``: where they listen; ``run_in``: ``args -> args`` that runs them elsewhere (e.g.
+    ``netns.Host.cmd``: in a network namespace where ``address`` is)."""
     here = ensure_tools()
+    wrap = run_in or (lambda *args: list(args))
     root = Path(tempfile.mkdtemp(prefix="ectier-mooncake-"))
     store: Store | None = None
     try:
         last = ""
         for _ in range(3):  # a port taken meanwhile: other ports
             rpc, http, metrics, node_port = free_port(), free_port(), free_port(), free_port()
-            master = Proc([str(here / "mooncake_master"), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
-                           "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-                           f"--http_metadata_server_port={http}", "--metrics_host=127.0.0.1",
-                           f"--metrics_port={metrics}", "--logtostderr"], root / "master.log")
-            node = Proc([str(here / "mooncake_client"), "--host=127.0.0.1", f"--port={node_port}",
-                         f"--global_segment_size={node_segment}", f"--master_server_address=127.0.0.1:{rpc}",
-                         f"--metadata_server=http://127.0.0.1:{http}/metadata", "--protocol=tcp", "--logtostderr"],
-                        root / "node.log")
-            store = Store(rpc, http, master, node)
+            master = Proc(wrap(str(here / "mooncake_master"), f"--rpc_port={rpc}", f"--rpc_address={address}",
+                               "--enable_http_metadata_server=true", f"--http_metadata_server_host={address}",
+                               f"--http_metadata_server_port={http}", f"--metrics_host={address}",
+                               f"--metrics_port={metrics}", "--logtostderr"), root / "master.log")
+            node = Proc(wrap(str(here / "mooncake_client"), f"--host={address}", f"--port={node_port}",
+                             f"--global_segment_size={node_segment}", f"--master_server_address={address}:{rpc}",
+                             f"--metadata_server=http://{address}:{http}/metadata", "--protocol=tcp",
+                             "--logtostderr"), root / "node.log")
+            store = Store(rpc, http, master, node, address, None if run_in is None else (lambda a: run_in(*a)))
             try:
                 _start_master(store)
                 _start_node(store)

@@ -185,6 +185,25 @@ def test_a_hung_master_raises_remote_timeout(mooncake_store_fn):
         be.close()
 
 
+def test_close_with_a_hung_master_returns_within_its_bound_with_one_warning(mooncake_store_fn, caplog):
+    store = mooncake_store_fn
+    be = open_backend(store.config(timeout_s=DEADLINE))
+    be.put("k", b"v" * 1000, deadline_s=D)
+    store.pause_master()  # Mooncake's own teardown would now take its timeouts (~10-16 s)
+    try:
+        with caplog.at_level("WARNING", logger="ectier.tiers.remote.mooncake"):
+            start = time.monotonic()
+            be.close()
+            elapsed = time.monotonic() - start
+    finally:
+        store.resume_master()
+    assert elapsed < 4 * DEADLINE
+    assert len([r for r in caplog.records if "left open" in r.getMessage()]) == 1
+    with pytest.raises(RemoteError, match="closed"):
+        be.get("k", deadline_s=DEADLINE)
+    be.close()  # idempotent
+
+
 def test_a_master_down_at_start_is_reached_once_it_is_up(mooncake_store_fn):
     store = mooncake_store_fn
     store.kill_master()

@@ -16,6 +16,7 @@ import torch
 
 from ectier import CacheConfig, TieredCache, testing
 from ectier.entry import entry_digest
+from daemon_helpers import DaemonProcess, daemon_config, daemon_stats, remove_dir, short_tmpdir, wait_for, write_config
 from mooncake_master import mooncake_store, mooncake_store_fn  # noqa: F401
 
 MiB = 1 << 20
@@ -187,3 +188,30 @@ def test_entries_of_a_producer_process_that_exited_are_served_to_another(mooncak
         assert consumer.stats()["tiers"]["remote"]["hits"] == 3
     finally:
         consumer.close()
+
+
+def test_a_daemon_stops_on_sigterm_within_its_bound_while_the_master_hangs(mooncake_store_fn):
+    """Mooncake's own teardown of a client against a hung master takes ~10-16 s (its HTTP and RPC
+    timeouts, the GIL held); the daemon's close skips it and exits within a few timeout_s."""
+    store = mooncake_store_fn
+    d = short_tmpdir()
+    try:
+        cfg = daemon_config(d, host_bytes=32 * MiB, nvme_bytes=64 * MiB)
+        cfg["remote"] = store.remote_dict(timeout_s=1.0, backoff_s=0.5)
+        proc = DaemonProcess(write_config(f"{d}/cfg.yaml", cfg), cfg["daemon"]["socket_path"], via="script")
+        proc.start()
+        try:
+            wait_for(lambda: daemon_stats(proc.socket_path)["tiers"]["remote"]["connected"], timeout=30,
+                     what="the remote tier connected")
+            store.pause_master()
+            start = time.monotonic()
+            rc = proc.terminate(timeout=30)
+            elapsed = time.monotonic() - start
+        finally:
+            store.resume_master()
+            proc.stop()
+        assert rc == 0, proc.log()
+        assert elapsed < 6.0, proc.log()  # close: <= 3 x timeout_s; Mooncake's teardown: ~10-16 s
+        assert "left open" in proc.log()
+    finally:
+        remove_dir(d)

@@ -1,6 +1,6 @@
 """Two hosts: an encoder node and a prefill/decode node in two network namespaces joined by a veth
-pair (``tests/netns.py``), a Redis Cluster in the encoder's namespace bound to its veth address
-only. The producer (a ``TieredCache`` process in namespace ``a``) puts; the consumer (an ``ectier
+pair (``tests/netns.py``), the store in the encoder's namespace bound to its veth address only
+(per backend: a Redis Cluster; a Mooncake master and store node). The producer (a ``TieredCache`` process in namespace ``a``) puts; the consumer (an ``ectier
 serve`` daemon in namespace ``b``, with its own store directory) serves the entries byte-exact
 through the remote tier, across the pair, and again after it restarted.
 
@@ -48,9 +48,17 @@ def _redis_in(hosts: netns.Hosts, host: netns.Host) -> Iterator[dict]:
         yield {"backend": "redis", "addresses": addresses, "timeout_s": 2.0, "backoff_s": 0.5}
 
 
+@contextlib.contextmanager
+def _mooncake_in(hosts: netns.Hosts, host: netns.Host) -> Iterator[dict]:
+    from mooncake_master import running_store  # the master and one store node, in ``host``'s namespace
+
+    with running_store(address=host.address, run_in=host.cmd) as store:
+        yield store.remote_dict(timeout_s=2.0, backoff_s=0.5)
+
+
 #: backend -> ``(hosts, host) ->`` a context manager running its servers in ``host``'s namespace,
-#: yielding the ``remote:`` section that reaches them (a second backend joins here)
-STORES_IN_NAMESPACE = {"redis": _redis_in}
+#: yielding the ``remote:`` section that reaches them
+STORES_IN_NAMESPACE = {"redis": _redis_in, "mooncake": _mooncake_in}
 
 
 @pytest.fixture(params=sorted(STORES_IN_NAMESPACE))

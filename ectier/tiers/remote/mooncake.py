@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import urllib.error
@@ -53,7 +54,7 @@ from ...record import pack_header
 from .backend import RemoteBackend, RemoteError, RemoteTimeout
 from .mooncake_calls import HOLD_S, MAX_IN_FLIGHT, Holds, Runner, code as _code
 
-__all__ = ["MooncakeBackend"]
+__all__ = ["MooncakeBackend", "exit_now_if_abandoned"]
 
 log = logging.getLogger(__name__)
 
@@ -401,7 +402,13 @@ class MooncakeBackend(RemoteBackend):
         """Close the client (unmounts this process's segment: the objects on it are gone), after
         the calls still running ended, waiting at most ``remote.timeout_s`` for them; a client
         with calls still running past that is left open (closing it under a call would crash the
-        process). Idempotent; calls after it raise RemoteError."""
+        process). Idempotent; calls after it raise RemoteError.
+
+        Bounded by about 3 x ``remote.timeout_s``: Mooncake's own teardown holds the GIL and, with
+        a master that does not answer, takes its HTTP and RPC timeouts (~10-16 s) — so it runs only
+        after the master's RPC port and metadata server answered, each within ``remote.timeout_s``;
+        else the client is abandoned, left open and referenced, with one warning (Mooncake's
+        exit handler still tears it down when the process exits)."""
         with self._lock:
             self._closed = True
             idle = self._idle.wait_for(lambda: self._in_use == 0, self._cfg.timeout_s)
@@ -412,9 +419,33 @@ class MooncakeBackend(RemoteBackend):
             _HELD.append(store)
             log.debug("mooncake: closed with calls still running; the client stays open for them")
             return
+        why = self._unreachable()
+        if why:
+            _HELD.append(store)
+            log.warning("mooncake: close: %s; the client is left open (Mooncake's teardown would block the "
+                        "process for its own timeouts)", why)
+            return
         t = threading.Thread(target=_close_quietly, args=(store,), name="ectier-mooncake-close", daemon=True)
         t.start()
         t.join(self._cfg.timeout_s)
+
+
+def exit_now_if_abandoned(code: int) -> None:
+    """End the process at once with exit status ``code`` (``os._exit``, after flushing logging,
+    stdout and stderr) if :meth:`MooncakeBackend.close` left a client open (a master that did not
+    answer, or calls still running); return if it did not. For a process's last step (``ectier
+    serve``): Mooncake's exit handler would otherwise tear that client down against the master
+    that does not answer, holding the exit for its own timeouts (~10-16 s)."""
+    if not _HELD:
+        return
+    log.warning("mooncake: exiting without Mooncake's teardown of %d client(s) left open", len(_HELD))
+    logging.shutdown()
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(code)
 
 
 def _close_quietly(store: Any) -> None:

@@ -153,17 +153,31 @@ class RemoteTier(Tier):
         return ok
 
     def fetch(self, digest: bytes, namespace: str, key: str):
-        """``(header, data)`` — ``data`` a new flat ``uint8`` CPU tensor — or ``None`` on a miss
-        (absent, skipped, failed, or a record that fails its checks: counted)."""
+        """``(header, data)`` — ``data`` a flat ``uint8`` CPU tensor of ``header.raw_nbytes`` bytes,
+        not shared with anything else — or ``None`` on a miss (absent, skipped, failed, or a record
+        that fails its checks: counted).
+
+        A raw (uncompressed) record read into a writable buffer (Mooncake's ``get_into``) is handed
+        out without a copy: ``data`` is a view of the fetched buffer past the header (its address
+        need not be aligned). Otherwise (a read-only ``bytes`` from Redis, a compressed payload) the
+        payload is decoded into a new tensor. The checks come first either way: the header, the
+        namespace and key, the length, and the xxh3 checksum of the payload (one pass)."""
         ok, raw = self._call("get", lambda: self.backend.get(self.key_of(digest), deadline_s=self.config.timeout_s))
         if not ok or raw is None:
             return None
         try:
             mv = memoryview(raw)
+            if mv.ndim != 1 or mv.format != "B":
+                mv = mv.cast("B")
             n = header_nbytes(mv)
             rec = verify_record((namespace, key), mv[:n], mv[n:])
-            out = torch.empty(rec.header.raw_nbytes, dtype=torch.uint8)
-            if rec.header.raw_nbytes:
+            h = rec.header
+            if not h.raw_nbytes:
+                out = torch.empty(0, dtype=torch.uint8)
+            elif h.codec_id == self._codec.codec_id and h.payload_nbytes == h.raw_nbytes and not mv.readonly:
+                out = torch.frombuffer(mv[n:n + h.raw_nbytes], dtype=torch.uint8)  # no copy
+            else:
+                out = torch.empty(h.raw_nbytes, dtype=torch.uint8)
                 rec.codec.decode_into(mv[n:], out.numpy(), rec.itemsize)
         except (CorruptRecordError, UnknownCodecError, ValueError) as exc:
             self._count(checksum_failures=1)
