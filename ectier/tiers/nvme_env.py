@@ -28,7 +28,7 @@ from ..entry import entry_digest
 from ..errors import CorruptRecordError, StoreDamagedError, StoreLockedError, StoreOpenError, TierWriteError
 from .nvme_index import NvmeIndex, NvmeRecord
 from .nvme_migrate import migrate_v1
-from .nvme_scan import scan_index
+from .nvme_scan import gc_paused, scan_index
 from .nvme_segment import BLOCK_BYTES, SEGMENT_NAME, ExtentSpace, SegmentFile, blocks_for
 from .storedir import check_local_filesystem, check_space, move_aside
 from .storedir import free_bytes as free_disk_bytes
@@ -311,6 +311,11 @@ class NvmeEnv:
         is reclaimed so). Entries whose blocks overlap (possible only after a lost commit of a
         delete: ``nvme.sync`` off and a power loss) keep the newest; the older are quarantined.
         """
+        assert self.env is not None and self.segment is not None
+        with gc_paused():
+            self._scan_records()
+
+    def _scan_records(self) -> None:
         assert self.env is not None and self.segment is not None
         with self.env.begin(buffers=True) as txn:
             r = scan_index(txn, self.meta_db, self.segment.size_blocks())

@@ -81,6 +81,10 @@ class NvmeRecord:
         return f"NvmeRecord(version={self.version}, stored_bytes={self.stored_bytes}, location={self.location})"
 
 
+def _version_of(item: tuple[bytes, NvmeRecord]) -> int:
+    return item[1].version
+
+
 class NvmeIndex:
     """Records, policy order and byte budget of one NVMe tier.
 
@@ -107,7 +111,7 @@ class NvmeIndex:
         """All records, oldest write version first."""
         with self._records_lock:
             items = list(self._records.items())
-        items.sort(key=lambda kv: kv[1].version)
+        items.sort(key=_version_of)  # loaded in version order at open: a linear pass then
         return items
 
     def __len__(self) -> int:
@@ -139,6 +143,10 @@ class NvmeIndex:
 
     def track(self, digest: bytes, stored_bytes: int, cost_s: float | None = None) -> None:
         self.policy.add(digest, stored_bytes, cost_s)
+
+    def track_many(self, items: list[tuple[bytes, int]]) -> None:
+        """:meth:`track` of every ``(digest, stored bytes)``, in order (first = least recently used)."""
+        self.policy.add_many(items)
 
     def touch(self, digest: bytes) -> None:
         self.policy.touch(digest)

@@ -12,8 +12,10 @@ header, and the identity check, happen at the record's first use (docs/operation
 
 from __future__ import annotations
 
+import gc
 import struct
-from typing import NamedTuple
+from contextlib import contextmanager
+from typing import Iterator, NamedTuple
 
 import lmdb
 import xxhash
@@ -22,7 +24,7 @@ from ..errors import CorruptRecordError
 from ..record import MAX_HEADER_NBYTES, RECORD_FORMAT_VERSION, RECORD_MAGIC, peek_header
 from .nvme_segment import BLOCK_BYTES, LOCATION_MAGIC, unpack_location
 
-__all__ = ["ScanResult", "scan_index"]
+__all__ = ["ScanResult", "scan_index", "gc_paused"]
 
 # The header's fixed prefix up to its write version (layout in ectier.record's module docstring):
 # magic, format, codec id, header length H, raw_nbytes, payload_nbytes, payload checksum, version.
@@ -116,3 +118,20 @@ def scan_index(txn: lmdb.Transaction, db: object, seg_blocks: int) -> ScanResult
         stored(hn + n * BLOCK_BYTES)
         i += 1
     return r
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """No automatic cyclic garbage collection while the body runs (re-enabled after, if it was on).
+
+    Opening a store makes a few objects per record (100,000 records: ~300,000, none in a cycle);
+    the collector's passes over them while they are made took more than half of the open
+    (docs/benchmarks.md, "Reopen"). Reference counting still frees everything as usual.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
