@@ -72,6 +72,10 @@ class Catalog:
     def set_current(self, digest: bytes, version: int) -> None:
         self._current[digest] = version
 
+    def set_current_many(self, pairs: list[tuple[bytes, int]]) -> None:
+        """:meth:`set_current` of every ``(digest, version)`` pair, in one call (opening a store)."""
+        self._current.update(pairs)
+
     def forget(self, digest: bytes, version: int | None = None) -> bool:
         """Drop ``digest`` (only if its current version is ``version``, when given). True if dropped."""
         if version is not None and self._current.get(digest) != version:

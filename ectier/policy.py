@@ -16,7 +16,7 @@ import abc
 import heapq
 import itertools
 from collections import OrderedDict
-from typing import Callable, Hashable, Iterator
+from typing import Callable, Hashable, Iterable, Iterator
 
 __all__ = ["EvictionPolicy", "LRUPolicy", "GDSFPolicy", "POLICY_NAMES", "make_policy"]
 
@@ -37,6 +37,16 @@ class EvictionPolicy(abc.ABC):
         Raises:
             ValueError: ``nbytes < 0`` or a negative / non-finite ``cost``.
         """
+
+    def add_many(self, items: Iterable[tuple[Hashable, int]]) -> None:
+        """:meth:`add` of each ``(key, nbytes)`` in order (the first ends least recently used),
+        with the default cost (opening a store adopts its records so, in one call).
+
+        Raises:
+            ValueError: some ``nbytes < 0`` (the items before it are added).
+        """
+        for key, nbytes in items:
+            self.add(key, nbytes)
 
     @abc.abstractmethod
     def touch(self, key: Hashable) -> None:
@@ -83,6 +93,19 @@ class LRUPolicy(EvictionPolicy):
             raise ValueError(f"nbytes: must be >= 0, got {nbytes}")
         self._order[key] = nbytes
         self._order.move_to_end(key)
+
+    def add_many(self, items: Iterable[tuple[Hashable, int]]) -> None:
+        items = list(items)
+        if any(n < 0 for _, n in items):
+            return super().add_many(items)  # raises at the first bad one, as add would
+        order = self._order
+        keys = {k for k, _ in items}
+        if len(keys) == len(items) and order.keys().isdisjoint(keys):
+            order.update(items)  # new distinct keys are appended in order: the usual case (at open)
+        else:
+            for key, nbytes in items:
+                order[key] = nbytes
+                order.move_to_end(key)
 
     def touch(self, key: Hashable) -> None:
         if key in self._order:

@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 
-from ectier import TieredCache
+from ectier import TieredCache, testing
 from ectier.fsck import check
 from ectier.tiers.nvme_segment import BLOCK_BYTES, ExtentSpace, Location
 
@@ -189,3 +189,60 @@ def test_reopen_reads_no_payload_byte(make_cache, monkeypatch):
         assert len(again) == 50 and not reads
         assert_same(again.get("k7"), filled(64 * KiB, 7))
         assert reads
+
+
+def test_replace_that_grows_then_shrinks_the_segment(make_cache):
+    """A replace needs the old and the new payload at once: the region grows past the budget, and
+    shrinks (the segment file is cut back) once the old one is freed. This path raised NameError."""
+    cache, cfg = make_cache(host_bytes=0, nvme_bytes=2 * MiB)
+    seg = pathlib.Path(cfg.nvme.path) / "segment.0"
+    for r in range(3):
+        cache.put("k", filled(1536 * KiB, r))
+    assert_same(cache.get("k"), filled(1536 * KiB, 2))
+    assert seg.stat().st_size <= cfg.nvme.capacity_bytes
+    check_quiescent(cache)
+    cache.close()
+    with TieredCache(cfg) as again:
+        assert_same(again.get("k"), filled(1536 * KiB, 2))
+
+
+def test_reopen_of_fragmented_store_keeps_every_record_and_exact_free_space(make_cache):
+    """Records of several extents (a fragmented segment) take the general parse at open; the
+    free-space map after reopen is exactly the blocks no record names, and eviction order is
+    still oldest write first."""
+    cache, cfg = make_cache(host_bytes=0, nvme_bytes=17 * BLOCK_BYTES)  # 16 records and one spare block
+    for i in range(16):
+        cache.put(f"s{i}", filled(BLOCK_BYTES, i))  # one block each
+    for i in range(0, 16, 2):
+        cache.delete(f"s{i}")
+    cache.put("big", filled(4 * BLOCK_BYTES, 99))  # four one-block holes: several extents
+    cache.close()
+    with TieredCache(cfg) as again:
+        nv = testing.tier(again, "nvme")
+        keys = ["big"] + [f"s{i}" for i in range(1, 16, 2)]
+        assert len(again) == len(keys)
+        assert_same(again.get("big"), filled(4 * BLOCK_BYTES, 99))
+        for i in range(1, 16, 2):
+            assert_same(again.get(f"s{i}"), filled(BLOCK_BYTES, i))
+        used = sum(rec.location.blocks for _, rec in nv.records())
+        assert len(testing.record_of(again, "big").location.extents) > 1
+        assert nv.space()["segment_used_bytes"] == used * BLOCK_BYTES
+        check_quiescent(again)
+
+
+@pytest.mark.parametrize("policy", ["lru", "gdsf"])
+def test_policy_add_many_is_add_in_order(policy):
+    """``add_many`` (one call for the whole store at open) leaves the policy as ``add`` one by one."""
+    from ectier.policy import make_policy
+
+    items = [(f"k{i}", 100 + i) for i in range(50)]
+    one, many = make_policy(policy), make_policy(policy)
+    one.add("k3", 7)
+    many.add("k3", 7)  # an already tracked key moves to the end, as add does
+    for k, n in items:
+        one.add(k, n)
+    many.add_many(items)
+    assert list(one) == list(many)
+    assert one.victims(1000) == many.victims(1000)
+    with pytest.raises(ValueError, match="nbytes"):
+        many.add_many([("bad", -1)])

@@ -18,6 +18,7 @@ from ..errors import EctierError, TierWriteError
 from ..index import Slot
 from ..tensors import byte_view, output_for
 from ..tiers.nvme import NvmeDiskFullError, NvmeTier
+from ..tiers.nvme_scan import gc_paused
 
 if TYPE_CHECKING:
     from ..mover import Mover
@@ -50,13 +51,14 @@ class NvmeMoves:
         """At open: every stored record becomes a current entry, oldest first, then trim to budget."""
         from ..entry import advance_version
 
-        records = self.tier.records()
-        if records:
-            advance_version(records[-1][1].version)
-        with self.m.cond:
-            for digest, rec in records:  # oldest write first = least recently used
-                self.m.catalog.set_current(digest, rec.version)
-                self.index.track(digest, rec.stored_bytes)
+        with gc_paused():  # a few objects per record, none in a cycle (ectier.tiers.nvme_scan)
+            records = self.tier.records()
+            if records:
+                advance_version(records[-1][1].version)
+            with self.m.cond:  # oldest write first = least recently used; one call each
+                self.m.catalog.set_current_many([(d, rec.version) for d, rec in records])
+                self.index.track_many([(d, rec.stored_bytes) for d, rec in records])
+            del records
         self.trim_to_budget()
 
     def trim_to_budget(self) -> None:

@@ -23,14 +23,13 @@ from typing import Iterator
 import lmdb
 import numpy as np
 
-from ..codec import peek_header
 from ..config import NvmeTierConfig
 from ..entry import entry_digest
 from ..errors import CorruptRecordError, StoreDamagedError, StoreLockedError, StoreOpenError, TierWriteError
 from .nvme_index import NvmeIndex, NvmeRecord
 from .nvme_migrate import migrate_v1
-from .nvme_record import parse_index_value
-from .nvme_segment import BLOCK_BYTES, SEGMENT_NAME, ExtentSpace, SegmentFile, blocks_for, unpack_location
+from .nvme_scan import gc_paused, scan_index
+from .nvme_segment import BLOCK_BYTES, SEGMENT_NAME, ExtentSpace, SegmentFile, blocks_for
 from .storedir import check_local_filesystem, check_space, move_aside
 from .storedir import free_bytes as free_disk_bytes
 
@@ -306,41 +305,37 @@ class NvmeEnv:
 
     def _scan(self) -> None:
         """Load every index entry into the index and its extents into the free-space map;
-        quarantine bad entries. Reads no payload byte.
+        quarantine bad entries. Reads no payload byte (:func:`~ectier.tiers.nvme_scan.scan_index`).
 
         Blocks no entry names are free (the space of a payload whose index entry never committed
         is reclaimed so). Entries whose blocks overlap (possible only after a lost commit of a
         delete: ``nvme.sync`` off and a power loss) keep the newest; the older are quarantined.
         """
         assert self.env is not None and self.segment is not None
-        bad: list[tuple[bytes, bytes, str]] = []
-        found: dict[bytes, NvmeRecord] = {}
-        seg_blocks = self.segment.size_blocks()
+        with gc_paused():
+            self._scan_records()
+
+    def _scan_records(self) -> None:
+        assert self.env is not None and self.segment is not None
         with self.env.begin(buffers=True) as txn:
-            for digest, raw in txn.cursor(db=self.meta_db):
-                digest = bytes(digest)
-                try:
-                    # cheap checks only (checksums, sizes, location): the full parse, and the
-                    # identity check, happen at the record's first use / read
-                    hn, version, payload_nbytes = peek_header(raw)
-                    loc = unpack_location(raw[hn:])
-                    blocks = end = 0
-                    for s, n in loc.extents:
-                        blocks += n
-                        end = max(end, s + n)
-                    if -(-payload_nbytes // BLOCK_BYTES) > blocks:
-                        raise CorruptRecordError("payload location is smaller than the payload")
-                    if end > seg_blocks:
-                        raise CorruptRecordError("payload past the end of the segment file (truncated)")
-                except CorruptRecordError as exc:
-                    bad.append((digest, bytes(raw), str(exc)))
-                    continue
-                found[digest] = NvmeRecord(None, hn + blocks * BLOCK_BYTES, loc, bytes(raw), version)
-            clashes, used = self._overlaps(found, txn)
+            r = scan_index(txn, self.meta_db, self.segment.size_blocks())
+        bad = r.bad
+        versions = np.array(r.versions, dtype=np.uint64)
+        order = np.argsort(versions, kind="stable").tolist()  # oldest write first: the policy order
+        digests, values, stored, ver = r.digests, r.values, r.stored, r.versions
+        found = {digests[i]: NvmeRecord(None, stored[i], None, values[i], ver[i]) for i in order}
+        st = np.array(r.starts, dtype=np.int64)
+        ln = np.array(r.lens, dtype=np.int64)
+        by_start = np.argsort(st, kind="stable")
+        st, ln = st[by_start], ln[by_start]
+        if len(st) and (st[1:] < np.maximum.accumulate(st + ln)[:-1]).any():  # never in a healthy store
+            clashes, used = self._overlaps(found)
             bad.extend(clashes)
+            st = np.array([s for s, _ in used], dtype=np.int64)
+            ln = np.array([n for _, n in used], dtype=np.int64)
         self.index.load(found)
-        self.space.rebuild(used, presorted=True)
-        end = max((s + n for s, n in used), default=0)
+        self.space.rebuild_arrays(st, ln)
+        end = int((st + ln).max()) if len(st) else 0
         if self.segment.size_blocks() > end:  # nothing past the last record's blocks is in use
             self.segment.truncate_blocks(end)
         if bad:
@@ -351,24 +346,12 @@ class NvmeEnv:
                 log.warning("nvme tier: quarantined record %s at open: %s", digest.hex()[:16], reason)
         log.info("nvme tier: opened %s with %d records, %d bytes", self.path, len(self.index), self.index.used_bytes)
 
-    def _overlaps(self, found: dict[bytes, NvmeRecord],
-                  txn: lmdb.Transaction) -> tuple[list[tuple[bytes, bytes, str]], list[tuple[int, int]]]:
+    def _overlaps(self, found: dict[bytes, NvmeRecord]) -> tuple[list[tuple[bytes, bytes, str]], list[tuple[int, int]]]:
         """Remove from ``found`` every record whose blocks overlap another's and that does not own
         them: the payloads of overlapping records are read and checked (their checksums decide;
-        of two that both pass, the newer keeps the blocks). Returns them as ``(digest, raw value,
-        reason)`` to quarantine, and the extents of the records kept, sorted by start. Only
-        overlapping records are read: none in a healthy store."""
-        starts, lens = [], []
-        for rec in found.values():
-            for s, n in rec.location.extents:
-                starts.append(s)
-                lens.append(n)
-        st = np.array(starts, dtype=np.int64)
-        order = np.argsort(st, kind="stable")
-        st, ln = st[order], np.array(lens, dtype=np.int64)[order]
-        ends = st + ln
-        if not len(st) or not (st[1:] < np.maximum.accumulate(ends)[:-1]).any():  # the usual case
-            return [], list(zip(st.tolist(), ln.tolist()))
+        of two that both pass, the newer keeps the blocks). Returns them as ``(digest, index
+        value, reason)`` to quarantine, and the extents of the records kept, sorted by start.
+        Called only when some blocks overlap: never in a healthy store."""
         runs = sorted((s, s + n, d) for d, rec in found.items() for s, n in rec.location.extents)
         clash: set[bytes] = set()
         reach, holder = -1, None
@@ -377,8 +360,6 @@ class NvmeEnv:
                 clash.update((digest, holder))
             if end > reach:
                 reach, holder = end, digest
-        if not clash:  # pragma: no cover - the vector check above found one
-            return [], [(s, e - s) for s, e, _ in runs]
         good = {d for d in clash if self._payload_ok(d, found[d])}
         owner: dict[int, bytes] = {}  # block -> the newest good record holding it
         for d in sorted(good, key=lambda d: found[d].version):
@@ -393,7 +374,7 @@ class NvmeEnv:
             del found[d]
             reason = ("payload blocks overlap another record's (reused extent)" if d in good
                       else "payload checksum mismatch (its blocks overlap another record's: reused extent)")
-            out.append((d, bytes(txn.get(d, db=self.meta_db)), reason))
+            out.append((d, rec.value, reason))
         return out, sorted(e for rec in found.values() for e in rec.location.extents)
 
     def _payload_ok(self, digest: bytes, rec: NvmeRecord) -> bool:

@@ -22,7 +22,7 @@ from typing import Iterator
 
 from ..codec import RecordHeader, header_nbytes, unpack_header
 from ..policy import EvictionPolicy
-from .nvme_segment import Location
+from .nvme_segment import Location, unpack_location
 
 __all__ = ["NvmeIndex", "NvmeRecord", "HEADER_ALLOWANCE_BYTES"]
 
@@ -38,12 +38,13 @@ class NvmeRecord:
     Fields: ``header`` (:class:`~ectier.codec.RecordHeader`; a record scanned at open keeps only
     its checked bytes and parses them at first use), ``stored_bytes`` (header + the whole segment
     blocks of its payload, what the record costs the ``nvme.capacity_bytes`` budget),
-    ``location`` (:class:`~ectier.tiers.nvme_segment.Location` of its payload), ``value`` (its
+    ``location`` (:class:`~ectier.tiers.nvme_segment.Location` of its payload; parsed from
+    ``value`` at first use for a record scanned at open), ``value`` (its
     index entry's bytes as committed: a read whose entry is byte-equal skips parsing it again),
     ``version`` (its write version).
     """
 
-    __slots__ = ("_header", "stored_bytes", "location", "value", "version")
+    __slots__ = ("_header", "stored_bytes", "_location", "value", "version")
 
     def __init__(self, header: RecordHeader | None, stored_bytes: int, location: Location | None = None,
                  value: bytes | None = None, version: int | None = None) -> None:
@@ -51,7 +52,9 @@ class NvmeRecord:
             raise ValueError("NvmeRecord: a header, or its value and version")
         self._header = header
         self.stored_bytes = stored_bytes
-        self.location = location
+        if location is None and value is None:
+            raise ValueError("NvmeRecord: a location, or the value that holds it")
+        self._location = location
         self.value = value
         self.version = header.version if header is not None else version
 
@@ -62,12 +65,24 @@ class NvmeRecord:
             self._header = unpack_header(memoryview(self.value)[: header_nbytes(self.value)])
         return self._header
 
+    @property
+    def location(self) -> Location:
+        """Where the payload lives; a record scanned at open parses it from ``value`` at first use."""
+        if self._location is None:
+            assert self.value is not None
+            self._location = unpack_location(memoryview(self.value)[header_nbytes(self.value):])
+        return self._location
+
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, NvmeRecord) and self.version == other.version
                 and self.stored_bytes == other.stored_bytes and self.location == other.location)
 
     def __repr__(self) -> str:
         return f"NvmeRecord(version={self.version}, stored_bytes={self.stored_bytes}, location={self.location})"
+
+
+def _version_of(item: tuple[bytes, NvmeRecord]) -> int:
+    return item[1].version
 
 
 class NvmeIndex:
@@ -96,7 +111,7 @@ class NvmeIndex:
         """All records, oldest write version first."""
         with self._records_lock:
             items = list(self._records.items())
-        items.sort(key=lambda kv: kv[1].version)
+        items.sort(key=_version_of)  # loaded in version order at open: a linear pass then
         return items
 
     def __len__(self) -> int:
@@ -128,6 +143,10 @@ class NvmeIndex:
 
     def track(self, digest: bytes, stored_bytes: int, cost_s: float | None = None) -> None:
         self.policy.add(digest, stored_bytes, cost_s)
+
+    def track_many(self, items: list[tuple[bytes, int]]) -> None:
+        """:meth:`track` of every ``(digest, stored bytes)``, in order (first = least recently used)."""
+        self.policy.add_many(items)
 
     def touch(self, digest: bytes) -> None:
         self.policy.touch(digest)

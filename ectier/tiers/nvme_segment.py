@@ -28,12 +28,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+import numpy as np
 import xxhash
 
 from ..arena import BlockAllocator
 from ..errors import CorruptRecordError
 
-__all__ = ["BLOCK_BYTES", "SEGMENT_NAME", "Location", "pack_location", "unpack_location",
+__all__ = ["BLOCK_BYTES", "SEGMENT_NAME", "LOCATION_MAGIC", "Location", "pack_location", "unpack_location",
            "ExtentSpace", "SegmentFile", "blocks_for"]
 
 #: Allocation unit of the segment file, bytes (a multiple of 4 KiB: aligned for ``O_DIRECT``).
@@ -41,6 +42,7 @@ BLOCK_BYTES = 64 << 10
 SEGMENT_NAME = "segment.0"
 _CHUNK_BYTES = 1 << 20  # checksum granularity: a chunk is hashed while still in the CPU cache
 _LOC_MAGIC = b"ECLX"
+LOCATION_MAGIC = _LOC_MAGIC  #: first bytes of a packed location (the open-time scan checks them)
 _LOC_HEAD = struct.Struct("<4sII")  # magic, block bytes, extent count
 _EXTENT = struct.Struct("<QI")  # first block, block count
 _TRAILER = struct.Struct("<Q")
@@ -141,6 +143,21 @@ class _Blocks(BlockAllocator):
         alloc.free_blocks = sum(n for _, n in free)
         return alloc
 
+    @classmethod
+    def with_used_arrays(cls, nblocks: int, starts: np.ndarray, lens: np.ndarray) -> "_Blocks":
+        """:meth:`with_used` for extents given as two ``int64`` arrays sorted by start (vectorised:
+        the free runs are the positive gaps between one extent's end and the next's start)."""
+        alloc = cls(0)
+        alloc.nblocks = nblocks
+        gap_starts = np.concatenate(([0], starts + lens))
+        gap_ends = np.concatenate((starts, [nblocks]))
+        keep = gap_ends > gap_starts
+        gs, gl = gap_starts[keep].tolist(), (gap_ends - gap_starts)[keep].tolist()
+        alloc._starts = gs
+        alloc._runs = dict(zip(gs, gl))
+        alloc.free_blocks = int(sum(gl))
+        return alloc
+
     def grow(self, extra: int) -> None:
         """Add ``extra`` free blocks at the end."""
         old = self.nblocks
@@ -209,6 +226,15 @@ class ExtentSpace:
         used = used if presorted else sorted(used)
         end = max(self.base_blocks, used[-1][0] + used[-1][1] if used else 0)
         alloc = _Blocks.with_used(end, used)
+        with self._lock:
+            self._alloc = alloc
+            self._limbo = []
+
+    def rebuild_arrays(self, starts: np.ndarray, lens: np.ndarray) -> None:
+        """:meth:`rebuild` from the used extents as two ``int64`` arrays (first block, blocks),
+        sorted by start and non-overlapping."""
+        end = max(self.base_blocks, int((starts + lens).max()) if len(starts) else 0)
+        alloc = _Blocks.with_used_arrays(end, starts, lens)
         with self._lock:
             self._alloc = alloc
             self._limbo = []
