@@ -245,7 +245,8 @@ def test_describe_says_the_mode_and_no_secret(servers, request):
         be.exists("x", deadline_s=D)
         want = "cluster" if servers.cluster else "single"
         assert be.describe() == {"backend": "redis", "addresses": servers.addresses, "mode": want,
-                                 "prefix": "ectier", "chunk_bytes": CHUNK, "tls": False, "auth": False}
+                                 "prefix": "ectier", "chunk_bytes": CHUNK, "tls": False, "auth": False,
+                                 "nodes_down": []}
     finally:
         be.close()
     with pytest.raises(RemoteError, match="closed"):
