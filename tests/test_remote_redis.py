@@ -379,6 +379,19 @@ def test_auth_refused_without_the_password_and_served_with_it(redis_single_auth)
     be.close()
 
 
+@pytest.mark.parametrize("kw", [{}, {"password": "wrong-secret"}])
+def test_a_wrong_password_is_an_authentication_error_naming_the_settings_logged_once(redis_single_auth, kw, caplog):
+    be = backend(redis_single_auth, **kw)
+    with caplog.at_level("ERROR", logger="ectier.tiers.remote.redis"):
+        for _ in range(3):
+            with pytest.raises(RemoteError, match="authentication failed.*remote.username / remote.password") as info:
+                be.get("k", deadline_s=D)
+            assert "wrong-secret" not in str(info.value) and AUTH_PASSWORD not in str(info.value)
+    logged = [r for r in caplog.records if "authentication failed" in r.getMessage()]
+    assert len(logged) == 1 and "remote.password" in logged[0].getMessage()
+    be.close()
+
+
 def test_acl_user_is_passed_through(redis_single_auth):
     """The ACL of docs/remote-redis.md is enough, and its key pattern is enforced."""
     servers = redis_single_auth
