@@ -68,7 +68,8 @@ else:
 
 from ...errors import ConfigError
 from ...record import pack_header, pack_record
-from .backend import RemoteBackend, RemoteError, RemoteNodeError, RemoteNodeTimeout, RemoteTimeout
+from .backend import RemoteBackend, RemoteError, RemoteTimeout
+from .redis_nodes import NodeBackoff
 
 __all__ = ["RedisBackend", "MANIFEST"]
 
@@ -147,7 +148,7 @@ if redis is not None:
             return self.execute_command("COMMAND", target_nodes=node, **kwargs)
 
 
-class RedisBackend(RemoteBackend):
+class RedisBackend(NodeBackoff, RemoteBackend):
     """Objects on a Redis / Valkey Cluster or one server (``remote.backend: redis``).
 
     Args:
@@ -265,60 +266,6 @@ class RedisBackend(RemoteBackend):
             self._auth_logged = True
             log.error("remote tier: %s", msg)
         return RemoteError(msg)
-
-    # ------------------------------------------------------------------ nodes (cluster mode)
-
-    def _node_of(self, client: Any, key: str) -> str | None:
-        """``host:port`` of the cluster node serving ``key`` (None for one server)."""
-        if self._mode != "cluster":
-            return None
-        try:
-            return client.get_node_from_key(key).name
-        except RedisClusterException:  # a slot no node serves: the command says so
-            return None
-
-    def _every_node_down(self, client: Any, now: float) -> bool:
-        with self._down_lock:
-            down = {n for n, until in self._down.items() if until > now}
-        try:
-            return {n.name for n in client.get_primaries()} <= down
-        except Exception:  # noqa: BLE001 - no topology: not known to be all down
-            return False
-
-    def _check_node(self, client: Any, node: str, what: str) -> None:
-        """Raise at once when ``node`` is in its back-off (a store error when every node is)."""
-        now = time.monotonic()
-        with self._down_lock:
-            until = self._down.get(node)
-        if until is None or until <= now:
-            return  # up, or its back-off is over: this command tries it again
-        if self._every_node_down(client, now):
-            raise RemoteError(f"redis {what} on {self._cfg.addresses}: every cluster node is unreachable")
-        raise RemoteNodeError(f"redis {what}: node {node} is unreachable (retried after its back-off)",
-                              node=node, skipped=True)
-
-    def _node_failed(self, client: Any, node: str, exc: Exception, what: str) -> RemoteError:
-        """Mark ``node`` unreachable for ``remote.backoff_s``; the error to raise."""
-        now = time.monotonic()
-        with self._down_lock:
-            first = node not in self._down
-            self._down[node] = now + self._backoff_s
-        if first:  # one line per node outage
-            log.warning("remote tier: redis node %s is unreachable (%s: %s); entries with a part on it are "
-                        "misses, the other nodes keep serving; retried every %.1f s",
-                        node, type(exc).__name__, exc, self._backoff_s)
-        if self._every_node_down(client, now):
-            return RemoteError(f"redis {what} on {self._cfg.addresses}: every cluster node is unreachable "
-                               f"({type(exc).__name__}: {exc})")
-        timed_out = isinstance(exc, (RedisTimeoutError, TimeoutError))
-        cls = RemoteNodeTimeout if timed_out else RemoteNodeError
-        return cls(f"redis {what} on node {node}: {type(exc).__name__}: {exc}", node=node)
-
-    def _node_ok(self, node: str) -> None:
-        with self._down_lock:
-            back = self._down.pop(node, None) is not None
-        if back:
-            log.warning("remote tier: redis node %s is answering again", node)
 
     def _cmd(self, client: Any, method: str, args: tuple, dl: _Deadline, what: str, **kw: Any) -> Any:
         """One command on the key ``args[0]``, the deadline and (in a cluster) the key's node checked
