@@ -379,12 +379,16 @@ def stats(socket_path: Optional[str], as_json: bool, timeout_s: float) -> None:
     tiers = data["tiers"]
     for name in tiers:
         table.add_column(name, justify="right")
-    rows = [("used / capacity", lambda t: f"{format_bytes(t['used_bytes'])} / {format_bytes(t['capacity_bytes'])}"),
+    rows = [("used / capacity", _used_capacity),
             ("entries", lambda t: str(t["entries"])), ("hits", lambda t: str(t["hits"])),
             ("hit bytes", lambda t: format_bytes(t["hit_bytes"])), ("puts", lambda t: str(t["puts"])),
             ("evictions", lambda t: str(t.get("evictions", "—"))),
             ("misses", lambda t: str(t.get("misses", "—"))),  # the remote tier's
-            ("errors", lambda t: str(t["errors"] + t["timeouts"]) if "timeouts" in t else "—"),
+            ("errors", lambda t: str(t["errors"]) if "timeouts" in t else "—"),  # the remote tier's, from here
+            ("timeouts", lambda t: str(t.get("timeouts", "—"))),
+            ("degraded (back-off)", lambda t: ("yes" if t["degraded"] else "no") if "degraded" in t else "—"),
+            ("skipped in back-off", lambda t: str(t.get("skipped_degraded", "—"))),
+            ("skipped: node down", lambda t: str(t.get("skipped_node_down", "—"))),
             ("demotions", lambda t: str(t.get("demotions", "—"))), ("promotions", lambda t: str(t.get("promotions", "—"))),
             ("checksum failures", lambda t: str(t.get("checksum_failures", "—")))]
     for label, fn in rows:
@@ -399,6 +403,14 @@ def stats(socket_path: Optional[str], as_json: bool, timeout_s: float) -> None:
         clients.add_row(str(c["id"]), c["name"], str(c["pid"]), str(c["uid"]), f"{c['connected_s']:.0f} s",
                         str(c["requests"]), str(c["leases"]))
     console.print(clients)
+
+
+def _used_capacity(t: dict) -> str:
+    """The ``used / capacity`` cell; the remote tier's capacity is ``remote.max_entry_bytes`` (the
+    largest entry written there), not the store's size, which is not known without I/O."""
+    if "degraded" in t:
+        return f"— (max entry {format_bytes(t['capacity_bytes'])})"
+    return f"{format_bytes(t['used_bytes'])} / {format_bytes(t['capacity_bytes'])}"
 
 
 # ========================================================================================== fsck

@@ -383,9 +383,10 @@ def check_remote(cfg: Any) -> None:
         check_text("remote.prefix", cfg.prefix, "a key prefix")
     for name in ("timeout_s", "backoff_s"):
         with p.check(f"remote.{name}"):
-            check_seconds(f"remote.{name}", getattr(cfg, name))
-            if name == "timeout_s" and not cfg.timeout_s > 0:
-                raise ConfigError(f"remote.timeout_s: must be > 0, got {cfg.timeout_s}")
+            v = getattr(cfg, name)
+            if name == "timeout_s" and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")):
+                raise ConfigError(f"remote.timeout_s: expected a finite number of seconds > 0, got {v!r}")
+            check_seconds(f"remote.{name}", v)
     for name in ("write_through", "tls"):
         with p.check(f"remote.{name}"):
             check_bool(f"remote.{name}", getattr(cfg, name))

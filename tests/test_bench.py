@@ -365,3 +365,24 @@ def test_replay_tables_fit_the_columns_the_user_asked_for(tmp_path, monkeypatch)
     assert res.exit_code == 0, res.output
     widest = max(len(line) for line in res.output.splitlines())
     assert widest <= 80, f"a line of {widest} characters"
+
+
+def test_crossover_with_the_remote_store_down_writes_the_other_rows(tmp_path):
+    """Nothing listens at remote.addresses: one line naming the store, the remote row marked
+    unreachable, the host/NVMe rows still written (no traceback)."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # a port nothing listens on
+    cfg = tmp_path / "remote.yaml"
+    cfg.write_text(f"remote:\n  backend: redis\n  addresses: 127.0.0.1:{port}\n  timeout_s: 0.2\n  backoff_s: 0.2\n")
+    _run(["tiers", "--tokens", "64", "--budget-bytes", "2MiB", "-q", "--no-sync", "--retries", "1"], tmp_path)
+    out = _run(["crossover", "--tiers-json", str(tmp_path / "tiers.json"), "--tokens", "64", "--budget-bytes", "2MiB",
+                "-q", "--cost-model", "fitted", "--remote-config", str(cfg)], tmp_path)
+    assert f"127.0.0.1:{port}" in out and "unreachable" in out
+    result = json.loads((tmp_path / "crossover.json").read_text())
+    assert {"host", "nvme"} <= set(result["tiers"]) and "remote" not in result["tiers"]
+    assert any(s["what"] == "remote rows" and str(port) in s["reason"] for s in result["skipped"])
+    assert "unreachable" in (tmp_path / "crossover.md").read_text()

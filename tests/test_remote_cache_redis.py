@@ -65,3 +65,30 @@ def test_a_node_killed_mid_run_is_misses_and_counted_errors_never_an_exception(r
         assert _same(consumer.get("local"), _t(7, rows=8))
     finally:
         consumer.close()
+
+
+def test_one_dead_node_backs_off_only_that_node_the_others_keep_serving(redis_cluster_fn):
+    """One of three masters killed: the entries whose manifest and chunk are on live nodes are
+    still written and read; no tier-wide back-off (backoff_s is long: the old tier-wide back-off
+    skipped nearly every call after the first failure)."""
+    servers = redis_cluster_fn
+    servers.kill(servers.nodes[0])
+    producer, consumer = TieredCache(_cfg(servers, backoff_s=30)), TieredCache(_cfg(servers, backoff_s=30))
+    try:
+        values = {f"img{i}": _t(200 + i, rows=16) for i in range(60)}  # 64 KiB: manifest + 1 chunk each
+        for k, v in values.items():
+            producer.put(k, v)
+            assert testing.drain(producer)  # one at a time: each write-through meets the dead node or not
+        sp = producer.stats()["tiers"]["remote"]
+        stored = len(servers.all_keys("ectier:m:*", live_only=True))
+        # parts on 2 of 3 nodes: about (2/3)**2 of the puts land wholly on live nodes (~27 of 60)
+        assert sp["puts"] == stored and stored >= 15, sp
+        assert sp["backoffs"] == 0 and sp["skipped_degraded"] == 0, sp
+        assert sp["skipped_node_down"] >= 1, sp  # the dead node's calls fail at once, counted
+        served = {k: consumer.get(k) for k in values}
+        assert all(g is None or _same(g, values[k]) for k, g in served.items())
+        sc = consumer.stats()["tiers"]["remote"]
+        assert sc["hits"] == stored and sc["skipped_degraded"] == 0, sc  # every stored entry is served
+    finally:
+        producer.close()
+        consumer.close()

@@ -130,9 +130,15 @@ def test_a_store_that_is_down_is_counted_errors_and_degraded_on_the_prometheus_p
         m = scrape(d)
         shown = subprocess.run([ECTIER_SCRIPT, "stats", "--socket", d.socket_path], capture_output=True, text=True,
                                timeout=60, env=dict(clean_env(), COLUMNS="200"))
+        startup = d.log()
     # before: `ectier stats` of a daemon with a remote tier died on a KeyError ('evictions')
     assert shown.returncode == 0, shown.stderr
     assert "remote" in shown.stdout and "errors" in shown.stdout
+    table = {line.split("│")[1].strip(): line for line in shown.stdout.splitlines() if line.count("│") >= 3}
+    assert "timeouts" in table and "degraded (back-off)" in table, shown.stdout  # docs/operations.md: watch them
+    assert "yes" in table["degraded (back-off)"]
+    assert "max entry 256.0 MiB" in table["used / capacity"]  # remote.max_entry_bytes, not the store's size
+    assert f"remote {dead['backend']} at {dead['addresses']}" in startup  # the startup line names the store
     assert m["ectier_remote_errors_total", (("kind", "error"),)] + m[
         "ectier_remote_errors_total", (("kind", "timeout"),)] >= 1
     assert m["ectier_remote_backoffs_total", ()] >= 1

@@ -245,7 +245,8 @@ def test_describe_says_the_mode_and_no_secret(servers, request):
         be.exists("x", deadline_s=D)
         want = "cluster" if servers.cluster else "single"
         assert be.describe() == {"backend": "redis", "addresses": servers.addresses, "mode": want,
-                                 "prefix": "ectier", "chunk_bytes": CHUNK, "tls": False, "auth": False}
+                                 "prefix": "ectier", "chunk_bytes": CHUNK, "tls": False, "auth": False,
+                                 "nodes_down": []}
     finally:
         be.close()
     with pytest.raises(RemoteError, match="closed"):
@@ -375,6 +376,19 @@ def test_auth_refused_without_the_password_and_served_with_it(redis_single_auth)
     be.put("k", b"secret bytes", deadline_s=D)
     assert be.get("k", deadline_s=D) == b"secret bytes"
     assert be.describe()["auth"] is True and AUTH_PASSWORD not in repr(be.describe())
+    be.close()
+
+
+@pytest.mark.parametrize("kw", [{}, {"password": "wrong-secret"}])
+def test_a_wrong_password_is_an_authentication_error_naming_the_settings_logged_once(redis_single_auth, kw, caplog):
+    be = backend(redis_single_auth, **kw)
+    with caplog.at_level("ERROR", logger="ectier.tiers.remote.redis"):
+        for _ in range(3):
+            with pytest.raises(RemoteError, match="authentication failed.*remote.username / remote.password") as info:
+                be.get("k", deadline_s=D)
+            assert "wrong-secret" not in str(info.value) and AUTH_PASSWORD not in str(info.value)
+    logged = [r for r in caplog.records if "authentication failed" in r.getMessage()]
+    assert len(logged) == 1 and "remote.password" in logged[0].getMessage()
     be.close()
 
 

@@ -212,6 +212,13 @@ def test_config_errors_name_the_remote_field():
         CacheConfig.from_dict({"remote": {"backend": "redis", "addresses": "nohost"}})
 
 
+@pytest.mark.parametrize("bad", [-1, 0, 0.0, "x", True, float("inf")])
+def test_remote_timeout_s_has_one_message_for_every_bad_value(bad):
+    # before: -1 said "expected ... >= 0", then 0 was refused with "must be > 0"
+    with pytest.raises(ConfigError, match=r"^remote.timeout_s: expected a finite number of seconds > 0, got "):
+        CacheConfig.from_dict({"remote": {"backend": "redis", "addresses": "h:1", "timeout_s": bad}})
+
+
 def test_the_remote_tier_is_a_tier_that_holds_nothing_locally(nodes):
     be, make = nodes
     c = make()

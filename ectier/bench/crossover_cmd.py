@@ -53,16 +53,21 @@ def _tiers_data(tiers_json, console, quiet, max_tokens, tokens, workdir, budget_
     return data
 
 
-def _remote_rows(remote_config, tokens, budget_bytes):
+def _remote_rows(remote_config, tokens, budget_bytes, console):
+    """``(rows, why)``: the remote rows, or ``([], reason)`` when the store is unreachable (one
+    line printed; the other tiers' rows are still written)."""
     from ..config import CacheConfig
-    from .remote_rows import measure_remote
+    from .remote_rows import RemoteUnreachable, measure_remote
     from .tiers import DEFAULT_TOKENS
 
     try:
         cfg = CacheConfig.load(remote_config)
-        return measure_remote(cfg, tokens or DEFAULT_TOKENS, budget_bytes=budget_bytes)
+        return measure_remote(cfg, tokens or DEFAULT_TOKENS, budget_bytes=budget_bytes), None
     except ConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="--remote-config") from None
+    except RemoteUnreachable as exc:
+        console.print(f"[yellow]remote rows not measured: {exc}[/yellow]")
+        return [], str(exc)
 
 
 @click.command("crossover")
@@ -94,8 +99,10 @@ def crossover_cmd(out, cost_model, workdir, quiet, tiers_json, max_tokens, token
         cost = _cost(cost_model)
     data = _tiers_data(tiers_json, console, quiet, max_tokens, tokens, workdir, budget_bytes)
     rows_in = list(data["rows"])
+    remote_why = None
     if remote_config:
-        rows_in += _remote_rows(remote_config, tokens, budget_bytes)
+        remote_rows, remote_why = _remote_rows(remote_config, tokens, budget_bytes, console)
+        rows_in += remote_rows
     cross = crossover(rows_in, cost, max_tokens=max_tokens)
     headers = ["tier", "measured N", "load p50 ms at largest N", "recompute ms there", "encoder us/token there",
                "crossover"]
@@ -103,11 +110,14 @@ def crossover_cmd(out, cost_model, workdir, quiet, tiers_json, max_tokens, token
              f"{d['points'][-1][2] / d['points'][-1][0] * 1e6:.2f}", d["verdict"]] for t, d in cross.items()]
     if not remote_config:
         rows.append(["remote", "-", "-", "-", "-", "not measured (no --remote-config)"])
+    elif remote_why:
+        rows.append(["remote", "-", "-", "-", "-", "unreachable (see above)"])
     title = f"crossover (recompute: {cost.description}; load: measured on this machine, sync writes irrelevant)"
     print_table(console, title, headers, rows)
     warning = _noise_warning(console, data)
     result = {"command": "crossover", "machine": _machine(), "cost_model": cost.to_dict(), "tiers": cross,
-              "skipped": data.get("skipped", []), "noise": {**(data.get("noise") or {}), "warning": warning},
+              "skipped": data.get("skipped", []) + ([{"what": "remote rows", "reason": remote_why}] if remote_why else []),
+              "noise": {**(data.get("noise") or {}), "warning": warning},
               "elapsed_s": time.perf_counter() - t0}
     write_json(result, os.path.join(out, "crossover.json"))
     with open(os.path.join(out, "crossover.md"), "w") as f:

@@ -20,9 +20,23 @@ from ..config import CacheConfig, HostTierConfig, NvmeTierConfig
 from ..errors import ConfigError
 from .tiers import _row, reps_for
 
-__all__ = ["measure_remote"]
+__all__ = ["measure_remote", "RemoteUnreachable"]
 
 MiB = 1 << 20
+
+
+class RemoteUnreachable(RuntimeError):
+    """No write-through reached the remote store (it is down, or refuses): nothing to measure."""
+
+
+def _check_reached(cache: TieredCache, config: CacheConfig, n_puts: int) -> None:
+    """Raise :class:`RemoteUnreachable` (naming the store) when none of ``n_puts`` reached it."""
+    st = cache.stats()["tiers"].get("remote", {})
+    if st.get("puts", 0) == 0 and n_puts:
+        failed = {k: st.get(k, 0) for k in ("errors", "timeouts", "skipped_degraded", "skipped_node_down")}
+        raise RemoteUnreachable(
+            f"remote store {config.remote.backend} at {config.remote.addresses or '-'} is unreachable: none of "
+            f"{n_puts} puts reached it ({', '.join(f'{k} {v}' for k, v in failed.items())})")
 
 
 def measure_remote(config: CacheConfig, tokens: Sequence[int], *, budget_bytes: int = 256 * MiB,
@@ -37,8 +51,8 @@ def measure_remote(config: CacheConfig, tokens: Sequence[int], *, budget_bytes: 
         open_cache: opens a cache on a config (tests pass one on an in-memory backend).
 
     Raises:
-        ConfigError: no remote tier configured. RuntimeError: an entry did not come back from the
-            remote tier, or came back different.
+        ConfigError: no remote tier configured. RemoteUnreachable: no put reached the store.
+        RuntimeError: an entry did not come back from the remote tier, or came back different.
     """
     if config.remote.backend == "none":
         raise ConfigError("remote.backend: is \"none\"; the remote rows need a configured remote tier")
@@ -57,6 +71,7 @@ def measure_remote(config: CacheConfig, tokens: Sequence[int], *, budget_bytes: 
                 t[0, 0] = float(i)
                 cache.put(key, t).wait()
             cache.flush()
+            _check_reached(cache, cfg, len(keys))
         finally:
             cache.close()
         cache = open_cache(cfg)

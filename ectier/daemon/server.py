@@ -155,9 +155,11 @@ class DaemonServer:
         reaper = threading.Thread(target=self._reap_loop, name="ectier-lease-reaper", daemon=True)
         reaper.start()
         self._threads.append(reaper)
-        log.info("ectier daemon %s listening on %s (arena %s, %d bytes; nvme %s; metrics %s)", __version__,
+        remote = self.config.remote
+        log.info("ectier daemon %s listening on %s (arena %s, %d bytes; nvme %s; remote %s; metrics %s)", __version__,
                  self.socket_path, self.arena_path, self.config.host.capacity_bytes,
                  self.config.nvme.path or "off",
+                 "off" if remote.backend == "none" else f"{remote.backend} at {remote.addresses or '-'}",
                  "http://%s:%d/metrics" % self.metrics_address if self.metrics_address else "off")
 
     def _abort_start(self, *, unlink_socket: bool = False) -> None:

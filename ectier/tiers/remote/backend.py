@@ -13,7 +13,7 @@ from typing import Any
 from ...errors import EctierError
 from ...record import pack_record
 
-__all__ = ["RemoteBackend", "RemoteError", "RemoteTimeout"]
+__all__ = ["RemoteBackend", "RemoteError", "RemoteTimeout", "RemoteNodeError", "RemoteNodeTimeout"]
 
 
 class RemoteError(EctierError):
@@ -22,6 +22,26 @@ class RemoteError(EctierError):
 
 class RemoteTimeout(RemoteError):
     """A remote store call ran past its deadline."""
+
+
+class RemoteNodeError(RemoteError):
+    """A call failed because one node of a clustered store is unreachable; the other nodes keep
+    serving their keys, so the tier counts it and backs off nothing (the backend itself fails
+    the calls that need that node at once for ``remote.backoff_s``, ``skipped`` set).
+
+    Attributes:
+        node: the node's ``host:port``.
+        skipped: True when the call was not sent (the node is in its own back-off).
+    """
+
+    def __init__(self, message: str, *, node: str, skipped: bool = False) -> None:
+        super().__init__(message)
+        self.node = node
+        self.skipped = skipped
+
+
+class RemoteNodeTimeout(RemoteNodeError, RemoteTimeout):
+    """A call to one node of a clustered store ran past its deadline (the node hangs)."""
 
 
 class RemoteBackend(abc.ABC):

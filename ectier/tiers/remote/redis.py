@@ -28,6 +28,13 @@ cluster pipeline resends every command that failed on a dead node one by one, ea
 own socket timeout, which no deadline bounds. At chunks of a few MiB a round trip per chunk costs
 little (docs/benchmarks.md).
 
+A dead node (cluster mode): a command on a key of that node that fails to connect or times out
+marks the node unreachable for ``remote.backoff_s``; while it is, every command that needs it
+fails at once (:class:`~ectier.tiers.remote.backend.RemoteNodeError`, ``skipped``) and the other
+nodes keep serving their keys: the tier counts these and backs off nothing. An entry is readable
+while its manifest and all its chunks are on live nodes. Only when every node is unreachable, or
+no node answers at connect, is the error one for the whole store (the tier's back-off).
+
 Thread-safe: redis-py's clients keep a connection pool (one per node in a cluster); the client is
 made on first use (under a lock) and again after a failed connect, so a store that is down at start
 is reached once it is up.
@@ -48,7 +55,9 @@ try:  # the ``remote`` extra; RedisBackend() says how to install it when it is m
     import redis
     from redis.backoff import NoBackoff
     from redis.cluster import ClusterNode, RedisCluster
-    from redis.exceptions import NoPermissionError, RedisClusterException, RedisError, ResponseError
+    from redis.exceptions import AuthenticationError, NoPermissionError, RedisClusterException, RedisError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import ResponseError
     from redis.exceptions import TimeoutError as RedisTimeoutError
     from redis.retry import Retry
 except ImportError as _exc:  # pragma: no cover - exercised only without the extra
@@ -60,6 +69,7 @@ else:
 from ...errors import ConfigError
 from ...record import pack_header, pack_record
 from .backend import RemoteBackend, RemoteError, RemoteTimeout
+from .redis_nodes import NodeBackoff
 
 __all__ = ["RedisBackend", "MANIFEST"]
 
@@ -124,7 +134,21 @@ def _check_key(key: Any) -> str:
     return key
 
 
-class RedisBackend(RemoteBackend):
+if redis is not None:
+    class _OneNodeCommandCluster(RedisCluster):
+        """RedisCluster with ``COMMAND`` (the key-position table it reads once) asked of the node
+        ``first`` (``host:port``, one that answered) only (see :meth:`RedisBackend._cluster_client`)."""
+
+        def __init__(self, *, first: str, **kwargs: Any) -> None:
+            self._first = first
+            super().__init__(**kwargs)
+
+        def command(self, **kwargs: Any) -> Any:
+            node = self.get_node(node_name=self._first) or self.get_default_node()
+            return self.execute_command("COMMAND", target_nodes=node, **kwargs)
+
+
+class RedisBackend(NodeBackoff, RemoteBackend):
     """Objects on a Redis / Valkey Cluster or one server (``remote.backend: redis``).
 
     Args:
@@ -153,6 +177,10 @@ class RedisBackend(RemoteBackend):
         self._client: Any = None
         self._mode = "not connected"
         self._closed = False
+        self._backoff_s = float(cfg.backoff_s)
+        self._down: dict[str, float] = {}  # cluster node "host:port" -> monotonic end of its back-off
+        self._down_lock = threading.Lock()
+        self._auth_logged = False
 
     # ------------------------------------------------------------------ connection
 
@@ -201,8 +229,7 @@ class RedisBackend(RemoteBackend):
                 if is_cluster:  # the node that answered first, then the other seeds
                     probe.close()
                     seeds = [first] + [a for a in self._addresses if a != first]
-                    self._client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in seeds],
-                                                require_full_coverage=False, **self._client_kwargs())
+                    self._client = self._cluster_client(seeds)
                 else:
                     self._client = probe
                 self._mode = "cluster" if is_cluster else "single"
@@ -210,16 +237,53 @@ class RedisBackend(RemoteBackend):
         finally:
             self._lock.release()
 
+    def _cluster_client(self, seeds: list[tuple[str, int]]) -> Any:
+        """A RedisCluster client whose ``COMMAND`` (sent once, while it is made) goes to the node
+        that answered first (``seeds[0]``): redis-py sends it to its default node, which may be a
+        dead one, and then no client could be made while that node is down."""
+        return _OneNodeCommandCluster(first=f"{seeds[0][0]}:{seeds[0][1]}", startup_nodes=[ClusterNode(h, p) for h, p in seeds],
+                                      require_full_coverage=False, **self._client_kwargs())
+
     def _call(self, what: str, dl: _Deadline, fn: Callable[[Any], Any]) -> Any:
         """``fn(client)`` with redis-py's errors mapped to RemoteTimeout / RemoteError."""
         try:
             return fn(self._connect(dl))
         except RemoteError:
             raise
+        except AuthenticationError as exc:
+            raise self._auth_failed(what, exc) from exc
         except (RedisTimeoutError, TimeoutError) as exc:
             raise RemoteTimeout(f"redis {what} on {self._cfg.addresses}: timed out ({exc})") from exc
         except (RedisError, RedisClusterException, OSError) as exc:
             raise RemoteError(f"redis {what} on {self._cfg.addresses}: {type(exc).__name__}: {exc}") from exc
+
+    def _auth_failed(self, what: str, exc: Exception) -> RemoteError:
+        """The error for refused credentials, logged once (not an outage: a setting is wrong)."""
+        user = self._cfg.username or "default"
+        msg = (f"redis {what} on {self._cfg.addresses}: authentication failed for user {user!r} ({exc}); "
+               "check remote.username / remote.password")
+        if not self._auth_logged:
+            self._auth_logged = True
+            log.error("remote tier: %s", msg)
+        return RemoteError(msg)
+
+    def _cmd(self, client: Any, method: str, args: tuple, dl: _Deadline, what: str, **kw: Any) -> Any:
+        """One command on the key ``args[0]``, the deadline and (in a cluster) the key's node checked
+        first; a node that fails to connect or times out is marked unreachable."""
+        dl.check(what)
+        node = self._node_of(client, args[0])
+        if node is None:
+            return getattr(client, method)(*args, **kw)
+        self._check_node(client, node, what)
+        try:
+            out = getattr(client, method)(*args, **kw)
+        except AuthenticationError:
+            raise
+        except (RedisConnectionError, RedisTimeoutError, TimeoutError, OSError) as exc:
+            raise self._node_failed(client, node, exc, what) from exc
+        if self._down:
+            self._node_ok(node)
+        return out
 
     # ------------------------------------------------------------------ keys
 
@@ -232,14 +296,9 @@ class RedisBackend(RemoteBackend):
 
     # ------------------------------------------------------------------ commands, one at a time
 
-    @staticmethod
-    def _run(client: Any, cmds: Sequence[tuple[str, tuple]], dl: _Deadline, what: str) -> list[Any]:
-        """Commands ``(method, args)`` one after the other, the deadline checked before each."""
-        out = []
-        for method, args in cmds:
-            dl.check(what)
-            out.append(getattr(client, method)(*args))
-        return out
+    def _run(self, client: Any, cmds: Sequence[tuple[str, tuple]], dl: _Deadline, what: str) -> list[Any]:
+        """Commands ``(method, args)`` one after the other, each through :meth:`_cmd`."""
+        return [self._cmd(client, method, args, dl, what) for method, args in cmds]
 
     # ------------------------------------------------------------------ the interface
 
@@ -294,8 +353,7 @@ class RedisBackend(RemoteBackend):
         def write(client: Any) -> tuple[Any, bytes | None]:
             try:
                 self._run(client, cmds, dl, "put")
-                dl.check("put")
-                return client, client.set(self._manifest_key(key), m.pack(), get=True)
+                return client, self._cmd(client, "set", (self._manifest_key(key), m.pack()), dl, "put", get=True)
             except ResponseError:  # the server refused (out of memory, ...): the connection is fine
                 self._forget(client, ckeys, dl)
                 raise
@@ -325,7 +383,7 @@ class RedisBackend(RemoteBackend):
         dl = _Deadline(deadline_s)
 
         def read(client: Any) -> bytes | None:
-            m = _Manifest.parse(client.get(self._manifest_key(key)))
+            m = _Manifest.parse(self._cmd(client, "get", (self._manifest_key(key),), dl, "get"))
             if m is None:
                 return None
             chunks = self._run(client, [("get", (k,)) for k in self._chunk_keys(key, m)], dl, "get")
@@ -356,7 +414,7 @@ class RedisBackend(RemoteBackend):
         dl = _Deadline(deadline_s)
 
         def check(client: Any) -> bool:
-            m = _Manifest.parse(client.get(self._manifest_key(key)))
+            m = _Manifest.parse(self._cmd(client, "get", (self._manifest_key(key),), dl, "exists"))
             if m is None:
                 return False
             keys = self._chunk_keys(key, m)
@@ -376,7 +434,7 @@ class RedisBackend(RemoteBackend):
         dl = _Deadline(deadline_s)
 
         def drop(client: Any) -> None:
-            m = _Manifest.parse(client.getdel(self._manifest_key(key)))
+            m = _Manifest.parse(self._cmd(client, "getdel", (self._manifest_key(key),), dl, "delete"))
             if m is not None:
                 self._run(client, [("unlink", (k,)) for k in self._chunk_keys(key, m)], dl, "delete")
 
@@ -384,10 +442,14 @@ class RedisBackend(RemoteBackend):
 
     def describe(self) -> dict[str, Any]:
         """``backend``, ``addresses``, ``mode`` (``cluster``, ``single`` or ``not connected``),
-        ``prefix``, ``chunk_bytes``, ``tls``, ``auth`` (whether a password is set). Never the password."""
+        ``prefix``, ``chunk_bytes``, ``tls``, ``auth`` (whether a password is set), ``nodes_down``
+        (the cluster nodes now in their back-off, ``host:port``). Never the password."""
+        now = time.monotonic()
+        with self._down_lock:
+            down = sorted(n for n, until in self._down.items() if until > now)
         return {"backend": self.name, "addresses": self._cfg.addresses, "mode": self._mode,
                 "prefix": self._prefix, "chunk_bytes": self._chunk_bytes, "tls": bool(self._cfg.tls),
-                "auth": self._cfg.password is not None}
+                "auth": self._cfg.password is not None, "nodes_down": down}
 
     def close(self) -> None:
         """Close every connection. Idempotent; calls after it raise RemoteError."""

@@ -12,7 +12,9 @@ put; a fetch after a local miss). It answers the Tier protocol's questions witho
 ``holds`` nothing that a local lookup could use, and reports no occupancy (the store keeps its own
 budget). A failed or timed-out call puts it in back-off for ``remote.backoff_s``: calls are then
 skipped (counted ``skipped_degraded``) so the serving engine never waits on a store that is down;
-the next call after the back-off tries again.
+the next call after the back-off tries again. A failure of one node of a clustered store
+(:class:`~ectier.tiers.remote.backend.RemoteNodeError`) is counted but starts no back-off: the
+backend fails the calls needing that node at once (``skipped_node_down``), the other nodes serve.
 """
 
 from __future__ import annotations
@@ -33,14 +35,14 @@ from ...stats import LatencyHistogram
 from ..base import Tier
 from ..nvme_index import HEADER_ALLOWANCE_BYTES
 from ..nvme_record import encode_record, verify_record
-from .backend import RemoteBackend, RemoteError, RemoteTimeout
+from .backend import RemoteBackend, RemoteError, RemoteNodeError, RemoteTimeout
 
 __all__ = ["RemoteTier", "REMOTE_COUNTERS"]
 
 log = logging.getLogger(__name__)
 
 #: the remote tier's own counters (``stats()["tiers"]["remote"]``)
-REMOTE_COUNTERS = ("errors", "timeouts", "checksum_failures", "skipped_degraded", "backoffs")
+REMOTE_COUNTERS = ("errors", "timeouts", "checksum_failures", "skipped_degraded", "skipped_node_down", "backoffs")
 
 
 class RemoteTier(Tier):
@@ -130,6 +132,10 @@ class RemoteTier(Tier):
         return True, result
 
     def _fail(self, what: str, exc: RemoteError) -> None:
+        if isinstance(exc, RemoteNodeError):  # one node: the backend backs it off, the others serve
+            self._count(**{"skipped_node_down" if exc.skipped else
+                           "timeouts" if isinstance(exc, RemoteTimeout) else "errors": 1})
+            return
         with self._lock:
             self.counters["timeouts" if isinstance(exc, RemoteTimeout) else "errors"] += 1
             self.counters["backoffs"] += 1
