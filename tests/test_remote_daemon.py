@@ -143,6 +143,7 @@ def test_a_store_that_is_down_is_counted_errors_and_degraded_on_the_prometheus_p
         "ectier_remote_errors_total", (("kind", "timeout"),)] >= 1
     assert m["ectier_remote_backoffs_total", ()] >= 1
     assert m["ectier_remote_skipped_total", (("reason", "degraded"),)] >= 1
+    assert m["ectier_remote_skipped_total", (("reason", "node_down"),)] == 0  # every reason is exported
     assert m["ectier_remote_degraded", ()] == 1
 
 

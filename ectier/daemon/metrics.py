@@ -134,7 +134,7 @@ def _remote_families(r: dict[str, Any]) -> Iterable[Any]:
     yield errors
     skipped = CounterMetricFamily("ectier_remote_skipped", "Remote work not done", labels=["reason"])
     for reason, field in (("degraded", "skipped_degraded"), ("backlog", "skipped_backlog"),
-                          ("too_large", "skipped_too_large")):
+                          ("too_large", "skipped_too_large"), ("node_down", "skipped_node_down")):
         skipped.add_metric([reason], r.get(field, 0))
     yield skipped
     yield CounterMetricFamily("ectier_remote_backoffs", "Back-offs started after a failed remote call",
