@@ -5,8 +5,6 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 HERE = Path(__file__).parent
-# Mooncake Store's client (wheels for Linux x86_64 only)
-MOONCAKE = "mooncake-transfer-engine-non-cuda>=0.3.13; platform_system == 'Linux' and platform_machine == 'x86_64'"
 
 setup(
     name="ectier",
@@ -38,9 +36,10 @@ setup(
         "remote": ["redis>=8"],
         # the remote tier's Mooncake Store backend (ectier/tiers/remote/mooncake.py): the client
         # without CUDA; with CUDA install mooncake-transfer-engine instead. Needs libibverbs1.
-        "mooncake": [MOONCAKE],
+        "mooncake": ["mooncake-transfer-engine-non-cuda>=0.3.13; platform_system == 'Linux' and platform_machine == 'x86_64'"],
         "test": ["pytest>=8", "pytest-timeout>=2.2", "pyflakes>=3", "hypothesis>=6.100", "scikit-image>=0.22", "safetensors>=0.4", "matplotlib>=3.8",
-                 "pytest-benchmark>=4", "redis>=8", MOONCAKE],
+                 "pytest-benchmark>=4", "redis>=8",
+                 "mooncake-transfer-engine-non-cuda>=0.3.13; platform_system == 'Linux' and platform_machine == 'x86_64'"],
         "bench": ["pytest-benchmark>=4", "matplotlib>=3.8", "safetensors>=0.4", "scikit-image>=0.22"],
     },
     entry_points={
