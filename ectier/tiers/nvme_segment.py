@@ -332,7 +332,7 @@ class SegmentFile:
             OSError: the write failed (``ENOSPC``: the filesystem is full; a short write is one too).
         """
         h = xxhash.xxh3_64()
-        pos, total = 0, len(src)
+        pos, total, off = 0, len(src), 0
         for start, count in loc.extents:
             off = start * BLOCK_BYTES
             end = min(total, pos + count * BLOCK_BYTES)
@@ -344,7 +344,7 @@ class SegmentFile:
                 h.update(chunk[:n])
                 pos += n
                 off += n
-        tail = off % BLOCK_BYTES
+        tail = off % BLOCK_BYTES if total else 0  # (no extents at all for an empty payload)
         if tail and pos == total:
             # allocate the rest of the last block too: a hole there would need new disk space
             # when the block is reused, so a full disk could refuse writes into freed blocks
