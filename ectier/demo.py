@@ -23,7 +23,11 @@ What happens, step by step
     6. **Baseline.** The same stream through :class:`SafetensorsPerItemStore`, which behaves like
        vLLM's in-tree ``ECExampleConnector`` (a safetensors file per ``mm_hash``, no eviction).
        Both stores serve each request back to back, in alternating order, so both are timed under
-       the same conditions (allocator state, page cache, other load on the machine).
+       the same conditions (allocator state, page cache, other load on the machine). Each side
+       loads as its connector does on the CPU — ectier a lease and a zero-copy view of the host
+       arena (an NVMe hit decoded straight into the host slot it is promoted into), the baseline
+       ``load_file`` (a lazy map of a page-cache file) — and then copies every loaded byte into
+       one warm buffer (what vLLM's embedding gather does), inside the timed load.
     7. **Report.** Per-tier counters (from :meth:`TieredCache.stats`), hit rates by items and
        bytes, GB/s inside the cache calls, encoder time spent and saved, ectier vs baseline.
 
@@ -54,7 +58,7 @@ from .cache import TieredCache
 from .config import CacheConfig, HostTierConfig, NvmeTierConfig
 from .demo_baseline import SafetensorsPerItemStore
 from .demo_encoder import StandInEncoder
-from .demo_replay import BaselineSide, EctierSide, replay, speedup
+from .demo_replay import BaselineSide, EctierSide, Touch, by_size, replay, speedup
 from .demo_replay import same_bytes as _same_bytes  # noqa: F401  (tests compare with it)
 from .demo_report import print_summary
 from .demo_workload import SEED_SIZES, SKIMAGE_PHOTOS  # noqa: F401  (re-exported)
@@ -199,6 +203,7 @@ def _replay_in_workdir(
     images: list[DemoImage],
     stream: list[int],
     budgets: tuple[int, int],
+    largest: int,
     with_baseline: bool,
     console: Console,
     quiet: bool,
@@ -206,21 +211,24 @@ def _replay_in_workdir(
     """Replay ``stream`` in a fresh subdirectory of ``opts.dir`` (removed afterwards).
 
     Returns ``(ectier, baseline, replay_s)``: the two sides' summaries (``ectier`` with the
-    cache's ``stats``; ``baseline`` ``None`` unless ``with_baseline``) and the replay's seconds.
+    cache's ``stats`` and ``by_size``, :func:`~ectier.demo_replay.by_size`; ``baseline`` ``None``
+    unless ``with_baseline``) and the replay's seconds. ``largest``: the largest entry's bytes.
     """
     host_bytes, nvme_bytes = budgets
     workdir = tempfile.mkdtemp(prefix="ectier-demo-", dir=opts.dir)
     try:
         config = _cache_config(opts, spec, workdir, host_bytes, nvme_bytes)
         with _progress(console, quiet) as progress, TieredCache(config) as cache:
-            ect_side = EctierSide(cache)
+            touch = Touch(largest)  # one warm destination both sides copy every loaded byte into
+            ect_side = EctierSide(cache, touch)
             base_side = None
             if with_baseline:
-                base_side = BaselineSide(SafetensorsPerItemStore(os.path.join(workdir, "safetensors")))
+                base_side = BaselineSide(SafetensorsPerItemStore(os.path.join(workdir, "safetensors")), touch)
             replay_s = replay(stream, images, encoder, ect_side, base_side, progress)
             ect = ect_side.summary(len(stream))
             ect["stats"] = cache.stats()
             base = base_side.summary(len(stream)) if base_side is not None else None
+            ect["by_size"] = by_size(ect_side, base_side)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return ect, base, replay_s
@@ -251,10 +259,12 @@ def run_demo(
     Returns:
         A dict with ``ok`` (no mismatch), ``mismatches`` (ectier + baseline), ``options``,
         ``images`` (name, source, width, height, tokens, nbytes, mm_hash, requests), ``budgets``,
-        ``ectier`` (counts, bytes, seconds, GB/s — GB = 1e9 bytes — and ``stats``, the cache's
-        :meth:`~ectier.TieredCache.stats`), ``baseline`` (or ``None``), ``speedup`` (baseline seconds
-        per byte / ectier seconds per byte for ``load``, ``save`` and ``total``), ``replay_s`` (the
-        replay loop) and ``wall_s`` (everything, image loading included), all in seconds.
+        ``ectier`` (counts, bytes, seconds, GB/s — GB = 1e9 bytes —, ``stats``, the cache's
+        :meth:`~ectier.TieredCache.stats`, and ``by_size``, both sides' loads per entry size),
+        ``baseline`` (or ``None``), ``speedup`` (baseline seconds per byte / ectier seconds per
+        byte for ``load``, ``save`` and ``total``), ``replay_s`` (the replay loop) and ``wall_s``
+        (everything, image loading included), all in seconds. A load's seconds include the
+        consumer's copy of every loaded byte into a warm buffer, on both sides.
 
     Raises:
         ConfigError: an invalid option (the message names it), e.g. an unknown model or codec, or
@@ -275,7 +285,7 @@ def run_demo(
     counts = np.bincount(np.asarray(stream), minlength=len(images))
     with_baseline = opts.baseline and _safetensors_available(note)
     ect, base, replay_s = _replay_in_workdir(opts, spec, encoder, images, stream, (host_bytes, nvme_bytes),
-                                             with_baseline, console, quiet)
+                                             max(entry_bytes), with_baseline, console, quiet)
     mismatches = ect["mismatches"] + (base["mismatches"] if base else 0)
     return {
         "ok": mismatches == 0,

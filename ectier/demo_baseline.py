@@ -55,10 +55,10 @@ class SafetensorsPerItemStore:
         """Read the tensor back (the connector's ``start_load_caches``). Raises FileNotFoundError.
 
         On the CPU, ``load_file`` returns a tensor backed by a lazy memory map of the file: no
-        byte is read until first use. The connector loads with ``device=<cuda device>``, which reads
-        every byte at load time; ``materialize`` (default) does the same on the CPU by copying the
-        bytes out of the mapping (``clone``), so the read is counted as part of the load, as it is
-        for ectier's ``get`` (which returns an owned copy).
+        byte is read until first use (the demo passes ``materialize=False`` and reads every byte
+        itself, as the consumer does). ``materialize`` (default) copies the bytes out of the
+        mapping into an owned tensor (``clone``), as a load with ``device=<cuda device>`` reads
+        every byte at load time.
         """
         tensor = self._st.load_file(self.path(mm_hash))[self.TENSOR_NAME]
         return tensor.clone() if materialize and tensor.device.type == "cpu" else tensor

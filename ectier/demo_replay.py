@@ -3,7 +3,19 @@
 Each request is served by both stores back to back, in alternating order (:func:`replay`); each
 side (:class:`EctierSide`, :class:`BaselineSide`) counts hits, bytes and the seconds spent inside
 its store's calls, and every hit is compared byte for byte with a fresh recomputation by the
-stand-in encoder (:func:`same_bytes`). :func:`speedup` compares the two sides per byte moved.
+stand-in encoder (:func:`same_bytes`). :func:`speedup` compares the two sides per byte moved, and
+:func:`by_size` per entry size.
+
+A load is what each store's consumer does, then the consumer's read of every byte:
+
+- ectier, as its vLLM connector loads on the CPU: ``acquire`` (a lease on the host-arena slot;
+  an NVMe hit is first decoded straight into the host slot it is promoted into), ``load(lease,
+  view=True)`` (a zero-copy read-only view, pinned while it lives), ``release``; an entry that
+  cannot be leased (larger than the host budget) is read with ``get``;
+- the baseline, as ``ECExampleConnector`` loads: ``os.path.exists`` + ``safetensors.torch.load_file``
+  (on the CPU a lazy map of the file, which is in the page cache);
+- then on both sides :class:`Touch`: every byte copied into one warm destination buffer (what
+  vLLM's embedding gather does with a loaded tensor), inside the timed load.
 """
 
 from __future__ import annotations
@@ -20,7 +32,7 @@ from .demo_encoder import StandInEncoder
 from .demo_workload import DemoImage
 from .errors import EntryTooLargeError, TierWriteError
 
-__all__ = ["BaselineSide", "EctierSide", "replay", "same_bytes", "speedup"]
+__all__ = ["BaselineSide", "EctierSide", "Touch", "by_size", "replay", "same_bytes", "speedup"]
 
 
 def _gbps(nbytes: float, seconds: float) -> Optional[float]:
@@ -44,22 +56,80 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a8, b8)
 
 
-class EctierSide:
-    """The ectier half of the replay: ``get``; on a miss ``put`` (counts, bytes, seconds in the calls)."""
+class Touch:
+    """The consumer's read of a loaded tensor: every byte copied into one warm destination.
 
-    def __init__(self, cache: TieredCache) -> None:
+    Args:
+        nbytes: the largest entry in bytes; the destination (a flat ``uint8`` CPU tensor) is
+            allocated and faulted in once, here, so no load pays its page faults.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        self.dst = torch.ones(max(int(nbytes), 1), dtype=torch.uint8)
+
+    def __call__(self, t: torch.Tensor) -> None:
+        """Copy every byte of the contiguous CPU tensor ``t`` (at most ``nbytes``) into the destination."""
+        flat = t.reshape(-1).view(torch.uint8)
+        self.dst[: flat.numel()].copy_(flat)
+
+
+class _BySize:
+    """Load seconds and bytes per entry size (bytes)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, list[float]] = {}  # nbytes -> [loads, bytes, seconds]
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        row = self.rows.setdefault(nbytes, [0, 0, 0.0])
+        row[0] += 1
+        row[1] += nbytes
+        row[2] += seconds
+
+
+class EctierSide:
+    """The ectier half of the replay: lease + view + touch; on a miss ``put`` (counts, bytes,
+    seconds in the calls).
+
+    Args:
+        cache: the cache under test. touch: the consumer's read (:class:`Touch`), timed inside
+            the load.
+    """
+
+    def __init__(self, cache: TieredCache, touch: Touch) -> None:
         self.cache = cache
+        self.touch = touch
+        self.sizes = _BySize()
         self.n = dict(hits=0, misses=0, host_hits=0, nvme_hits=0, mismatches=0, puts=0, put_refused=0)
         self.b = dict(requested=0, hit=0, host_hit=0, nvme_hit=0, put=0)
         self.t = dict(get=0.0, get_host=0.0, get_nvme=0.0, get_miss=0.0, put=0.0, encode_miss=0.0, encode_saved=0.0)
         self.refusals: dict[str, str] = {}  # error class -> first message
         self.mismatched: list[dict[str, Any]] = []
 
+    def _load(self, key: str) -> Optional[torch.Tensor]:
+        """What ectier's connector does on the CPU: a lease, a view of it, the lease released (the
+        view keeps its own pin while it lives); ``get`` where no lease can be had; then the touch."""
+        cache = self.cache
+        lease = cache.acquire(key)
+        if lease is not None:
+            try:
+                out = cache.load(lease, view=True)
+            finally:
+                cache.release(lease)
+        elif cache.contains(key):  # stored, yet not leasable (larger than the host budget)
+            out = cache.get(key)  # a copy straight from NVMe
+        else:
+            return None
+        if out is not None:
+            self.touch(out)
+        return out
+
     def load(self, key: str) -> tuple[Optional[torch.Tensor], str]:
-        """``cache.get(key)``: ``(tensor, "host" | "nvme")`` on a hit, ``(None, "")`` on a miss."""
+        """Lease + view + touch: ``(tensor, "host" | "nvme")`` on a hit, ``(None, "")`` on a miss.
+
+        The tensor is a read-only view of the host arena, pinned until it is freed."""
         host_before = self.cache.stats()["tiers"].get("host", {}).get("hits", 0)
         t0 = time.perf_counter()
-        out = self.cache.get(key)
+        out = self._load(key)
         dt = time.perf_counter() - t0
         self.t["get"] += dt
         if out is None:
@@ -73,6 +143,7 @@ class EctierSide:
         self.b["hit"] += nbytes
         self.b[f"{tier}_hit"] += nbytes
         self.t[f"get_{tier}"] += dt
+        self.sizes.add(nbytes, dt)
         return out, tier
 
     def save(self, key: str, tensor: torch.Tensor) -> None:
@@ -127,24 +198,37 @@ class EctierSide:
 
 
 class BaselineSide:
-    """The safetensors-per-item half of the replay: ``has`` + ``load``; on a miss ``save``."""
+    """The safetensors-per-item half of the replay: ``has`` + ``load`` + touch; on a miss ``save``.
 
-    def __init__(self, store: SafetensorsPerItemStore) -> None:
+    Args:
+        store: the baseline store. touch: the consumer's read (:class:`Touch`, the same object
+            as ectier's), timed inside the load.
+    """
+
+    def __init__(self, store: SafetensorsPerItemStore, touch: Touch) -> None:
         self.store = store
+        self.touch = touch
+        self.sizes = _BySize()
         self.hits = self.misses = self.mismatches = 0
         self.hit_bytes = self.save_bytes = 0
         self.load_s = self.save_s = self.encode_s = 0.0
 
     def load(self, key: str) -> Optional[torch.Tensor]:
-        """``store.has`` + ``store.load``: the tensor, or ``None`` on a miss."""
+        """``store.has`` + ``store.load`` (the lazy map, as the connector gets it) + touch: the
+        tensor, or ``None`` on a miss."""
         t0 = time.perf_counter()
-        out = self.store.load(key) if self.store.has(key) else None
-        self.load_s += time.perf_counter() - t0
+        out = self.store.load(key, materialize=False) if self.store.has(key) else None
+        if out is not None:
+            self.touch(out)
+        dt = time.perf_counter() - t0
+        self.load_s += dt
         if out is None:
             self.misses += 1
         else:
+            nbytes = out.numel() * out.element_size()
             self.hits += 1
-            self.hit_bytes += out.numel() * out.element_size()
+            self.hit_bytes += nbytes
+            self.sizes.add(nbytes, dt)
         return out
 
     def save(self, key: str, tensor: torch.Tensor) -> None:
@@ -241,3 +325,19 @@ def speedup(ect: dict[str, Any], base: Optional[dict[str, Any]]) -> Optional[dic
         "total": _ratio(base["cache_s"], base["hit_bytes"] + base["save_bytes"],
                         ect["cache_s"], ect["hit_bytes"] + ect["put_bytes"]),
     }
+
+
+def by_size(ect: EctierSide, base: Optional[BaselineSide]) -> list[dict[str, Any]]:
+    """Loads per entry size, smallest first: ``nbytes``, ``ectier_loads``, ``ectier_s``,
+    ``ectier_gbps``, ``baseline_loads``, ``baseline_s``, ``baseline_gbps`` (``None`` without a
+    baseline or a load) and ``speedup`` (baseline seconds per byte / ectier's; ``None`` where
+    either side loaded nothing of that size). Seconds include the touch."""
+    rows = []
+    sizes = set(ect.sizes.rows) | (set(base.sizes.rows) if base is not None else set())
+    for nb in sorted(sizes):
+        e = ect.sizes.rows.get(nb, [0, 0, 0.0])
+        b = base.sizes.rows.get(nb, [0, 0, 0.0]) if base is not None else [0, 0, 0.0]
+        rows.append({"nbytes": nb, "ectier_loads": int(e[0]), "ectier_s": e[2], "ectier_gbps": _gbps(e[1], e[2]),
+                     "baseline_loads": int(b[0]), "baseline_s": b[2], "baseline_gbps": _gbps(b[1], b[2]),
+                     "speedup": _ratio(b[2], int(b[1]), e[2], int(e[1])) if base is not None else None})
+    return rows

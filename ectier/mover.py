@@ -402,6 +402,48 @@ class Mover:
                     promoted.add(t.name)
         return meta, data, promoted
 
+    def promote_into_host(self, host: ArenaTier, digest: bytes, ns: str, key: str, version: int):
+        """An NVMe hit of ``version`` decoded straight into a host slot reserved for it — no
+        intermediate tensor (checksum computed while the bytes are read) — committed and pinned
+        for the caller (an ``acquire``): the pinned :class:`Slot`; ``None`` on a miss, when no
+        clean room could be made, or when the promotion failed (logged); :data:`RETRY` when a
+        newer version appeared meanwhile. A slot that is not one run of the arena is filled
+        from a decoded copy instead."""
+        rec = self.nvme.tier.record(digest)
+        if rec is None:
+            return None
+        h = rec.header
+        meta = EntryMeta(h.namespace, h.key, h.dtype, tuple(h.shape), h.raw_nbytes)
+        slot = self.admit(host, digest, meta, version, promotion=True, protect=digest)
+        if slot is None:
+            return None
+        try:
+            got = self._run("promotion nvme -> host", self._read_into_slot, host, slot, digest, ns, key, version)
+        except BaseException:
+            self.abort(host, slot)
+            raise
+        if got is None or got is RETRY:
+            self.abort(host, slot)
+            return got
+        self.counters.count("nvme", hits=1, hit_bytes=meta.nbytes)
+        if not self.commit(host, slot, promotion=True, pin_after=True).committed:
+            return RETRY  # a newer version, or the key was promoted by another reader meanwhile
+        self.counters.count("host", promotions=1)
+        return slot
+
+    def _read_into_slot(self, host: ArenaTier, slot: Slot, digest: bytes, ns: str, key: str, version: int):
+        """Read the record into the reserved ``slot``'s bytes: True, ``None`` (miss) or RETRY."""
+        view = host.contiguous_view(slot)
+        result = self.nvme.read(digest, ns, key, version, into=view)
+        if result is None or result is RETRY:
+            return result
+        meta, data = result
+        if meta.nbytes != slot.meta.nbytes:
+            return RETRY  # another record replaced the one the slot was sized for
+        if view is None or data.data_ptr() != view.data_ptr():
+            host.write(slot, data)  # not one run of the arena (or not decodable in place): copy
+        return True
+
     def promote_slot(self, src: ArenaTier, slot: Slot, dst: Tier) -> bool:
         """Copy a pinned slot of ``src`` up into ``dst`` through the registered edge (a failed or
         missing edge is False, never an error)."""

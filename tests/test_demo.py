@@ -114,16 +114,15 @@ def test_demo_dir_that_does_not_exist_is_refused_not_created(runner, tmp_path):
 
 
 def test_demo_verification_catches_altered_bytes(runner, tmp_path, monkeypatch):
-    original_get = TieredCache.get
+    original_load = TieredCache.load
 
-    def corrupting_get(self, key, **kwargs):
-        out = original_get(self, key, **kwargs)
-        if out is not None:
-            flat = out.view(-1).view(torch.uint8)
-            flat[flat.numel() // 2] ^= 0x01  # one bit of one element
+    def corrupting_load(self, lease, **kwargs):  # the demo's loads: a lease, then a view of it
+        out = original_load(self, lease, **kwargs).clone()  # never write into the arena's view
+        flat = out.view(-1).view(torch.uint8)
+        flat[flat.numel() // 2] ^= 0x01  # one bit of one element
         return out
 
-    monkeypatch.setattr(TieredCache, "get", corrupting_get)
+    monkeypatch.setattr(TieredCache, "load", corrupting_load)
     result, s = _run(runner, tmp_path, *SMALL, "--no-baseline")
     assert result.exit_code == 1, result.output
     assert "MISMATCHED" in result.output and "FAIL" in result.output
@@ -348,3 +347,33 @@ def test_same_bytes_is_bitwise():
     assert not demo._same_bytes(a, a.reshape(2, 1))
     odd = torch.arange(3, dtype=torch.uint8)
     assert demo._same_bytes(odd, odd.clone()) and not demo._same_bytes(odd, odd + 1)
+
+
+def test_demo_loads_as_the_connector_does_and_both_sides_touch_every_byte(runner, tmp_path, monkeypatch):
+    """ectier's side loads with a lease and a zero-copy view (never ``get`` while a lease can be
+    had); each side's every loaded byte is copied once by the consumer's touch, inside its load."""
+    import ectier.demo_replay as replay_mod
+
+    def no_get(self, key, **kwargs):
+        raise AssertionError("the demo's ectier load went through get, not a lease and a view")
+
+    touched: list[int] = []
+    real_touch = replay_mod.Touch.__call__
+
+    def counting_touch(self, t):
+        touched.append(t.numel() * t.element_size())
+        return real_touch(self, t)
+
+    monkeypatch.setattr(TieredCache, "get", no_get)
+    monkeypatch.setattr(replay_mod.Touch, "__call__", counting_touch)
+    result, s = _run(runner, tmp_path, *SMALL, "--quiet")
+    assert result.exit_code == 0, result.output
+    ect, base = s["ectier"], s["baseline"]
+    assert ect["nvme_hits"] > 0 and ect["host_hits"] > 0
+    assert len(touched) == ect["hits"] + base["hits"]
+    assert sum(touched) == ect["hit_bytes"] + base["hit_bytes"]
+    rows = ect["by_size"]
+    assert sum(r["ectier_loads"] for r in rows) == ect["hits"]
+    assert sum(r["baseline_loads"] for r in rows) == base["hits"]
+    assert all(r["speedup"] is None or r["speedup"] > 0 for r in rows)
+    assert {r["nbytes"] for r in rows} <= {im["nbytes"] for im in s["images"]}

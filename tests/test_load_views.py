@@ -201,3 +201,37 @@ def test_the_releaser_never_blocks_on_a_held_lock():
     ran = []
     r.call(lambda: ran.append(lock._is_owned()))  # free lock: run at once, with it held
     assert ran == [True]
+
+
+def test_an_nvme_hit_acquired_is_decoded_straight_into_its_host_slot(tmp_path, monkeypatch):
+    """issue #12 item 2: the record is read into the host slot it is promoted into (no
+    intermediate tensor), and the lease's view is those very bytes."""
+    from ectier.testing import tier, where
+
+    cfg = {"host": {"capacity_bytes": 2 * MiB, "block_bytes": 64 * 1024, "pin_memory": False},
+           "nvme": {"path": str(tmp_path / "nv"), "capacity_bytes": 64 * MiB, "flush_on_close": False}}
+    with TieredCache(cfg) as c:
+        items = {f"k{i}": _item(i) for i in range(4)}
+        for k, x in items.items():
+            c.put(k, x)
+        key = next(k for k in items if where(c, k) == {"nvme"})
+        nvme = tier(c, "nvme")
+        outs = []
+        real_read = type(nvme).read
+
+        def spy(self, digest, namespace, k, *, out=None):
+            outs.append(out)
+            return real_read(self, digest, namespace, k, out=out)
+
+        monkeypatch.setattr(type(nvme), "read", spy)
+        v = _view(c, key)
+        assert torch.equal(v.view(torch.int16), items[key].view(torch.int16))
+        assert len(outs) == 1 and outs[0] is not None, "an NVMe hit was decoded into a fresh tensor"
+        assert _inside_arena(c, outs[0]) and outs[0].data_ptr() == v.data_ptr()
+        assert "host" in where(c, key)
+        st = c.stats()["tiers"]
+        assert st["nvme"]["hits"] == 1 and st["host"]["promotions"] == 1
+        del v
+        gc.collect()
+        assert pins(c) == 0
+        check_invariants(c)

@@ -271,15 +271,18 @@ class NvmeMoves:
                     m.catalog.forget(digest, version)
 
     # ------------------------------------------------------------------------- reads
-    def read(self, digest: bytes, ns: str, key: str, version: int, out: torch.Tensor | None = None):
+    def read(self, digest: bytes, ns: str, key: str, version: int, out: torch.Tensor | None = None, *,
+             into: torch.Tensor | None = None):
         """Read and check the record of ``version``: ``(meta, data)`` (``data`` a flat ``uint8``
         CPU tensor), ``None`` on a miss (failed check: the key is forgotten), or :data:`RETRY`.
 
         ``out``: the caller's ``get(out=)`` tensor; when it is a CPU tensor of the record's shape
         and dtype the payload is decoded straight into it (``data`` is then its bytes; on a miss its
-        contents are undefined)."""
+        contents are undefined). ``into``: flat ``uint8`` CPU bytes of the record's raw size to
+        decode into instead (a host slot reserved for a promotion); takes precedence over ``out``."""
         m = self.m
-        into = self._into(digest, out)
+        if into is None:
+            into = self._into(digest, out)
         result = self.tier.read(digest, ns, key, out=into) if into is not None else self.tier.read(digest, ns, key)
         if result is None:
             m.counters.count("nvme", read_failures=1)

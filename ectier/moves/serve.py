@@ -118,7 +118,6 @@ class Reads:
         """Pin the entry in ``host`` for another party (an NVMe hit is promoted there first):
         the pinned slot, or ``None``."""
         m = self.m
-        promoted = False  # an NVMe hit already counted, now looked up again in the host arena
         for _ in range(m.RETRIES):
             loc = self.locate(digest, start=host)
             if loc is RETRY:
@@ -126,22 +125,23 @@ class Reads:
             if loc is None:
                 break
             if loc.tier is host:
-                if not promoted:
-                    m.counters.count("host", hits=1, hit_bytes=loc.slot.meta.nbytes)
+                m.counters.count("host", hits=1, hit_bytes=loc.slot.meta.nbytes)
                 m.counters.count("cache", hits=1)
                 return loc.slot
             rec = m.nvme.tier.record(digest)
             if rec is None or not host.fits(rec.header.raw_nbytes):
                 break  # an entry larger than the host arena cannot be leased through it
-            got = m.promote_from_store(digest, ns, key, loc.version, host)
-            if got is RETRY:
+            # decoded straight into the host slot it is promoted into, committed pinned for the lease
+            slot = m.promote_into_host(host, digest, ns, key, loc.version)
+            if slot is RETRY:
                 continue
-            if got is None or "host" not in got[2]:
+            if slot is None:
                 break
-            promoted = True
+            m.counters.count("cache", hits=1)
+            return slot
         else:
             loc = None
-        if loc is None and m.remote is not None and not promoted and m.remote.fetch(digest, ns, key, None) is not None:
+        if loc is None and m.remote is not None and m.remote.fetch(digest, ns, key, None) is not None:
             loc = self.locate(digest, start=host)
             if loc is not None and loc.tier is host:
                 m.counters.count("cache", hits=1)
