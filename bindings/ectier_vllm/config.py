@@ -185,8 +185,9 @@ def settings_from_extra_config(extra: Mapping[str, Any] | None, *, default_ns: s
             daemon_timeout_s=daemon_timeout_s, load_timeout_s=load_timeout_s, save_queue_depth=depth, **choice,
         )
 
-    if socket_path is not None:
-        raise ConfigError(f"{PREFIX}.socket_path: only used in daemon mode (set \"mode\": \"daemon\")")
+    for key in ("socket_path", "daemon_timeout_s"):
+        if key in extra and extra[key] is not None:
+            raise ConfigError(f"{PREFIX}.{key}: only used in daemon mode (set \"mode\": \"daemon\")")
     if config_path is not None and tiers:
         raise ConfigError(
             f"{PREFIX}.config_path: give either config_path or {'/'.join(tiers)} sub-configs, not both"
