@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from ectier import CacheConfig, HostTierConfig, NvmeTierConfig, TieredCache
+from ectier.tiers.nvme_segment import BLOCK_BYTES, blocks_for
 
 from conftest import KiB, NVME_SLACK, check_quiescent, raw_bytes
 
@@ -31,7 +32,7 @@ from conftest import KiB, NVME_SLACK, check_quiescent, raw_bytes
 # whose demotion needs NVMe room, and NVMe hits whose promotion evicts from host.
 HOST_BYTES = 256 * KiB  # 16 blocks of 16 KiB
 BLOCK = 16 * KiB
-NVME_BYTES = 400 * KiB
+NVME_BYTES = 1024 * KiB  # layout v2: a payload takes whole 64 KiB blocks of the segment file
 
 KEYS = ["a", "b", "c", "d", "e", "\x00k", "ключ"]
 NAMESPACES = ["test", "other"]
@@ -101,11 +102,12 @@ class CacheMachine(RuleBasedStateMachine):
     def fits_nvme(self) -> bool:
         """Everything live fits NVMe with room for the largest entry twice (the admission check is
         conservative while an overwrite or a demotion is in flight)."""
-        sizes = [n for (_, _, _, n) in self.model.values()]
+        per_record = 1024  # header allowance (keys here are short)
+        # what a record holds of the budget: its header and whole blocks of the segment file
+        sizes = [per_record + blocks_for(n) * BLOCK_BYTES for (_, _, _, n) in self.model.values()]
         if not sizes:
             return True
-        per_record = 1024  # header allowance (keys here are short)
-        return sum(n + per_record for n in sizes) + 2 * max(sizes) + NVME_SLACK <= NVME_BYTES
+        return sum(sizes) + 2 * max(sizes) + NVME_SLACK <= NVME_BYTES
 
     def check_get(self, ident, got):
         if ident in self.model:
