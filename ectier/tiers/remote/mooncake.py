@@ -156,19 +156,16 @@ class MooncakeBackend(RemoteBackend):
     def _setup(self, done: threading.Event) -> None:
         cfg = self._cfg
         store, error = None, self._unreachable()
-        try:
-            if error:
-                raise RemoteError(error)
-            store = self._factory()
-            rc = store.setup(self._hostname, self._metadata, int(cfg.mooncake_global_segment_bytes),
-                             int(cfg.mooncake_local_buffer_bytes), cfg.mooncake_protocol, cfg.mooncake_device_name,
-                             self._master)
-            if rc != 0:
-                error = f"setup with master {self._master} and metadata {self._metadata} failed: {_code(rc)}"
-        except RemoteError:
-            pass
-        except Exception as exc:  # noqa: BLE001 - reported to the callers as RemoteError
-            error = f"setup with master {self._master} failed: {type(exc).__name__}: {exc}"
+        if not error:
+            try:
+                store = self._factory()
+                rc = store.setup(self._hostname, self._metadata, int(cfg.mooncake_global_segment_bytes),
+                                 int(cfg.mooncake_local_buffer_bytes), cfg.mooncake_protocol,
+                                 cfg.mooncake_device_name, self._master)
+                if rc != 0:
+                    error = f"setup with master {self._master} and metadata {self._metadata} failed: {_code(rc)}"
+            except Exception as exc:  # noqa: BLE001 - reported to the callers as RemoteError
+                error = f"setup with master {self._master} failed: {type(exc).__name__}: {exc}"
         if error:
             log.debug("mooncake: %s", error)
             _close_quietly(store)
