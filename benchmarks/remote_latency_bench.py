@@ -1,18 +1,23 @@
 """Remote tier end to end: how soon another node sees a put, and the remote tier's own put / get
 GB/s against the raw redis-py client's ``SET`` / ``GET`` of the same bytes, in the same run.
 
-    .venv/bin/python benchmarks/remote_latency_bench.py [--visibility-mib 1,16] [--trials 30]
-        [--sizes-mib 16,64] [--rounds 7] [--poll-s 0.0005] [--addresses host:port,...] [--json out.json]
+    .venv/bin/python benchmarks/remote_latency_bench.py [--backend redis|mooncake] [--visibility-mib 1,16]
+        [--trials 30] [--sizes-mib 16,64] [--rounds 7] [--poll-s 0.0005] [--addresses host:port,...]
+        [--json out.json]
 
-Without ``--addresses`` it starts a 3-node Redis Cluster on loopback (tests/redis_cluster.py).
+Without ``--addresses`` it starts a 3-node Redis Cluster on loopback (tests/redis_cluster.py), or
+with ``--backend mooncake`` a ``mooncake_master`` and one store node (tests/mooncake_master.py;
+visibility only: the Mooncake tier's throughput against the raw client is
+benchmarks/remote_mooncake_bench.py).
 
 - **Visibility**: a producer ``TieredCache`` (this process) puts a fresh key; a consumer
   ``TieredCache`` in another process (its own GIL), already polling ``get`` of that key every
   ``--poll-s``, records when the get returns the tensor. Latency = that moment minus the moment the
   producer's ``put`` returned (``time.monotonic``, one clock for both processes): the background
   write-through, the store, the consumer's fetch and placement. Reference (``raw``): the producer
-  calls redis-py's ``SET`` of the same bytes, the consumer polls ``GET``; latency from the moment
-  ``SET`` was called (a synchronous writer cannot return earlier). The two alternate trial by
+  calls the raw client's write of the same bytes (redis-py ``SET``; Mooncake ``put``), the consumer
+  polls its read (``GET``; ``get``); latency from the moment the write was called (a synchronous
+  writer cannot return earlier). The two alternate trial by
 trial; p50 / p99 over ``--trials`` and the median of the per-trial ratios (``paired``).
 - **Throughput**: ``RemoteTier.write`` (the record: header, xxh3, chunks + manifest) and
   ``RemoteTier.fetch`` (manifest, chunks, every check, the bytes into a new tensor) against raw
@@ -28,6 +33,7 @@ client").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -35,7 +41,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -54,20 +60,56 @@ def _tensor(nbytes: int, seed: int):
     return torch.randint(-(2**15), 2**15, (nbytes // 2,), generator=g, dtype=torch.int16).view(torch.bfloat16)
 
 
-def _cache(addresses: str, host_bytes: int):
+def _remote(spec: dict) -> dict:
+    """The ``remote:`` config section for the store ``spec`` describes (see :func:`_spec`)."""
+    if spec["backend"] == "redis":
+        return {"backend": "redis", "addresses": spec["addresses"], "prefix": "benchvis", "timeout_s": DEADLINE_S}
+    return {"backend": "mooncake", "addresses": spec["addresses"], "mooncake_metadata_server": spec["metadata"],
+            "mooncake_global_segment_bytes": 0, "mooncake_local_buffer_bytes": "128MiB", "timeout_s": DEADLINE_S}
+
+
+def _cache(spec: dict, host_bytes: int):
     from ectier import CacheConfig, TieredCache
 
     return TieredCache(CacheConfig.from_dict({
-        "namespace": "bench", "host": {"capacity_bytes": host_bytes, "pin_memory": False},
-        "remote": {"backend": "redis", "addresses": addresses, "prefix": "benchvis", "timeout_s": DEADLINE_S}}))
+        "namespace": "bench", "host": {"capacity_bytes": host_bytes, "pin_memory": False}, "remote": _remote(spec)}))
 
 
-def _consumer(conn, addresses: str, mode: str, poll_s: float) -> None:
+class _RawMooncake:
+    """The raw Mooncake client with the calls the visibility trials make (a miss reads ``None``)."""
+
+    def __init__(self, spec: dict) -> None:
+        from mooncake.store import MooncakeDistributedStore
+        self.c = MooncakeDistributedStore()
+        rc = self.c.setup("127.0.0.1", spec["metadata"], 0, 128 * MiB, "tcp", "", spec["addresses"])
+        if rc != 0:
+            raise RuntimeError(f"raw Mooncake client setup failed: {rc}")
+
+    def set(self, key: str, data: bytes) -> None:
+        rc = self.c.put(key, data)
+        if rc != 0:
+            raise RuntimeError(f"raw Mooncake put failed: {rc}")
+
+    def get(self, key: str):
+        return self.c.get(key) or None  # b"" on a miss
+
+    def delete(self, key: str) -> None:
+        self.c.remove(key)
+
+    def close(self) -> None:
+        self.c.close()
+
+
+def _raw(spec: dict):
+    return rb._raw_client(spec["addresses"]) if spec["backend"] == "redis" else _RawMooncake(spec)
+
+
+def _consumer(conn, spec: dict, mode: str, poll_s: float) -> None:
     """The other node: for each ``(key, nbytes)`` received, answer ``"polling"``, then poll until
     the entry is there and send back ``(monotonic time it was, seconds the successful get took)``
     (``None`` after 60 s)."""
-    cache = _cache(addresses, 256 * MiB) if mode == "ectier" else None
-    raw = rb._raw_client(addresses) if mode == "raw" else None
+    cache = _cache(spec, 256 * MiB) if mode == "ectier" else None
+    raw = _raw(spec) if mode == "raw" else None
     try:
         while True:
             msg = conn.recv()
@@ -93,19 +135,19 @@ def _consumer(conn, addresses: str, mode: str, poll_s: float) -> None:
             raw.close()
 
 
-def visibility(addresses: str, sizes: list[int], trials: int, poll_s: float) -> list[dict]:
+def visibility(spec: dict, sizes: list[int], trials: int, poll_s: float) -> list[dict]:
     """Per size and mode (``ectier``, ``raw``): the latencies (seconds) of every trial; the two
     modes' trials alternate (each has its consumer process, both started first)."""
     import torch
 
     ctx = multiprocessing.get_context("spawn")
     pipes, procs = {}, []
-    producer = _cache(addresses, 512 * MiB)
-    raw = rb._raw_client(addresses)
+    producer = _cache(spec, 512 * MiB)
+    raw = _raw(spec)
     try:
         for mode in ("ectier", "raw"):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_consumer, args=(child, addresses, mode, poll_s), daemon=True)
+            proc = ctx.Process(target=_consumer, args=(child, spec, mode, poll_s), daemon=True)
             proc.start()
             pipes[mode] = parent
             procs.append(proc)
@@ -193,6 +235,19 @@ def throughput(addresses: str, sizes: list[int], rounds: int) -> list[dict]:
     return rows
 
 
+@contextlib.contextmanager
+def _spec(backend: str, addresses: str | None) -> Iterator[tuple[dict, list[int]]]:
+    """``({"backend", "addresses"[, "metadata"]}, server pids)``: the store the trials use, started
+    on loopback for the block unless ``addresses`` names one."""
+    if backend == "redis":
+        with rb._servers(addresses) as (addrs, pids):
+            yield {"backend": "redis", "addresses": addrs}, pids
+        return
+    import remote_mooncake_bench as mb  # needs the Mooncake client: imported only here
+    with mb._store(addresses, None) as (master, metadata, pids):
+        yield {"backend": "mooncake", "addresses": master, "metadata": metadata}, pids
+
+
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
@@ -209,6 +264,8 @@ def tables(vis: list[dict], thr: list[dict]) -> str:
         out.append(f"| {size / MiB:g} | {_pct(e, .5) * 1e3:.1f} | {_pct(e, .99) * 1e3:.1f} | {_pct(r, .5) * 1e3:.1f} "
                    f"| {_pct(r, .99) * 1e3:.1f} | {_pct(e, .5) / _pct(r, .5):.2f} | {paired:.2f} "
                    f"| {_pct(ge, .5) * 1e3:.1f} / {_pct(gr, .5) * 1e3:.1f} |")
+    if not thr:
+        return "\n".join(out)
     out += ["", "| MiB | put GB/s | raw SET GB/s | put ratio | put paired | get GB/s | raw GET GB/s | get ratio "
             "| get paired | put's parts, ms: join / backend put / raw SET |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in thr:
@@ -230,19 +287,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--poll-s", type=float, default=0.0005, help="the consumer's pause between two polls")
     ap.add_argument("--sizes-mib", default="16,64", help="entry sizes of the throughput rounds, MiB")
     ap.add_argument("--rounds", type=int, default=7, help="throughput rounds (after one warm-up round)")
-    ap.add_argument("--addresses", default=None, help="an existing cluster or server (default: start one)")
+    ap.add_argument("--backend", choices=("redis", "mooncake"), default="redis",
+                    help="the remote store (mooncake: visibility trials only)")
+    ap.add_argument("--addresses", default=None, help="an existing cluster or server (default: start one); "
+                    "mooncake: the master's host:port, the metadata server at http://<host>:8080/metadata")
     ap.add_argument("--json", default=None, help="also write every measurement here")
     args = ap.parse_args(argv)
     vsizes = [int(float(s) * MiB) for s in args.visibility_mib.split(",") if s]
     tsizes = [int(float(s) * MiB) for s in args.sizes_mib.split(",") if s]
-    with rb._servers(args.addresses) as (addresses, pids):
+    with _spec(args.backend, args.addresses) as (spec, pids):
         pids = [os.getpid(), *pids]
         busy0, all0, own0 = rb._jiffies(pids)
-        thr = throughput(addresses, tsizes, args.rounds)
-        vis = visibility(addresses, vsizes, args.trials, args.poll_s)
+        thr = throughput(spec["addresses"], tsizes, args.rounds) if args.backend == "redis" else []
+        vis = visibility(spec, vsizes, args.trials, args.poll_s)
         busy1, all1, own1 = rb._jiffies(pids)
     other = max(0, (busy1 - busy0) - (own1 - own0)) / max(1, all1 - all0)
-    info: dict[str, Any] = rb.machine()
+    if args.backend == "redis":
+        info: dict[str, Any] = rb.machine()
+    else:
+        import remote_mooncake_bench as mb
+        info = mb.machine()
     print("\n".join(f"- {k}: {v}" for k, v in info.items()))
     print(f"- trials: {args.trials}, poll every {args.poll_s * 1e3:g} ms; rounds: {args.rounds}; other load: "
           f"other processes took about {other:.0%} of the machine's CPU (the consumer process counts as other)\n")

@@ -290,3 +290,33 @@ def test_buffers_of_failed_transfers_are_released_after_hold_s(mooncake_store_fn
         assert be.describe()["held_bytes"] == 0  # ...so memory stays bounded through an outage
     finally:
         be.close()
+
+
+def test_a_get_while_the_object_is_being_written_is_a_miss_not_an_error(mooncake_store):
+    """A reader polling a key whose put is in flight on another client gets ``None`` (Mooncake
+    answers REPLICA_IS_NOT_READY until the write completes), never a RemoteError — an error
+    would back the whole tier off for ``remote.backoff_s``."""
+    import threading
+
+    cfg = mooncake_store.config(prefix="t-not-ready", mooncake_local_buffer_bytes="96MiB")
+    writer, reader = open_backend(cfg), open_backend(cfg)
+    data = os.urandom(32 * MiB)
+    errors: list[BaseException] = []
+    try:
+        for i in range(6):
+            key = f"k{i}"
+            t = threading.Thread(target=lambda k=key: writer.put(k, data, deadline_s=D))
+            t.start()
+            got = None
+            while got is None:
+                try:
+                    got = reader.get(key, deadline_s=D)
+                except RemoteError as exc:
+                    errors.append(exc)
+                    break
+            t.join()
+            assert errors == [], errors
+            assert bytes(got) == data
+    finally:
+        writer.close()
+        reader.close()

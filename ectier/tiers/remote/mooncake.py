@@ -59,6 +59,8 @@ __all__ = ["MooncakeBackend", "exit_now_if_abandoned"]
 log = logging.getLogger(__name__)
 
 _NOT_FOUND = -704
+_NOT_READY = -703  # REPLICA_IS_NOT_READY: the object's put is still in flight (a miss for now)
+_ABSENT = frozenset({_NOT_FOUND, _NOT_READY})
 _TOO_SMALL = -600  # get_into: the object grew since get_size (an overwrite); put: too large
 _NO_HANDLE = -200  # no space (the client's transfer buffer, or the store's segments)
 #: codes returned before any transfer started or after it ended: the buffer is free again
@@ -314,7 +316,8 @@ class MooncakeBackend(RemoteBackend):
         self.put(key, memoryview(buf), deadline_s=deadline_s)
 
     def get(self, key: str, *, deadline_s: float) -> memoryview | bytes | None:
-        """The object under ``key`` (a memoryview of a new buffer), or ``None`` if there is none.
+        """The object under ``key`` (a memoryview of a new buffer), or ``None`` if there is none
+        (or its put, by any client, has not completed yet: Mooncake's REPLICA_IS_NOT_READY).
 
         Raises:
             ValueError: a bad key or deadline_s.
@@ -327,7 +330,7 @@ class MooncakeBackend(RemoteBackend):
     def _read(self, store: Any, name: str) -> memoryview | bytes | None:
         if not self.zero_copy:
             size = store.get_size(name)
-            if size == _NOT_FOUND:
+            if size in _ABSENT:
                 return None
             if size < 0:
                 raise RemoteError(f"mooncake get on {self._master}: {_code(size)}")
@@ -335,7 +338,7 @@ class MooncakeBackend(RemoteBackend):
             return data if data else None
         for _ in range(_GET_ATTEMPTS):  # an overwrite between get_size and get_into: again
             size = store.get_size(name)
-            if size == _NOT_FOUND or size == 0:
+            if size in _ABSENT or size == 0:
                 return None
             if size < 0:
                 raise RemoteError(f"mooncake get on {self._master}: {_code(size)}")
@@ -347,7 +350,7 @@ class MooncakeBackend(RemoteBackend):
                 self._holds.hold(rc, ptr if registered else 0, size, buf)
             elif registered:
                 store.unregister_buffer(ptr)
-            if rc == _NOT_FOUND:
+            if rc in _ABSENT:
                 return None
             if rc >= 0:
                 return memoryview(buf)[:rc]
@@ -365,6 +368,8 @@ class MooncakeBackend(RemoteBackend):
         _check_args(key, deadline_s)
         name = self._object(key)
         rc = self._call("exists", deadline_s, lambda store: store.is_exist(name))
+        if rc in _ABSENT:
+            return False
         if rc < 0:
             raise RemoteError(f"mooncake exists on {self._master}: {_code(rc)}")
         return rc == 1
