@@ -28,7 +28,9 @@ def _same(a, b) -> bool:
 
 
 def test_an_entry_put_on_one_cache_is_served_by_another_through_the_cluster(redis_cluster_fn):
-    producer, consumer = TieredCache(_cfg(redis_cluster_fn)), TieredCache(_cfg(redis_cluster_fn))
+    # deadlines far above a 4 MiB transfer on a loaded machine: this test is about the bytes
+    producer, consumer = (TieredCache(_cfg(redis_cluster_fn, timeout_s=20.0)),
+                          TieredCache(_cfg(redis_cluster_fn, timeout_s=20.0)))
     try:
         values = {f"img{i}": _t(i) for i in range(6)}  # 4 MiB each: chunks across nodes
         for k, v in values.items():
@@ -39,7 +41,8 @@ def test_an_entry_put_on_one_cache_is_served_by_another_through_the_cluster(redi
             assert _same(consumer.get(k), v), k
         assert consumer.stats()["tiers"]["remote"]["hits"] == 6
         producer.delete("img0")
-        assert TieredCache(_cfg(redis_cluster_fn)).get("img0") is None
+        with TieredCache(_cfg(redis_cluster_fn, timeout_s=20.0)) as third:
+            assert third.get("img0") is None
     finally:
         producer.close()
         consumer.close()
