@@ -58,14 +58,12 @@ of the must-be-zero figures is not zero.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -450,20 +448,32 @@ def in_process_round(state: VariantState, seed: int, rnd: int, rng: random.Rando
     tally.kills[state.name] = tally.kills.get(state.name, 0) + 1
 
 
-def _daemon_ready(sock: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+def _log_tail(path: str, lines: int = 20) -> str:
+    try:
+        with open(path, "rb") as f:
+            return b"".join(f.readlines()[-lines:]).decode(errors="replace")
+    except OSError as exc:
+        return f"(no log: {exc})"
+
+
+def _daemon_ready(sock: str, proc: subprocess.Popen, log_path: str, timeout_s: float = 60.0) -> None:
+    """Wait for the daemon to answer a ping; RuntimeError with the tail of its log if it exits or
+    does not answer within ``timeout_s`` (the last client error is named too)."""
     from ectier.daemon.client import DaemonClient, DaemonUnavailableError
 
     deadline = time.monotonic() + timeout_s
+    last = "no attempt"
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"daemon exited with {proc.returncode} at start-up")
+            raise RuntimeError(f"daemon exited with {proc.returncode} at start-up; log:\n{_log_tail(log_path)}")
         try:
             with DaemonClient(sock, connect_retry_s=0.0, timeout_s=5) as c:
                 c.ping()
                 return
-        except (DaemonUnavailableError, OSError):
+        except (DaemonUnavailableError, OSError) as exc:
+            last = f"{type(exc).__name__}: {exc}"
             time.sleep(0.05)
-    raise RuntimeError("daemon not ready in time")
+    raise RuntimeError(f"daemon not ready in {timeout_s:g} s (last: {last}); log:\n{_log_tail(log_path)}")
 
 
 def daemon_round(state: VariantState, seed: int, rnd: int, rng: random.Random, max_delay_s: float,
@@ -479,7 +489,7 @@ def daemon_round(state: VariantState, seed: int, rnd: int, rng: random.Random, m
                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     clients: list[int] = []
     try:
-        _daemon_ready(sock, proc)
+        _daemon_ready(sock, proc, os.path.join(run_dir, "daemon.log"))
         for w in range(2):
             journal = state.store.parent / f"journal-daemon-{w}.log"
             state.journals.setdefault(journal, 0)
