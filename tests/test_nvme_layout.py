@@ -151,6 +151,38 @@ def test_reads_racing_writes_never_see_reused_blocks(make_cache):
     check_quiescent(cache)
 
 
+def test_a_replaced_nvme_record_is_never_absent_meanwhile(make_cache):
+    """An overwrite swaps the key's NVMe record in one step: a lookup at any moment of the swap
+    (lookups take no lock) finds the old record or the new one, never none. Before, the old one
+    was removed first: a commit rule looking then saw no record, and could claim the new one for
+    deletion as if it were the old (a put then lost, or older bytes served)."""
+    cache, _ = make_cache(host_bytes=0, nvme_bytes=2 * MiB)
+    cache.put("k", filled(100 * KiB, 1))
+    seen = []
+    with testing.watch_nvme_records(cache, lambda d: seen.append(testing.record_of(cache, "k"))):
+        cache.put("k", filled(100 * KiB, 2))
+    assert seen and all(r is not None for r in seen)
+    assert_same(cache.get("k"), filled(100 * KiB, 2))
+    check_quiescent(cache)
+
+
+def test_a_write_failing_after_its_commit_leaves_the_newest_record_registered(make_cache):
+    """A write whose record committed but which failed afterwards (clean-up of the replaced
+    record's blocks raising) is a stored write: the newest version is the key's current one, in
+    memory and after reopen. Before, the put raised and the older version stayed current while
+    NVMe held the newer record ("stale NVMe record left behind", a miss for a stored key)."""
+    cache, cfg = make_cache(host_bytes=0, nvme_bytes=2 * MiB)
+    cache.put("k", filled(100 * KiB, 1))
+    with testing.fail_after_writes(cache, "nvme", ValueError("extent lies outside the region")) as done:
+        cache.put("k", filled(100 * KiB, 2))
+    assert done == [True]
+    assert_same(cache.get("k"), filled(100 * KiB, 2))
+    check_quiescent(cache)
+    cache.close()
+    with TieredCache(cfg) as again:
+        assert_same(again.get("k"), filled(100 * KiB, 2))
+
+
 def test_concurrent_writes_share_group_commits(make_cache):
     """Writers in several threads: fewer commits than entries (one fdatasync and one LMDB commit
     serve several puts), every put durable and served after a restart."""

@@ -97,7 +97,13 @@ class NvmeMoves:
             except TierWriteError:
                 self.m.counters.count("nvme", write_failures=1)
                 raise
-        except BaseException:
+        except BaseException as exc:
+            if self.tier.holds(digest, version):
+                # the record committed before the failure (e.g. freeing the replaced record's
+                # blocks raised): it is stored, so it is this key's newest NVMe version and must be
+                # registered or dropped like any finished write, never left unaccounted for
+                log.warning("nvme tier: a write failed after its record committed (%r); the record is kept", exc)
+                return self._finish_store(digest, meta, version, size, True, register=register)
             with self.m.cond:
                 self.index.end_write(digest, size)
                 self.m.cond.notify_all()
