@@ -11,6 +11,7 @@ import importlib.util
 import pathlib
 import shutil
 import threading
+import traceback
 
 import pytest
 import torch
@@ -117,11 +118,21 @@ def test_extent_space_hands_out_lowest_blocks_and_holds_blocks_under_reads():
 
 def test_reads_racing_writes_never_see_reused_blocks(make_cache):
     """Readers of keys that are overwritten and deleted all the time: every hit is exact (a read
-    holds the blocks of its snapshot), nothing fails its checksum."""
+    holds the blocks of its snapshot), nothing fails its checksum. An exception in a thread, or a
+    thread still running, fails the test with its traceback (it was a warning only before: a
+    writer dying between its commit and its registration left exactly a stale record)."""
     cache, _ = make_cache(host_bytes=0, nvme_bytes=2 * MiB)
     vals = {i: filled(100 * KiB, i) for i in range(40)}
     stop = threading.Event()
-    bad = []
+    bad, errors = [], []
+
+    def guarded(body):
+        def run():
+            try:
+                body()
+            except BaseException:  # noqa: BLE001 - reported by the test
+                errors.append(traceback.format_exc())
+        return run
 
     def writer():
         n = 0
@@ -139,13 +150,15 @@ def test_reads_racing_writes_never_see_reused_blocks(make_cache):
                 if got is not None and not any(torch.equal(got, v) for v in vals.values()):
                     bad.append(i)
 
-    threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader) for _ in range(2)]
+    threads = [threading.Thread(target=guarded(writer))] + [threading.Thread(target=guarded(reader)) for _ in range(2)]
     for t in threads:
         t.start()
     threading.Event().wait(3)
     stop.set()
     for t in threads:
         t.join(30)
+    assert not any(t.is_alive() for t in threads), "a thread is still running"
+    assert not errors, errors[0]
     assert not bad
     assert cache.stats()["tiers"]["nvme"]["checksum_failures"] == 0
     check_quiescent(cache)
