@@ -79,7 +79,9 @@ class NvmeMoves:
         ``register`` makes the write the key's current version (a put that skipped the memory
         tiers); otherwise (a demotion, a flush) NVMe becomes a second copy of the current version.
         ``protect``: a digest whose record must not be evicted (an entry being promoted).
-        Returns True if NVMe now holds ``version`` as the key's current bytes.
+        Returns True if NVMe now holds ``version`` as the key's current bytes. A write that fails
+        after its record committed (the clean-up raising) is logged and finished like any stored
+        write: registered, or deleted as stale — never left stored but unaccounted for.
 
         Raises:
             TierWriteError: the write failed, or (``register``) the budget is held by writes in
