@@ -37,7 +37,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import lmdb
 
@@ -324,11 +324,11 @@ def _page_pass(data_file: Path, report: FsckReport, sink: Sink | None = None) ->
                 if value.key in _KEPT_SETTINGS and value.inline is not None:
                     report.settings[value.key.decode()] = value.inline.decode(errors="replace")
                 continue
-            index_value = _as_index_value(pf, value)
+            index_value = _as_record(pf, value, _index_header)
             if index_value is not None:
-                v2.setdefault(value.key, {})[index_value] = None
+                v2.setdefault(value.key, {})[index_value[0]] = None
                 continue
-            header_raw = _as_header(pf, value)
+            header_raw = _as_record(pf, value, unpack_header)
             if header_raw is not None:
                 headers.setdefault(value.key, {})[header_raw[0]] = header_raw[1]
                 continue
@@ -347,28 +347,31 @@ def _page_pass(data_file: Path, report: FsckReport, sink: Sink | None = None) ->
         _salvage_from_runs(report, pf, unmatched, sink)
 
 
-def _as_index_value(pf: PageFile, value: LeafValue) -> bytes | None:
-    """A layout-v2 index value (header + location) of this digest found in a page, else None."""
+def _as_record(pf: PageFile, value: LeafValue, parse: Callable[[bytes], RecordHeader]) -> tuple[bytes, RecordHeader] | None:
+    """``(raw, header)`` if the value found in a page parses with ``parse`` (a layout-v1 header, or
+    a layout-v2 index value's) as a record of this very digest, else None."""
     if value.size > _MAX_HEADER_GUESS:
         return None
     raw = pf.read_value(value)
     if raw is None or raw[:4] != RECORD_MAGIC:
         return None
     try:
-        header, _ = parse_index_value(raw)
+        header = parse(raw)
     except CorruptRecordError:
         return None
-    return raw if entry_digest(header.namespace, header.key) == value.key else None
+    return (raw, header) if entry_digest(header.namespace, header.key) == value.key else None
 
 
-def _salvage_v2(report: FsckReport, digest: bytes, values: list[bytes], segment: "Segment", sink: Sink | None) -> None:
-    """Page scan, layout v2: the newest index value of ``digest`` whose payload passes every check."""
-    report.entries += 1
-    parsed = sorted(((parse_index_value(v), v) for v in values), key=lambda x: -x[0][0].version)
-    error = "payload not readable from the segment file"
-    for (header, loc), value in parsed:
-        raw = value[:header_nbytes(value)]
-        payload = segment.payload(loc, header.payload_nbytes)
+def _index_header(raw: bytes) -> RecordHeader:
+    return parse_index_value(raw)[0]
+
+
+def _first_intact(report: FsckReport, digest: bytes, candidates: Iterable[tuple[bytes, RecordHeader, bytes | None]],
+                  sink: Sink | None) -> tuple[bool, str | None]:
+    """Salvage the first of ``candidates`` (raw header, header, payload or None: unreadable), given
+    newest first, that passes every check; returns (salvaged?, the last check error)."""
+    error = None
+    for raw, header, payload in candidates:
         if payload is None:
             continue
         try:
@@ -377,42 +380,27 @@ def _salvage_v2(report: FsckReport, digest: bytes, values: list[bytes], segment:
             error = str(exc)
             continue
         _salvaged(report, raw, header, payload, digest, sink)
-        return
-    report._problem(digest, parsed[0][0][0], error, unreadable=error.startswith("payload not readable"))
+        return True, None
+    return False, error
 
 
-def _as_header(pf: PageFile, value: LeafValue) -> tuple[bytes, RecordHeader] | None:
-    if value.size > _MAX_HEADER_GUESS:
-        return None
-    raw = pf.read_value(value)
-    if raw is None or raw[:4] != RECORD_MAGIC:
-        return None
-    try:
-        header = unpack_header(raw)
-    except CorruptRecordError:
-        return None
-    return (raw, header) if entry_digest(header.namespace, header.key) == value.key else None
+def _salvage_v2(report: FsckReport, digest: bytes, values: list[bytes], segment: "Segment", sink: Sink | None) -> None:
+    """Page scan, layout v2: the newest index value of ``digest`` whose payload passes every check."""
+    report.entries += 1
+    parsed = sorted(((parse_index_value(v), v) for v in values), key=lambda x: -x[0][0].version)
+    ok, error = _first_intact(report, digest, ((v[:header_nbytes(v)], h, segment.payload(loc, h.payload_nbytes))
+                                               for (h, loc), v in parsed), sink)
+    if not ok:
+        report._problem(digest, parsed[0][0][0], error or "payload not readable from the segment file",
+                        unreadable=error is None)
 
 
 def _salvage_one(report: FsckReport, pf: PageFile, digest: bytes, found: dict[bytes, RecordHeader],
                  candidates: list[LeafValue], sink: Sink | None) -> tuple[bool, str | None]:
-    """Try the values found under ``digest``, newest header first; (salvaged?, last check error)."""
-    last_error = None
-    for raw, header in sorted(found.items(), key=lambda kv: -kv[1].version):
-        for cand in candidates:
-            if cand.size != header.payload_nbytes:
-                continue
-            payload = pf.read_value(cand)
-            if payload is None:
-                continue
-            try:
-                check_record(digest, raw, payload, decode=True)
-            except CorruptRecordError as exc:
-                last_error = str(exc)
-                continue
-            _salvaged(report, raw, header, payload, digest, sink)
-            return True, None
-    return False, last_error
+    """Page scan, layout v1: the values found under ``digest``, newest header first; (salvaged?, last check error)."""
+    return _first_intact(report, digest, ((raw, header, pf.read_value(cand))
+                                          for raw, header in sorted(found.items(), key=lambda kv: -kv[1].version)
+                                          for cand in candidates if cand.size == header.payload_nbytes), sink)
 
 
 def _salvaged(report: FsckReport, raw: bytes, header: RecordHeader, payload: bytes, digest: bytes,

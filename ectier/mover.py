@@ -273,7 +273,7 @@ class Mover:
                 if self.nvme.tier.holds(digest, version):
                     slot.lower_copy = True
                 elif not keep_older_record:
-                    old = self.nvme.claim_locked(digest)
+                    old = self.nvme.claim_locked(digest, older_than=version)  # never a newer record
                     if old is not None:
                         stale.append((digest, old))
         for d, v in stale:

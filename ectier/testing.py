@@ -21,7 +21,7 @@ from .tiers.base import Tier
 from .tiers.remote.backend import RemoteBackend, RemoteTimeout
 
 __all__ = ["MemoryBackend", "DeferredCopyEngine", "make_cache", "tier", "where", "holds", "version_of", "versions", "drop_copy", "record_of",
-           "pins", "drain", "check_invariants", "fail_writes", "lmdb_of", "set_lmdb_env", "NvmeLmdb", "copy_engine_of"]
+           "pins", "drain", "check_invariants", "fail_writes", "fail_after_writes", "watch_nvme_records", "lmdb_of", "set_lmdb_env", "NvmeLmdb", "copy_engine_of"]
 
 
 class DeferredCopyEngine(CopyEngine):
@@ -183,6 +183,60 @@ def fail_writes(cache: TieredCache, tier_name: str, exc: BaseException) -> Itera
         yield calls
     finally:
         del t.write
+
+
+@contextlib.contextmanager
+def fail_after_writes(cache: TieredCache, tier_name: str, exc: BaseException) -> Iterator[list]:
+    """Make every write into tier ``tier_name`` raise ``exc`` *after* it has stored its record (an
+    error reported once the write's work is done, e.g. by the clean-up after an NVMe commit).
+    Yields the list of the real writes' results."""
+    t = cache._stack.get(tier_name)
+    real = t.write
+    results: list = []
+
+    def failing(*args, **kw):
+        results.append(real(*args, **kw))
+        raise exc
+
+    t.write = failing
+    try:
+        yield results
+    finally:
+        del t.write
+
+
+class _WatchedRecords(dict):
+    """The NVMe index's record table, calling ``fn(digest)`` after each change of it."""
+
+    def __init__(self, data: dict, fn) -> None:
+        super().__init__(data)
+        self._fn = fn
+
+    def pop(self, key, *default):
+        got = super().pop(key, *default)
+        self._fn(key)
+        return got
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self._fn(key)
+
+    def __delitem__(self, key) -> None:
+        super().__delitem__(key)
+        self._fn(key)
+
+
+@contextlib.contextmanager
+def watch_nvme_records(cache: TieredCache, fn) -> Iterator[None]:
+    """Call ``fn(digest)`` after every change of the NVMe tier's in-memory record table while the
+    context is open (from the thread making the change, its lock held: ``fn`` may look records up,
+    e.g. :func:`record_of`, but must not write). Install it on an idle cache."""
+    index = cache._stack.get("nvme").index
+    index._records = _WatchedRecords(index._records, fn)
+    try:
+        yield
+    finally:
+        index._records = dict(index._records)
 
 
 class NvmeLmdb(NamedTuple):

@@ -11,6 +11,7 @@ import importlib.util
 import pathlib
 import shutil
 import threading
+import traceback
 
 import pytest
 import torch
@@ -117,11 +118,21 @@ def test_extent_space_hands_out_lowest_blocks_and_holds_blocks_under_reads():
 
 def test_reads_racing_writes_never_see_reused_blocks(make_cache):
     """Readers of keys that are overwritten and deleted all the time: every hit is exact (a read
-    holds the blocks of its snapshot), nothing fails its checksum."""
+    holds the blocks of its snapshot), nothing fails its checksum. An exception in a thread, or a
+    thread still running, fails the test with its traceback (it was a warning only before: a
+    writer dying between its commit and its registration left exactly a stale record)."""
     cache, _ = make_cache(host_bytes=0, nvme_bytes=2 * MiB)
     vals = {i: filled(100 * KiB, i) for i in range(40)}
     stop = threading.Event()
-    bad = []
+    bad, errors = [], []
+
+    def guarded(body):
+        def run():
+            try:
+                body()
+            except BaseException:  # noqa: BLE001 - reported by the test
+                errors.append(traceback.format_exc())
+        return run
 
     def writer():
         n = 0
@@ -139,16 +150,50 @@ def test_reads_racing_writes_never_see_reused_blocks(make_cache):
                 if got is not None and not any(torch.equal(got, v) for v in vals.values()):
                     bad.append(i)
 
-    threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader) for _ in range(2)]
+    threads = [threading.Thread(target=guarded(writer))] + [threading.Thread(target=guarded(reader)) for _ in range(2)]
     for t in threads:
         t.start()
     threading.Event().wait(3)
     stop.set()
     for t in threads:
         t.join(30)
+    assert not any(t.is_alive() for t in threads), "a thread is still running"
+    assert not errors, errors[0]
     assert not bad
     assert cache.stats()["tiers"]["nvme"]["checksum_failures"] == 0
     check_quiescent(cache)
+
+
+def test_a_replaced_nvme_record_is_never_absent_meanwhile(make_cache):
+    """An overwrite swaps the key's NVMe record in one step: a lookup at any moment of the swap
+    (lookups take no lock) finds the old record or the new one, never none. Before, the old one
+    was removed first: a commit rule looking then saw no record, and could claim the new one for
+    deletion as if it were the old (a put then lost, or older bytes served)."""
+    cache, _ = make_cache(host_bytes=0, nvme_bytes=2 * MiB)
+    cache.put("k", filled(100 * KiB, 1))
+    seen = []
+    with testing.watch_nvme_records(cache, lambda d: seen.append(testing.record_of(cache, "k"))):
+        cache.put("k", filled(100 * KiB, 2))
+    assert seen and all(r is not None for r in seen)
+    assert_same(cache.get("k"), filled(100 * KiB, 2))
+    check_quiescent(cache)
+
+
+def test_a_write_failing_after_its_commit_leaves_the_newest_record_registered(make_cache):
+    """A write whose record committed but which failed afterwards (clean-up of the replaced
+    record's blocks raising) is a stored write: the newest version is the key's current one, in
+    memory and after reopen. Before, the put raised and the older version stayed current while
+    NVMe held the newer record ("stale NVMe record left behind", a miss for a stored key)."""
+    cache, cfg = make_cache(host_bytes=0, nvme_bytes=2 * MiB)
+    cache.put("k", filled(100 * KiB, 1))
+    with testing.fail_after_writes(cache, "nvme", ValueError("extent lies outside the region")) as done:
+        cache.put("k", filled(100 * KiB, 2))
+    assert done == [True]
+    assert_same(cache.get("k"), filled(100 * KiB, 2))
+    check_quiescent(cache)
+    cache.close()
+    with TieredCache(cfg) as again:
+        assert_same(again.get("k"), filled(100 * KiB, 2))
 
 
 def test_concurrent_writes_share_group_commits(make_cache):

@@ -79,7 +79,9 @@ class NvmeMoves:
         ``register`` makes the write the key's current version (a put that skipped the memory
         tiers); otherwise (a demotion, a flush) NVMe becomes a second copy of the current version.
         ``protect``: a digest whose record must not be evicted (an entry being promoted).
-        Returns True if NVMe now holds ``version`` as the key's current bytes.
+        Returns True if NVMe now holds ``version`` as the key's current bytes. A write that fails
+        after its record committed (the clean-up raising) is logged and finished like any stored
+        write: registered, or deleted as stale — never left stored but unaccounted for.
 
         Raises:
             TierWriteError: the write failed, or (``register``) the budget is held by writes in
@@ -97,7 +99,13 @@ class NvmeMoves:
             except TierWriteError:
                 self.m.counters.count("nvme", write_failures=1)
                 raise
-        except BaseException:
+        except BaseException as exc:
+            if self.tier.holds(digest, version):
+                # the record committed before the failure (e.g. freeing the replaced record's
+                # blocks raised): it is stored, so it is this key's newest NVMe version and must be
+                # registered or dropped like any finished write, never left unaccounted for
+                log.warning("nvme tier: a write failed after its record committed (%r); the record is kept", exc)
+                return self._finish_store(digest, meta, version, size, True, register=register)
             with self.m.cond:
                 self.index.end_write(digest, size)
                 self.m.cond.notify_all()

@@ -123,12 +123,16 @@ class NvmeIndex:
     def set_record(self, digest: bytes, rec: NvmeRecord | None) -> None:
         """Replace (``None``: remove) the record of ``digest``, keeping ``used_bytes`` exact."""
         with self._records_lock:
-            old = self._records.pop(digest, None)
-            if old is not None:
-                self.used_bytes -= old.stored_bytes
+            # a replacement is one assignment: a lock-free record()/``in`` never sees the key absent
+            # while its record is replaced (a commit rule would then take the new record for none)
+            old = self._records.get(digest)
             if rec is not None:
                 self._records[digest] = rec
                 self.used_bytes += rec.stored_bytes
+            elif old is not None:
+                del self._records[digest]
+            if old is not None:
+                self.used_bytes -= old.stored_bytes
 
     def load(self, records: dict[bytes, NvmeRecord]) -> None:
         """Set every record at open (replaces what was there)."""

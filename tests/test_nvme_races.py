@@ -1,0 +1,137 @@
+"""Races on one key of the NVMe tier, staged deterministically (a put held in ``NvmeTier.write``
+before its write, or after its record committed and before the put registers it), each ending in
+a checked state that is the same in memory and after a reopen: a delete racing an NVMe put, and
+two NVMe puts of one key racing (the later-started one stands, whichever finishes last).
+
+Complements ``tests/test_races.py`` (host/NVMe puts of one key, delete vs promotion) and
+``tests/test_nvme_layout.py`` (a record replaced in one step; a write failing after its commit).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from ectier import TieredCache
+from ectier.tiers.nvme import NvmeTier
+
+from conftest import KiB, MiB, assert_same, check_quiescent, digest, filled, make_config
+
+
+class HeldWrite:
+    """Holds the first ``NvmeTier.write`` of ``key`` until released: before it writes anything
+    (``stage="before-write"``) or once its record has committed (``stage="after-commit"``)."""
+
+    def __init__(self, monkeypatch, key: str, stage: str) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.used = False
+        original, kd = NvmeTier.write, digest(key)
+
+        def write(tier, d, record):
+            staged = not self.used and d == kd
+            self.used = self.used or staged
+            if staged and stage == "before-write":
+                self._hold()
+            done = original(tier, d, record)
+            if staged and stage == "after-commit":
+                self._hold()
+            return done
+
+        monkeypatch.setattr(NvmeTier, "write", write)
+
+    def _hold(self) -> None:
+        self.entered.set()
+        assert self.release.wait(30), "held write never released"
+
+    def wait(self) -> None:
+        assert self.entered.wait(10), "the staged write never came"
+
+
+def _start(fn, *args):
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by _join
+            box["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, box
+
+
+def _join(t, box):
+    t.join(30)
+    assert not t.is_alive(), "staged thread stuck"
+    if "error" in box:
+        raise box["error"]
+
+
+def _same_after_reopen(cache, cfg, key, expected):
+    """``key`` reads ``expected`` (``None``: a miss) now and after a reopen; both states checked."""
+    got = cache.get(key)
+    if expected is None:
+        assert got is None
+    else:
+        assert_same(got, expected)
+    check_quiescent(cache)
+    cache.close()
+    with TieredCache(cfg) as again:
+        got = again.get(key)
+        if expected is None:
+            assert got is None
+        else:
+            assert_same(got, expected)
+        check_quiescent(again)
+
+
+@pytest.mark.parametrize("stage", ["before-write", "after-commit"])
+def test_delete_racing_an_nvme_put_of_the_key(make_cache, monkeypatch, stage):
+    """K v0 is stored; put(K, v1) is held in its NVMe write; delete(K) runs. Held before its
+    write, the put comes after the delete (K = v1); held after its commit, the delete removes v1
+    (K absent). Never v0, never a record the catalog does not know, same after a reopen."""
+    cache, cfg = make_cache(host_bytes=0, nvme_bytes=2 * MiB)
+    v0, v1 = filled(100 * KiB, 0), filled(150 * KiB, 1)
+    cache.put("K", v0)
+    held = HeldWrite(monkeypatch, "K", stage)
+    t, box = _start(cache.put, "K", v1)
+    held.wait()
+    assert cache.delete("K")
+    held.release.set()
+    _join(t, box)
+    _same_after_reopen(cache, cfg, "K", v1 if stage == "before-write" else None)
+
+
+@pytest.mark.parametrize("stage", ["before-write", "after-commit"])
+def test_two_nvme_puts_of_one_key_the_later_started_stands(make_cache, monkeypatch, stage):
+    """put(K, va) starts first and is held in its NVMe write; put(K, vb) starts later and
+    completes; then va's write goes on. vb stands, in memory and after a reopen; va's record is
+    refused (before-write) or replaced and forgotten (after-commit)."""
+    cache, cfg = make_cache(host_bytes=0, nvme_bytes=2 * MiB)
+    va, vb = filled(100 * KiB, 1), filled(150 * KiB, 2)
+    cache.put("K", filled(64 * KiB, 0))
+    held = HeldWrite(monkeypatch, "K", stage)
+    t, box = _start(cache.put, "K", va)
+    held.wait()
+    cache.put("K", vb)
+    held.release.set()
+    _join(t, box)
+    _same_after_reopen(cache, cfg, "K", vb)
+
+
+def test_delete_and_put_racing_an_overwrite_that_committed(make_cache, monkeypatch):
+    """put(K, v1) is held after its commit; delete(K), then put(K, v2), complete; then v1's put
+    finishes. v2 stands (the held write's record was deleted, then replaced), same after reopen."""
+    cache, cfg = make_cache(host_bytes=0, nvme_bytes=2 * MiB)
+    v1, v2 = filled(100 * KiB, 1), filled(150 * KiB, 2)
+    cache.put("K", filled(64 * KiB, 0))
+    held = HeldWrite(monkeypatch, "K", "after-commit")
+    t, box = _start(cache.put, "K", v1)
+    held.wait()
+    assert cache.delete("K")
+    cache.put("K", v2)
+    held.release.set()
+    _join(t, box)
+    _same_after_reopen(cache, cfg, "K", v2)
