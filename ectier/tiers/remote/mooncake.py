@@ -12,13 +12,17 @@ One object ``key`` is one Mooncake object ``<remote.prefix>:<key>``, written wit
 is written, so a reader never sees a partial one; the remote tier checks each object's header
 and checksum on top.
 
-Copies: a get asks the size, registers a fresh buffer of that size and reads into it
-(``get_into``), skipping the copy out of the client's own transfer buffer that plain ``get``
-makes; a put registers the caller's buffer and writes from it (``upsert_from``). The remote
-tier's writes come as header + payload (:meth:`MooncakeBackend.put_record`): with
-``upsert_parts`` through the client's transfer buffer when the record takes at most half of it,
-else joined into one buffer and put. Each measured faster than the alternatives
-(docs/benchmarks.md, "Remote tier: Mooncake Store"). A buffer whose transfer failed in a way that
+Copies: a get asks the size and reads into registered memory (``get_into``), skipping the copy
+out of the client's own transfer buffer that plain ``get`` makes: a buffer of the pool of
+registered memory (:class:`~ectier.tiers.remote.mooncake_pool.BufferPool`, at most
+``remote.mooncake_buffer_pool_bytes``), handed out as the object and back in the pool when the
+last view of it dies; when the pool has no room, a fresh buffer registered for the one call. A put
+registers the caller's buffer and writes from it (``upsert_from``). The remote tier's writes come
+as header + payload (:meth:`MooncakeBackend.put_record`): copied into a pool buffer, the payload's
+xxh3 computed during the copy (the tier makes no pass of its own), and written with
+``upsert_from``; without room in the pool, with ``upsert_parts`` through the client's transfer
+buffer when the record takes at most half of it, else joined into one buffer and put. Each
+measured faster than the alternatives (docs/benchmarks.md, "Remote tier: Mooncake Store"). A buffer whose transfer failed in a way that
 may leave it in flight stays registered and referenced for :data:`~ectier.tiers.remote.mooncake_calls.HOLD_S` seconds (never freed
 under a transfer); past :data:`~ectier.tiers.remote.mooncake_calls.HOLD_CAP_BYTES` kept, calls fail at once until some are released.
 
@@ -37,6 +41,7 @@ the master's RPC port accepts a connection and its HTTP metadata server answers,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -50,9 +55,10 @@ from typing import Any, Callable
 import numpy as np
 
 from ...errors import ConfigError
-from ...record import pack_header
+from ...record import checksum, pack_header
 from .backend import RemoteBackend, RemoteError, RemoteTimeout
 from .mooncake_calls import HOLD_S, MAX_IN_FLIGHT, Holds, Runner, code as _code
+from .mooncake_pool import BufferPool, copy_hashing
 
 __all__ = ["MooncakeBackend", "exit_now_if_abandoned"]
 
@@ -114,6 +120,7 @@ class MooncakeBackend(RemoteBackend):
     """
 
     name = "mooncake"
+    computes_checksum = True
     #: put / get through registered memory (``upsert_from`` / ``get_into``); False: plain
     #: ``upsert`` / ``get`` (slower; kept for the measurement in benchmarks/remote_mooncake_bench.py)
     zero_copy = True
@@ -139,6 +146,8 @@ class MooncakeBackend(RemoteBackend):
         self._idle = threading.Condition(self._lock)
         self._runner = Runner(MAX_IN_FLIGHT)
         self._holds = Holds()
+        pool_bytes = int(cfg.mooncake_buffer_pool_bytes)
+        self._pool = BufferPool(pool_bytes) if pool_bytes > 0 and self.zero_copy else None
         self._start_setup()
 
     # ------------------------------------------------------------------ connection
@@ -279,13 +288,15 @@ class MooncakeBackend(RemoteBackend):
             raise RemoteError(f"mooncake put of {len(view)} bytes on {self._master}: {_code(rc)}")
 
     def put_record(self, key: str, header: Any, payload: Any, *, deadline_s: float) -> None:
-        """Store one record (``header``, then ``payload``) under ``key`` without joining them first:
-        a record up to half of ``remote.mooncake_local_buffer_bytes`` goes through the client's own
-        (registered, reused) buffer with ``upsert_parts``; a larger one, or one that finds that
-        buffer full, is copied into one new buffer (not zero-filled, unlike ``pack_record``'s) and
-        written from it as :meth:`put` does. Both measured faster than ``pack_record`` + put
-        (docs/benchmarks.md). A call past its deadline may still read ``payload`` on its thread:
-        if the caller reuses that memory, the object stored fails its checksum (a miss).
+        """Store one record (``header``, then ``payload``) under ``key``; ``header.payload_checksum``
+        is stored as the payload's xxh3-64, computed here (``computes_checksum``). The record is
+        copied into a buffer of the pool of registered memory, the checksum computed during that
+        copy, and written with ``upsert_from``; without room in the pool, a record up to half of
+        ``remote.mooncake_local_buffer_bytes`` goes through the client's own buffer with
+        ``upsert_parts``, a larger one (or one that finds that buffer full) is copied into one new
+        buffer and written from it as :meth:`put` does. Each measured faster than the one before
+        it in docs/benchmarks.md. A call past its deadline may still read ``payload`` on its
+        thread: if the caller reuses that memory, the object stored fails its checksum (a miss).
 
         Raises:
             ValueError / TypeError: a bad key, payload or deadline_s.
@@ -293,25 +304,52 @@ class MooncakeBackend(RemoteBackend):
         """
         _check_args(key, deadline_s)
         start = time.monotonic()
-        head = pack_header(header)
         body = _byte_view(payload)
         if len(body) != header.payload_nbytes:
             raise ValueError(f"payload: {len(body)} bytes, header.payload_nbytes is {header.payload_nbytes}")
         name = self._object(key)
-        if self.zero_copy and len(head) + len(body) <= self._cfg.mooncake_local_buffer_bytes // 2:
+        nbytes = len(pack_header(header)) + len(body)  # the checksum's value does not change the length
+        if self._pool is not None:
+            rc = self._call("put", deadline_s, lambda store: self._put_pooled(store, name, header, body))
+            if rc == 0:
+                return
+            if rc is not None and rc not in (_TOO_SMALL, _NO_HANDLE):
+                raise RemoteError(f"mooncake put of {nbytes} bytes on {self._master}: {_code(rc)}")
+            deadline_s -= time.monotonic() - start  # no room in the pool: the paths below
+            if deadline_s <= 0:
+                raise RemoteTimeout("mooncake put: past its deadline (no room in the buffer pool)")
+        head = pack_header(dataclasses.replace(header, payload_checksum=checksum(body)))
+        if self.zero_copy and nbytes <= self._cfg.mooncake_local_buffer_bytes // 2:
             rc = self._call("put", deadline_s, lambda store: store.upsert_parts(name, head, body))
             if rc == 0:
                 return
             if rc not in (_TOO_SMALL, _NO_HANDLE):
-                raise RemoteError(f"mooncake put of {len(head) + len(body)} bytes on {self._master}: {_code(rc)}")
+                raise RemoteError(f"mooncake put of {nbytes} bytes on {self._master}: {_code(rc)}")
             deadline_s -= time.monotonic() - start  # the client's buffer is full: the copy path
             if deadline_s <= 0:
                 raise RemoteTimeout("mooncake put: past its deadline (the client's buffer was full)")
-        buf = np.empty(len(head) + len(body), dtype=np.uint8)
+        buf = np.empty(nbytes, dtype=np.uint8)
         buf[:len(head)] = np.frombuffer(head, dtype=np.uint8)
         if len(body):
             buf[len(head):] = np.frombuffer(body, dtype=np.uint8)
         self.put(key, memoryview(buf), deadline_s=deadline_s)
+
+    def _put_pooled(self, store: Any, name: str, header: Any, body: memoryview) -> int | None:
+        """Write the record from a pool buffer (on the call thread); ``None``: no room."""
+        nhead = len(pack_header(header))
+        buf = self._pool.acquire(store, nhead + len(body))
+        if buf is None:
+            return None
+        mv = memoryview(buf.array)
+        total = copy_hashing(mv[nhead:nhead + len(body)], body)
+        mv[:nhead] = pack_header(dataclasses.replace(header, payload_checksum=total))
+        rc = store.upsert_from(name, buf.ptr, nhead + len(body))
+        if rc < 0 and rc not in _SAFE:
+            self._pool.forget(buf)  # the transfer may still read it: kept, then unregistered
+            self._holds.hold(rc, buf.ptr, buf.capacity, buf)
+        else:
+            self._pool.give_back(buf)
+        return rc
 
     def get(self, key: str, *, deadline_s: float) -> memoryview | bytes | None:
         """The object under ``key`` (a memoryview of a new buffer), or ``None`` if there is none.
@@ -339,21 +377,39 @@ class MooncakeBackend(RemoteBackend):
                 return None
             if size < 0:
                 raise RemoteError(f"mooncake get on {self._master}: {_code(size)}")
-            buf = np.empty(size, dtype=np.uint8)
-            ptr = buf.ctypes.data
-            registered = store.register_buffer(ptr, size) == 0
-            rc = store.get_into(name, ptr, size)
-            if rc < 0 and rc not in _SAFE:
-                self._holds.hold(rc, ptr if registered else 0, size, buf)
-            elif registered:
-                store.unregister_buffer(ptr)
+            pooled = self._pool.acquire(store, size) if self._pool is not None else None
+            rc, got = self._read_pooled(store, name, pooled, size) if pooled else self._read_fresh(store, name, size)
             if rc == _NOT_FOUND:
                 return None
             if rc >= 0:
-                return memoryview(buf)[:rc]
+                return got
             if rc != _TOO_SMALL:
                 raise RemoteError(f"mooncake get of {size} bytes on {self._master}: {_code(rc)}")
         return None  # overwritten under every attempt: a miss
+
+    def _read_pooled(self, store: Any, name: str, buf: Any, size: int) -> tuple[int, memoryview | None]:
+        """``get_into`` a pool buffer: ``(rc, the bytes handed out over it)``."""
+        rc = store.get_into(name, buf.ptr, size)
+        if rc >= 0:
+            return rc, buf.view(rc)  # back in the pool when the last view of it dies
+        if rc in _SAFE:
+            self._pool.give_back(buf)
+        else:
+            self._pool.forget(buf)  # the transfer may still write it: kept, then unregistered
+            self._holds.hold(rc, buf.ptr, buf.capacity, buf)
+        return rc, None
+
+    def _read_fresh(self, store: Any, name: str, size: int) -> tuple[int, memoryview | None]:
+        """``get_into`` a new buffer registered for this call: ``(rc, the bytes)``."""
+        buf = np.empty(size, dtype=np.uint8)
+        ptr = buf.ctypes.data
+        registered = store.register_buffer(ptr, size) == 0
+        rc = store.get_into(name, ptr, size)
+        if rc < 0 and rc not in _SAFE:
+            self._holds.hold(rc, ptr if registered else 0, size, buf)
+        elif registered:
+            store.unregister_buffer(ptr)
+        return rc, (memoryview(buf)[:rc] if rc >= 0 else None)
 
     def exists(self, key: str, *, deadline_s: float) -> bool:
         """Whether an object is stored under ``key``.
@@ -385,15 +441,18 @@ class MooncakeBackend(RemoteBackend):
     def describe(self) -> dict[str, Any]:
         """``backend``, ``addresses`` (the master), ``metadata_server``, ``local_hostname``,
         ``protocol``, ``connected``, ``global_segment_bytes``, ``late_calls`` (calls past their
-        deadline still running), ``held_bytes`` (buffers of failed transfers kept), ``prefix``."""
+        deadline still running), ``held_bytes`` (buffers of failed transfers kept), ``prefix``,
+        ``buffer_pool`` (the pool of registered memory: ``limit_bytes``, ``held_bytes``,
+        ``out_bytes`` handed out or in use, ``registrations``, ``reuses``, ``refusals``; ``None``
+        when ``remote.mooncake_buffer_pool_bytes`` is 0)."""
         cfg = self._cfg
         with self._lock:
             connected = self._store is not None
         return {"backend": self.name, "addresses": self._master, "metadata_server": self._metadata,
                 "local_hostname": self._hostname, "protocol": cfg.mooncake_protocol, "connected": connected,
                 "global_segment_bytes": int(cfg.mooncake_global_segment_bytes), "late_calls": self._runner.late,
-                "held_bytes": self._holds.nbytes,
-                "prefix": self._prefix}
+                "held_bytes": self._holds.nbytes, "prefix": self._prefix,
+                "buffer_pool": self._pool.describe() if self._pool is not None else None}
 
     def close(self) -> None:
         """Close the client (unmounts this process's segment: the objects on it are gone), after
@@ -405,24 +464,28 @@ class MooncakeBackend(RemoteBackend):
         a master that does not answer, takes its HTTP and RPC timeouts (~10-16 s) — so it runs only
         after the master's RPC port and metadata server answered, each within ``remote.timeout_s``;
         else the client is abandoned, left open and referenced, with one warning (Mooncake's
-        exit handler still tears it down when the process exits)."""
+        exit handler still tears it down when the process exits). Buffers of the pool handed out
+        stay valid: their memory is freed with their last view."""
         with self._lock:
             self._closed = True
             idle = self._idle.wait_for(lambda: self._in_use == 0, self._cfg.timeout_s)
             store, self._store = self._store, None
         if store is None:
+            if self._pool is not None:
+                self._pool.close(None)
             return
         if not idle:
-            _HELD.append(store)
+            _HELD.append((store, self._pool))  # the pool's buffers stay registered with it
             log.debug("mooncake: closed with calls still running; the client stays open for them")
             return
         why = self._unreachable()
         if why:
-            _HELD.append(store)
+            _HELD.append((store, self._pool))
             log.warning("mooncake: close: %s; the client is left open (Mooncake's teardown would block the "
                         "process for its own timeouts)", why)
             return
-        t = threading.Thread(target=_close_quietly, args=(store,), name="ectier-mooncake-close", daemon=True)
+        t = threading.Thread(target=_close_quietly, args=(store, self._pool), name="ectier-mooncake-close",
+                             daemon=True)
         t.start()
         t.join(self._cfg.timeout_s)
 
@@ -445,10 +508,12 @@ def exit_now_if_abandoned(code: int) -> None:
     os._exit(code)
 
 
-def _close_quietly(store: Any) -> None:
+def _close_quietly(store: Any, pool: BufferPool | None = None) -> None:
     if store is None:
         return
     try:
+        if pool is not None:
+            pool.close(store)  # its free buffers unregistered first
         store.close()
     except Exception as exc:  # noqa: BLE001
         log.debug("mooncake: close: %s", exc)
