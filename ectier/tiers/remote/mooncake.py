@@ -58,7 +58,7 @@ from ...errors import ConfigError
 from ...record import checksum, pack_header
 from .backend import RemoteBackend, RemoteError, RemoteTimeout
 from .mooncake_calls import HOLD_S, MAX_IN_FLIGHT, Holds, Runner, code as _code
-from .mooncake_pool import BufferPool, copy_hashing
+from .mooncake_pool import BufferPool, aligned_empty, copy_hashing
 
 __all__ = ["MooncakeBackend", "exit_now_if_abandoned"]
 
@@ -328,7 +328,7 @@ class MooncakeBackend(RemoteBackend):
             deadline_s -= time.monotonic() - start  # the client's buffer is full: the copy path
             if deadline_s <= 0:
                 raise RemoteTimeout("mooncake put: past its deadline (the client's buffer was full)")
-        buf = np.empty(nbytes, dtype=np.uint8)
+        buf = aligned_empty(nbytes)
         buf[:len(head)] = np.frombuffer(head, dtype=np.uint8)
         if len(body):
             buf[len(head):] = np.frombuffer(body, dtype=np.uint8)
@@ -401,7 +401,7 @@ class MooncakeBackend(RemoteBackend):
 
     def _read_fresh(self, store: Any, name: str, size: int) -> tuple[int, memoryview | None]:
         """``get_into`` a new buffer registered for this call: ``(rc, the bytes)``."""
-        buf = np.empty(size, dtype=np.uint8)
+        buf = aligned_empty(size)
         ptr = buf.ctypes.data
         registered = store.register_buffer(ptr, size) == 0
         rc = store.get_into(name, ptr, size)

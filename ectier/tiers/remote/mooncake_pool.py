@@ -9,7 +9,11 @@ docs/benchmarks.md ("Remote tier: Mooncake Store") shows the headroom. Why not M
 local buffer to that buffer's size, and its leases may lie inside the client's own memory, which
 the client frees at ``close`` — a tensor handed out over it could outlive it.
 
-Here every buffer is a numpy array owned by Python: a get's buffer is handed out as a memoryview
+Every buffer starts on a page boundary: measured on the development machine (AMD EPYC, TCP
+transport), a transfer into a buffer at 16 bytes past a page boundary — where numpy's
+``np.empty`` of a few MiB lands — took 1.4x the CPU time of one into an aligned buffer.
+
+Every buffer is a numpy array owned by Python: a get's buffer is handed out as a memoryview
 (:meth:`PoolBuffer.view`) whose last reference returns it to the pool, from any thread (a
 finalizer: it only appends to a :class:`queue.SimpleQueue`; the pool takes the returns under its
 lock at its next call). So a buffer is never reused while anything over it lives, and its memory
@@ -30,7 +34,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-__all__ = ["BufferPool", "PoolBuffer", "copy_hashing", "capacity_for", "MIN_BUFFER_BYTES", "HASH_CHUNK_BYTES"]
+__all__ = ["BufferPool", "PoolBuffer", "aligned_empty", "copy_hashing", "capacity_for", "MIN_BUFFER_BYTES", "HASH_CHUNK_BYTES"]
 
 log = logging.getLogger("ectier.tiers.remote.mooncake")
 
@@ -38,6 +42,8 @@ log = logging.getLogger("ectier.tiers.remote.mooncake")
 MIN_BUFFER_BYTES = 1 << 20
 #: the payload is copied and hashed in pieces of this size (bytes; each hashed while it is in cache)
 HASH_CHUNK_BYTES = 1 << 20
+#: buffers start on a page boundary
+PAGE_BYTES = 4096
 
 
 def capacity_for(nbytes: int) -> int:
@@ -47,6 +53,13 @@ def capacity_for(nbytes: int) -> int:
         return MIN_BUFFER_BYTES
     step = 1 << max(0, nbytes.bit_length() - 4)
     return -(-nbytes // step) * step
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """A new ``uint8`` array of ``nbytes`` bytes starting on a page boundary (not zero-filled)."""
+    whole = np.empty(nbytes + PAGE_BYTES, dtype=np.uint8)
+    start = -int(whole.ctypes.data) % PAGE_BYTES
+    return whole[start:start + nbytes]
 
 
 def copy_hashing(dst: memoryview, src: memoryview) -> int:
@@ -70,7 +83,7 @@ class PoolBuffer:
     __slots__ = ("array", "ptr", "capacity", "_pool")
 
     def __init__(self, pool: "BufferPool", capacity: int) -> None:
-        self.array = np.empty(capacity, dtype=np.uint8)
+        self.array = aligned_empty(capacity)  # measured faster than np.empty's (module docstring)
         self.ptr = int(self.array.ctypes.data)
         self.capacity = capacity
         self._pool = pool
