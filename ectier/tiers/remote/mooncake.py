@@ -57,7 +57,8 @@ import numpy as np
 from ...errors import ConfigError
 from ...record import checksum, pack_header
 from .backend import RemoteBackend, RemoteError, RemoteTimeout
-from .mooncake_calls import HOLD_S, MAX_IN_FLIGHT, Holds, Runner, code as _code
+from .mooncake_calls import HOLD_S, MAX_IN_FLIGHT, Holds, Runner, byte_view, check_args, route_address
+from .mooncake_calls import code as _code
 from .mooncake_pool import BufferPool, aligned_empty, copy_hashing
 
 __all__ = ["MooncakeBackend", "exit_now_if_abandoned"]
@@ -72,33 +73,6 @@ _SAFE = frozenset({0, -200, -600, -703, -704, -705, -706, -900, -901})
 _HELD: list[Any] = []  # clients closed with calls still running: never freed
 _GET_ATTEMPTS = 3
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the probe goes straight
-
-
-def _byte_view(data: Any) -> memoryview:
-    try:
-        view = memoryview(data)
-    except TypeError:
-        raise TypeError(f"data: expected bytes, bytearray or memoryview, got {type(data).__name__}") from None
-    if not view.c_contiguous:
-        raise ValueError("data: the buffer must be C-contiguous")
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
-
-
-def _check_args(key: Any, deadline_s: Any) -> None:
-    if not isinstance(key, str) or not key:
-        raise ValueError(f"key: expected a non-empty str, got {key!r}")
-    if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
-        raise ValueError(f"deadline_s: expected seconds > 0, got {deadline_s!r}")
-
-
-def _route_address(host: str, port: int) -> str:
-    """The local address of the route to ``host:port`` (no packet is sent)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, port))
-            return s.getsockname()[0]
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
 
 
 class MooncakeBackend(RemoteBackend):
@@ -135,7 +109,7 @@ class MooncakeBackend(RemoteBackend):
         self._factory = store_factory
         self._master = f"{addrs[0][0]}:{addrs[0][1]}"
         self._metadata = cfg.mooncake_metadata_server or f"http://{addrs[0][0]}:8080/metadata"
-        self._hostname = cfg.mooncake_local_hostname or _route_address(*addrs[0])
+        self._hostname = cfg.mooncake_local_hostname or route_address(*addrs[0])
         self._prefix = cfg.prefix
         self._lock = threading.Lock()
         self._store: Any = None
@@ -263,8 +237,8 @@ class MooncakeBackend(RemoteBackend):
             ValueError / TypeError: a bad key, data or deadline_s.
             RemoteError, RemoteTimeout: the store failed or the deadline passed.
         """
-        _check_args(key, deadline_s)
-        view = _byte_view(data)
+        check_args(key, deadline_s)
+        view = byte_view(data)
         if not len(view):
             raise ValueError("data: Mooncake Store holds no empty object (the remote tier's records never are)")
         name = self._object(key)
@@ -302,9 +276,9 @@ class MooncakeBackend(RemoteBackend):
             ValueError / TypeError: a bad key, payload or deadline_s.
             RemoteError, RemoteTimeout.
         """
-        _check_args(key, deadline_s)
+        check_args(key, deadline_s)
         start = time.monotonic()
-        body = _byte_view(payload)
+        body = byte_view(payload)
         if len(body) != header.payload_nbytes:
             raise ValueError(f"payload: {len(body)} bytes, header.payload_nbytes is {header.payload_nbytes}")
         name = self._object(key)
@@ -358,7 +332,7 @@ class MooncakeBackend(RemoteBackend):
             ValueError: a bad key or deadline_s.
             RemoteError, RemoteTimeout.
         """
-        _check_args(key, deadline_s)
+        check_args(key, deadline_s)
         name = self._object(key)
         return self._call("get", deadline_s, lambda store: self._read(store, name))
 
@@ -418,7 +392,7 @@ class MooncakeBackend(RemoteBackend):
             ValueError: a bad key or deadline_s.
             RemoteError, RemoteTimeout.
         """
-        _check_args(key, deadline_s)
+        check_args(key, deadline_s)
         name = self._object(key)
         rc = self._call("exists", deadline_s, lambda store: store.is_exist(name))
         if rc < 0:
@@ -432,7 +406,7 @@ class MooncakeBackend(RemoteBackend):
             ValueError: a bad key or deadline_s.
             RemoteError, RemoteTimeout.
         """
-        _check_args(key, deadline_s)
+        check_args(key, deadline_s)
         name = self._object(key)
         rc = self._call("delete", deadline_s, lambda store: store.remove(name, True))
         if rc not in (0, _NOT_FOUND):

@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
-__all__ = ["BufferPool", "PoolBuffer", "aligned_empty", "copy_hashing", "capacity_for", "MIN_BUFFER_BYTES", "HASH_CHUNK_BYTES"]
+__all__ = ["BufferPool", "PoolBuffer", "aligned_empty", "copy_hashing", "capacity_for", "MIN_BUFFER_BYTES",
+           "HASH_CHUNK_BYTES", "PAGE_BYTES"]
 
 log = logging.getLogger("ectier.tiers.remote.mooncake")
 
