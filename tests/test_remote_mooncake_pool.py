@@ -199,6 +199,7 @@ def test_warm_gets_and_record_puts_register_no_buffer(counted):
         del got
         be.put_record("k", rec.header, rec.payload, deadline_s=D)
     assert client.calls.get("register_buffer", 0) == 1  # one pool buffer, registered once
+    assert client.calls.get("get_size", 0) == 0  # the size it wrote: known
     assert client.calls.get("upsert_parts", 0) == 0 and client.calls["upsert_from"] == 11
     pool = be.describe()["buffer_pool"]
     assert pool["registrations"] == 1 and pool["reuses"] == 20 and pool["out_bytes"] == 0
@@ -300,6 +301,22 @@ def test_past_the_bound_fetches_use_memory_registered_for_the_call(counted):
     for i in range(4):
         assert torch.equal(tier.fetch(entry_digest("ns", f"k{i}"), "ns", f"k{i}")[1], want[f"k{i}"])
     assert client.calls["register_buffer"] == before  # back in the pool
+
+
+@pytest.mark.parametrize("second", [3 * MiB, 1000, 2 * MiB + 1])
+def test_an_object_another_client_replaced_or_deleted_is_read_as_it_is_now(counted, second):
+    mine, client = counted()
+    other, _ = counted()
+    first = os.urandom(2 * MiB)
+    mine.put("k", first, deadline_s=D)
+    assert bytes(mine.get("k", deadline_s=D)) == first  # size known from here on
+    data = os.urandom(second)
+    other.put("k", data, deadline_s=D)
+    assert bytes(mine.get("k", deadline_s=D)) == data  # grown past the hint: asks the size after all
+    assert bytes(mine.get("k", deadline_s=D)) == data
+    other.delete("k", deadline_s=D)
+    assert mine.get("k", deadline_s=D) is None
+    assert client.calls.get("get_size", 0) == (1 if second > capacity_for(2 * MiB) else 0)
 
 
 def test_no_pool_registers_per_call(counted):

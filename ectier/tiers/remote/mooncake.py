@@ -59,17 +59,14 @@ from ...record import checksum, pack_header
 from .backend import RemoteBackend, RemoteError, RemoteTimeout
 from .mooncake_calls import HOLD_S, MAX_IN_FLIGHT, Holds, Runner, byte_view, check_args, route_address
 from .mooncake_calls import code as _code
-from .mooncake_pool import BufferPool, aligned_empty, copy_hashing
+from .mooncake_io import NO_HANDLE as _NO_HANDLE, NOT_FOUND as _NOT_FOUND, SAFE as _SAFE
+from .mooncake_io import TOO_SMALL as _TOO_SMALL, put_pooled, read_fresh, read_pooled
+from .mooncake_pool import BufferPool, SizeHints, aligned_empty
 
 __all__ = ["MooncakeBackend", "exit_now_if_abandoned"]
 
 log = logging.getLogger(__name__)
 
-_NOT_FOUND = -704
-_TOO_SMALL = -600  # get_into: the object grew since get_size (an overwrite); put: too large
-_NO_HANDLE = -200  # no space (the client's transfer buffer, or the store's segments)
-#: codes returned before any transfer started or after it ended: the buffer is free again
-_SAFE = frozenset({0, -200, -600, -703, -704, -705, -706, -900, -901})
 _HELD: list[Any] = []  # clients closed with calls still running: never freed
 _GET_ATTEMPTS = 3
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the probe goes straight
@@ -122,6 +119,7 @@ class MooncakeBackend(RemoteBackend):
         self._holds = Holds()
         pool_bytes = int(cfg.mooncake_buffer_pool_bytes)
         self._pool = BufferPool(pool_bytes) if pool_bytes > 0 and self.zero_copy else None
+        self._sizes = SizeHints()
         self._start_setup()
 
     # ------------------------------------------------------------------ connection
@@ -260,6 +258,7 @@ class MooncakeBackend(RemoteBackend):
         rc = self._call("put", deadline_s, write)
         if rc != 0:
             raise RemoteError(f"mooncake put of {len(view)} bytes on {self._master}: {_code(rc)}")
+        self._sizes.note(name, len(view))
 
     def put_record(self, key: str, header: Any, payload: Any, *, deadline_s: float) -> None:
         """Store one record (``header``, then ``payload``) under ``key``; ``header.payload_checksum``
@@ -284,8 +283,10 @@ class MooncakeBackend(RemoteBackend):
         name = self._object(key)
         nbytes = len(pack_header(header)) + len(body)  # the checksum's value does not change the length
         if self._pool is not None:
-            rc = self._call("put", deadline_s, lambda store: self._put_pooled(store, name, header, body))
+            rc = self._call("put", deadline_s,
+                            lambda store: put_pooled(store, self._pool, self._holds, name, header, body))
             if rc == 0:
+                self._sizes.note(name, nbytes)
                 return
             if rc is not None and rc not in (_TOO_SMALL, _NO_HANDLE):
                 raise RemoteError(f"mooncake put of {nbytes} bytes on {self._master}: {_code(rc)}")
@@ -296,6 +297,7 @@ class MooncakeBackend(RemoteBackend):
         if self.zero_copy and nbytes <= self._cfg.mooncake_local_buffer_bytes // 2:
             rc = self._call("put", deadline_s, lambda store: store.upsert_parts(name, head, body))
             if rc == 0:
+                self._sizes.note(name, nbytes)
                 return
             if rc not in (_TOO_SMALL, _NO_HANDLE):
                 raise RemoteError(f"mooncake put of {nbytes} bytes on {self._master}: {_code(rc)}")
@@ -307,23 +309,6 @@ class MooncakeBackend(RemoteBackend):
         if len(body):
             buf[len(head):] = np.frombuffer(body, dtype=np.uint8)
         self.put(key, memoryview(buf), deadline_s=deadline_s)
-
-    def _put_pooled(self, store: Any, name: str, header: Any, body: memoryview) -> int | None:
-        """Write the record from a pool buffer (on the call thread); ``None``: no room."""
-        nhead = len(pack_header(header))
-        buf = self._pool.acquire(store, nhead + len(body))
-        if buf is None:
-            return None
-        mv = memoryview(buf.array)
-        total = copy_hashing(mv[nhead:nhead + len(body)], body)
-        mv[:nhead] = pack_header(dataclasses.replace(header, payload_checksum=total))
-        rc = store.upsert_from(name, buf.ptr, nhead + len(body))
-        if rc < 0 and rc not in _SAFE:
-            self._pool.forget(buf)  # the transfer may still read it: kept, then unregistered
-            self._holds.hold(rc, buf.ptr, buf.capacity, buf)
-        else:
-            self._pool.give_back(buf)
-        return rc
 
     def get(self, key: str, *, deadline_s: float) -> memoryview | bytes | None:
         """The object under ``key`` (a memoryview of a new buffer), or ``None`` if there is none.
@@ -345,6 +330,18 @@ class MooncakeBackend(RemoteBackend):
                 raise RemoteError(f"mooncake get on {self._master}: {_code(size)}")
             data = store.get(name)
             return data if data else None
+        hint = self._sizes.get(name) if self._pool is not None else None
+        pooled = self._pool.acquire(store, hint) if hint else None
+        if pooled is not None:  # the size this backend last wrote or read: no get_size
+            rc, got = read_pooled(store, self._pool, self._holds, name, pooled, pooled.capacity)
+            if rc > 0:
+                self._sizes.note(name, rc)
+                return got
+            if rc in (_NOT_FOUND, 0):
+                self._sizes.drop(name)
+                return None
+            if rc != _TOO_SMALL:
+                raise RemoteError(f"mooncake get on {self._master}: {_code(rc)}")
         for _ in range(_GET_ATTEMPTS):  # an overwrite between get_size and get_into: again
             size = store.get_size(name)
             if size == _NOT_FOUND or size == 0:
@@ -352,38 +349,17 @@ class MooncakeBackend(RemoteBackend):
             if size < 0:
                 raise RemoteError(f"mooncake get on {self._master}: {_code(size)}")
             pooled = self._pool.acquire(store, size) if self._pool is not None else None
-            rc, got = self._read_pooled(store, name, pooled, size) if pooled else self._read_fresh(store, name, size)
+            rc, got = (read_pooled(store, self._pool, self._holds, name, pooled, size) if pooled
+                        else read_fresh(store, self._holds, name, size))
             if rc == _NOT_FOUND:
+                self._sizes.drop(name)
                 return None
             if rc >= 0:
+                self._sizes.note(name, rc)
                 return got
             if rc != _TOO_SMALL:
                 raise RemoteError(f"mooncake get of {size} bytes on {self._master}: {_code(rc)}")
         return None  # overwritten under every attempt: a miss
-
-    def _read_pooled(self, store: Any, name: str, buf: Any, size: int) -> tuple[int, memoryview | None]:
-        """``get_into`` a pool buffer: ``(rc, the bytes handed out over it)``."""
-        rc = store.get_into(name, buf.ptr, size)
-        if rc >= 0:
-            return rc, buf.view(rc)  # back in the pool when the last view of it dies
-        if rc in _SAFE:
-            self._pool.give_back(buf)
-        else:
-            self._pool.forget(buf)  # the transfer may still write it: kept, then unregistered
-            self._holds.hold(rc, buf.ptr, buf.capacity, buf)
-        return rc, None
-
-    def _read_fresh(self, store: Any, name: str, size: int) -> tuple[int, memoryview | None]:
-        """``get_into`` a new buffer registered for this call: ``(rc, the bytes)``."""
-        buf = aligned_empty(size)
-        ptr = buf.ctypes.data
-        registered = store.register_buffer(ptr, size) == 0
-        rc = store.get_into(name, ptr, size)
-        if rc < 0 and rc not in _SAFE:
-            self._holds.hold(rc, ptr if registered else 0, size, buf)
-        elif registered:
-            store.unregister_buffer(ptr)
-        return rc, (memoryview(buf)[:rc] if rc >= 0 else None)
 
     def exists(self, key: str, *, deadline_s: float) -> bool:
         """Whether an object is stored under ``key``.
@@ -408,6 +384,7 @@ class MooncakeBackend(RemoteBackend):
         """
         check_args(key, deadline_s)
         name = self._object(key)
+        self._sizes.drop(name)
         rc = self._call("delete", deadline_s, lambda store: store.remove(name, True))
         if rc not in (0, _NOT_FOUND):
             raise RemoteError(f"mooncake delete on {self._master}: {_code(rc)}")

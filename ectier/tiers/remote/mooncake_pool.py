@@ -29,13 +29,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 import xxhash
 
 __all__ = ["BufferPool", "PoolBuffer", "aligned_empty", "copy_hashing", "capacity_for", "MIN_BUFFER_BYTES",
-           "HASH_CHUNK_BYTES", "PAGE_BYTES"]
+           "HASH_CHUNK_BYTES", "PAGE_BYTES", "SizeHints"]
 
 log = logging.getLogger("ectier.tiers.remote.mooncake")
 
@@ -227,3 +228,36 @@ class BufferPool:
                     store.unregister_buffer(buf.ptr)
                 except Exception as exc:  # noqa: BLE001 - closing: nothing to hand it to
                     log.debug("mooncake: unregister at close: %s", exc)
+
+
+class SizeHints:
+    """The size of the objects this backend wrote or read last (at most ``limit`` names, the
+    least recently used forgotten first), so that a get of one needs no ``get_size`` first: it
+    reads into a buffer of that size's capacity class, and only an object grown past it costs the
+    ``get_size`` after all. Thread-safe."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._limit = limit
+        self._sizes: OrderedDict[str, int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> int | None:
+        """The size last noted for ``name`` (bytes), or None."""
+        with self._lock:
+            size = self._sizes.get(name)
+            if size is not None:
+                self._sizes.move_to_end(name)
+            return size
+
+    def note(self, name: str, nbytes: int) -> None:
+        """``name`` holds ``nbytes`` (> 0) bytes now."""
+        with self._lock:
+            self._sizes[name] = nbytes
+            self._sizes.move_to_end(name)
+            while len(self._sizes) > self._limit:
+                self._sizes.popitem(last=False)
+
+    def drop(self, name: str) -> None:
+        """Forget ``name`` (deleted, or not found)."""
+        with self._lock:
+            self._sizes.pop(name, None)
