@@ -95,6 +95,9 @@ class MooncakeBackend(RemoteBackend):
     #: put / get through registered memory (``upsert_from`` / ``get_into``); False: plain
     #: ``upsert`` / ``get`` (slower; kept for the measurement in benchmarks/remote_mooncake_bench.py)
     zero_copy = True
+    #: objects whose size a get knows without ``get_size`` (the last this backend wrote or read);
+    #: 0: always ask (kept for the measurement in benchmarks/remote_mooncake_bench.py)
+    size_hints = 4096
 
     def __init__(self, cfg: Any, store_factory: Callable[[], Any] | None = None) -> None:
         if store_factory is None:
@@ -119,7 +122,7 @@ class MooncakeBackend(RemoteBackend):
         self._holds = Holds()
         pool_bytes = int(cfg.mooncake_buffer_pool_bytes)
         self._pool = BufferPool(pool_bytes) if pool_bytes > 0 and self.zero_copy else None
-        self._sizes = SizeHints()
+        self._sizes = SizeHints(self.size_hints)
         self._start_setup()
 
     # ------------------------------------------------------------------ connection
