@@ -319,6 +319,30 @@ def test_an_object_another_client_replaced_or_deleted_is_read_as_it_is_now(count
     assert client.calls.get("get_size", 0) == (1 if second > capacity_for(2 * MiB) else 0)
 
 
+def test_a_copy_into_the_pool_ending_past_the_deadline_writes_nothing(counted, monkeypatch):
+    import time
+
+    from ectier.tiers.remote import mooncake_io
+    from ectier.tiers.remote.backend import RemoteTimeout
+
+    be, _ = counted()
+    old, _ = _record("k", MiB, version=1)
+    be.put_record("k", old.header, old.payload, deadline_s=D)
+    new, _ = _record("k", MiB, version=2)
+    real = mooncake_io.copy_hashing
+
+    def slow(dst, src):
+        time.sleep(1.0)  # the caller gives up meanwhile (and may reuse src)
+        return real(dst, src)
+
+    monkeypatch.setattr(mooncake_io, "copy_hashing", slow)
+    with pytest.raises(RemoteTimeout):
+        be.put_record("k", new.header, new.payload, deadline_s=0.3)
+    time.sleep(1.5)  # the late call ended
+    monkeypatch.setattr(mooncake_io, "copy_hashing", real)
+    assert bytes(be.get("k", deadline_s=D)) == bytes(pack_record(old.header, old.payload))
+
+
 def test_no_pool_registers_per_call(counted):
     be, client = counted(mooncake_buffer_pool_bytes=0)
     be.put("k", os.urandom(MiB), deadline_s=D)

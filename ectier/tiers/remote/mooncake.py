@@ -60,7 +60,7 @@ from .backend import RemoteBackend, RemoteError, RemoteTimeout
 from .mooncake_calls import HOLD_S, MAX_IN_FLIGHT, Holds, Runner, byte_view, check_args, route_address
 from .mooncake_calls import code as _code
 from .mooncake_io import NO_HANDLE as _NO_HANDLE, NOT_FOUND as _NOT_FOUND, SAFE as _SAFE
-from .mooncake_io import TOO_SMALL as _TOO_SMALL, put_pooled, read_fresh, read_pooled
+from .mooncake_io import LATE as _LATE, TOO_SMALL as _TOO_SMALL, put_pooled, read_fresh, read_pooled
 from .mooncake_pool import BufferPool, SizeHints, aligned_empty
 
 __all__ = ["MooncakeBackend", "exit_now_if_abandoned"]
@@ -272,7 +272,9 @@ class MooncakeBackend(RemoteBackend):
         ``upsert_parts``, a larger one (or one that finds that buffer full) is copied into one new
         buffer and written from it as :meth:`put` does. Each measured faster than the one before
         it in docs/benchmarks.md. A call past its deadline may still read ``payload`` on its
-        thread: if the caller reuses that memory, the object stored fails its checksum (a miss).
+        thread: a copy into the pool that ends past the deadline writes nothing (its checksum,
+        computed over what was copied, would vouch for bytes the caller may have reused); on the
+        other paths the checksum comes first, so such an object fails it (a miss).
 
         Raises:
             ValueError / TypeError: a bad key, payload or deadline_s.
@@ -286,8 +288,11 @@ class MooncakeBackend(RemoteBackend):
         name = self._object(key)
         nbytes = len(pack_header(header)) + len(body)  # the checksum's value does not change the length
         if self._pool is not None:
+            end = start + deadline_s  # no later than the call's own: the caller waits for the copy
             rc = self._call("put", deadline_s,
-                            lambda store: put_pooled(store, self._pool, self._holds, name, header, body))
+                            lambda store: put_pooled(store, self._pool, self._holds, name, header, body, end))
+            if rc == _LATE:
+                raise RemoteTimeout(f"mooncake put: the copy of {nbytes} bytes ended past the deadline")
             if rc == 0:
                 self._sizes.note(name, nbytes)
                 return

@@ -8,31 +8,40 @@ freed under it. Used by ``ectier/tiers/remote/mooncake.py`` only."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 from ...record import pack_header
 from .mooncake_calls import Holds
 from .mooncake_pool import BufferPool, PoolBuffer, aligned_empty, copy_hashing
 
-__all__ = ["put_pooled", "read_pooled", "read_fresh", "NOT_FOUND", "TOO_SMALL", "NO_HANDLE", "SAFE"]
+__all__ = ["put_pooled", "read_pooled", "read_fresh", "NOT_FOUND", "TOO_SMALL", "NO_HANDLE", "SAFE", "LATE"]
 
 NOT_FOUND = -704
 TOO_SMALL = -600  # get_into: the object is larger than the buffer (an overwrite); put: too large
 NO_HANDLE = -200  # no space (the client's transfer buffer, or the store's segments)
 #: codes returned before any transfer started or after it ended: the buffer is free again
 SAFE = frozenset({0, -200, -600, -703, -704, -705, -706, -900, -901})
+#: put_pooled's own code: the copy ended past the caller's deadline, nothing was written
+LATE = -1_000_001
 
 
-def put_pooled(store: Any, pool: BufferPool, holds: Holds, name: str, header: Any, body: memoryview) -> int | None:
+def put_pooled(store: Any, pool: BufferPool, holds: Holds, name: str, header: Any, body: memoryview,
+               end: float) -> int | None:
     """Write the record ``header`` + ``body`` as object ``name`` from a pool buffer, with
     ``header.payload_checksum`` set to the xxh3-64 of ``body``: Mooncake's return code, or
-    ``None`` when the pool had no room."""
+    ``None`` when the pool had no room, or :data:`LATE` (nothing written) when the copy ended at
+    or past ``end`` (monotonic seconds, the caller's deadline): the caller may have let ``body``
+    change by then, and a checksum computed over what was copied would vouch for torn bytes."""
     nhead = len(pack_header(header))  # the checksum's value does not change the length
     buf = pool.acquire(store, nhead + len(body))
     if buf is None:
         return None
     mv = memoryview(buf.array)
     total = copy_hashing(mv[nhead:nhead + len(body)], body)
+    if time.monotonic() >= end:
+        pool.give_back(buf)
+        return LATE
     mv[:nhead] = pack_header(dataclasses.replace(header, payload_checksum=total))
     rc = store.upsert_from(name, buf.ptr, nhead + len(body))
     _end(rc, pool, holds, buf)
