@@ -98,6 +98,10 @@ class MooncakeBackend(RemoteBackend):
     #: objects whose size a get knows without ``get_size`` (the last this backend wrote or read);
     #: 0: always ask (kept for the measurement in benchmarks/remote_mooncake_bench.py)
     size_hints = 4096
+    #: records up to this many bytes are written from the pool, the checksum computed while they
+    #: are copied in; larger ones (up to half the client's buffer) with ``upsert_parts`` after a
+    #: checksum pass — measured cheaper at 64 MiB, dearer at 16 MiB (docs/benchmarks.md)
+    pooled_put_max_bytes = 32 << 20
 
     def __init__(self, cfg: Any, store_factory: Callable[[], Any] | None = None) -> None:
         if store_factory is None:
@@ -265,13 +269,14 @@ class MooncakeBackend(RemoteBackend):
 
     def put_record(self, key: str, header: Any, payload: Any, *, deadline_s: float) -> None:
         """Store one record (``header``, then ``payload``) under ``key``; ``header.payload_checksum``
-        is stored as the payload's xxh3-64, computed here (``computes_checksum``). The record is
-        copied into a buffer of the pool of registered memory, the checksum computed during that
-        copy, and written with ``upsert_from``; without room in the pool, a record up to half of
-        ``remote.mooncake_local_buffer_bytes`` goes through the client's own buffer with
-        ``upsert_parts``, a larger one (or one that finds that buffer full) is copied into one new
-        buffer and written from it as :meth:`put` does. Each measured faster than the one before
-        it in docs/benchmarks.md. A call past its deadline may still read ``payload`` on its
+        is stored as the payload's xxh3-64, computed here (``computes_checksum``). A record up to
+        :attr:`pooled_put_max_bytes` (or one larger than half of
+        ``remote.mooncake_local_buffer_bytes``) is copied into a buffer of the pool of registered
+        memory, the checksum computed during that copy, and written with ``upsert_from``; otherwise,
+        or without room in the pool, a record up to half of that buffer goes through the client's
+        own buffer with ``upsert_parts`` (the checksum computed first), a larger one (or one that
+        finds that buffer full) is copied into one new buffer and written from it as :meth:`put`
+        does. Each measured faster than the alternatives in docs/benchmarks.md. A call past its deadline may still read ``payload`` on its
         thread: a copy into the pool that ends past the deadline writes nothing (its checksum,
         computed over what was copied, would vouch for bytes the caller may have reused); on the
         other paths the checksum comes first, so such an object fails it (a miss).
@@ -287,7 +292,8 @@ class MooncakeBackend(RemoteBackend):
             raise ValueError(f"payload: {len(body)} bytes, header.payload_nbytes is {header.payload_nbytes}")
         name = self._object(key)
         nbytes = len(pack_header(header)) + len(body)  # the checksum's value does not change the length
-        if self._pool is not None:
+        parts = self.zero_copy and nbytes <= self._cfg.mooncake_local_buffer_bytes // 2
+        if self._pool is not None and (nbytes <= self.pooled_put_max_bytes or not parts):
             end = start + deadline_s  # no later than the call's own: the caller waits for the copy
             rc = self._call("put", deadline_s,
                             lambda store: put_pooled(store, self._pool, self._holds, name, header, body, end))
@@ -302,7 +308,7 @@ class MooncakeBackend(RemoteBackend):
             if deadline_s <= 0:
                 raise RemoteTimeout("mooncake put: past its deadline (no room in the buffer pool)")
         head = pack_header(dataclasses.replace(header, payload_checksum=checksum(body)))
-        if self.zero_copy and nbytes <= self._cfg.mooncake_local_buffer_bytes // 2:
+        if parts:
             rc = self._call("put", deadline_s, lambda store: store.upsert_parts(name, head, body))
             if rc == 0:
                 self._sizes.note(name, nbytes)
