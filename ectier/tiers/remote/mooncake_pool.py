@@ -6,8 +6,9 @@ Why a pool: registering a buffer with the client costs ~1 ms per call (register 
 a fresh buffer costs its page faults on the first transfer into it; ``raw registered`` in
 docs/benchmarks.md ("Remote tier: Mooncake Store") shows the headroom. Why not Mooncake's own
 ``mooncake.store.BufferPool`` (0.3.13): measured, it raises a ``max_bytes`` below the client's
-local buffer to that buffer's size, and its leases may lie inside the client's own memory, which
-the client frees at ``close`` — a tensor handed out over it could outlive it.
+local buffer to that buffer's size, and it does not say whether a lease can lie inside the
+client's own buffer, which the client frees at ``close`` — a tensor handed out over it could
+outlive it.
 
 Every buffer starts on a page boundary: measured on the development machine (AMD EPYC, TCP
 transport), a transfer into a buffer at 16 bytes past a page boundary — where numpy's
