@@ -171,9 +171,9 @@ def counted(mooncake_store, request):
         made.append(Counting(MooncakeDistributedStore()))
         return made[-1]
 
-    def make(**kw):
+    def make(cls=MooncakeBackend, **kw):
         prefix = f"pool-{request.node.name}".replace("[", "-").replace("]", "")
-        be = MooncakeBackend(mooncake_store.config(prefix=prefix, **kw), store_factory=factory)
+        be = cls(mooncake_store.config(prefix=prefix, **kw), store_factory=factory)
         opened.append(be)
         assert be.exists("warm-up", deadline_s=D) is False
         return be, made[-1]
@@ -341,6 +341,21 @@ def test_a_copy_into_the_pool_ending_past_the_deadline_writes_nothing(counted, m
     time.sleep(1.5)  # the late call ended
     monkeypatch.setattr(mooncake_io, "copy_hashing", real)
     assert bytes(be.get("k", deadline_s=D)) == bytes(pack_record(old.header, old.payload))
+
+
+def test_a_record_past_pooled_put_max_bytes_goes_through_upsert_parts_with_its_checksum(counted):
+    class SmallPooledPuts(MooncakeBackend):
+        pooled_put_max_bytes = MiB
+
+    be, client = counted(SmallPooledPuts)
+    meta = EntryMeta("ns", "k", "uint8", (2 * MiB,), 2 * MiB)
+    rec = encode_record(RawCodec(), meta, torch.frombuffer(bytearray(os.urandom(2 * MiB)), dtype=torch.uint8), 1,
+                        with_checksum=False)
+    be.put_record("k", rec.header, rec.payload, deadline_s=D)  # 2 MiB: within half the 16 MiB client buffer
+    assert client.calls.get("upsert_parts", 0) == 1 and client.calls.get("upsert_from", 0) == 0
+    got = bytes(be.get("k", deadline_s=D))
+    assert unpack_header(got[:header_nbytes(got)]).payload_checksum == xxhash.xxh3_64_intdigest(rec.payload)
+    assert got.endswith(bytes(rec.payload))
 
 
 def test_no_pool_registers_per_call(counted):

@@ -18,10 +18,11 @@ registered memory (:class:`~ectier.tiers.remote.mooncake_pool.BufferPool`, at mo
 ``remote.mooncake_buffer_pool_bytes``), handed out as the object and back in the pool when the
 last view of it dies; when the pool has no room, a fresh buffer registered for the one call. A put
 registers the caller's buffer and writes from it (``upsert_from``). The remote tier's writes come
-as header + payload (:meth:`MooncakeBackend.put_record`): copied into a pool buffer, the payload's
-xxh3 computed during the copy (the tier makes no pass of its own), and written with
-``upsert_from``; without room in the pool, with ``upsert_parts`` through the client's transfer
-buffer when the record takes at most half of it, else joined into one buffer and put. Each
+as header + payload (:meth:`MooncakeBackend.put_record`): up to
+:attr:`~MooncakeBackend.pooled_put_max_bytes`, copied into a pool buffer, the payload's xxh3
+computed during the copy (the tier makes no pass of its own), and written with ``upsert_from``;
+larger, or without room in the pool, with ``upsert_parts`` through the client's transfer buffer
+when the record takes at most half of it, else joined into one buffer and put. Each
 measured faster than the alternatives (docs/benchmarks.md, "Remote tier: Mooncake Store"). A buffer whose transfer failed in a way that
 may leave it in flight stays registered and referenced for :data:`~ectier.tiers.remote.mooncake_calls.HOLD_S` seconds (never freed
 under a transfer); past :data:`~ectier.tiers.remote.mooncake_calls.HOLD_CAP_BYTES` kept, calls fail at once until some are released.
