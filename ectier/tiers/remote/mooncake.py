@@ -12,7 +12,9 @@ One object ``key`` is one Mooncake object ``<remote.prefix>:<key>``, written wit
 is written, so a reader never sees a partial one; the remote tier checks each object's header
 and checksum on top.
 
-Copies: a get asks the size and reads into registered memory (``get_into``), skipping the copy
+Copies: a get asks the size (unless this backend wrote or read that object last and so knows it:
+:class:`~ectier.tiers.remote.mooncake_pool.SizeHints`) and reads into registered memory
+(``get_into``), skipping the copy
 out of the client's own transfer buffer that plain ``get`` makes: a buffer of the pool of
 registered memory (:class:`~ectier.tiers.remote.mooncake_pool.BufferPool`, at most
 ``remote.mooncake_buffer_pool_bytes``), handed out as the object and back in the pool when the
@@ -22,10 +24,12 @@ as header + payload (:meth:`MooncakeBackend.put_record`): up to
 :attr:`~MooncakeBackend.pooled_put_max_bytes`, copied into a pool buffer, the payload's xxh3
 computed during the copy (the tier makes no pass of its own), and written with ``upsert_from``;
 larger, or without room in the pool, with ``upsert_parts`` through the client's transfer buffer
-when the record takes at most half of it, else joined into one buffer and put. Each
-measured faster than the alternatives (docs/benchmarks.md, "Remote tier: Mooncake Store"). A buffer whose transfer failed in a way that
-may leave it in flight stays registered and referenced for :data:`~ectier.tiers.remote.mooncake_calls.HOLD_S` seconds (never freed
-under a transfer); past :data:`~ectier.tiers.remote.mooncake_calls.HOLD_CAP_BYTES` kept, calls fail at once until some are released.
+when the record takes at most half of it, else joined into one buffer and put. Each measured
+faster than the alternatives (docs/benchmarks.md, "Remote tier: Mooncake Store"). A buffer whose
+transfer failed in a way that may leave it in flight stays registered and referenced for
+:data:`~ectier.tiers.remote.mooncake_calls.HOLD_S` seconds (never freed or reused under a
+transfer); past :data:`~ectier.tiers.remote.mooncake_calls.HOLD_CAP_BYTES` kept, calls fail at
+once until some are released.
 
 Deadlines: Mooncake's calls block (a hung master: 30 s each), so every call runs on a daemon
 thread (the client releases the GIL in its calls) and the caller waits at most ``deadline_s``: a
@@ -277,8 +281,8 @@ class MooncakeBackend(RemoteBackend):
         or without room in the pool, a record up to half of that buffer goes through the client's
         own buffer with ``upsert_parts`` (the checksum computed first), a larger one (or one that
         finds that buffer full) is copied into one new buffer and written from it as :meth:`put`
-        does. Each measured faster than the alternatives in docs/benchmarks.md. A call past its deadline may still read ``payload`` on its
-        thread: a copy into the pool that ends past the deadline writes nothing (its checksum,
+        does. Each measured faster than the alternatives in docs/benchmarks.md. A call past its
+        deadline may still read ``payload`` on its thread: a copy into the pool that ends past the deadline writes nothing (its checksum,
         computed over what was copied, would vouch for bytes the caller may have reused); on the
         other paths the checksum comes first, so such an object fails it (a miss).
 
