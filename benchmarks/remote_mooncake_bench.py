@@ -13,15 +13,20 @@ size (random bytes, a fresh key per row):
 - ``raw registered``: ``upsert_from`` / ``get_into`` from buffers registered once, before the run
   (the client's best case: no copy, no registration per call);
 - ``backend``: :class:`~ectier.tiers.remote.mooncake.MooncakeBackend` ``put`` / ``get`` (what ships:
-  registration per call, ``upsert_from`` / ``get_size`` + ``get_into``);
+  a put registers the caller's buffer for the call, ``upsert_from``; a get reads into a buffer of
+  the pool of registered memory, ``get_into``, its size known from the last put);
 - ``backend plain``: the backend with ``zero_copy = False`` (plain ``upsert`` / ``get``);
 - ``tier``: :class:`~ectier.tiers.remote.tier.RemoteTier` ``write`` / ``fetch`` on ``backend``
-  (the record: header, xxh3 checksum; a put copies header + payload into the client's buffer
-  with ``upsert_parts`` or into one joined buffer; a fetch hands the payload out as a view of the
-  fetched buffer, no copy).
+  (the record: header, xxh3 checksum; a put copies header + payload into a pool buffer, the
+  checksum computed during the copy, and writes it with ``upsert_from``; a fetch reads into a
+  pool buffer and hands the payload out as a view of it, no copy);
+- ``tier, size asked``: ``tier`` on a backend that does not know the object's size (as a node
+  reading what another wrote: ``get_size`` first).
 
 The table gives median GB/s (decimal) and, against ``raw``, the ratio of the medians and the
-median of the per-round ratios (``paired``). ``other load``: the share of the machine's CPU that
+median of the per-round ratios (``paired``), and the median CPU time this process spent per put /
+get (its client's threads included; not the servers'): on a loaded machine a steadier figure of
+what each row costs than its GB/s. ``other load``: the share of the machine's CPU that
 processes other than this one and its servers took. Goal (issue 13): >= 90 % of the raw client at
 >= 16 MiB. Figures: docs/benchmarks.md ("Remote tier: Mooncake Store").
 """
@@ -54,13 +59,19 @@ from remote_redis_bench import _jiffies  # noqa: E402
 
 MiB = 1 << 20
 DEADLINE_S = 60.0
-ROWS = ("raw", "raw registered", "backend", "backend plain", "tier")
+ROWS = ("raw", "raw registered", "backend", "backend plain", "tier", "tier, size asked")
 
 
 class PlainBackend(MooncakeBackend):
     """The backend through Mooncake's plain ``upsert`` / ``get`` (for the measurement only)."""
 
     zero_copy = False
+
+
+class AskingBackend(MooncakeBackend):
+    """The backend asking every object's size (``get_size``), as for an object another node wrote."""
+
+    size_hints = 0
 
 
 @contextlib.contextmanager
@@ -82,14 +93,15 @@ def _raw_client(master: str, metadata: str, local_buffer: int) -> Any:
     return c
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    t0 = time.perf_counter()
+def _timed(fn: Callable[[], Any]) -> tuple[float, float, Any]:
+    """``(wall seconds, this process's CPU seconds, fn())``."""
+    t0, c0 = time.perf_counter(), time.process_time()
     out = fn()
-    return time.perf_counter() - t0, out
+    return time.perf_counter() - t0, time.process_time() - c0, out
 
 
 def _ops(size: int, data: bytes, raw: Any, reg: tuple[torch.Tensor, torch.Tensor], be: MooncakeBackend,
-         plain: MooncakeBackend, tier: RemoteTier) -> dict[str, tuple[Callable, Callable]]:
+         plain: MooncakeBackend, tier: RemoteTier, asking: RemoteTier) -> dict[str, tuple[Callable, Callable]]:
     """Per row: (put, get); each get returns something to check against ``data``."""
     src, dst = reg
     meta = EntryMeta("bench", f"t{size}", "uint8", (size,), size)
@@ -101,8 +113,8 @@ def _ops(size: int, data: bytes, raw: Any, reg: tuple[torch.Tensor, torch.Tensor
         assert n == size, n
         return memoryview(dst.numpy())[:size]
 
-    def tier_fetch() -> memoryview:
-        got = tier.fetch(digest, "bench", f"t{size}")
+    def fetch(t: RemoteTier) -> memoryview:
+        got = t.fetch(digest, "bench", f"t{size}")
         assert got is not None
         return memoryview(got[1].numpy())
 
@@ -113,7 +125,8 @@ def _ops(size: int, data: bytes, raw: Any, reg: tuple[torch.Tensor, torch.Tensor
                     lambda: be.get(f"b{size}", deadline_s=DEADLINE_S)),
         "backend plain": (lambda: plain.put(f"p{size}", data, deadline_s=DEADLINE_S),
                           lambda: plain.get(f"p{size}", deadline_s=DEADLINE_S)),
-        "tier": (lambda: tier.write(meta, payload, 1, digest), tier_fetch),
+        "tier": (lambda: tier.write(meta, payload, 1, digest), lambda: fetch(tier)),
+        "tier, size asked": (lambda: asking.write(meta, payload, 1, digest), lambda: fetch(asking)),
     }
 
 
@@ -125,7 +138,7 @@ def measure(master: str, metadata: str, sizes: list[int], rounds: int) -> list[d
                            mooncake_local_buffer_bytes=local_buffer, max_entry_bytes=2 * max(sizes))
     raw = _raw_client(master, metadata, local_buffer)
     be, plain = MooncakeBackend(cfg), PlainBackend(cfg)
-    tier = RemoteTier(cfg, MooncakeBackend(cfg))
+    tier, asking = RemoteTier(cfg, MooncakeBackend(cfg)), RemoteTier(cfg, AskingBackend(cfg))
     src, dst = torch.empty(max(sizes), dtype=torch.uint8), torch.empty(max(sizes), dtype=torch.uint8)
     for t in (src, dst):
         assert raw.register_buffer(t.data_ptr(), t.numel()) == 0
@@ -134,23 +147,25 @@ def measure(master: str, metadata: str, sizes: list[int], rounds: int) -> list[d
         for size in sizes:
             data = os.urandom(size)
             src[:size].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-            ops = _ops(size, data, raw, (src, dst), be, plain, tier)
+            ops = _ops(size, data, raw, (src, dst), be, plain, tier, asking)
             for r in range(rounds + 1):  # round 0 warms up
                 for name in ROWS:
                     put, get = ops[name]
-                    dt_put, rc = _timed(put)
+                    dt_put, cpu_put, rc = _timed(put)
                     assert rc in (0, None, True), (name, rc)
-                    dt_get, got = _timed(get)
+                    dt_get, cpu_get, got = _timed(get)
                     assert got is not None and len(got) == size and bytes(got[:64]) == data[:64], name
                     if r:
-                        t = times.setdefault((size, name), {"put": [], "get": []})
+                        t = times.setdefault((size, name), {"put": [], "get": [], "put_cpu": [], "get_cpu": []})
                         t["put"].append(dt_put)
                         t["get"].append(dt_get)
+                        t["put_cpu"].append(cpu_put)
+                        t["get_cpu"].append(cpu_get)
             assert bytes(be.get(f"b{size}", deadline_s=DEADLINE_S)) == data
     finally:
         for t in (src, dst):
             raw.unregister_buffer(t.data_ptr())
-        for b in (be, plain, tier.backend):
+        for b in (be, plain, tier.backend, asking.backend):
             b.close()
         raw.close()
     return [{"bytes": s, "row": n, **t} for (s, n), t in times.items()]
@@ -158,8 +173,8 @@ def measure(master: str, metadata: str, sizes: list[int], rounds: int) -> list[d
 
 def table(rows: list[dict]) -> str:
     raw = {r["bytes"]: r for r in rows if r["row"] == "raw"}
-    out = ["| MiB | row | put GB/s | put ratio | put paired | get GB/s | get ratio | get paired |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| MiB | row | put GB/s | put ratio | put paired | get GB/s | get ratio | get paired | put / get CPU ms |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ref, n = raw[r["bytes"]], r["bytes"]
         cells = [f"{n // MiB}", r["row"]]
@@ -167,6 +182,7 @@ def table(rows: list[dict]) -> str:
             mine, theirs = statistics.median(r[op]), statistics.median(ref[op])
             paired = statistics.median(t / m for m, t in zip(r[op], ref[op]))
             cells += [f"{n / mine / 1e9:.2f}", f"{theirs / mine:.0%}", f"{paired:.0%}"]
+        cells.append(" / ".join(f"{1e3 * statistics.median(r[op + '_cpu']):.1f}" for op in ("put", "get")))
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 

@@ -260,6 +260,10 @@ class RemoteTierConfig:
         mooncake_local_buffer_bytes: Mooncake: the client's own transfer buffer; a remote write of
             an entry up to half of it goes through it (measured faster than from the entry's own
             memory), larger ones from registered memory. Default 128 MiB.
+        mooncake_buffer_pool_bytes: Mooncake: the most memory kept registered with the client for
+            remote reads and writes, registered once and reused (a fetched entry is handed out
+            over it and returns to the pool when the last tensor over it dies); an object that
+            finds no room uses memory registered for its one call. 0: no pool. Default 256 MiB.
         mooncake_protocol: Mooncake transport: ``"tcp"`` (default) or ``"rdma"``.
         mooncake_device_name: Mooncake: RDMA device(s), e.g. ``"mlx5_0"`` or
             ``"mlx5_0,mlx5_1"``; ``""`` (default): none (``tcp``) or auto-detected.
@@ -281,6 +285,7 @@ class RemoteTierConfig:
     mooncake_local_hostname: str = ""
     mooncake_global_segment_bytes: int = 512 * MiB
     mooncake_local_buffer_bytes: int = 128 * MiB
+    mooncake_buffer_pool_bytes: int = 256 * MiB
     mooncake_protocol: str = "tcp"
     mooncake_device_name: str = ""
 

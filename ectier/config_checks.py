@@ -429,3 +429,5 @@ def check_remote_mooncake(cfg: Any, p: Problems) -> None:
         check_int("remote.mooncake_global_segment_bytes", cfg.mooncake_global_segment_bytes, minimum=0)
     with p.check("remote.mooncake_local_buffer_bytes"):
         check_int("remote.mooncake_local_buffer_bytes", cfg.mooncake_local_buffer_bytes, minimum=0)
+    with p.check("remote.mooncake_buffer_pool_bytes"):
+        check_int("remote.mooncake_buffer_pool_bytes", cfg.mooncake_buffer_pool_bytes, minimum=0)

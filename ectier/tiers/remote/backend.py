@@ -53,6 +53,9 @@ class RemoteBackend(abc.ABC):
 
     #: the name in ``remote.backend``
     name: str = ""
+    #: True: :meth:`put_record` computes ``header.payload_checksum`` from the payload itself (while
+    #: it copies it), so the tier passes the header without one and makes no pass of its own
+    computes_checksum: bool = False
 
     @abc.abstractmethod
     def put(self, key: str, data: bytes | memoryview, *, deadline_s: float) -> None:
@@ -67,7 +70,8 @@ class RemoteBackend(abc.ABC):
         """Store one record (``header``: a :class:`~ectier.record.RecordHeader`; ``payload``: its
         bytes) as the object under ``key``, as :meth:`put` does. The default joins both with
         :func:`~ectier.record.pack_record` (one copy of the payload); a backend may write them
-        without that buffer.
+        without that buffer. A backend with :attr:`computes_checksum` stores the header with
+        ``payload_checksum`` set to the payload's xxh3-64, whatever ``header`` says.
 
         Raises:
             RemoteError, RemoteTimeout.

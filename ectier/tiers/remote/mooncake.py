@@ -12,15 +12,24 @@ One object ``key`` is one Mooncake object ``<remote.prefix>:<key>``, written wit
 is written, so a reader never sees a partial one; the remote tier checks each object's header
 and checksum on top.
 
-Copies: a get asks the size, registers a fresh buffer of that size and reads into it
-(``get_into``), skipping the copy out of the client's own transfer buffer that plain ``get``
-makes; a put registers the caller's buffer and writes from it (``upsert_from``). The remote
-tier's writes come as header + payload (:meth:`MooncakeBackend.put_record`): with
-``upsert_parts`` through the client's transfer buffer when the record takes at most half of it,
-else joined into one buffer and put. Each measured faster than the alternatives
-(docs/benchmarks.md, "Remote tier: Mooncake Store"). A buffer whose transfer failed in a way that
-may leave it in flight stays registered and referenced for :data:`~ectier.tiers.remote.mooncake_calls.HOLD_S` seconds (never freed
-under a transfer); past :data:`~ectier.tiers.remote.mooncake_calls.HOLD_CAP_BYTES` kept, calls fail at once until some are released.
+Copies: a get asks the size (unless this backend wrote or read that object last and so knows it:
+:class:`~ectier.tiers.remote.mooncake_pool.SizeHints`) and reads into registered memory
+(``get_into``), skipping the copy
+out of the client's own transfer buffer that plain ``get`` makes: a buffer of the pool of
+registered memory (:class:`~ectier.tiers.remote.mooncake_pool.BufferPool`, at most
+``remote.mooncake_buffer_pool_bytes``), handed out as the object and back in the pool when the
+last view of it dies; when the pool has no room, a fresh buffer registered for the one call. A put
+registers the caller's buffer and writes from it (``upsert_from``). The remote tier's writes come
+as header + payload (:meth:`MooncakeBackend.put_record`): up to
+:attr:`~MooncakeBackend.pooled_put_max_bytes`, copied into a pool buffer, the payload's xxh3
+computed during the copy (the tier makes no pass of its own), and written with ``upsert_from``;
+larger, or without room in the pool, with ``upsert_parts`` through the client's transfer buffer
+when the record takes at most half of it, else joined into one buffer and put. Each measured
+faster than the alternatives (docs/benchmarks.md, "Remote tier: Mooncake Store"). A buffer whose
+transfer failed in a way that may leave it in flight stays registered and referenced for
+:data:`~ectier.tiers.remote.mooncake_calls.HOLD_S` seconds (never freed or reused under a
+transfer); past :data:`~ectier.tiers.remote.mooncake_calls.HOLD_CAP_BYTES` kept, calls fail at
+once until some are released.
 
 Deadlines: Mooncake's calls block (a hung master: 30 s each), so every call runs on a daemon
 thread (the client releases the GIL in its calls) and the caller waits at most ``deadline_s``: a
@@ -37,6 +46,7 @@ the master's RPC port accepts a connection and its HTTP metadata server answers,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -50,51 +60,23 @@ from typing import Any, Callable
 import numpy as np
 
 from ...errors import ConfigError
-from ...record import pack_header
+from ...record import checksum, pack_header
 from .backend import RemoteBackend, RemoteError, RemoteTimeout
-from .mooncake_calls import HOLD_S, MAX_IN_FLIGHT, Holds, Runner, code as _code
+from .mooncake_calls import HOLD_S, MAX_IN_FLIGHT, Holds, Runner, byte_view, check_args, route_address
+from .mooncake_calls import code as _code
+from .mooncake_io import NO_HANDLE as _NO_HANDLE, NOT_FOUND as _NOT_FOUND, SAFE as _SAFE
+from .mooncake_io import NOT_READY as _NOT_READY
+from .mooncake_io import LATE as _LATE, TOO_SMALL as _TOO_SMALL, put_pooled, read_fresh, read_pooled
+from .mooncake_pool import BufferPool, SizeHints, aligned_empty
 
 __all__ = ["MooncakeBackend", "exit_now_if_abandoned"]
 
 log = logging.getLogger(__name__)
 
-_NOT_FOUND = -704
-_NOT_READY = -703  # REPLICA_IS_NOT_READY: the object's put is still in flight (a miss for now)
-_ABSENT = frozenset({_NOT_FOUND, _NOT_READY})
-_TOO_SMALL = -600  # get_into: the object grew since get_size (an overwrite); put: too large
-_NO_HANDLE = -200  # no space (the client's transfer buffer, or the store's segments)
-#: codes returned before any transfer started or after it ended: the buffer is free again
-_SAFE = frozenset({0, -200, -600, -703, -704, -705, -706, -900, -901})
+_ABSENT = frozenset({_NOT_FOUND, _NOT_READY})  # no object (yet): a miss
 _HELD: list[Any] = []  # clients closed with calls still running: never freed
 _GET_ATTEMPTS = 3
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the probe goes straight
-
-
-def _byte_view(data: Any) -> memoryview:
-    try:
-        view = memoryview(data)
-    except TypeError:
-        raise TypeError(f"data: expected bytes, bytearray or memoryview, got {type(data).__name__}") from None
-    if not view.c_contiguous:
-        raise ValueError("data: the buffer must be C-contiguous")
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
-
-
-def _check_args(key: Any, deadline_s: Any) -> None:
-    if not isinstance(key, str) or not key:
-        raise ValueError(f"key: expected a non-empty str, got {key!r}")
-    if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
-        raise ValueError(f"deadline_s: expected seconds > 0, got {deadline_s!r}")
-
-
-def _route_address(host: str, port: int) -> str:
-    """The local address of the route to ``host:port`` (no packet is sent)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, port))
-            return s.getsockname()[0]
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
 
 
 class MooncakeBackend(RemoteBackend):
@@ -116,9 +98,17 @@ class MooncakeBackend(RemoteBackend):
     """
 
     name = "mooncake"
+    computes_checksum = True
     #: put / get through registered memory (``upsert_from`` / ``get_into``); False: plain
     #: ``upsert`` / ``get`` (slower; kept for the measurement in benchmarks/remote_mooncake_bench.py)
     zero_copy = True
+    #: objects whose size a get knows without ``get_size`` (the last this backend wrote or read);
+    #: 0: always ask (kept for the measurement in benchmarks/remote_mooncake_bench.py)
+    size_hints = 4096
+    #: records up to this many bytes are written from the pool, the checksum computed while they
+    #: are copied in; larger ones (up to half the client's buffer) with ``upsert_parts`` after a
+    #: checksum pass — measured cheaper at 64 MiB, dearer at 16 MiB (docs/benchmarks.md)
+    pooled_put_max_bytes = 32 << 20
 
     def __init__(self, cfg: Any, store_factory: Callable[[], Any] | None = None) -> None:
         if store_factory is None:
@@ -130,7 +120,7 @@ class MooncakeBackend(RemoteBackend):
         self._factory = store_factory
         self._master = f"{addrs[0][0]}:{addrs[0][1]}"
         self._metadata = cfg.mooncake_metadata_server or f"http://{addrs[0][0]}:8080/metadata"
-        self._hostname = cfg.mooncake_local_hostname or _route_address(*addrs[0])
+        self._hostname = cfg.mooncake_local_hostname or route_address(*addrs[0])
         self._prefix = cfg.prefix
         self._lock = threading.Lock()
         self._store: Any = None
@@ -141,6 +131,9 @@ class MooncakeBackend(RemoteBackend):
         self._idle = threading.Condition(self._lock)
         self._runner = Runner(MAX_IN_FLIGHT)
         self._holds = Holds()
+        pool_bytes = int(cfg.mooncake_buffer_pool_bytes)
+        self._pool = BufferPool(pool_bytes) if pool_bytes > 0 and self.zero_copy else None
+        self._sizes = SizeHints(self.size_hints)
         self._start_setup()
 
     # ------------------------------------------------------------------ connection
@@ -256,8 +249,8 @@ class MooncakeBackend(RemoteBackend):
             ValueError / TypeError: a bad key, data or deadline_s.
             RemoteError, RemoteTimeout: the store failed or the deadline passed.
         """
-        _check_args(key, deadline_s)
-        view = _byte_view(data)
+        check_args(key, deadline_s)
+        view = byte_view(data)
         if not len(view):
             raise ValueError("data: Mooncake Store holds no empty object (the remote tier's records never are)")
         name = self._object(key)
@@ -279,37 +272,60 @@ class MooncakeBackend(RemoteBackend):
         rc = self._call("put", deadline_s, write)
         if rc != 0:
             raise RemoteError(f"mooncake put of {len(view)} bytes on {self._master}: {_code(rc)}")
+        self._sizes.note(name, len(view))
 
     def put_record(self, key: str, header: Any, payload: Any, *, deadline_s: float) -> None:
-        """Store one record (``header``, then ``payload``) under ``key`` without joining them first:
-        a record up to half of ``remote.mooncake_local_buffer_bytes`` goes through the client's own
-        (registered, reused) buffer with ``upsert_parts``; a larger one, or one that finds that
-        buffer full, is copied into one new buffer (not zero-filled, unlike ``pack_record``'s) and
-        written from it as :meth:`put` does. Both measured faster than ``pack_record`` + put
-        (docs/benchmarks.md). A call past its deadline may still read ``payload`` on its thread:
-        if the caller reuses that memory, the object stored fails its checksum (a miss).
+        """Store one record (``header``, then ``payload``) under ``key``; ``header.payload_checksum``
+        is stored as the payload's xxh3-64, computed here (``computes_checksum``). A record up to
+        :attr:`pooled_put_max_bytes` (or one larger than half of
+        ``remote.mooncake_local_buffer_bytes``) is copied into a buffer of the pool of registered
+        memory, the checksum computed during that copy, and written with ``upsert_from``; otherwise,
+        or without room in the pool, a record up to half of that buffer goes through the client's
+        own buffer with ``upsert_parts`` (the checksum computed first), a larger one (or one that
+        finds that buffer full) is copied into one new buffer and written from it as :meth:`put`
+        does. Each measured faster than the alternatives in docs/benchmarks.md. A call past its
+        deadline may still read ``payload`` on its thread: a copy into the pool that ends past the deadline writes nothing (its checksum,
+        computed over what was copied, would vouch for bytes the caller may have reused); on the
+        other paths the checksum comes first, so such an object fails it (a miss).
 
         Raises:
             ValueError / TypeError: a bad key, payload or deadline_s.
             RemoteError, RemoteTimeout.
         """
-        _check_args(key, deadline_s)
+        check_args(key, deadline_s)
         start = time.monotonic()
-        head = pack_header(header)
-        body = _byte_view(payload)
+        body = byte_view(payload)
         if len(body) != header.payload_nbytes:
             raise ValueError(f"payload: {len(body)} bytes, header.payload_nbytes is {header.payload_nbytes}")
         name = self._object(key)
-        if self.zero_copy and len(head) + len(body) <= self._cfg.mooncake_local_buffer_bytes // 2:
+        nbytes = len(pack_header(header)) + len(body)  # the checksum's value does not change the length
+        parts = self.zero_copy and nbytes <= self._cfg.mooncake_local_buffer_bytes // 2
+        if self._pool is not None and (nbytes <= self.pooled_put_max_bytes or not parts):
+            end = start + deadline_s  # no later than the call's own: the caller waits for the copy
+            rc = self._call("put", deadline_s,
+                            lambda store: put_pooled(store, self._pool, self._holds, name, header, body, end))
+            if rc == _LATE:
+                raise RemoteTimeout(f"mooncake put: the copy of {nbytes} bytes ended past the deadline")
+            if rc == 0:
+                self._sizes.note(name, nbytes)
+                return
+            if rc is not None and rc not in (_TOO_SMALL, _NO_HANDLE):
+                raise RemoteError(f"mooncake put of {nbytes} bytes on {self._master}: {_code(rc)}")
+            deadline_s -= time.monotonic() - start  # no room in the pool: the paths below
+            if deadline_s <= 0:
+                raise RemoteTimeout("mooncake put: past its deadline (no room in the buffer pool)")
+        head = pack_header(dataclasses.replace(header, payload_checksum=checksum(body)))
+        if parts:
             rc = self._call("put", deadline_s, lambda store: store.upsert_parts(name, head, body))
             if rc == 0:
+                self._sizes.note(name, nbytes)
                 return
             if rc not in (_TOO_SMALL, _NO_HANDLE):
-                raise RemoteError(f"mooncake put of {len(head) + len(body)} bytes on {self._master}: {_code(rc)}")
+                raise RemoteError(f"mooncake put of {nbytes} bytes on {self._master}: {_code(rc)}")
             deadline_s -= time.monotonic() - start  # the client's buffer is full: the copy path
             if deadline_s <= 0:
                 raise RemoteTimeout("mooncake put: past its deadline (the client's buffer was full)")
-        buf = np.empty(len(head) + len(body), dtype=np.uint8)
+        buf = aligned_empty(nbytes)
         buf[:len(head)] = np.frombuffer(head, dtype=np.uint8)
         if len(body):
             buf[len(head):] = np.frombuffer(body, dtype=np.uint8)
@@ -323,7 +339,7 @@ class MooncakeBackend(RemoteBackend):
             ValueError: a bad key or deadline_s.
             RemoteError, RemoteTimeout.
         """
-        _check_args(key, deadline_s)
+        check_args(key, deadline_s)
         name = self._object(key)
         return self._call("get", deadline_s, lambda store: self._read(store, name))
 
@@ -336,24 +352,33 @@ class MooncakeBackend(RemoteBackend):
                 raise RemoteError(f"mooncake get on {self._master}: {_code(size)}")
             data = store.get(name)
             return data if data else None
+        hint = self._sizes.get(name) if self._pool is not None else None
+        pooled = self._pool.acquire(store, hint) if hint else None
+        if pooled is not None:  # the size this backend last wrote or read: no get_size
+            rc, got = read_pooled(store, self._pool, self._holds, name, pooled, pooled.capacity)
+            if rc > 0:
+                self._sizes.note(name, rc)
+                return got
+            if rc in _ABSENT or rc == 0:
+                self._sizes.drop(name)
+                return None
+            if rc != _TOO_SMALL:
+                raise RemoteError(f"mooncake get on {self._master}: {_code(rc)}")
         for _ in range(_GET_ATTEMPTS):  # an overwrite between get_size and get_into: again
             size = store.get_size(name)
             if size in _ABSENT or size == 0:
                 return None
             if size < 0:
                 raise RemoteError(f"mooncake get on {self._master}: {_code(size)}")
-            buf = np.empty(size, dtype=np.uint8)
-            ptr = buf.ctypes.data
-            registered = store.register_buffer(ptr, size) == 0
-            rc = store.get_into(name, ptr, size)
-            if rc < 0 and rc not in _SAFE:
-                self._holds.hold(rc, ptr if registered else 0, size, buf)
-            elif registered:
-                store.unregister_buffer(ptr)
+            pooled = self._pool.acquire(store, size) if self._pool is not None else None
+            rc, got = (read_pooled(store, self._pool, self._holds, name, pooled, size) if pooled
+                        else read_fresh(store, self._holds, name, size))
             if rc in _ABSENT:
+                self._sizes.drop(name)
                 return None
             if rc >= 0:
-                return memoryview(buf)[:rc]
+                self._sizes.note(name, rc)
+                return got
             if rc != _TOO_SMALL:
                 raise RemoteError(f"mooncake get of {size} bytes on {self._master}: {_code(rc)}")
         return None  # overwritten under every attempt: a miss
@@ -365,7 +390,7 @@ class MooncakeBackend(RemoteBackend):
             ValueError: a bad key or deadline_s.
             RemoteError, RemoteTimeout.
         """
-        _check_args(key, deadline_s)
+        check_args(key, deadline_s)
         name = self._object(key)
         rc = self._call("exists", deadline_s, lambda store: store.is_exist(name))
         if rc in _ABSENT:
@@ -381,8 +406,9 @@ class MooncakeBackend(RemoteBackend):
             ValueError: a bad key or deadline_s.
             RemoteError, RemoteTimeout.
         """
-        _check_args(key, deadline_s)
+        check_args(key, deadline_s)
         name = self._object(key)
+        self._sizes.drop(name)
         rc = self._call("delete", deadline_s, lambda store: store.remove(name, True))
         if rc not in (0, _NOT_FOUND):
             raise RemoteError(f"mooncake delete on {self._master}: {_code(rc)}")
@@ -390,15 +416,18 @@ class MooncakeBackend(RemoteBackend):
     def describe(self) -> dict[str, Any]:
         """``backend``, ``addresses`` (the master), ``metadata_server``, ``local_hostname``,
         ``protocol``, ``connected``, ``global_segment_bytes``, ``late_calls`` (calls past their
-        deadline still running), ``held_bytes`` (buffers of failed transfers kept), ``prefix``."""
+        deadline still running), ``held_bytes`` (buffers of failed transfers kept), ``prefix``,
+        ``buffer_pool`` (the pool of registered memory: ``limit_bytes``, ``held_bytes``,
+        ``out_bytes`` handed out or in use, ``registrations``, ``reuses``, ``refusals``; ``None``
+        when ``remote.mooncake_buffer_pool_bytes`` is 0)."""
         cfg = self._cfg
         with self._lock:
             connected = self._store is not None
         return {"backend": self.name, "addresses": self._master, "metadata_server": self._metadata,
                 "local_hostname": self._hostname, "protocol": cfg.mooncake_protocol, "connected": connected,
                 "global_segment_bytes": int(cfg.mooncake_global_segment_bytes), "late_calls": self._runner.late,
-                "held_bytes": self._holds.nbytes,
-                "prefix": self._prefix}
+                "held_bytes": self._holds.nbytes, "prefix": self._prefix,
+                "buffer_pool": self._pool.describe() if self._pool is not None else None}
 
     def close(self) -> None:
         """Close the client (unmounts this process's segment: the objects on it are gone), after
@@ -410,24 +439,28 @@ class MooncakeBackend(RemoteBackend):
         a master that does not answer, takes its HTTP and RPC timeouts (~10-16 s) — so it runs only
         after the master's RPC port and metadata server answered, each within ``remote.timeout_s``;
         else the client is abandoned, left open and referenced, with one warning (Mooncake's
-        exit handler still tears it down when the process exits)."""
+        exit handler still tears it down when the process exits). Buffers of the pool handed out
+        stay valid: their memory is freed with their last view."""
         with self._lock:
             self._closed = True
             idle = self._idle.wait_for(lambda: self._in_use == 0, self._cfg.timeout_s)
             store, self._store = self._store, None
         if store is None:
+            if self._pool is not None:
+                self._pool.close(None)
             return
         if not idle:
-            _HELD.append(store)
+            _HELD.append((store, self._pool))  # the pool's buffers stay registered with it
             log.debug("mooncake: closed with calls still running; the client stays open for them")
             return
         why = self._unreachable()
         if why:
-            _HELD.append(store)
+            _HELD.append((store, self._pool))
             log.warning("mooncake: close: %s; the client is left open (Mooncake's teardown would block the "
                         "process for its own timeouts)", why)
             return
-        t = threading.Thread(target=_close_quietly, args=(store,), name="ectier-mooncake-close", daemon=True)
+        t = threading.Thread(target=_close_quietly, args=(store, self._pool), name="ectier-mooncake-close",
+                             daemon=True)
         t.start()
         t.join(self._cfg.timeout_s)
 
@@ -450,10 +483,12 @@ def exit_now_if_abandoned(code: int) -> None:
     os._exit(code)
 
 
-def _close_quietly(store: Any) -> None:
+def _close_quietly(store: Any, pool: BufferPool | None = None) -> None:
     if store is None:
         return
     try:
+        if pool is not None:
+            pool.close(store)  # its free buffers unregistered first
         store.close()
     except Exception as exc:  # noqa: BLE001
         log.debug("mooncake: close: %s", exc)

@@ -1,10 +1,12 @@
 """How the Mooncake backend runs client calls: each on a daemon thread, the caller waiting at most
 its deadline (:class:`Runner`); buffers of failed transfers kept alive for a while (:class:`Holds`);
-Mooncake's return codes by name. Used by ``ectier/tiers/remote/mooncake.py`` only."""
+Mooncake's return codes by name; the checks of a call's arguments. Used by
+``ectier/tiers/remote/mooncake.py`` only."""
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from concurrent.futures import Future
@@ -13,7 +15,8 @@ from typing import Any, Callable
 
 from .backend import RemoteTimeout
 
-__all__ = ["Runner", "Holds", "code", "ERROR_NAMES", "MAX_IN_FLIGHT", "HOLD_S", "HOLD_CAP_BYTES"]
+__all__ = ["Runner", "Holds", "code", "byte_view", "check_args", "route_address", "ERROR_NAMES", "MAX_IN_FLIGHT",
+           "HOLD_S", "HOLD_CAP_BYTES"]
 
 log = logging.getLogger("ectier.tiers.remote.mooncake")
 
@@ -115,3 +118,32 @@ class Runner:
             if fut.done():
                 return fut.result()
             raise RemoteTimeout(f"mooncake {what}: past its deadline of {seconds:g} s") from None
+
+
+def byte_view(data: Any) -> memoryview:
+    """``data`` as a 1-D byte memoryview. Raises TypeError (not bytes-like), ValueError (not C-contiguous)."""
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise TypeError(f"data: expected bytes, bytearray or memoryview, got {type(data).__name__}") from None
+    if not view.c_contiguous:
+        raise ValueError("data: the buffer must be C-contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def check_args(key: Any, deadline_s: Any) -> None:
+    """Raises ValueError naming ``key`` (not a non-empty str) or ``deadline_s`` (not seconds > 0)."""
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"key: expected a non-empty str, got {key!r}")
+    if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
+        raise ValueError(f"deadline_s: expected seconds > 0, got {deadline_s!r}")
+
+
+def route_address(host: str, port: int) -> str:
+    """The local address of the route to ``host:port`` (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())

@@ -153,7 +153,8 @@ class RemoteTier(Tier):
 
     def write(self, meta: EntryMeta, src: torch.Tensor, version: int, digest: bytes) -> bool:
         """Write version ``version`` of an entry (``src``: its flat ``uint8`` CPU bytes). True if stored."""
-        record = encode_record(self._codec, meta, src, version)
+        record = encode_record(self._codec, meta, src, version,
+                               with_checksum=not self.backend.computes_checksum)  # else computed while copied
         ok, _ = self._call("put", lambda: self.backend.put_record(self.key_of(digest), record.header, record.payload,
                                                                    deadline_s=self.config.timeout_s))
         return ok
