@@ -434,14 +434,16 @@ class Mover:
     def _read_into_slot(self, host: ArenaTier, slot: Slot, digest: bytes, ns: str, key: str, version: int):
         """Read the record into the reserved ``slot``'s bytes: True, ``None`` (miss) or RETRY."""
         view = host.contiguous_view(slot)
+        if view is None:  # several runs of the arena: one scatter read into them, in order
+            view = [host.buffer[a:a + n] for a, _, n in host.runs(slot)]
         result = self.nvme.read(digest, ns, key, version, into=view)
         if result is None or result is RETRY:
             return result
         meta, data = result
         if meta.nbytes != slot.meta.nbytes:
             return RETRY  # another record replaced the one the slot was sized for
-        if view is None or data.data_ptr() != view.data_ptr():
-            host.write(slot, data)  # not one run of the arena (or not decodable in place): copy
+        if data is not None and (isinstance(view, list) or data.data_ptr() != view.data_ptr()):
+            host.write(slot, data)  # not decodable in place: copy
         return True
 
     def promote_slot(self, src: ArenaTier, slot: Slot, dst: Tier) -> bool:
