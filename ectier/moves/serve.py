@@ -106,7 +106,7 @@ class Reads:
             m.counters.count_hit(tier.name, loc.slot.meta.nbytes)
             return result
         upto = target if (target is not None and out is None) else m.stack.get("host")
-        got = m.promote_from_store(digest, ns, key, loc.version, upto, out)
+        got = m.promote.from_store(digest, ns, key, loc.version, upto, out)
         if got is None or got is RETRY:
             return got
         meta, data, _ = got
@@ -134,7 +134,7 @@ class Reads:
             if rec is None or not host.fits(rec.header.raw_nbytes):
                 break  # an entry larger than the host arena cannot be leased through it
             # decoded straight into the host slot it is promoted into, committed pinned for the lease
-            slot = m.promote_into_host(host, digest, ns, key, loc.version)
+            slot = m.promote.into_host(host, digest, ns, key, loc.version)
             if slot is RETRY:
                 continue
             if slot is None:
@@ -187,11 +187,11 @@ class Reads:
                 return m.remote is not None and m.remote.fetch(digest, ns, key, target if want_gpu else None) is not None
             if hslot is not None:
                 try:
-                    m.promote_slot(host, hslot, gpu)
+                    m.promote.from_slot(host, hslot, gpu)
                 finally:
                     m.unpin(host, hslot)
                 return True
-            result = m.promote_from_store(digest, ns, key, v, target)
+            result = m.promote.from_store(digest, ns, key, v, target)
             if result is RETRY:
                 continue
             return result is not None
