@@ -140,3 +140,23 @@ def test_cache_serves_the_scatter_read_after_restart(tmp_path):
         cache.release(lease)
     with TieredCache(cfg) as again:
         assert_same(again.get("K"), k)
+
+
+def test_read_into_runs_of_a_payload_in_several_extents(make_cache):
+    """A payload the segment file holds in two extents (a hole, then the tail), read into runs that
+    cut across both the extent boundary and the 1 MiB checksum chunk: the entry's bytes, in order."""
+    cache, _ = make_cache(host_bytes=0, nvme_bytes=4 * MiB)
+    cache.put("A", filled(20 * BLOCK_BYTES, 1))
+    cache.put("B", filled(4 * BLOCK_BYTES, 2))
+    cache.put("C", filled(24 * BLOCK_BYTES, 3))
+    cache.delete("B")  # a hole of 4 blocks; 16 free blocks at the end
+    k = filled(18 * BLOCK_BYTES - 5, 4)
+    cache.put("K", k)
+    loc = testing.record_of(cache, "K").location
+    assert len(loc.extents) == 2, loc  # the scenario: a hole, then the tail
+    runs = _split(k.numel(), [4 * BLOCK_BYTES - 1, 4 * BLOCK_BYTES + 1, MiB + 3])
+    _, data = testing.tier(cache, "nvme").read(digest("K"), "test", "K", runs=runs)
+    assert data is None
+    assert_same(torch.cat(runs), k)
+    assert_same(cache.get("K"), k)
+    check_quiescent(cache)
