@@ -312,11 +312,11 @@ class NvmeMoves:
         """The bytes of ``out`` if the record ``rec`` can be decoded straight into them."""
         if rec is None or not isinstance(out, torch.Tensor) or not out.is_cpu:
             return None
-        meta = rec.meta
-        if (meta.dtype == "uint8" and out.dtype is torch.uint8 and out.dim() == 1 and out.numel() == meta.nbytes
-                and out.is_contiguous()):
-            return out  # an entry of flat bytes, and out= of its size: no views to make
         try:
+            meta = rec.meta
+            if (meta.dtype == "uint8" and out.dtype is torch.uint8 and out.dim() == 1 and out.numel() == meta.nbytes
+                    and out.is_contiguous()):
+                return out  # an entry of flat bytes, and out= of its size: no views to make
             return byte_view(output_for(meta, out))
         except EctierError:
             return None  # unsuitable: tensor_from_bytes raises for it after the read, as before
