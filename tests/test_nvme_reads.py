@@ -160,3 +160,20 @@ def test_read_into_runs_of_a_payload_in_several_extents(make_cache):
     assert_same(torch.cat(runs), k)
     assert_same(cache.get("K"), k)
     check_quiescent(cache)
+
+
+def test_get_out_of_a_typed_nvme_hit_is_read_straight_into_out(make_cache):
+    """get(out=) of a bf16 entry from NVMe: an out= of its shape and dtype is filled and returned
+    itself; one of another shape with as many elements is filled and returned in the entry's shape."""
+    cache, _ = make_cache(host_bytes=0, nvme_bytes=4 * MiB)
+    t = filled(64 * 1024 * 2, 5).view(torch.bfloat16).view(64, 1024)
+    cache.put("T", t)
+    out = torch.zeros(64, 1024, dtype=torch.bfloat16)
+    got = cache.get("T", out=out)
+    assert got is out
+    assert_same(out, t)
+    flat = torch.zeros(64 * 1024, dtype=torch.bfloat16)
+    got = cache.get("T", out=flat)
+    assert tuple(got.shape) == (64, 1024) and got.data_ptr() == flat.data_ptr()
+    assert_same(got, t)
+    check_quiescent(cache)

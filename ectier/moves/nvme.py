@@ -16,7 +16,7 @@ import torch
 from ..entry import EntryMeta
 from ..errors import EctierError, TierWriteError
 from ..index import Slot
-from ..tensors import byte_view, output_for
+from ..tensors import byte_view, output_for, torch_dtype
 from ..tiers.nvme import NvmeDiskFullError, NvmeTier
 from ..tiers.nvme_scan import gc_paused
 
@@ -317,6 +317,9 @@ class NvmeMoves:
             if (meta.dtype == "uint8" and out.dtype is torch.uint8 and out.dim() == 1 and out.numel() == meta.nbytes
                     and out.is_contiguous()):
                 return out  # an entry of flat bytes, and out= of its size: no views to make
+            if (out.shape == meta.shape and out.dtype is torch_dtype(meta.dtype) and out.is_contiguous()
+                    and not out.requires_grad and out.numel() > 1):
+                return out.view(-1).view(torch.uint8)  # out= of the entry's own shape and dtype: its bytes
             return byte_view(output_for(meta, out))
         except EctierError:
             return None  # unsuitable: tensor_from_bytes raises for it after the read, as before

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..index import Slot
-from ..tensors import tensor_from_bytes
+from ..tensors import tensor_from_bytes, torch_dtype
 from ..tiers.arena import ArenaTier
 from ..tiers.base import Tier
 from .nvme import RETRY
@@ -111,8 +111,9 @@ class Reads:
             return got
         meta, data, _ = got
         m.counters.count("cache", hits=1)
-        if data is out and out.shape == meta.shape and out.dtype is torch.uint8 and meta.dtype == "uint8":
-            return out  # read straight into the caller's flat out= (NvmeMoves._into): nothing to check or copy
+        if (out is not None and out.shape == meta.shape and out.is_cpu and out.numel()
+                and data.data_ptr() == out.data_ptr() and out.dtype is torch_dtype(meta.dtype)):
+            return out  # read straight into the caller's out= (NvmeMoves._into): nothing to check or copy
         result = tensor_from_bytes(meta, data, out)
         return result if dev.type == "cpu" else result.to(dev)
 
