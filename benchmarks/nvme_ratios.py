@@ -12,7 +12,9 @@ reads it) against, per size (MiB):
 - ``get(out=)`` cold vs a cold buffered read: both files' pages dropped first
   (``POSIX_FADV_DONTNEED`` after a sync: clean pages go) — what the disk gives to buffered reads.
 
-Ratios are (raw time / ectier time) of the medians: 1.0 = as fast as raw I/O. ``--reopen N`` also
+Ratios are (raw time / ectier time) of the medians: 1.0 = as fast as raw I/O; ``paired`` is the
+median of the per-round ratios (each round's raw and ectier reads run back to back, so a burst of
+load on a shared machine hits both), with its spread (min-max over the rounds). ``--reopen N`` also
 times opening a store of N small entries (index scan only). Prints one table; ``--json`` writes it.
 Results and their machine: docs/benchmarks.md ("NVMe tier").
 """
@@ -103,8 +105,10 @@ def measure(d: Path, mib: int, rounds: int) -> dict:
         os.unlink(raw_path)
     med = {k: statistics.median(v) for k, v in t.items()}
     gbs = {k: nbytes / v / 1e9 for k, v in med.items()}
+    paired = [r / g for r, g in zip(t["raw_r"], t["get"])]
     return {"mib": mib, "GB/s": gbs, "put/raw": med["raw_w"] / med["put"], "get/raw": med["raw_r"] / med["get"],
-            "cold get/raw": med["raw_cold"] / med["get_cold"]}
+            "cold get/raw": med["raw_cold"] / med["get_cold"], "get/raw paired": statistics.median(paired),
+            "get/raw paired spread": (min(paired), max(paired))}
 
 
 def reopen(d: Path, n: int) -> float:
@@ -136,11 +140,13 @@ def main() -> int:
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)
     rows = [measure(d, int(s), args.rounds) for s in args.sizes.split(",")]
-    print(f"{'MiB':>4} {'put/raw':>8} {'get/raw':>8} {'cold/raw':>9}   GB/s: put raw_w get raw_r get_cold raw_cold")
+    print(f"{'MiB':>4} {'put/raw':>8} {'get/raw':>8} {'cold/raw':>9}   GB/s: put raw_w get raw_r get_cold raw_cold"
+          "   get/raw paired (min-max)")
     for r in rows:
-        g = r["GB/s"]
+        g, (lo, hi) = r["GB/s"], r["get/raw paired spread"]
         print(f"{r['mib']:>4} {r['put/raw']:8.2f} {r['get/raw']:8.2f} {r['cold get/raw']:9.2f}   "
-              f"{g['put']:.2f} {g['raw_w']:.2f} {g['get']:.2f} {g['raw_r']:.2f} {g['get_cold']:.2f} {g['raw_cold']:.2f}")
+              f"{g['put']:.2f} {g['raw_w']:.2f} {g['get']:.2f} {g['raw_r']:.2f} {g['get_cold']:.2f} {g['raw_cold']:.2f}"
+              f"   {r['get/raw paired']:.2f} ({lo:.2f}-{hi:.2f})")
     result = {"rows": rows}
     if args.reopen:
         result["reopen_s"] = reopen(d, args.reopen)

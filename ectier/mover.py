@@ -38,6 +38,7 @@ from .errors import EctierError
 from .index import Slot
 from .moves.arena import ArenaMoves
 from .moves.nvme import RETRY, NvmeMoves
+from .moves.promote import Promotions
 from .moves.remote import RemoteMoves
 from .stack import TierStack
 from .stats import Counters
@@ -113,8 +114,8 @@ class Mover:
         self.remote = RemoteMoves(self, remote) if remote is not None else None
         self._arenas, self._stores = stack.arenas(), stack.stores()  # fixed once open (hot loops)
         self._demotions: dict[tuple[str, str], Callable[..., bool]] = {}
-        self._promotions: dict[tuple[str, str], Callable[..., Any]] = {}
         self._register()
+        self.promote = Promotions(self)  # the promotion sequence and the upward edges (moves/promote.py)
 
     # ------------------------------------------------------------------------- the edges
     def _register(self) -> None:
@@ -126,16 +127,10 @@ class Mover:
                 if src is not None:
                     self._demotions[src.name, "nvme"] = (
                         lambda v, protect, src=src: self.nvme.demote_slot(src, v, protect=protect))
-        if host is not None:
-            self._promotions["nvme", "host"] = self._promote_data_into_host
-        if gpu is not None:
-            self._promotions["nvme", "gpu"] = self._promote_data_into_device
-            if host is not None:
-                self._promotions["host", "gpu"] = self._promote_slot_into_device
 
     def edges(self) -> list[tuple[str, str]]:
         """Every registered edge ``(source tier, destination tier)``: demotions, then promotions."""
-        return list(self._demotions) + list(self._promotions)
+        return list(self._demotions) + self.promote.edges()
 
     def run_move(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn`` inside the error boundary of a move (see :meth:`_run`); ``None`` if it failed."""
@@ -380,105 +375,6 @@ class Mover:
             self.remote.write_later(self.nvme.tier, digest, version, meta.nbytes)  # read back from NVMe
         handle.finish(True)
         return True
-
-    # ------------------------------------------------------------------------- promotion
-    def promote_from_store(self, digest: bytes, ns: str, key: str, version: int, upto: Tier | None,
-                           out: torch.Tensor | None = None):
-        """The one promotion sequence: read ``version`` from the store tier (checked, decoded),
-        count the hit, then copy it up the stack, tier by tier, as far as ``upto`` (``None``: no
-        promotion). Returns ``(meta, data, promoted)`` — ``data`` a flat ``uint8`` CPU tensor,
-        ``promoted`` the names of the tiers that took it — ``None`` on a miss, or ``RETRY``.
-        ``out``: the caller's ``get(out=)``; the record is decoded straight into it when it fits."""
-        result = self.nvme.read(digest, ns, key, version, out)
-        if result is None or result is RETRY:
-            return result
-        meta, data = result
-        self.counters.count("nvme", hits=1, hit_bytes=meta.nbytes)
-        promoted = set()
-        if upto is not None:
-            for t in self.stack.between(self.nvme.tier, upto):
-                handler = self._promotions.get(("nvme", t.name))
-                if handler is not None and self._run(f"promotion nvme -> {t.name}", handler, digest, meta, version, data):
-                    promoted.add(t.name)
-        return meta, data, promoted
-
-    def promote_into_host(self, host: ArenaTier, digest: bytes, ns: str, key: str, version: int):
-        """An NVMe hit of ``version`` decoded straight into a host slot reserved for it — no
-        intermediate tensor (checksum computed while the bytes are read) — committed and pinned
-        for the caller (an ``acquire``): the pinned :class:`Slot`; ``None`` on a miss, when no
-        clean room could be made, or when the promotion failed (logged); :data:`RETRY` when a
-        newer version appeared meanwhile. A slot that is not one run of the arena is filled
-        from a decoded copy instead."""
-        rec = self.nvme.tier.record(digest)
-        if rec is None:
-            return None
-        h = rec.header
-        meta = EntryMeta(h.namespace, h.key, h.dtype, tuple(h.shape), h.raw_nbytes)
-        slot = self.admit(host, digest, meta, version, promotion=True, protect=digest)
-        if slot is None:
-            return None
-        try:
-            got = self._run("promotion nvme -> host", self._read_into_slot, host, slot, digest, ns, key, version)
-        except BaseException:
-            self.abort(host, slot)
-            raise
-        if got is None or got is RETRY:
-            self.abort(host, slot)
-            return got
-        self.counters.count("nvme", hits=1, hit_bytes=meta.nbytes)
-        if not self.commit(host, slot, promotion=True, pin_after=True).committed:
-            return RETRY  # a newer version, or the key was promoted by another reader meanwhile
-        self.counters.count("host", promotions=1)
-        return slot
-
-    def _read_into_slot(self, host: ArenaTier, slot: Slot, digest: bytes, ns: str, key: str, version: int):
-        """Read the record into the reserved ``slot``'s bytes: True, ``None`` (miss) or RETRY."""
-        view = host.contiguous_view(slot)
-        result = self.nvme.read(digest, ns, key, version, into=view)
-        if result is None or result is RETRY:
-            return result
-        meta, data = result
-        if meta.nbytes != slot.meta.nbytes:
-            return RETRY  # another record replaced the one the slot was sized for
-        if view is None or data.data_ptr() != view.data_ptr():
-            host.write(slot, data)  # not one run of the arena (or not decodable in place): copy
-        return True
-
-    def promote_slot(self, src: ArenaTier, slot: Slot, dst: Tier) -> bool:
-        """Copy a pinned slot of ``src`` up into ``dst`` through the registered edge (a failed or
-        missing edge is False, never an error)."""
-        handler = self._promotions.get((src.name, dst.name))
-        return handler is not None and bool(self._run(f"promotion {src.name} -> {dst.name}", handler, src, slot))
-
-    def promote_data(self, target: Tier, digest: bytes, meta: EntryMeta, version: int, data: torch.Tensor) -> bool:
-        """Copy CPU bytes of an entry up into ``target`` (the GPU tier) — after a remote fetch."""
-        if target.name != "gpu":
-            return False
-        return bool(self._run("promotion -> gpu", self._promote_data_into_device, digest, meta, version, data))
-
-    def _promote_data_into_host(self, digest: bytes, meta: EntryMeta, version: int, data: torch.Tensor) -> bool:
-        host = self.stack.get("host")
-        if not host.fits(meta.nbytes):
-            return False
-        c = self.arena.store(host, digest, meta, version, data, promotion=True, protect=digest)
-        if c is not None and c.committed:
-            self.counters.count("host", promotions=1)
-            return True
-        return False
-
-    def _promote_data_into_device(self, digest: bytes, meta: EntryMeta, version: int, data: torch.Tensor) -> bool:
-        gpu = self.stack.get("gpu")
-        g = self.arena.promote_device(gpu, digest, meta, version, data=data)
-        if g is not None:
-            self.unpin(gpu, g)
-        return g is not None
-
-    def _promote_slot_into_device(self, host: ArenaTier, slot: Slot) -> bool:
-        gpu = self.stack.get("gpu")
-        g = self.arena.promote_device(gpu, slot.digest, slot.meta, slot.version, src_tier=host, src_slot=slot)
-        if g is not None:
-            self.unpin(gpu, g)
-        return g is not None
 
     # ------------------------------------------------------------------------- flush, close
     def flush(self) -> int:

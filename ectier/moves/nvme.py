@@ -16,7 +16,7 @@ import torch
 from ..entry import EntryMeta
 from ..errors import EctierError, TierWriteError
 from ..index import Slot
-from ..tensors import byte_view, output_for
+from ..tensors import byte_view, output_for, torch_dtype
 from ..tiers.nvme import NvmeDiskFullError, NvmeTier
 from ..tiers.nvme_scan import gc_paused
 
@@ -280,18 +280,26 @@ class NvmeMoves:
 
     # ------------------------------------------------------------------------- reads
     def read(self, digest: bytes, ns: str, key: str, version: int, out: torch.Tensor | None = None, *,
-             into: torch.Tensor | None = None):
+             into: torch.Tensor | list[torch.Tensor] | None = None):
         """Read and check the record of ``version``: ``(meta, data)`` (``data`` a flat ``uint8``
-        CPU tensor), ``None`` on a miss (failed check: the key is forgotten), or :data:`RETRY`.
+        CPU tensor, or ``None`` when ``into`` was a list of runs and they were filled), ``None`` on
+        a miss (failed check: the key is forgotten), or :data:`RETRY`.
 
         ``out``: the caller's ``get(out=)`` tensor; when it is a CPU tensor of the record's shape
         and dtype the payload is decoded straight into it (``data`` is then its bytes; on a miss its
         contents are undefined). ``into``: flat ``uint8`` CPU bytes of the record's raw size to
-        decode into instead (a host slot reserved for a promotion); takes precedence over ``out``."""
+        decode into instead (a host slot reserved for a promotion), or a list of such runs (a slot
+        in several runs of the arena: filled in order); takes precedence over ``out``."""
         m = self.m
+        rec = self.tier.record(digest)
         if into is None:
-            into = self._into(digest, out)
-        result = self.tier.read(digest, ns, key, out=into) if into is not None else self.tier.read(digest, ns, key)
+            into = self._into(rec, out)
+        if into is None:
+            result = self.tier.read(digest, ns, key)
+        elif isinstance(into, list):
+            result = self.tier.read(digest, ns, key, runs=into)
+        else:
+            result = self.tier.read(digest, ns, key, out=into)
         if result is None:
             m.counters.count("nvme", read_failures=1)
             with m.cond:
@@ -303,17 +311,24 @@ class NvmeMoves:
         header, data = result
         if header.version != version:
             return RETRY
-        meta = EntryMeta(header.namespace, header.key, header.dtype, tuple(header.shape), header.raw_nbytes)
-        return meta, data
+        if rec is not None and rec.header is header:  # the record this tier holds: its meta is made
+            return rec.meta, data
+        return EntryMeta(header.namespace, header.key, header.dtype, tuple(header.shape), header.raw_nbytes), data
 
-    def _into(self, digest: bytes, out: torch.Tensor | None) -> torch.Tensor | None:
-        """The bytes of ``out`` if the record of ``digest`` can be decoded straight into them."""
-        rec = self.tier.record(digest) if isinstance(out, torch.Tensor) and out.device.type == "cpu" else None
-        if rec is None:
+    @staticmethod
+    def _into(rec, out: torch.Tensor | None) -> torch.Tensor | None:
+        """The bytes of ``out`` if the record ``rec`` can be decoded straight into them."""
+        if rec is None or not isinstance(out, torch.Tensor) or not out.is_cpu:
             return None
-        h = rec.header
         try:
-            return byte_view(output_for(EntryMeta(h.namespace, h.key, h.dtype, tuple(h.shape), h.raw_nbytes), out))
+            meta = rec.meta
+            if (meta.dtype == "uint8" and out.dtype is torch.uint8 and out.dim() == 1 and out.numel() == meta.nbytes
+                    and out.is_contiguous()):
+                return out  # an entry of flat bytes, and out= of its size: no views to make
+            if (out.shape == meta.shape and out.dtype is torch_dtype(meta.dtype) and out.is_contiguous()
+                    and not out.requires_grad and out.numel() > 1):
+                return out.view(-1).view(torch.uint8)  # out= of the entry's own shape and dtype: its bytes
+            return byte_view(output_for(meta, out))
         except EctierError:
             return None  # unsuitable: tensor_from_bytes raises for it after the read, as before
 

@@ -143,7 +143,7 @@ class RemoteMoves:
             except TierWriteError as exc:
                 log.warning("promotion remote -> nvme failed: %s", exc)
         if placed and target is not None:
-            m.promote_data(target, digest, meta, version, data)
+            m.promote.from_data(target, digest, meta, version, data)
 
     def delete(self, digest: bytes) -> None:
         """Remove the remote copy (best effort: a store that is down keeps it until overwritten)."""

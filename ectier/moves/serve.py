@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..index import Slot
-from ..tensors import tensor_from_bytes
+from ..tensors import tensor_from_bytes, torch_dtype
 from ..tiers.arena import ArenaTier
 from ..tiers.base import Tier
 from .nvme import RETRY
@@ -106,11 +106,14 @@ class Reads:
             m.counters.count_hit(tier.name, loc.slot.meta.nbytes)
             return result
         upto = target if (target is not None and out is None) else m.stack.get("host")
-        got = m.promote_from_store(digest, ns, key, loc.version, upto, out)
+        got = m.promote.from_store(digest, ns, key, loc.version, upto, out)
         if got is None or got is RETRY:
             return got
         meta, data, _ = got
         m.counters.count("cache", hits=1)
+        if (out is not None and out.shape == meta.shape and out.is_cpu and out.numel()
+                and data.data_ptr() == out.data_ptr() and out.dtype is torch_dtype(meta.dtype)):
+            return out  # read straight into the caller's out= (NvmeMoves._into): nothing to check or copy
         result = tensor_from_bytes(meta, data, out)
         return result if dev.type == "cpu" else result.to(dev)
 
@@ -132,7 +135,7 @@ class Reads:
             if rec is None or not host.fits(rec.header.raw_nbytes):
                 break  # an entry larger than the host arena cannot be leased through it
             # decoded straight into the host slot it is promoted into, committed pinned for the lease
-            slot = m.promote_into_host(host, digest, ns, key, loc.version)
+            slot = m.promote.into_host(host, digest, ns, key, loc.version)
             if slot is RETRY:
                 continue
             if slot is None:
@@ -185,11 +188,11 @@ class Reads:
                 return m.remote is not None and m.remote.fetch(digest, ns, key, target if want_gpu else None) is not None
             if hslot is not None:
                 try:
-                    m.promote_slot(host, hslot, gpu)
+                    m.promote.from_slot(host, hslot, gpu)
                 finally:
                     m.unpin(host, hslot)
                 return True
-            result = m.promote_from_store(digest, ns, key, v, target)
+            result = m.promote.from_store(digest, ns, key, v, target)
             if result is RETRY:
                 continue
             return result is not None

@@ -80,6 +80,11 @@ RAW_CODEC_ID = get_codec("raw").codec_id
 log = logging.getLogger(__name__)
 
 
+def _flat_cpu_bytes(t: torch.Tensor) -> bool:
+    """True for a contiguous ``uint8`` CPU tensor (bytes a read may land in)."""
+    return t.dtype is torch.uint8 and t.is_cpu and t.is_contiguous()
+
+
 class NvmeTier(Tier):
     """An LMDB-backed record store under ``config.path`` (see the module docstring).
 
@@ -335,33 +340,39 @@ class NvmeTier(Tier):
 
     # ------------------------------------------------------------------------------- reading
 
-    def read(self, digest: bytes, namespace: str, key: str, *,
-             out: torch.Tensor | None = None) -> tuple[RecordHeader, torch.Tensor] | None:
+    def read(self, digest: bytes, namespace: str, key: str, *, out: torch.Tensor | None = None,
+             runs: list[torch.Tensor] | None = None) -> tuple[RecordHeader, torch.Tensor | None] | None:
         """Read, check and decode the record for ``(namespace, key)``.
 
         Args:
             out: a flat ``uint8`` CPU tensor of the entry's raw bytes to decode into (e.g. the
-                caller's ``get(out=)``); ``None``, or one of another size: a new tensor. A raw
-                payload is read straight into it; on a miss its contents are undefined.
+                caller's ``get(out=)``; a raw payload is read straight into it; on a miss its
+                contents are undefined); ``None``, or one of another size: a new tensor.
+            runs: instead, flat ``uint8`` CPU tensors whose lengths sum to the raw bytes (a host
+                slot's runs), filled in order (a raw payload: one scatter read). Another total: ignored.
 
-        Returns ``(header, data)`` with ``data`` (``out``, or a new flat ``uint8`` CPU tensor) of
-        ``header.raw_nbytes`` bytes, or ``None`` for a miss. A record that fails any check (header,
-        location, payload length, xxh3-64 computed while the bytes are read, decoding) is
-        quarantined, counted in ``counters["checksum_failures"]`` and read as ``None``.
+        Returns ``(header, data)`` — ``data`` (``out``, or a new flat ``uint8`` CPU tensor) of
+        ``header.raw_nbytes`` bytes, ``None`` when ``runs`` were filled — or ``None`` for a miss: a
+        record failing any check (header, location, payload length, xxh3-64 computed while the
+        bytes are read, decoding) is quarantined and counted in ``counters["checksum_failures"]``.
         """
-        with self._rw.shared(), self._store.space.reading():
-            # entered before the lookup: blocks the snapshot names stay unreused until this read ends
+        rw, space, failure = self._rw, self._store.space, None
+        rw.acquire_shared()
+        epoch = space.begin_read()  # before the lookup: the blocks it finds stay unreused until the end
+        try:
             assert self._env is not None
             with self._env.begin(buffers=True) as txn:
                 raw = txn.get(digest, db=self._meta)
                 raw = bytes(raw) if raw is not None else None  # a small copy: the header and location
-            failure = None
             if raw is not None:
                 try:
                     rec, loc = self._checked(digest, (namespace, key), raw)
-                    return rec.header, self._read_payload(rec, loc, out)
+                    return rec.header, self._read_payload(rec, loc, out, runs)
                 except CorruptRecordError as exc:
                     failure = (raw, str(exc))
+        finally:
+            space.end_read(epoch)
+            rw.release_shared()
         if failure is None:
             # No record in this read's snapshot. Forget the in-memory record only if LMDB still has
             # none under the write lock: a write that committed after the snapshot began is kept.
@@ -379,30 +390,40 @@ class NvmeTier(Tier):
         known = self.index.record(digest)
         if known is not None and known.value == raw and known.location is not None:
             h = known.header
-            if (h.namespace, h.key) != identity:
+            if h.namespace != identity[0] or h.key != identity[1]:
                 raise CorruptRecordError("record identity does not match the requested key")
             codec = self.codec if h.codec_id == self.codec.codec_id else get_codec(h.codec_id)
             return CheckedRecord(h, codec, DTYPE_ITEMSIZE[h.dtype]), known.location
         return check_index_value(identity, raw, codec=self.codec)
 
-    def _read_payload(self, rec: CheckedRecord, loc: Location, out: torch.Tensor | None) -> torch.Tensor:
-        """The payload of ``rec`` at ``loc``, checked and decoded into ``out`` (or a new tensor)."""
+    def _read_payload(self, rec: CheckedRecord, loc: Location, out: torch.Tensor | None,
+                      runs: list[torch.Tensor] | None = None) -> torch.Tensor | None:
+        """The payload of ``rec`` at ``loc``, checked and decoded into ``runs`` (then ``None``), ``out``
+        or a new tensor."""
         h = rec.header
-        if (out is None or out.dtype != torch.uint8 or out.numel() != h.raw_nbytes or not out.is_contiguous()
-                or out.device.type != "cpu"):
+        raw = h.codec_id == RAW_CODEC_ID
+        if runs is not None and sum(r.numel() for r in runs) == h.raw_nbytes and all(_flat_cpu_bytes(r) for r in runs):
+            if raw:
+                self._check_payload(h, loc, [memoryview(r.numpy()) for r in runs])
+                return None
+            for r, part in zip(runs, self._read_payload(rec, loc, None).split([r.numel() for r in runs])):
+                r.copy_(part)  # a compressed payload: decoded first, then copied into the runs
+            return None
+        if out is None or out.numel() != h.raw_nbytes or not _flat_cpu_bytes(out):
             out = torch.empty(h.raw_nbytes, dtype=torch.uint8)  # (an unsuitable out= is not used)
         dst = out.numpy()
-        if h.codec_id == RAW_CODEC_ID:
-            buf = dst
-        else:
-            buf = np.empty(h.payload_nbytes, dtype=np.uint8)
-        csum = self._store.segment.read_into(loc, memoryview(buf)) if h.payload_nbytes else checksum(b"")
-        if csum != h.payload_checksum:
-            raise CorruptRecordError(f"payload checksum mismatch: header {h.payload_checksum:#018x}, "
-                                     f"computed {csum:#018x}")
+        buf = dst if raw else np.empty(h.payload_nbytes, dtype=np.uint8)
+        self._check_payload(h, loc, memoryview(buf))
         if buf is not dst:
             rec.codec.decode_into(buf, dst, rec.itemsize)
         return out
+
+    def _check_payload(self, h: RecordHeader, loc: Location, dst: memoryview | list[memoryview]) -> None:
+        """Read the payload at ``loc`` into ``dst`` and compare its xxh3-64 with the header's."""
+        csum = self._store.segment.read_into(loc, dst) if h.payload_nbytes else checksum(b"")
+        if csum != h.payload_checksum:
+            raise CorruptRecordError(f"payload checksum mismatch: header {h.payload_checksum:#018x}, "
+                                     f"computed {csum:#018x}")
 
     def quarantine(self, digest: bytes, raw_header: bytes, reason: str) -> None:
         """Move a damaged record out of service (header kept in ``quarantine`` for inspection).

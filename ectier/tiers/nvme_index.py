@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from ..codec import RecordHeader, header_nbytes, unpack_header
+from ..entry import EntryMeta
 from ..policy import EvictionPolicy
 from .nvme_segment import Location, unpack_location
 
@@ -44,7 +45,7 @@ class NvmeRecord:
     ``version`` (its write version).
     """
 
-    __slots__ = ("_header", "stored_bytes", "_location", "value", "version")
+    __slots__ = ("_header", "stored_bytes", "_location", "value", "version", "_meta")
 
     def __init__(self, header: RecordHeader | None, stored_bytes: int, location: Location | None = None,
                  value: bytes | None = None, version: int | None = None) -> None:
@@ -57,6 +58,7 @@ class NvmeRecord:
         self._location = location
         self.value = value
         self.version = header.version if header is not None else version
+        self._meta: EntryMeta | None = None
 
     @property
     def header(self) -> RecordHeader:
@@ -64,6 +66,14 @@ class NvmeRecord:
             assert self.value is not None
             self._header = unpack_header(memoryview(self.value)[: header_nbytes(self.value)])
         return self._header
+
+    @property
+    def meta(self) -> EntryMeta:
+        """The entry's :class:`~ectier.entry.EntryMeta` (from its header; made once: every hit needs it)."""
+        if self._meta is None:
+            h = self.header
+            self._meta = EntryMeta(h.namespace, h.key, h.dtype, tuple(h.shape), h.raw_nbytes)
+        return self._meta
 
     @property
     def location(self) -> Location:

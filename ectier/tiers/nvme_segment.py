@@ -270,22 +270,36 @@ class ExtentSpace:
     @contextmanager
     def reading(self) -> Iterator[None]:
         """Hold every block that is in use now against reuse while the body runs."""
-        with self._lock:
-            epoch = self._epoch
-            self._active[epoch] += 1
+        epoch = self.begin_read()
         try:
             yield
         finally:
-            with self._lock:
-                self._active[epoch] -= 1
-                if self._active[epoch] <= 0:
-                    del self._active[epoch]
-                if self._limbo:
-                    oldest = min(self._active) if self._active else None
-                    ready = [ext for e, ext in self._limbo if oldest is None or e <= oldest]
-                    if ready:
-                        self._limbo = [(e, ext) for e, ext in self._limbo if not (oldest is None or e <= oldest)]
-                        self._return([x for ext in ready for x in ext])
+            self.end_read(epoch)
+
+    def begin_read(self) -> int:
+        """:meth:`reading` without a generator (every NVMe read's path): hold every block in use
+        now against reuse until :meth:`end_read` with the returned epoch."""
+        with self._lock:
+            epoch = self._epoch
+            self._active[epoch] += 1
+        return epoch
+
+    def end_read(self, epoch: int) -> None:
+        """End a read begun with :meth:`begin_read`: blocks freed since are returned once no
+        older read holds them."""
+        with self._lock:
+            active = self._active
+            n = active[epoch] - 1
+            if n > 0:
+                active[epoch] = n
+            else:
+                del active[epoch]
+            if self._limbo:
+                oldest = min(active) if active else None
+                ready = [ext for e, ext in self._limbo if oldest is None or e <= oldest]
+                if ready:
+                    self._limbo = [(e, ext) for e, ext in self._limbo if not (oldest is None or e <= oldest)]
+                    self._return([x for ext in ready for x in ext])
 
 
 def _complement(runs: list[tuple[int, int]], nblocks: int) -> list[tuple[int, int]]:
@@ -356,27 +370,37 @@ class SegmentFile:
         if self.sync:
             os.fdatasync(self.fd)
 
-    def read_into(self, loc: Location, dst: memoryview) -> int:
-        """Read ``len(dst)`` payload bytes from ``loc`` straight into ``dst``; returns their xxh3-64.
+    def read_into(self, loc: Location, dst: memoryview | list[memoryview]) -> int:
+        """Read the payload from ``loc`` straight into ``dst`` — one buffer of the payload's
+        length, or several (a scatter read: filled in order, their lengths summing to it) — and
+        return its xxh3-64, computed over each chunk of at most 1 MiB right after it is read
+        (while it is in the CPU cache).
 
-        A read past the end of the file (a truncated segment) leaves the rest of ``dst`` unread and
-        raises :class:`~ectier.errors.CorruptRecordError`.
+        Raises:
+            CorruptRecordError: a read past the end of the file (a truncated segment; the rest of
+                ``dst`` is left unread), or ``loc`` holds fewer bytes than ``dst``.
         """
         h = xxhash.xxh3_64()
-        pos, total = 0, len(dst)
-        for start, count in loc.extents:
-            off = start * BLOCK_BYTES
-            end = min(total, pos + count * BLOCK_BYTES)
-            while pos < end:
-                chunk = dst[pos:min(end, pos + _CHUNK_BYTES)]
-                n = os.preadv(self.fd, [chunk], off)
+        fd, update = self.fd, h.update
+        bufs = [dst] if isinstance(dst, memoryview) else dst
+        extents = iter(loc.extents)
+        off = left = 0  # file offset and bytes left of the current extent
+        for buf in bufs:
+            pos, total = 0, len(buf)
+            while pos < total:
+                if not left:
+                    start, count = next(extents, (None, 0))
+                    if start is None:
+                        raise CorruptRecordError("payload location holds fewer bytes than the header says")
+                    off, left = start * BLOCK_BYTES, count * BLOCK_BYTES
+                chunk = buf[pos:pos + min(total - pos, left, _CHUNK_BYTES)]
+                n = os.preadv(fd, [chunk], off)
                 if n <= 0:
                     raise CorruptRecordError("payload extends past the end of the segment file (truncated)")
-                h.update(chunk[:n])
+                update(chunk[:n] if n < len(chunk) else chunk)
                 pos += n
                 off += n
-        if pos < total:
-            raise CorruptRecordError("payload location holds fewer bytes than the header says")
+                left -= n
         return h.intdigest()
 
     def truncate_blocks(self, nblocks: int) -> None:
