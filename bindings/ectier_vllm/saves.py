@@ -100,8 +100,11 @@ class SaveQueue:
         self._jobs: deque[tuple[str, torch.Tensor, Any]] = deque()
         self._wake = threading.Event()
         self._parked = False  # the thread sleeps until _wake
-        self._done: deque[SaveResult] = deque()  # the thread appends, finished() pops (no lock)
-        self._handles: list[tuple[str, int, Any]] = []  # in-process CUDA puts: PutHandles in flight
+        #: finished saves not yet taken by :meth:`finished` (the thread appends; read-only outside)
+        self.done: deque[SaveResult] = deque()
+        #: in-process CUDA puts whose ``PutHandle`` is not yet taken (read-only outside); a caller
+        #: may skip :meth:`finished` while both this and :attr:`done` are empty
+        self.in_flight: list[tuple[str, int, Any]] = []
         self._thread: threading.Thread | None = None
         self._idle = threading.Condition(threading.Lock())  # the thread notifies it per finished job
         self._submitted = 0  # jobs handed to the thread (written by the submitting thread only)
@@ -126,7 +129,7 @@ class SaveQueue:
         event = None
         if tensor.is_cuda:
             if self._inline:
-                self._handles.append((mm_hash, tensor.nbytes, self._store.put(mm_hash, tensor)))
+                self.in_flight.append((mm_hash, tensor.nbytes, self._store.put(mm_hash, tensor)))
                 return
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(tensor.device))
@@ -146,31 +149,31 @@ class SaveQueue:
 
     def finished(self) -> "list[SaveResult] | tuple":
         """Saves finished since the last call (never blocks; no I/O, no copy, no lock)."""
-        if not self._done and not self._handles:
+        if not self.done and not self.in_flight:
             return _NOTHING
         out: list[SaveResult] = []
-        if self._handles:
+        if self.in_flight:
             still = []
-            for mm_hash, nbytes, handle in self._handles:
+            for mm_hash, nbytes, handle in self.in_flight:
                 if not handle.done():
                     still.append((mm_hash, nbytes, handle))
                 elif handle.wait(0):
                     out.append(SaveResult(mm_hash, nbytes))
                 else:  # the copy failed (reported, not raised, by ectier)
                     out.append(SaveResult(mm_hash, nbytes, handle.error or EctierError("put reported failure")))
-            self._handles = still
-        done = self._done
+            self.in_flight = still
+        done = self.done
         while done:
             out.append(done.popleft())
         return out
 
     def pending(self) -> int:
         """Saves submitted and not yet finished (queued, being put, or copies in flight)."""
-        return self._submitted - self._finished + len(self._handles)
+        return self._submitted - self._finished + len(self.in_flight)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Wait until every submitted save finished (results stay for :meth:`finished`); False on timeout."""
-        for _, _, handle in list(self._handles):
+        for _, _, handle in list(self.in_flight):
             if not handle.wait(timeout_s) and not handle.done():
                 return False
         target = self._submitted
@@ -194,7 +197,7 @@ class SaveQueue:
 
     # ------------------------------------------------------------------ background thread
     def _finish(self, mm_hash: str, nbytes: int, error: BaseException | None) -> None:
-        self._done.append(SaveResult(mm_hash, nbytes, error))
+        self.done.append(SaveResult(mm_hash, nbytes, error))
         with self._idle:
             self._finished += 1
             self._idle.notify_all()

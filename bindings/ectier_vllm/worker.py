@@ -71,7 +71,9 @@ class WorkerSide:
                            mm_hash, type(exc).__name__, exc)
 
     def start_save_caches(self, **kwargs: Any) -> None:
-        self._poll_saves()
+        saves = self.saves
+        if saves.done or saves.in_flight:  # else nothing can have finished: no call at all
+            self._poll_saves()
 
     def _poll_saves(self) -> None:
         """Report the saves the queue finished since the last poll (never blocks; with nothing
@@ -139,7 +141,9 @@ class WorkerSide:
             for cache, mm_hash in self._placeholders:
                 cache.pop(mm_hash, None)
             self._placeholders = []
-        self._poll_saves()
+        saves = self.saves
+        if saves.done or saves.in_flight:
+            self._poll_saves()
         timer = self._encoder_timer
         if timer is not None:
             for tokens, seconds in timer.take():
