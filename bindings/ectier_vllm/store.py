@@ -98,7 +98,9 @@ class InProcessStore:
     def prefetch(self, keys: list[str], device: str) -> list[Any] | None:
         """``TieredCache.prefetch``: NVMe → host, and on into the GPU tier when ``device`` is its
         device. ``None`` for a cache of a host tier only: an entry it holds is in the host arena
-        already, so the connector pins it at once (``acquire`` does no I/O there)."""
+        already, so the connector pins it at once (``acquire`` does no I/O there). One whose put
+        is still in flight then is a miss (encoded again) instead of a wait: only an ``ec_both``
+        engine can ask for an item its own worker is still saving, after vLLM dropped its copy."""
         if self._host_only:
             return None
         return list(self.cache.prefetch(keys, device=device))
