@@ -154,3 +154,92 @@ def test_inprocess_write_through_to_a_slow_disk_is_off_the_model_step(engine, tm
     assert testing.holds(cache, "nvme", item.mm_hash)
     got = cache.get(item.mm_hash)
     assert torch.equal(got.view(torch.int16), worker.encoder_cache[item.mm_hash].view(torch.int16))
+
+
+@pytest.fixture
+def gated_inprocess_puts(monkeypatch):
+    """``TieredCache.put`` held until the test opens the gate (at most STALL_S): an in-process
+    store whose copy cannot finish (a blocked arena, a write-through behind a stuck disk)."""
+    from ectier.cache import TieredCache
+
+    gate, entered = threading.Event(), threading.Event()
+    original = TieredCache.put
+
+    def blocked_put(self, key, tensor, **kw):
+        entered.set()
+        gate.wait(STALL_S)
+        return original(self, key, tensor, **kw)
+
+    monkeypatch.setattr(TieredCache, "put", blocked_put)
+    yield gate, entered
+    gate.set()
+
+
+def call_in_thread(fn, *args):
+    """Run ``fn(*args)`` in a thread; returns the thread, joined for at most STALL_S (a call that
+    waited for the blocked store would still be running then)."""
+    t = threading.Thread(target=fn, args=args, daemon=True)
+    t.start()
+    t.join(STALL_S / 2)
+    return t
+
+
+def test_inprocess_save_of_a_cpu_tensor_never_waits_for_a_blocked_store(engine, gated_inprocess_puts):
+    """In-process, a CPU encoder output: save_caches and the step's completion calls return while
+    the store's put cannot finish (the tensor is handed to the put thread, not copied on the model
+    step); the save is reported only once the store holds the item, with its bytes."""
+    gate, entered = gated_inprocess_puts
+    extra = {"namespace": NS, "host": {"capacity_bytes": "4MiB", "block_bytes": "64KiB", "pin_memory": False}}
+    _, worker = engine("ec_producer", extra)
+    conn = worker.connector
+    key = "c" * 64
+    cache = {key: H.encoder_output(key, 24)}
+    t = call_in_thread(conn.save_caches, cache, key)
+    assert not t.is_alive(), "save_caches waited for the store's put"
+    assert entered.wait(STALL_S)  # the put runs, in the background, and cannot finish
+    for _ in range(3):  # completion calls while the put is held: return, report nothing
+        t = call_in_thread(conn.start_save_caches)
+        assert not t.is_alive(), "start_save_caches waited for the store's put"
+        assert conn.build_connector_worker_meta() is None
+    from ectier_vllm.store import open_inprocess
+
+    store = open_inprocess(conn.settings.cache)  # a handle on the connector's own in-process cache
+    try:
+        assert not store.contains(key) and conn.saves.pending() == 1
+        gate.set()
+        assert conn.saves.wait(30)
+        meta = conn.build_connector_worker_meta()
+        assert meta.saved == [key] and meta.stats["saves"] == 1 and meta.stats["save_bytes"] == 24 * H.WIDTH * 2
+        got = store.cache.get(key)
+        assert torch.equal(got.view(torch.int16), cache[key].view(torch.int16))
+    finally:
+        store.close()
+
+
+def test_shutdown_with_saves_in_flight_stores_every_one(engine, daemon, gated_puts):
+    """Daemon mode: three saves submitted while the daemon's put is held; shutdown, called while
+    they wait, returns only once every one is committed (counted, none dropped): nothing lost."""
+    gate, entered = gated_puts
+    extra = {"mode": "daemon", "socket_path": daemon.socket_path, "namespace": NS}
+    sched, worker = engine("ec_producer", extra)
+    conn = worker.connector
+    keys = [f"{i}" * 64 for i in range(3)]
+    cache = {k: H.encoder_output(k, 8) for k in keys}
+    for k in keys:
+        conn.save_caches(cache, k)
+    assert entered.wait(STALL_S)
+    closing = threading.Thread(target=conn.shutdown, daemon=True)
+    closing.start()
+    closing.join(0.2)
+    assert closing.is_alive(), "shutdown returned with saves still in flight"
+    gate.set()
+    closing.join(60)
+    assert not closing.is_alive()
+    assert conn.saves.pending() == 0
+    from ectier.daemon.client import DaemonClient
+
+    with DaemonClient(daemon.socket_path) as client:
+        for k in keys:
+            assert client.contains(k, namespace=NS), f"{k[:4]}... lost across shutdown"
+            got = client.get(k, namespace=NS)
+            assert torch.equal(got.view(torch.int16), cache[k].view(torch.int16))

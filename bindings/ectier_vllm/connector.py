@@ -223,6 +223,7 @@ class ECTierConnector(SchedulerSide, WorkerSide, ECConnectorBase):
         if self._closed:
             return
         self._closed = True
+        self._saving = False  # save_caches from now on: nothing
         store = self._store_obj
         try:
             self.saves.close()  # every save submitted is finished (stored or failed) ...

@@ -306,6 +306,8 @@ class EncoderStepTimer:
     def take(self) -> list[tuple[int, float]]:
         """Finished steps ``(tokens, seconds)`` (the current step is finished by this call); a step
         whose last CUDA event has not completed yet is kept for a later call."""
+        if self._start is None and not self._closed:
+            return []  # no step open, none kept
         self._close()
         out, keep = [], []
         for tokens, (t0, e0), (t1, e1), saving in self._closed:

@@ -157,8 +157,9 @@ class SchedulerSide:
     def _promotion(self, mm_hash: str) -> "Promotion":
         """Where ``mm_hash`` stands (a :class:`Promotion`). In-process, ``TieredCache.prefetch`` towards the worker's device
         gives ``LoadHandle`` s; in daemon mode the store's handles are answered by the daemon's
-        batched ``prefetch`` (one round trip per step, no I/O waited for); a daemon without it
-        (``None``): ``acquire`` promotes there, synchronously."""
+        batched ``prefetch`` (one round trip per step, no I/O waited for). ``None`` from the
+        store's ``prefetch``: pin at once (an in-process cache of a host tier only, where there
+        is nothing to promote; a daemon without the op, whose ``get`` promotes synchronously)."""
         pf = self._prefetching.get(mm_hash)
         if pf is None:
             try:

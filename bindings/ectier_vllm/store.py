@@ -87,13 +87,22 @@ class InProcessStore:
         #: the cache has a remote tier: a local miss may still be found there (``contains`` is
         #: local only), so the scheduler asks ``prefetch``, which fetches it asynchronously
         self.remote = "remote" in self.cache.stats()["tiers"]
+        config = self.cache.config
+        #: only a host tier: whatever ``contains`` finds is in the host arena, nothing to promote
+        self._host_only = not (self.remote or config.nvme.enabled or config.gpu.enabled)
 
     # --------------------------------------------------------------------- index / pins
     def contains(self, key: str) -> bool:
         return self.cache.contains(key)
 
-    def prefetch(self, keys: list[str], device: str) -> list[Any]:
-        """``TieredCache.prefetch``: NVMe → host, and on into the GPU tier when ``device`` is its device."""
+    def prefetch(self, keys: list[str], device: str) -> list[Any] | None:
+        """``TieredCache.prefetch``: NVMe → host, and on into the GPU tier when ``device`` is its
+        device. ``None`` for a cache of a host tier only: an entry it holds is in the host arena
+        already, so the connector pins it at once (``acquire`` does no I/O there). One whose put
+        is still in flight then is a miss (encoded again) instead of a wait: only an ``ec_both``
+        engine can ask for an item its own worker is still saving, after vLLM dropped its copy."""
+        if self._host_only:
+            return None
         return list(self.cache.prefetch(keys, device=device))
 
     def new_step(self) -> None:  # lookups are from memory: nothing to batch

@@ -30,6 +30,8 @@ class WorkerSide:
         self._lead = role != ECConnectorRole.WORKER or is_lead_worker()
         #: saves off the model step (:mod:`ectier_vllm.saves`)
         self.saves = SaveQueue(lambda: self._store, depth=self.settings.save_queue_depth)
+        #: this connector saves (a producer's lead worker; False again once shut down)
+        self._saving = self.is_producer and self._lead
         self._saved: list[str] = []
         self._save_failed: list[str] = []
         self._loaded: list[str] = []
@@ -42,22 +44,24 @@ class WorkerSide:
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         """Hand ``encoder_cache[mm_hash]`` to the :class:`~ectier_vllm.saves.SaveQueue`: never
-        waits for a copy or the store (a full queue or a failing store drops the save, counted)."""
-        if not self.is_producer or self._closed or not self._lead:
-            return  # another rank of this TP group (PP stage, PCP group) saves the same output
+        waits for a copy or the store (a full queue or a failing store drops the save, counted).
+        The finished saves are reported by the step's completion calls (``start_save_caches``,
+        ``build_connector_worker_meta``), not here: this runs once per item on the model step."""
+        if not self._saving:
+            return  # not a producer, shut down, or another rank of this TP group (PP stage, PCP group) saves
         tensor = encoder_cache.get(mm_hash)
         if tensor is None:
             return
-        if self._encoder_timer is not None:
-            self._encoder_timer.item(tensor.shape[0], _mark(tensor.device))
-        t0 = time.perf_counter()
+        timer = self._encoder_timer
+        if timer is not None:
+            timer.item(tensor.shape[0], _mark(tensor))
+            t0 = time.perf_counter()
         try:
             self.saves.submit(mm_hash, tensor)
         except STORE_ERRORS as exc:  # the queue is full, or the in-process put refused it
             self._save_failure(mm_hash, exc)
-        self._poll_saves()
-        if self._encoder_timer is not None:
-            self._encoder_timer.saved(time.perf_counter() - t0)
+        if timer is not None:
+            timer.saved(time.perf_counter() - t0)
 
     def _save_failure(self, mm_hash: str, exc: BaseException) -> None:
         self._count(save_failures=1)
@@ -67,10 +71,13 @@ class WorkerSide:
                            mm_hash, type(exc).__name__, exc)
 
     def start_save_caches(self, **kwargs: Any) -> None:
-        self._poll_saves()
+        saves = self.saves
+        if saves.done or saves.in_flight:  # else nothing can have finished: no call at all
+            self._poll_saves()
 
     def _poll_saves(self) -> None:
-        """Report the saves the queue finished since the last poll (never blocks)."""
+        """Report the saves the queue finished since the last poll (never blocks; with nothing
+        finished, one call that returns at once)."""
         for result in self.saves.finished():
             if result.error is not None:
                 self._save_failure(result.mm_hash, result.error)
@@ -81,7 +88,7 @@ class WorkerSide:
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
         self._load_caches(encoder_cache)
         if self._encoder_timer is not None:  # the step's encoder runs next
-            self._encoder_timer.begin(_mark(torch.device(self.worker_device())))
+            self._encoder_timer.begin(_mark(None if self.worker_device() == "cpu" else torch.device(self.worker_device())))
 
     def _load_caches(self, encoder_cache: dict[str, torch.Tensor]) -> None:
         meta = self._connector_metadata
@@ -130,26 +137,33 @@ class WorkerSide:
                 self._stats.setdefault("load_seconds", []).append(seconds)
 
     def build_connector_worker_meta(self) -> ECTierWorkerMetadata | None:
-        for cache, mm_hash in self._placeholders:
-            cache.pop(mm_hash, None)
-        self._placeholders = []
-        self._poll_saves()
-        for tokens, seconds in self._encoder_timer.take() if self._encoder_timer is not None else ():
-            self._count(encoder_tokens=tokens, encoder_seconds=seconds)
+        if self._placeholders:
+            for cache, mm_hash in self._placeholders:
+                cache.pop(mm_hash, None)
+            self._placeholders = []
+        saves = self.saves
+        if saves.done or saves.in_flight:
+            self._poll_saves()
+        timer = self._encoder_timer
+        if timer is not None:
+            for tokens, seconds in timer.take():
+                self._count(encoder_tokens=tokens, encoder_seconds=seconds)
+        if not (self._loaded or self._failed or self._saved or self._save_failed or self._stats):
+            return None  # nothing to report this step (the common case of a step with no item)
         meta = ECTierWorkerMetadata(
             loaded=self._loaded, failed=self._failed, saved=self._saved,
             save_failed=self._save_failed, stats=self._stats,
         )
         self._loaded, self._failed, self._saved, self._save_failed, self._stats = [], {}, [], [], {}
-        if not (meta.loaded or meta.failed or meta.saved or meta.save_failed or meta.stats):
-            return None
         return meta
 
 
-def _mark(device: torch.device) -> tuple[float, Any]:
-    """Now, and on a CUDA device a timing event recorded on its current stream (EncoderStepTimer)."""
+def _mark(where: "torch.Tensor | torch.device | None") -> tuple[float, Any]:
+    """Now, and for a CUDA tensor or device a timing event recorded on its current stream
+    (EncoderStepTimer); ``None``: the CPU."""
     event = None
-    if device.type == "cuda":
+    if where is not None and (where.is_cuda if isinstance(where, torch.Tensor) else where.type == "cuda"):
+        device = where.device if isinstance(where, torch.Tensor) else where
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(device))
     return time.perf_counter(), event

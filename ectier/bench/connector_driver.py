@@ -157,10 +157,13 @@ class _Daemon:
     def __init__(self, directory: str, host_bytes: int, nvme: bool) -> None:
         self.dir = directory
         self.socket_path = os.path.join(directory, "d.sock")
+        # the arena file where a deployment has it (the daemon's default shm_dir, a tmpfs): a
+        # MAP_SHARED file on a disk filesystem would be written back to the disk under the puts
+        self.shm_dir = _shm_dir()
         cfg: dict[str, Any] = {
             "namespace": "bench",
             "host": {"capacity_bytes": host_bytes, "block_bytes": 256 * 1024, "admit_wait_s": 0.5},
-            "daemon": {"socket_path": self.socket_path, "shm_dir": directory},
+            "daemon": {"socket_path": self.socket_path, "shm_dir": self.shm_dir or directory},
         }
         if nvme:
             cfg["nvme"] = {"path": os.path.join(directory, "nvme"), "capacity_bytes": 2 * host_bytes + 64 * MiB,
@@ -191,6 +194,11 @@ class _Daemon:
                     raise RuntimeError(f"ectier daemon not ready after {timeout_s} s") from None
                 time.sleep(0.05)
 
+    def remove(self) -> None:
+        """Remove the private directory under /dev/shm (after :meth:`stop`)."""
+        if self.shm_dir is not None:
+            shutil.rmtree(self.shm_dir, ignore_errors=True)
+
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
@@ -200,6 +208,13 @@ class _Daemon:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)
+
+
+def _shm_dir() -> str | None:
+    """A new private directory under ``/dev/shm`` (``None`` where there is none to write)."""
+    if not (os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)):
+        return None
+    return tempfile.mkdtemp(prefix="ectier-bench-shm-", dir="/dev/shm")
 
 
 @dataclass
@@ -232,10 +247,16 @@ def _setup(v: Variant, directory: str, store_bytes: int) -> _Setup:
                              "sync": False, "write_through": True}
         return _Setup(v, "ECTierConnector", "ectier_vllm.connector", extra)
     d = tempfile.mkdtemp(prefix="ectier-bench-d", dir="/tmp")  # AF_UNIX paths: short
-    daemon = _Daemon(d, store_bytes, v.nvme).start()
+    daemon = _Daemon(d, store_bytes, v.nvme)
+    try:
+        daemon.start()
+    except BaseException:
+        daemon.remove()
+        shutil.rmtree(d, ignore_errors=True)
+        raise
     s = _Setup(v, "ECTierConnector", "ectier_vllm.connector",
                {"mode": "daemon", "socket_path": daemon.socket_path, "namespace": "bench"}, daemon=daemon)
-    s.cleanup += [daemon.stop, lambda: shutil.rmtree(d, ignore_errors=True)]
+    s.cleanup += [daemon.stop, daemon.remove, lambda: shutil.rmtree(d, ignore_errors=True)]
     return s
 
 
