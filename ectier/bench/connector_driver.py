@@ -24,8 +24,9 @@ runner make, in their order:
 Each load is compared bitwise (``int16`` view) with the tensor the producer saved.
 
 Timings (seconds, one sample per item): ``save_block_s`` (inside ``save_caches``), ``save_calls_s``
-(``save_caches`` plus every completion call until the save was reported, polled every
-:data:`POLL_S`), ``loadable_s`` (wall time from the start of ``save_caches`` until reported),
+(``save_caches`` plus every completion call until the save was reported, called once per model
+step, one step every ``step_s`` — vLLM's worker calls them once per step; :data:`STEP_S` by
+default), ``loadable_s`` (wall time from the start of ``save_caches`` until reported),
 ``lookup_s`` (first ``ensure_cache_available`` until ``has_cache_item`` is True, steps polled
 every :data:`POLL_S`), ``load_s`` (bind + ``start_load_caches`` + touching every byte),
 ``consumer_s`` (the whole consumer side, lookup to ``request_finished``).
@@ -54,8 +55,11 @@ __all__ = ["VARIANTS", "WIDTH", "Variant", "run_variant", "write_model"]
 #: encoder output width of the benchmark's model: Qwen3-VL-30B-A3B's 2048 * (1 + 3 deepstack levels)
 WIDTH = 8192
 DTYPE = torch.bfloat16
-#: seconds between two polls of a completion call or two scheduler steps of a deferred lookup
+#: seconds between two scheduler steps of a deferred lookup
 POLL_S = 0.0005
+#: seconds between two model steps of the producer's worker (its completion calls run once per
+#: step): 5 ms is a fast decode step (the model's forward alone takes longer on most deployments)
+STEP_S = 0.005
 #: give up on an item whose save is not reported (or whose lookup stays deferred) after this long
 ITEM_TIMEOUT_S = 60.0
 MiB = 1 << 20
@@ -282,8 +286,9 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _produce(producer, mm_hash: str, tensor: torch.Tensor, synchronous: bool) -> dict[str, float]:
-    """Save one item; returns save_block_s, save_calls_s, loadable_s, completion_calls."""
+def _produce(producer, mm_hash: str, tensor: torch.Tensor, synchronous: bool, step_s: float) -> dict[str, float]:
+    """Save one item, then one round of completion calls per model step (every ``step_s``) until
+    it is reported; returns save_block_s, save_calls_s, loadable_s, completion_calls."""
     cache = {mm_hash: tensor}
     t0 = time.perf_counter()
     producer.save_caches(cache, mm_hash)
@@ -304,7 +309,7 @@ def _produce(producer, mm_hash: str, tensor: torch.Tensor, synchronous: bool) ->
             return {"save_block_s": t1 - t0, "save_calls_s": blocked, "loadable_s": c1 - t0, "completion_calls": polls}
         if c1 - t0 > ITEM_TIMEOUT_S:
             raise RuntimeError(f"{producer.__class__.__name__}: save of {mm_hash} not reported after {ITEM_TIMEOUT_S} s")
-        time.sleep(POLL_S)
+        time.sleep(step_s)
 
 
 def _consume(sched, worker, req, mm_hash: str, dst: torch.Tensor) -> dict[str, float]:
@@ -344,8 +349,9 @@ def _shutdown(*conns) -> None:
 
 
 def run_variant(v: Variant, n: int, reps: int, workdir: str | None = None,
-                advance: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Run ``reps`` items of ``(n, 8192)`` bf16 through variant ``v``.
+                advance: Callable[[int], None] | None = None, step_s: float = STEP_S) -> dict[str, Any]:
+    """Run ``reps`` items of ``(n, 8192)`` bf16 through variant ``v``; the producer's model steps
+    (completion calls) come every ``step_s`` seconds.
 
     Returns:
         ``{"variant", "num_tokens", "nbytes", "reps", "samples": [{timings...}, ...],
@@ -377,7 +383,7 @@ def run_variant(v: Variant, n: int, reps: int, workdir: str | None = None,
             t = base.clone()
             t[0, 0] = float(r)
             _sync()
-            samples.append(_produce(producer, mm_hash, t, sync_save))
+            samples.append(_produce(producer, mm_hash, t, sync_save, step_s))
             items.append((mm_hash, t.cpu()))
             del t
         if v.nvme:  # the consumer finds the items on NVMe only

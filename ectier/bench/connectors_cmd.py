@@ -63,7 +63,8 @@ def _budget(ctx, param, value):
         raise click.BadParameter(str(exc)) from None
 
 
-def _measure(console, quiet, sizes, variants, budget_bytes, min_reps, workdir, threads) -> list[dict[str, Any]]:
+def _measure(console, quiet, sizes, variants, budget_bytes, min_reps, workdir, threads,
+             step_s) -> list[dict[str, Any]]:
     driver = _driver()
     import torch
 
@@ -75,7 +76,8 @@ def _measure(console, quiet, sizes, variants, budget_bytes, min_reps, workdir, t
         task = prog.add_task("connectors", total=sum(r for _, _, r in plan))
         for v, n, reps in plan:
             prog.update(task, description=f"{v.name} N={n}")
-            r = driver.run_variant(v, n, reps, workdir=workdir, advance=lambda k: prog.advance(task, k))
+            r = driver.run_variant(v, n, reps, workdir=workdir, advance=lambda k: prog.advance(task, k),
+                                   step_s=step_s)
             if "skipped" in r:
                 prog.advance(task, reps)
             results.append(r)
@@ -99,9 +101,12 @@ def _measure(console, quiet, sizes, variants, budget_bytes, min_reps, workdir, t
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(1),
               help="torch intra-op threads of this process (on a busy machine a second thread makes a 1 MiB "
                    "copy wait for the scheduler: 6 ms instead of 0.05 ms on the 2-core dev VM)")
+@click.option("--step-ms", default=5.0, show_default=True, type=click.FloatRange(0.1, 1000.0),
+              help="milliseconds between two model steps of the producer (its completion calls run once per step)")
 @click.option("--from-json", "from_json", default=None, type=click.Path(dir_okay=False, exists=True),
               help="re-render a saved connectors.json (no vLLM needed)")
-def connectors_cmd(out, workdir, quiet, sizes, variants, budget_bytes, min_reps, threads, from_json) -> None:
+def connectors_cmd(out, workdir, quiet, sizes, variants, budget_bytes, min_reps, threads, step_ms,
+                   from_json) -> None:
     """vLLM's ECExampleConnector and ECCPUConnector (where CUDA is) vs ECTierConnector (in-process host,
     host over NVMe, daemon), each driven through vLLM's connector calls on (N, 8192) bf16 items,
     every load checked bitwise: save, until loadable, lookup, load, whole consumer side (p50 / p90)."""
@@ -115,9 +120,9 @@ def connectors_cmd(out, workdir, quiet, sizes, variants, budget_bytes, min_reps,
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise click.BadParameter(f"not a `ectier bench connectors` result ({exc})", param_hint="--from-json")
     else:
-        results = _measure(console, quiet, sizes, variants, budget_bytes, min_reps, workdir, threads)
+        results = _measure(console, quiet, sizes, variants, budget_bytes, min_reps, workdir, threads, step_ms / 1e3)
         result = {"command": "connectors", "machine": _machine(), "sizes": list(sizes), "variants": list(variants),
-                  "budget_bytes": budget_bytes, "torch_threads": threads, "results": results}
+                  "budget_bytes": budget_bytes, "torch_threads": threads, "step_ms": step_ms, "results": results}
     rows = summarize(results)
     headers, cells = table(rows)
     title = "connectors: ms p50 / p90 per item; vs example = ECExampleConnector's median / this one's (> 1: faster)"
