@@ -106,6 +106,8 @@ class DaemonClient:
         self._arena_path: str | None = None
         self._arena_fd: int | None = None  # the mapped file, kept open to recognise it on reconnect
         self._arena_registered = False  # the mapping is page-locked (cudaHostRegister)
+        self._ro = None  # read-only ArenaView of the views (client_views.py), per daemon run
+        self.view_refusals = 0  # get_view calls the daemon answered with a copy (view_pin_bytes)
 
     # ---------------------------------------------------------------------------- connection
 
@@ -458,36 +460,113 @@ class DaemonClient:
 
         ``device``: ``None``/``"cpu"`` or an explicit ``"cuda:<index>"``.
         """
-        import torch
-
-        from ..tensors import parse_device, torch_dtype
+        from ..tensors import parse_device
 
         dev = parse_device(device)
         with self._lock:
             reply = self.call("get", key=key, **_ns(namespace), **self._direct())
+            tensor = self._copy_out(reply) if reply["hit"] else None
+        return tensor if tensor is None or dev.type == "cpu" else tensor.to(dev)
+
+    def _copy_out(self, reply: dict[str, Any]):
+        """Copy the bytes of a ``get`` reply's lease into a new CPU tensor, then release the lease;
+        ``None`` when the lease had expired meanwhile (the bytes may be foreign)."""
+        import torch
+
+        from ..tensors import torch_dtype
+
+        out = torch.empty(reply["nbytes"], dtype=torch.uint8)
+        try:
+            with self._bytes_of(reply) as arena:
+                off = 0
+                for start, length in reply["extents"]:
+                    out[off : off + length].copy_(arena[start : start + length])
+                    off += length
+                del arena  # before a scratch file's mapping is closed
+        finally:
+            try:
+                valid = self.call("release", retry=False, lease=reply["lease"])["valid"]
+            except DaemonUnavailableError:
+                # the daemon closes the connection of a client whose lease expired (or went
+                # away): either way the copy cannot be vouched for
+                valid = False
+        if not valid:
+            return None
+        dtype, shape = torch_dtype(reply["dtype"]), tuple(reply["shape"])
+        return out.view(dtype).view(shape) if reply["nbytes"] else torch.empty(shape, dtype=dtype)
+
+    def get_view(self, key: str, *, namespace: str | None = None):
+        """A **read-only, zero-copy** CPU tensor over the entry's bytes in the daemon's arena, or
+        ``None`` on a miss (shape and dtype as put; do not write to it: the mapping is read-only
+        and a write faults). The daemon pins the entry for this process until the tensor's
+        storage is freed (the last view of it gone), however long that is and whether or not
+        this connection survives (:mod:`ectier.daemon.client_views`; the release is sent by a
+        background thread). One round trip.
+
+        Copies instead (as :meth:`get`) where a view cannot serve: a daemon without views, an
+        entry read through a scratch file, or one the daemon refused to pin for this process
+        (over ``daemon.view_pin_bytes``; counted in :attr:`view_refusals`).
+
+        Raises: as :meth:`get`.
+        """
+        from .client_views import releaser_for
+
+        with self._lock:
+            if self._sock is None:
+                self.connect()
+            if "view" not in self.features:
+                return self.get(key, namespace=namespace)
+            reply = self.call("get", key=key, **_ns(namespace), **self._direct(), hold=True)
             if not reply["hit"]:
                 return None
-            out = torch.empty(reply["nbytes"], dtype=torch.uint8)
-            try:
-                with self._bytes_of(reply) as arena:
-                    off = 0
-                    for start, length in reply["extents"]:
-                        out[off : off + length].copy_(arena[start : start + length])
-                        off += length
-                    del arena  # before a scratch file's mapping is closed
-            finally:
-                try:
-                    valid = self.call("release", retry=False, lease=reply["lease"])["valid"]
-                except DaemonUnavailableError:
-                    # the daemon closes the connection of a client whose lease expired (or went
-                    # away): either way the copy cannot be vouched for
-                    valid = False
-            if not valid:
-                return None  # the lease expired while copying: the bytes may be foreign
-            dtype = torch_dtype(reply["dtype"])
-            shape = tuple(reply["shape"])
-            tensor = out.view(dtype).view(shape) if reply["nbytes"] else torch.empty(shape, dtype=dtype)
-            return tensor if dev.type == "cpu" else tensor.to(dev)
+            if not reply.get("view"):
+                self.view_refusals += "view_refused" in reply
+                return self._copy_out(reply)
+            instance = self.server_info.get("instance", "")
+            mapping = self._view_mapping()
+        releaser = releaser_for(self.socket_path, self.timeout_s)
+        lease = reply["lease"]
+        try:
+            return mapping.view(reply, lambda: releaser.release(instance, lease))
+        except BaseException:
+            releaser.release(instance, lease)
+            raise
+
+    def _view_mapping(self):
+        """The read-only mapping of the current daemon run's arena (made on first use)."""
+        from .client_views import ArenaView
+
+        instance = self.server_info.get("instance", "")
+        if self._ro is None or self._ro.instance != instance:
+            arena = self.server_info["arena"]
+            self._ro = ArenaView(arena["path"], arena["nbytes"], instance)
+        return self._ro
+
+    def prefetch_and_pin(self, keys: list[str], pin: list[str], *, namespace: str | None = None):
+        """:meth:`prefetch` of ``keys`` that also pins, for this process, those of ``pin`` (a
+        subset) that are ready, in the same round trip: returns ``(states, pins, instance)``,
+        ``pins[i]`` the ``get``-reply fields (``lease``, ``dtype``, ``shape``, ``nbytes``,
+        ``extents``) of ``pin[i]`` or ``None`` (not ready, or refused by ``daemon.view_pin_bytes``).
+        Release a pin with :meth:`release_held` (``instance`` names the daemon run that granted it).
+
+        Raises: as :meth:`prefetch`; DaemonFeatureError for a daemon without views.
+        """
+        with self._lock:
+            if self._sock is None:
+                self.connect()
+            if "view" not in self.features:
+                raise DaemonFeatureError(f"the ectier daemon at {self.socket_path!r} has no views; upgrade it")
+            for key in [*keys, *pin]:
+                validate_key(key)
+            reply = self.call("prefetch", keys=list(keys), pin=list(pin), **_ns(namespace), **self._direct())
+            return list(reply["states"]), list(reply["pins"]), self.server_info.get("instance", "")
+
+    def release_held(self, lease: int, instance: str) -> None:
+        """Release process-held lease ``lease`` of daemon run ``instance`` from the background
+        releaser (never blocks, never raises)."""
+        from .client_views import releaser_for
+
+        releaser_for(self.socket_path, self.timeout_s).release(instance, lease)
 
 
 def _ns(namespace: str | None) -> dict[str, str]:

@@ -1,7 +1,10 @@
 """The daemon's leases: one per reservation (``put``) or read pin (``get``) a client holds.
 
 A lease belongs to one connection and has a deadline (monotonic seconds, ``daemon.lease_s`` after
-it was granted). :class:`LeaseBook` keeps the live ones by id; :func:`end_lease` ends one on the
+it was granted), except a *process-held* read lease (``pid`` set; the pin under a client's
+zero-copy view, :mod:`ectier.daemon.holders`): it belongs to the client process, has no deadline,
+survives its connections, and is released by any connection of that process or when the process
+dies. :class:`LeaseBook` keeps the live ones by id; :func:`end_lease` ends one on the
 cache (commit or abort a reservation, release a pin). Who ends which lease when (disconnect,
 expiry, shutdown) is the server's business (:mod:`ectier.daemon.server`).
 
@@ -38,9 +41,10 @@ class Lease:
 
     id: int
     kind: str  # "put" | "get"
-    conn: Connection
+    conn: Connection | None  # None for a process-held lease
     deadline: float
     handle: WriteLease | ReadLease | DirectPut | DirectRead
+    pid: int | None = None  # the holding process of a process-held lease
 
     @property
     def arena_nbytes(self) -> int:
@@ -75,16 +79,40 @@ class LeaseBook:
             conn.leases.add(lease.id)
         return lease.id
 
+    def grant_held_locked(self, pid: int, handle: ReadLease) -> int:
+        """Record a process-held read lease of process ``pid`` (no deadline); returns its id."""
+        lease = Lease(self._new_id_locked(), "get", None, float("inf"), handle, pid)
+        self._by_id[lease.id] = lease
+        return lease.id
+
     def take(self, conn: Connection, lease_id: int, kind: str) -> Lease | None:
-        """Remove and return lease ``lease_id`` if it is ``conn``'s and of ``kind``; else None
-        (unknown, expired, another connection's, or the other kind)."""
+        """Remove and return lease ``lease_id`` if it is ``conn``'s (or, process-held, its
+        process's) and of ``kind``; else None (unknown, expired, another client's, the other kind)."""
         with self._lock:
             lease = self._by_id.get(lease_id)
-            if lease is None or lease.conn is not conn or lease.kind != kind:
+            if lease is None or lease.kind != kind:
+                return None
+            if (lease.pid != conn.pid) if lease.conn is None else (lease.conn is not conn):
                 return None
             del self._by_id[lease_id]
-            conn.leases.discard(lease_id)
+            if lease.conn is not None:
+                conn.leases.discard(lease_id)
             return lease
+
+    def take_held_of_locked(self, pid: int) -> list[Lease]:
+        """Remove and return every process-held lease of process ``pid`` (it died)."""
+        mine = [l for l in self._by_id.values() if l.conn is None and l.pid == pid]
+        for lease in mine:
+            del self._by_id[lease.id]
+        return mine
+
+    def held_bytes_locked(self, pid: int) -> int:
+        """Host-arena bytes the process-held leases of ``pid`` pin."""
+        return sum(l.arena_nbytes for l in self._by_id.values() if l.conn is None and l.pid == pid)
+
+    def held_pids_locked(self) -> set[int]:
+        """Processes holding at least one process-held lease."""
+        return {l.pid for l in self._by_id.values() if l.conn is None and l.pid is not None}
 
     def take_all(self) -> list[Lease]:
         """Remove and return every lease (at shutdown)."""
@@ -104,7 +132,8 @@ class LeaseBook:
         expired = [l for l in self._by_id.values() if l.deadline <= now]
         for lease in expired:
             del self._by_id[lease.id]
-            lease.conn.leases.discard(lease.id)
+            if lease.conn is not None:
+                lease.conn.leases.discard(lease.id)
         return expired
 
     def arena_blocks(self, block_bytes: int) -> int:
@@ -113,9 +142,11 @@ class LeaseBook:
             return sum(-(-l.arena_nbytes // block_bytes) for l in self._by_id.values())
 
     def counts_locked(self) -> dict[str, int]:
-        """``{"put": n, "get": n}``: live leases by kind."""
+        """``{"put": n, "get": n, "view": n}``: live leases by kind (``view``: process-held read
+        leases, also counted in ``get``)."""
         return {"put": sum(1 for l in self._by_id.values() if l.kind == "put"),
-                "get": sum(1 for l in self._by_id.values() if l.kind == "get")}
+                "get": sum(1 for l in self._by_id.values() if l.kind == "get"),
+                "view": sum(1 for l in self._by_id.values() if l.conn is None)}
 
 
 def end_lease(cache: TieredCache, lease: Lease, *, commit: bool) -> None:

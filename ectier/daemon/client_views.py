@@ -1,0 +1,199 @@
+"""Zero-copy reads of the daemon's arena: read-only views whose pin lives as long as the view.
+
+A :meth:`~ectier.daemon.client.DaemonClient.get_view` takes a *process-held* lease
+(:mod:`ectier.daemon.holders`: no deadline, survives the connection) and returns a CPU tensor
+over the leased bytes of the arena, mapped **read-only** in this process (:class:`ArenaView`;
+a write through the view faults instead of changing an entry every client shares). The view is
+made with :func:`ectier.moves.views.pinned_view`, so its pin ends when its storage is freed (the
+last view, slice or reshape of it gone) and never earlier.
+
+Releases never block: the storage's finalizer only queues ``(daemon run, lease id)`` on a
+:class:`queue.SimpleQueue` (safe in finalizers and in any thread); one background thread per
+process and socket (:class:`ViewReleaser`, started with the first view) sends the queued ids in
+batches (``release`` with ``leases``) over a connection of its own, so it never waits on the
+model step's client lock and the model step never waits on it. A release that cannot be sent
+(daemon hung or away) is retried every :data:`RETRY_S`; one for an earlier daemon run (the
+daemon restarted: its pins went with it) is dropped: the request names the run (``instance``)
+and the daemon ignores ids of another. In a child of ``fork()`` the inherited views release
+nothing (their pins are the parent's).
+
+Imports torch and numpy only when a view is made.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import queue
+import threading
+import warnings
+from typing import Any
+
+__all__ = ["ArenaView", "ViewReleaser", "releaser_for"]
+
+log = logging.getLogger(__name__)
+
+#: seconds between attempts to send releases the daemon did not take (unreachable)
+RETRY_S = 1.0
+#: most lease ids one ``release`` carries (the protocol's batch cap)
+BATCH = 1024
+#: MADV_POPULATE_READ (Linux 5.14): map a view's pages up front, instead of one fault per page
+_MADV_POPULATE_READ = 22
+
+
+class ArenaView:
+    """This process's read-only mapping of one daemon run's arena (``path``, ``nbytes``).
+
+    ``instance``: the daemon run (``hello``'s ``instance``) whose arena it is. The mapping stays
+    alive while any view over it does, even after the client maps a newer run's arena.
+    """
+
+    def __init__(self, path: str, nbytes: int, instance: str) -> None:
+        import numpy as np
+        import torch
+
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self._mmap = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.instance = instance
+        with warnings.catch_warnings():  # torch warns that numpy's array is not writable: it is not
+            warnings.simplefilter("ignore")
+            self.tensor = torch.from_numpy(np.frombuffer(self._mmap, dtype=np.uint8))
+        self._populated = bytearray(-(-nbytes // (1 << 21)))  # 2 MiB chunks already mapped here
+        self._populate_ok = hasattr(self._mmap, "madvise")
+
+    def populate(self, start: int, length: int) -> None:
+        """Map ``[start, start + length)`` into this process's page tables now (one
+        ``madvise``), so that reading a fresh view takes no page fault per 4 KiB page. Each 2 MiB
+        chunk is populated once per mapping; failure (an older kernel) only costs the faults."""
+        if not self._populate_ok or length <= 0:
+            return
+        first, last = start >> 21, (start + length - 1) >> 21
+        if all(self._populated[first:last + 1]):
+            return
+        lo, hi = first << 21, min((last + 1) << 21, len(self._mmap))
+        try:
+            self._mmap.madvise(_MADV_POPULATE_READ, lo, hi - lo)
+        except (OSError, ValueError):
+            self._populate_ok = False
+            return
+        self._populated[first:last + 1] = b"\x01" * (last + 1 - first)
+
+    def view(self, reply: dict[str, Any], release) -> Any:
+        """A tensor of the reply's dtype and shape over its extents (one contiguous extent:
+        zero-copy, ``release`` runs when its storage dies; several: copied into one tensor and
+        ``release`` runs at once). Raises ValueError for extents outside the mapping (then
+        ``release`` has not run)."""
+        import torch
+
+        from ..moves.views import pinned_view
+        from ..tensors import torch_dtype
+
+        dtype, shape = torch_dtype(reply["dtype"]), tuple(reply["shape"])
+        extents = reply["extents"]
+        if len(extents) == 1:
+            start, length = extents[0]
+            self.populate(start, length)
+            return pinned_view(self.tensor, start, length, dtype, shape, release)
+        out = torch.empty(reply["nbytes"], dtype=torch.uint8)
+        off = 0
+        for start, length in extents:
+            if start < 0 or start + length > self.tensor.numel():
+                raise ValueError(f"extent [{start}, {start + length}) outside the {self.tensor.numel()}-byte arena")
+            out[off:off + length].copy_(self.tensor[start:start + length])
+            off += length
+        release()
+        return out.view(dtype).view(shape) if reply["nbytes"] else torch.empty(shape, dtype=dtype)
+
+
+class ViewReleaser:
+    """The background sender of one process's view releases to one daemon (module docstring).
+
+    Args:
+        socket_path: the daemon's socket.
+        timeout_s: the release connection's ``DaemonClient`` timeout, seconds.
+    """
+
+    def __init__(self, socket_path: str, timeout_s: float) -> None:
+        self.socket_path = socket_path
+        self._timeout_s = timeout_s
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pid = os.getpid()
+        self.sent = 0  # lease ids the daemon took
+        self.dropped = 0  # lease ids of an earlier daemon run, or that the daemon no longer knew
+        self._queued = 0  # releases queued so far
+        self._done = 0  # of them sent or dropped
+        threading.Thread(target=self._run, daemon=True, name="ectier-daemon-view-release").start()
+
+    def release(self, instance: str, lease: int) -> None:
+        """Queue the release of ``lease`` granted by daemon run ``instance``. Never blocks, never
+        raises; safe in finalizers. Nothing in a forked child."""
+        if os.getpid() != self._pid:
+            return
+        self._queued += 1
+        self._queue.put((instance, lease))
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every release queued so far was sent (or dropped); True if so within ``timeout_s``."""
+        import time
+
+        target, deadline = self._queued, time.monotonic() + timeout_s
+        while self._done < target:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def _run(self) -> None:
+        from .client import DaemonClient
+        from ..errors import EctierError
+
+        client = DaemonClient(self.socket_path, client_name=f"view-release:{os.getpid()}", timeout_s=self._timeout_s,
+                              connect_retry_s=min(1.0, self._timeout_s), backoff_s=RETRY_S)
+        pending: dict[str, list[int]] = {}
+        while True:
+            try:
+                item = self._queue.get(timeout=RETRY_S if pending else None)
+            except queue.Empty:
+                item = None
+            while item is not None:
+                pending.setdefault(item[0], []).append(item[1])
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    item = None
+            for instance, ids in list(pending.items()):
+                try:
+                    while ids:
+                        batch = ids[:BATCH]
+                        n = client.call("release", leases=batch, instance=instance)["released"]
+                        self.sent += n
+                        self.dropped += len(batch) - n
+                        del ids[:BATCH]
+                        self._done += len(batch)
+                    del pending[instance]
+                except EctierError as exc:  # unreachable, hung: retried in RETRY_S
+                    log.debug("sending %d view release(s) failed (%s); retrying", len(ids), exc)
+                except Exception:  # noqa: BLE001 - keep serving releases
+                    log.exception("sending view releases failed; dropping them")
+                    self.dropped += len(ids)
+                    self._done += len(ids)
+                    del pending[instance]
+
+
+_RELEASERS: dict[str, ViewReleaser] = {}
+_RELEASERS_LOCK = threading.Lock()
+os.register_at_fork(after_in_child=_RELEASERS.clear)
+
+
+def releaser_for(socket_path: str, timeout_s: float) -> ViewReleaser:
+    """This process's :class:`ViewReleaser` for ``socket_path`` (made, and its thread started, on
+    first use; call it outside finalizers)."""
+    with _RELEASERS_LOCK:
+        releaser = _RELEASERS.get(socket_path)
+        if releaser is None:
+            releaser = _RELEASERS[socket_path] = ViewReleaser(socket_path, timeout_s)
+        return releaser
