@@ -194,6 +194,7 @@ class DaemonStore:
         self._expected: set[str] = set()  # keys to ask about in this step's round trip
         self._tracked: dict[str, int] = {}  # key of a handle in flight -> step it was last polled
         self._batched: bool | None = None  # the daemon has the prefetch op (None: not known yet)
+        self._pinned: dict[str, Pin] = {}  # this step's pins taken by the round trip, not acquired yet
         # one connection attempt now, no wait: an unreachable daemon is reported loudly here, not
         # discovered as slow misses later; never fatal (the daemon may start after the engine)
         try:
@@ -216,6 +217,9 @@ class DaemonStore:
         """A scheduler step begins: answers of the last step are forgotten."""
         self._step += 1
         self._answers = {}
+        for pin in self._pinned.values():  # pinned by this step's round trip, never acquired
+            self.release(pin)
+        self._pinned = {}
         self._expected = set()  # a request still waiting says so again
         # handles nobody polled in the last step (promotion given up by the connector): not asked again
         self._tracked = {k: s for k, s in self._tracked.items() if s >= self._step - 1}
@@ -239,10 +243,21 @@ class DaemonStore:
         from ectier.daemon.protocol import MAX_BATCH_KEYS
 
         batch = list(dict.fromkeys([key, *self._expected, *(k for k in self._tracked if k not in self._answers)]))
+        wanted = self._expected.union(self._tracked)  # keys the scheduler pins once ready
         self._expected = set()
+        views = "view" in self.client.features
         for i in range(0, len(batch), MAX_BATCH_KEYS):  # more than one only past 1024 items in flight
             chunk = batch[i:i + MAX_BATCH_KEYS]
-            self._answers.update(zip(chunk, self.client.prefetch(chunk, namespace=self.namespace)))
+            if not views:
+                self._answers.update(zip(chunk, self.client.prefetch(chunk, namespace=self.namespace)))
+                continue
+            # the ready ones are pinned in the same round trip: acquire() then costs nothing
+            pin = [k for k in chunk if k in wanted and k not in self._pinned]
+            states, pins, instance = self.client.prefetch_and_pin(chunk, pin, namespace=self.namespace)
+            self._answers.update(zip(chunk, states))
+            for k, reply in zip(pin, pins):
+                if reply is not None:
+                    self._pinned[k] = _held_pin(reply, instance)
         return self._answers[key]
 
     def _legacy(self) -> bool:
@@ -269,14 +284,25 @@ class DaemonStore:
     def acquire(self, key: str, device: str) -> Pin | None:
         """Pin ``key``: a daemon ``get`` lease, which takes over the pin (or, for an entry larger
         than the daemon's arena, the scratch file) the daemon's finished promotion holds."""
+        pin = self._pinned.pop(key, None)
+        if pin is not None:
+            return pin  # pinned by this step's prefetch round trip
         direct = {"direct": True} if "direct" in self.client.features else {}
-        reply = self.client.call("get", key=key, namespace=self.namespace, **direct)
+        hold = {"hold": True} if "view" in self.client.features else {}
+        reply = self.client.call("get", key=key, namespace=self.namespace, **direct, **hold)
         if not reply.get("hit"):
             return None
+        if reply.get("view"):
+            return _held_pin(reply, self.client.server_info.get("instance", ""))
         return Pin(tuple(reply["shape"]), str(reply["dtype"]), reply["lease"])
 
     def release(self, pin: Pin) -> None:
-        self.client.call("release", retry=False, lease=pin.lease)
+        """End ``pin``: a process-held lease from the background releaser (no round trip here),
+        an older daemon's connection lease with a ``release`` call."""
+        if isinstance(pin.lease, HeldLease):
+            self.client.release_held(pin.lease.id, pin.lease.instance)
+        else:
+            self.client.call("release", retry=False, lease=pin.lease)
 
     def stage(self, key: str, pin: Pin) -> None:  # the worker is another client: nothing to share
         return None
@@ -295,13 +321,35 @@ class DaemonStore:
         return DaemonStore(*self._args)
 
     def get(self, key: str, device: str) -> Any:
-        return self.client.get(key, namespace=self.namespace, device=None if device == "cpu" else device)
+        """Read ``key``: onto the CPU, a read-only zero-copy view of the daemon's arena
+        (:meth:`DaemonClient.get_view`: pinned until the tensor is freed); onto a GPU, one copy
+        from that view to ``device``."""
+        view = self.client.get_view(key, namespace=self.namespace)
+        if view is None or device == "cpu":
+            return view
+        return view.to(device)  # the view (and so its pin) goes once copied
 
     def flush(self) -> None:
         return None  # the daemon flushes on its own shutdown
 
     def close(self) -> None:
+        for pin in self._pinned.values():
+            self.release(pin)
+        self._pinned = {}
         self.client.close()
+
+
+@dataclass(frozen=True)
+class HeldLease:
+    """A daemon lease held by this process (no deadline; released from a background thread):
+    its ``id`` and the daemon run (``instance``) that granted it."""
+
+    id: int
+    instance: str
+
+
+def _held_pin(reply: dict[str, Any], instance: str) -> Pin:
+    return Pin(tuple(reply["shape"]), str(reply["dtype"]), HeldLease(reply["lease"], instance))
 
 
 class DaemonLoad:

@@ -107,6 +107,7 @@ class DaemonClient:
         self._arena_fd: int | None = None  # the mapped file, kept open to recognise it on reconnect
         self._arena_registered = False  # the mapping is page-locked (cudaHostRegister)
         self._ro = None  # read-only ArenaView of the views (client_views.py), per daemon run
+        self._releaser = None  # this process's ViewReleaser for socket_path (client_views.py)
         self.view_refusals = 0  # get_view calls the daemon answered with a copy (view_pin_bytes)
 
     # ---------------------------------------------------------------------------- connection
@@ -509,8 +510,6 @@ class DaemonClient:
 
         Raises: as :meth:`get`.
         """
-        from .client_views import releaser_for
-
         with self._lock:
             if self._sock is None:
                 self.connect()
@@ -524,7 +523,7 @@ class DaemonClient:
                 return self._copy_out(reply)
             instance = self.server_info.get("instance", "")
             mapping = self._view_mapping()
-        releaser = releaser_for(self.socket_path, self.timeout_s)
+        releaser = self._view_releaser()
         lease = reply["lease"]
         try:
             return mapping.view(reply, lambda: releaser.release(instance, lease))
@@ -564,9 +563,14 @@ class DaemonClient:
     def release_held(self, lease: int, instance: str) -> None:
         """Release process-held lease ``lease`` of daemon run ``instance`` from the background
         releaser (never blocks, never raises)."""
+        self._view_releaser().release(instance, lease)
+
+    def _view_releaser(self):
         from .client_views import releaser_for
 
-        releaser_for(self.socket_path, self.timeout_s).release(instance, lease)
+        if self._releaser is None:
+            self._releaser = releaser_for(self.socket_path, self.timeout_s)
+        return self._releaser
 
 
 def _ns(namespace: str | None) -> dict[str, str]:

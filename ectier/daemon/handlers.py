@@ -181,19 +181,25 @@ def _read_fields(handle: ReadLease) -> dict[str, Any]:
 
 def _op_prefetch(server: DaemonServer, conn: Connection, keys: list, namespace: str | None = None,
                  direct: bool = False, pin: list | None = None) -> dict[str, Any]:
-    states = server.prefetcher.states(keys, namespace, direct=direct)
     if pin is None:
-        return {"states": states}
-    ready = {k for k, state in zip(keys, states) if state == "ready"}
-    return {"states": states, "pins": [_pin(server, conn, key, namespace) if key in ready else None for key in pin]}
+        return {"states": server.prefetcher.states(keys, namespace, direct=direct)}
+    # keys to pin that are in the arena now are pinned at once (one acquire, no I/O); the rest
+    # go through the prefetcher, and those it then answers ready are pinned as well
+    pins = {key: p for key in dict.fromkeys(pin) if (p := _pin(server, conn, key, namespace)) is not None}
+    rest = [k for k in keys if k not in pins]
+    states = dict(zip(rest, server.prefetcher.states(rest, namespace, direct=direct)))
+    for key in pin:
+        if key not in pins and states.get(key) == "ready" and (p := _pin(server, conn, key, namespace)) is not None:
+            pins[key] = p
+    return {"states": ["ready" if k in pins else states[k] for k in keys], "pins": [pins.get(k) for k in pin]}
 
 
 def _pin(server: DaemonServer, conn: Connection, key: str, namespace: str | None) -> dict[str, Any] | None:
     """A process-held lease on ``key`` for ``prefetch``'s ``pin`` (the fields of a ``get``
-    reply), or None: not in the arena any more, or the view bound refused it."""
+    reply), or None: not in the arena (never waits on I/O), or the view bound refused it."""
     assert server.cache is not None
     held = server.prefetcher.take(namespace, key, direct=False)
-    handle = held.handle if held is not None else server.cache.acquire(key, namespace=namespace)
+    handle = held.handle if held is not None else server.cache.acquire(key, namespace=namespace, promote=False)
     if not isinstance(handle, ReadLease):
         return None
     lease_id, _ = server.grant_view(conn, handle)

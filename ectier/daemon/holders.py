@@ -48,14 +48,15 @@ class Holders:
         self._fds: dict[int, int] = {}  # pid -> pidfd, or -1 (watched with kill(pid, 0))
         self.counters = {"granted": 0, "refused": 0, "released": 0, "released_dead": 0}
 
-    def refusal_locked(self, pid: int, held_bytes: int, nbytes: int) -> str | None:
-        """Why process ``pid``, already holding ``held_bytes``, may not pin ``nbytes`` more
-        (``None``: it may). Starts watching ``pid`` when it may."""
+    def refusal_locked(self, pid: int, held_bytes: int, after_bytes: int) -> str | None:
+        """Why process ``pid``, holding ``held_bytes`` of the arena through views, may not hold
+        ``after_bytes`` (with the one asked for; ``None``: it may). Starts watching ``pid`` when
+        it may."""
         if self.limit_bytes == 0:
             return "views are off (daemon.view_pin_bytes=0)"
-        if held_bytes + nbytes > self.limit_bytes:
-            return (f"process {pid} holds {held_bytes} bytes through views; {nbytes} more would pass "
-                    f"daemon.view_pin_bytes={self.limit_bytes}")
+        if after_bytes > self.limit_bytes:
+            return (f"process {pid} holds {held_bytes} bytes of the arena through views; {after_bytes - held_bytes} "
+                    f"more would pass daemon.view_pin_bytes={self.limit_bytes}")
         if pid <= 0 or not self._watch(pid):
             return f"the daemon cannot watch client process {pid} (another pid namespace, or gone)"
         return None

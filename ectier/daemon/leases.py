@@ -67,6 +67,9 @@ class LeaseBook:
         self._lease_s = lease_s
         self._new_id_locked = new_id_locked
         self._by_id: dict[int, Lease] = {}
+        # pid -> {arena place of an entry: [process-held leases on it, its bytes]}: what a
+        # process pins through views, each entry counted once (kept as leases come and go)
+        self._held: dict[int, dict[tuple, list[int]]] = {}
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -83,7 +86,20 @@ class LeaseBook:
         """Record a process-held read lease of process ``pid`` (no deadline); returns its id."""
         lease = Lease(self._new_id_locked(), "get", None, float("inf"), handle, pid)
         self._by_id[lease.id] = lease
+        place = self._held.setdefault(pid, {}).setdefault(_place(handle), [0, handle.meta.nbytes])
+        place[0] += 1
         return lease.id
+
+    def _forget_held_locked(self, lease: Lease) -> None:
+        places = self._held.get(lease.pid)
+        place = places.get(_place(lease.handle)) if places is not None else None
+        if place is None:
+            return
+        place[0] -= 1
+        if place[0] <= 0:
+            del places[_place(lease.handle)]
+            if not places:
+                del self._held[lease.pid]
 
     def take(self, conn: Connection, lease_id: int, kind: str) -> Lease | None:
         """Remove and return lease ``lease_id`` if it is ``conn``'s (or, process-held, its
@@ -97,6 +113,8 @@ class LeaseBook:
             del self._by_id[lease_id]
             if lease.conn is not None:
                 conn.leases.discard(lease_id)
+            else:
+                self._forget_held_locked(lease)
             return lease
 
     def take_held_of_locked(self, pid: int) -> list[Lease]:
@@ -104,21 +122,29 @@ class LeaseBook:
         mine = [l for l in self._by_id.values() if l.conn is None and l.pid == pid]
         for lease in mine:
             del self._by_id[lease.id]
+        self._held.pop(pid, None)
         return mine
 
-    def held_bytes_locked(self, pid: int) -> int:
-        """Host-arena bytes the process-held leases of ``pid`` pin."""
-        return sum(l.arena_nbytes for l in self._by_id.values() if l.conn is None and l.pid == pid)
+    def held_bytes_locked(self, pid: int, also: ReadLease | None = None) -> int:
+        """Host-arena bytes the process-held leases of ``pid`` pin (and ``also`` would): each
+        entry counted once, however many leases of the process pin it (e.g. the scheduler's
+        pin and the worker's view of one item)."""
+        places = self._held.get(pid, {})
+        total = sum(nbytes for _, nbytes in places.values())
+        if also is not None and _place(also) not in places:
+            total += also.meta.nbytes
+        return total
 
     def held_pids_locked(self) -> set[int]:
         """Processes holding at least one process-held lease."""
-        return {l.pid for l in self._by_id.values() if l.conn is None and l.pid is not None}
+        return set(self._held)
 
     def take_all(self) -> list[Lease]:
         """Remove and return every lease (at shutdown)."""
         with self._lock:
             leases = list(self._by_id.values())
             self._by_id.clear()
+            self._held.clear()
         return leases
 
     def take_of_locked(self, conn: Connection) -> list[Lease]:
@@ -147,6 +173,11 @@ class LeaseBook:
         return {"put": sum(1 for l in self._by_id.values() if l.kind == "put"),
                 "get": sum(1 for l in self._by_id.values() if l.kind == "get"),
                 "view": sum(1 for l in self._by_id.values() if l.conn is None)}
+
+
+def _place(handle) -> tuple:
+    """Where a read lease's bytes lie in the arena (the same for every lease of one entry)."""
+    return tuple(tuple(e) for e in handle.extents)
 
 
 def end_lease(cache: TieredCache, lease: Lease, *, commit: bool) -> None:

@@ -449,7 +449,8 @@ class DaemonServer:
         ``daemon.view_pin_bytes`` (:mod:`ectier.daemon.holders`). Returns ``(lease id, None)``, or
         ``(None, reason)`` when refused (``handle`` is then still the caller's)."""
         with self._lock:
-            reason = self.holders.refusal_locked(conn.pid, self.leases.held_bytes_locked(conn.pid), handle.meta.nbytes)
+            reason = self.holders.refusal_locked(conn.pid, self.leases.held_bytes_locked(conn.pid),
+                                                 self.leases.held_bytes_locked(conn.pid, also=handle))
             if reason is not None:
                 self.holders.counters["refused"] += 1
                 return None, reason
