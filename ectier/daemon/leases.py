@@ -168,11 +168,16 @@ class LeaseBook:
             return sum(-(-l.arena_nbytes // block_bytes) for l in self._by_id.values())
 
     def counts_locked(self) -> dict[str, int]:
-        """``{"put": n, "get": n, "view": n}``: live leases by kind (``view``: process-held read
-        leases, also counted in ``get``)."""
+        """``{"put": n, "get": n}``: live leases by kind (process-held read leases count as ``get``)."""
         return {"put": sum(1 for l in self._by_id.values() if l.kind == "put"),
-                "get": sum(1 for l in self._by_id.values() if l.kind == "get"),
-                "view": sum(1 for l in self._by_id.values() if l.conn is None)}
+                "get": sum(1 for l in self._by_id.values() if l.kind == "get")}
+
+    def held_counts_locked(self) -> dict[str, int]:
+        """``{"leases": n, "bytes": b, "processes": p}``: the process-held leases, the arena bytes
+        they pin (each entry once per process), and the processes holding them."""
+        return {"leases": sum(1 for l in self._by_id.values() if l.conn is None),
+                "bytes": sum(n for places in self._held.values() for _, n in places.values()),
+                "processes": len(self._held)}
 
 
 def _place(handle) -> tuple:

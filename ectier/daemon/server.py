@@ -422,7 +422,7 @@ class DaemonServer:
                 "metrics": ({"host": self.metrics_address[0], "port": self.metrics_address[1]}
                             if self.metrics_address else None),
                 "leases": self.leases.counts_locked(),
-                "views": {"processes": len(self.leases.held_pids_locked()), "limit_bytes": self.holders.limit_bytes,
+                "views": {**self.leases.held_counts_locked(), "limit_bytes": self.holders.limit_bytes,
                           **self.holders.counters},
                 "prefetch": self.prefetcher.stats() if self.prefetcher is not None else {},
                 "clients": [
