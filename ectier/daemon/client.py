@@ -16,7 +16,9 @@ serialised on its connection); give busy threads their own client.
 What the daemon offers beyond protocol 1's first operations is in its ``hello`` reply
 (:attr:`DaemonClient.features`): the batched :meth:`DaemonClient.prefetch`, and direct reads and
 writes through scratch files for entries the host arena cannot take (``put``/``get`` use them by
-themselves). Against an older daemon, :meth:`prefetch` raises and ``put``/``get`` work as before.
+themselves), and zero-copy reads (:meth:`~ectier.daemon.client_views.ViewCalls.get_view`, a mixin
+of :mod:`ectier.daemon.client_views`). Against an older daemon, :meth:`prefetch` raises,
+``get_view`` copies, and ``put``/``get`` work as before.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ..config import DaemonConfig
 from ..entry import validate_key, validate_namespace
 from .client_copy import copy_from_device as _copy_from_device, device_to_host as _device_to_host
 from .client_errors import DaemonFeatureError, DaemonUnavailableError, error_from_reply as _error_from
+from .client_views import ViewCalls
 from .protocol import PROTOCOL_VERSION, FrameDecoder, ProtocolError, encode_frame
 
 __all__ = ["DaemonClient", "DaemonUnavailableError", "DaemonFeatureError"]
@@ -43,7 +46,7 @@ __all__ = ["DaemonClient", "DaemonUnavailableError", "DaemonFeatureError"]
 log = logging.getLogger(__name__)
 
 
-class DaemonClient:
+class DaemonClient(ViewCalls):
     """Talk to ``ectier serve``.
 
     Args:
@@ -495,83 +498,6 @@ class DaemonClient:
             return None
         dtype, shape = torch_dtype(reply["dtype"]), tuple(reply["shape"])
         return out.view(dtype).view(shape) if reply["nbytes"] else torch.empty(shape, dtype=dtype)
-
-    def get_view(self, key: str, *, namespace: str | None = None):
-        """A **read-only, zero-copy** CPU tensor over the entry's bytes in the daemon's arena, or
-        ``None`` on a miss (shape and dtype as put; do not write to it: the mapping is read-only
-        and a write faults). The daemon pins the entry for this process until the tensor's
-        storage is freed (the last view of it gone), however long that is and whether or not
-        this connection survives (:mod:`ectier.daemon.client_views`; the release is sent by a
-        background thread). One round trip.
-
-        Copies instead (as :meth:`get`) where a view cannot serve: a daemon without views, an
-        entry read through a scratch file, or one the daemon refused to pin for this process
-        (over ``daemon.view_pin_bytes``; counted in :attr:`view_refusals`).
-
-        Raises: as :meth:`get`.
-        """
-        with self._lock:
-            if self._sock is None:
-                self.connect()
-            if "view" not in self.features:
-                return self.get(key, namespace=namespace)
-            reply = self.call("get", key=key, **_ns(namespace), **self._direct(), hold=True)
-            if not reply["hit"]:
-                return None
-            if not reply.get("view"):
-                self.view_refusals += "view_refused" in reply
-                return self._copy_out(reply)
-            instance = self.server_info.get("instance", "")
-            mapping = self._view_mapping()
-        releaser = self._view_releaser()
-        lease = reply["lease"]
-        try:
-            return mapping.view(reply, lambda: releaser.release(instance, lease))
-        except BaseException:
-            releaser.release(instance, lease)
-            raise
-
-    def _view_mapping(self):
-        """The read-only mapping of the current daemon run's arena (made on first use)."""
-        from .client_views import ArenaView
-
-        instance = self.server_info.get("instance", "")
-        if self._ro is None or self._ro.instance != instance:
-            arena = self.server_info["arena"]
-            self._ro = ArenaView(arena["path"], arena["nbytes"], instance)
-        return self._ro
-
-    def prefetch_and_pin(self, keys: list[str], pin: list[str], *, namespace: str | None = None):
-        """:meth:`prefetch` of ``keys`` that also pins, for this process, those of ``pin`` (a
-        subset) that are ready, in the same round trip: returns ``(states, pins, instance)``,
-        ``pins[i]`` the ``get``-reply fields (``lease``, ``dtype``, ``shape``, ``nbytes``,
-        ``extents``) of ``pin[i]`` or ``None`` (not ready, or refused by ``daemon.view_pin_bytes``).
-        Release a pin with :meth:`release_held` (``instance`` names the daemon run that granted it).
-
-        Raises: as :meth:`prefetch`; DaemonFeatureError for a daemon without views.
-        """
-        with self._lock:
-            if self._sock is None:
-                self.connect()
-            if "view" not in self.features:
-                raise DaemonFeatureError(f"the ectier daemon at {self.socket_path!r} has no views; upgrade it")
-            for key in [*keys, *pin]:
-                validate_key(key)
-            reply = self.call("prefetch", keys=list(keys), pin=list(pin), **_ns(namespace), **self._direct())
-            return list(reply["states"]), list(reply["pins"]), self.server_info.get("instance", "")
-
-    def release_held(self, lease: int, instance: str) -> None:
-        """Release process-held lease ``lease`` of daemon run ``instance`` from the background
-        releaser (never blocks, never raises)."""
-        self._view_releaser().release(instance, lease)
-
-    def _view_releaser(self):
-        from .client_views import releaser_for
-
-        if self._releaser is None:
-            self._releaser = releaser_for(self.socket_path, self.timeout_s)
-        return self._releaser
-
 
 def _ns(namespace: str | None) -> dict[str, str]:
     return {} if namespace is None else {"namespace": namespace}

@@ -31,7 +31,7 @@ import time
 import warnings
 from typing import Any
 
-__all__ = ["ArenaView", "ViewReleaser", "releaser_for"]
+__all__ = ["ArenaView", "ViewCalls", "ViewReleaser", "releaser_for"]
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +186,95 @@ class ViewReleaser:
                     self.dropped += len(ids)
                     self._done += len(ids)
                     del pending[instance]
+
+
+class ViewCalls:
+    """The view calls of :class:`~ectier.daemon.client.DaemonClient` (a mixin: they use its
+    connection, lock and ``server_info``)."""
+
+    def get_view(self, key: str, *, namespace: str | None = None):
+        """A **read-only, zero-copy** CPU tensor over the entry's bytes in the daemon's arena, or
+        ``None`` on a miss (shape and dtype as put; do not write to it: the mapping is read-only
+        and a write faults). The daemon pins the entry for this process until the tensor's
+        storage is freed (the last view of it gone), however long that is and whether or not
+        this connection survives (:mod:`ectier.daemon.client_views`; the release is sent by a
+        background thread). One round trip.
+
+        Copies instead (as :meth:`get`) where a view cannot serve: a daemon without views, an
+        entry read through a scratch file, or one the daemon refused to pin for this process
+        (over ``daemon.view_pin_bytes``; counted in :attr:`view_refusals`).
+
+        Raises: as :meth:`get`.
+        """
+        with self._lock:
+            if self._sock is None:
+                self.connect()
+            if "view" not in self.features:
+                return self.get(key, namespace=namespace)
+            reply = self.call("get", key=key, **_ns(namespace), **self._direct(), hold=True)
+            if not reply["hit"]:
+                return None
+            if not reply.get("view"):
+                self.view_refusals += "view_refused" in reply
+                return self._copy_out(reply)
+            instance = self.server_info.get("instance", "")
+            mapping = self._view_mapping()
+        releaser = self._view_releaser()
+        lease = reply["lease"]
+        try:
+            return mapping.view(reply, lambda: releaser.release(instance, lease))
+        except BaseException:
+            releaser.release(instance, lease)
+            raise
+
+    def _view_mapping(self):
+        """The read-only mapping of the current daemon run's arena (made on first use)."""
+        instance = self.server_info.get("instance", "")
+        if self._ro is None or self._ro.instance != instance:
+            arena = self.server_info["arena"]
+            self._ro = ArenaView(arena["path"], arena["nbytes"], instance)
+        return self._ro
+
+    def prefetch_and_pin(self, keys: list[str], pin: list[str], *, namespace: str | None = None):
+        """:meth:`prefetch` of ``keys`` that also pins, for this process, those of ``pin`` (a
+        subset) that are ready, in the same round trip: returns ``(states, pins, instance)``,
+        ``pins[i]`` the ``get``-reply fields (``lease``, ``dtype``, ``shape``, ``nbytes``,
+        ``extents``) of ``pin[i]`` or ``None`` (not ready, or refused by ``daemon.view_pin_bytes``).
+        Release a pin with :meth:`release_held` (``instance`` names the daemon run that granted it).
+
+        Raises: as :meth:`prefetch`; DaemonFeatureError for a daemon without views.
+        """
+        with self._lock:
+            if self._sock is None:
+                self.connect()
+            if "view" not in self.features:
+                raise _feature_error(f"the ectier daemon at {self.socket_path!r} has no views; upgrade it")
+            from ..entry import validate_key
+
+            for key in [*keys, *pin]:
+                validate_key(key)
+            reply = self.call("prefetch", keys=list(keys), pin=list(pin), **_ns(namespace), **self._direct())
+            return list(reply["states"]), list(reply["pins"]), self.server_info.get("instance", "")
+
+    def release_held(self, lease: int, instance: str) -> None:
+        """Release process-held lease ``lease`` of daemon run ``instance`` from the background
+        releaser (never blocks, never raises)."""
+        self._view_releaser().release(instance, lease)
+
+    def _view_releaser(self) -> "ViewReleaser":
+        if self._releaser is None:
+            self._releaser = releaser_for(self.socket_path, self.timeout_s)
+        return self._releaser
+
+
+def _feature_error(message: str):
+    from .client_errors import DaemonFeatureError  # client_errors imports nothing of ours
+
+    return DaemonFeatureError(message)
+
+
+def _ns(namespace: str | None) -> dict[str, str]:
+    return {} if namespace is None else {"namespace": namespace}
 
 
 _RELEASERS: dict[str, ViewReleaser] = {}
