@@ -131,6 +131,41 @@ def test_no_daemon_lookups_and_saves_are_fast_misses_with_one_warning(engine, ca
 # ------------------------------------------------------------------ the scheduler never waits on I/O
 
 
+def test_a_hung_daemon_is_a_miss_or_a_failed_load_never_an_exception(engine, daemon):
+    """A daemon that stops answering (SIGSTOP): a lookup is a miss after daemon_timeout_s (then
+    fast misses: the back-off); a load of an item pinned before it hung fails the request
+    (retryable), no exception reaches the engine; once it answers again the pins the scheduler
+    released meanwhile reach it (the background releaser retries) and nothing stays pinned."""
+    import signal
+
+    from daemon_helpers import daemon_stats
+
+    extra = {"mode": "daemon", "socket_path": daemon.socket_path, "namespace": "qwen-test", "daemon_timeout_s": 1}
+    item, other = H.Item("h" * 64, 0, 20), H.Item("i" * 64, 0, 20)
+    _produce(engine, extra, [item, other])
+    sched, worker = engine("ec_consumer", extra)
+    sched.add_request(H.make_request("pinned", [item]))
+    so = sched.schedule()
+    assert so.scheduled_encoder_inputs == {}  # pinned for a load
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        out = worker.execute(so)  # the worker's read times out: a failed load
+        sched.update_from_output(so, out)
+        assert worker.encoded == []
+        t0 = time.monotonic()
+        sched.add_request(H.make_request("later", [other]))
+        so, out = run_step(sched, worker)
+        assert time.monotonic() - t0 < 3.0
+        assert so.scheduled_encoder_inputs.get("later") == [0]  # a miss: encoded locally
+        assert worker.encoded == ["i" * 64]
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 15
+    while (s := daemon_stats(daemon.socket_path)["daemon"])["views"]["leases"] or s["leases"]["get"]:
+        assert time.monotonic() < deadline, (s["views"], s["leases"])  # a lease granted for a lost reply leaks
+        time.sleep(0.05)
+
+
 def _restart_slow(daemon: DaemonProcess, delay_s: float) -> DaemonProcess:
     """Stop ``daemon`` (SIGTERM: its host entries are flushed to NVMe) and start one on the same
     config whose NVMe reads take ``delay_s`` each (tests/slow_nvme_daemon.py): every entry is now

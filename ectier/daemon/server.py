@@ -366,10 +366,22 @@ class DaemonServer:
             conn.closed = True
             return
         for msg in messages:
+            conn.granted_now = []
             reply = self._handle(conn, msg)
             if not self._send(conn, reply):
+                self._revoke(conn, conn.granted_now)
                 conn.closed = True
                 return
+
+    def _revoke(self, conn: Connection, lease_ids: list[int]) -> None:
+        """End the process-held leases granted by a request whose reply never reached its client."""
+        for lease_id in lease_ids:
+            lease = self.leases.take(conn, lease_id, "get")
+            if lease is not None:
+                end_lease(self.cache, lease, commit=False)
+        if lease_ids:
+            log.info("client %s (pid %d) went away before the reply granting %d view lease(s); revoked",
+                     conn.name, conn.pid, len(lease_ids))
 
     def _close_if_idle(self, conn: Connection) -> bool:
         """After ``daemon.idle_timeout_s`` without a request: close ``conn`` unless it holds a
@@ -455,7 +467,9 @@ class DaemonServer:
                 self.holders.counters["refused"] += 1
                 return None, reason
             self.holders.counters["granted"] += 1
-            return self.leases.grant_held_locked(conn.pid, handle), None
+            lease_id = self.leases.grant_held_locked(conn.pid, handle)
+            conn.granted_now.append(lease_id)
+            return lease_id, None
 
     def reap_dead_holders(self) -> int:
         """Release the process-held leases of client processes that exited (pidfd readable), and
