@@ -35,7 +35,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ectier.config import CacheConfig
@@ -297,18 +297,24 @@ class DaemonStore:
         return Pin(tuple(reply["shape"]), str(reply["dtype"]), reply["lease"])
 
     def release(self, pin: Pin) -> None:
-        """End ``pin``: a process-held lease from the background releaser (no round trip here),
-        an older daemon's connection lease with a ``release`` call."""
+        """End ``pin``: a process-held lease from the background releaser (no round trip here;
+        once no view of this process's worker still reads it, see :meth:`stage`), an older
+        daemon's connection lease with a ``release`` call."""
         if isinstance(pin.lease, HeldLease):
-            self.client.release_held(pin.lease.id, pin.lease.instance)
+            _SHARED.drop(pin.lease, self.client)
         else:
             self.client.call("release", retry=False, lease=pin.lease)
 
-    def stage(self, key: str, pin: Pin) -> None:  # the worker is another client: nothing to share
-        return None
+    def stage(self, key: str, pin: Pin) -> None:
+        """Offer a process-held pin to a worker connector of this process (vLLM's uniproc
+        executor runs scheduler and worker in one process): its :meth:`get` then views the
+        pinned bytes with no round trip, and the lease ends once both the scheduler released it
+        and the view is freed. A worker in another process asks the daemon itself."""
+        if isinstance(pin.lease, HeldLease):
+            _SHARED.stage((self.client.socket_path, self.namespace, key), pin)
 
     def unstage(self, key: str) -> None:
-        return None
+        _SHARED.unstage((self.client.socket_path, self.namespace, key))
 
     def put(self, key: str, tensor: Any, *, after: Any = None) -> Any:
         """``DaemonClient.put`` (returns ``None`` once committed); ``after``: a CUDA event the
@@ -324,7 +330,9 @@ class DaemonStore:
         """Read ``key``: onto the CPU, a read-only zero-copy view of the daemon's arena
         (:meth:`DaemonClient.get_view`: pinned until the tensor is freed); onto a GPU, one copy
         from that view to ``device``."""
-        view = self.client.get_view(key, namespace=self.namespace)
+        view = _SHARED.view((self.client.socket_path, self.namespace, key), self.client)
+        if view is None:
+            view = self.client.get_view(key, namespace=self.namespace)
         if view is None or device == "cpu":
             return view
         return view.to(device)  # the view (and so its pin) goes once copied
@@ -346,10 +354,69 @@ class HeldLease:
 
     id: int
     instance: str
+    #: the ``get``-reply fields of the pinned bytes (``dtype``, ``shape``, ``nbytes``, ``extents``)
+    fields: dict = field(default_factory=dict, compare=False, hash=False)
 
 
 def _held_pin(reply: dict[str, Any], instance: str) -> Pin:
-    return Pin(tuple(reply["shape"]), str(reply["dtype"]), HeldLease(reply["lease"], instance))
+    fields = {k: reply[k] for k in ("dtype", "shape", "nbytes", "extents")}
+    return Pin(tuple(reply["shape"]), str(reply["dtype"]), HeldLease(reply["lease"], instance, fields))
+
+
+class _SharedPins:
+    """Process-held pins a scheduler connector staged for a worker connector of the same
+    process, reference-counted: the scheduler's hold plus one per live view made from it; the
+    lease is released (background releaser) when the count reaches 0. A view's finalizer drops
+    its reference through :class:`ectier.moves.views.Releaser` (never blocks on the lock)."""
+
+    def __init__(self) -> None:
+        from ectier.moves.views import Releaser
+
+        self._lock = threading.Lock()
+        self._staged: dict[tuple, HeldLease] = {}
+        self._refs: dict[HeldLease, int] = {}  # lease -> references
+        self._releaser = Releaser(self._lock)
+
+    def stage(self, ident: tuple, pin: Pin) -> None:
+        with self._lock:
+            self._staged[ident] = pin.lease
+            self._refs[pin.lease] = self._refs.get(pin.lease, 0) + 1
+
+    def unstage(self, ident: tuple) -> None:
+        with self._lock:
+            self._staged.pop(ident, None)
+
+    def drop(self, lease: HeldLease, client: Any) -> None:
+        """The scheduler's release of ``lease`` (not staged: released at once)."""
+        with self._lock:
+            self._drop_locked(lease, client)
+
+    def _drop_locked(self, lease: HeldLease, client: Any) -> None:
+        refs = self._refs.get(lease)
+        if refs is not None:
+            if refs > 1:
+                self._refs[lease] = refs - 1
+                return
+            del self._refs[lease]
+        client.release_held(lease.id, lease.instance)  # never blocks
+
+    def view(self, ident: tuple, client: Any) -> Any:
+        """A view of the staged pin of ``ident`` (None: none staged, or of another daemon run)."""
+        with self._lock:
+            lease = self._staged.get(ident)
+            if lease is None or lease not in self._refs or not lease.fields:
+                return None
+            if lease.instance != client.server_info.get("instance"):
+                return None  # the daemon restarted since: its pins went with it
+            self._refs[lease] += 1
+        try:
+            return client.view_of(lease.fields, lambda: self._releaser.call(lambda: self._drop_locked(lease, client)))
+        except BaseException:
+            self.drop(lease, client)
+            raise
+
+
+_SHARED = _SharedPins()
 
 
 class DaemonLoad:

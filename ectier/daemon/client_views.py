@@ -227,6 +227,18 @@ class ViewCalls:
             releaser.release(instance, lease)
             raise
 
+    def view_of(self, fields: dict[str, Any], release):
+        """A read-only view over bytes this process already holds a process-held lease on
+        (``fields``: a ``get`` reply's ``dtype``, ``shape``, ``nbytes``, ``extents``, of the
+        current daemon run); ``release()`` runs when its storage is freed (from a finalizer:
+        it must not block). Raises ValueError for extents outside the arena."""
+        with self._lock:
+            if self._sock is None:
+                self.connect()
+            mapping = self._view_mapping()
+        self._view_releaser()  # made here, never first inside a finalizer
+        return mapping.view(fields, release)
+
     def _view_mapping(self):
         """The read-only mapping of the current daemon run's arena (made on first use)."""
         instance = self.server_info.get("instance", "")
