@@ -9,9 +9,11 @@
   (:meth:`InProcessStore.stage` / :meth:`take_staged`), so the worker copies exactly the bytes the
   scheduler verified, and nothing can evict or delete them in between.
 - :class:`DaemonStore`: a :class:`~ectier.daemon.client.DaemonClient` per connector; the scheduler
-  pins with a daemon ``get`` lease (released when the worker reports the load), the worker reads
-  with its own ``get``. For scheduler and workers in different processes (multiprocess executor,
-  several engines on one node).
+  pins a step's ready items in the step's one ``prefetch`` round trip (process-held leases,
+  released from a background thread once the worker reported the load); the worker reads a
+  read-only zero-copy view of the daemon's arena (``DaemonClient.get_view``): from the pin its
+  scheduler staged when both run in one process, else with a ``get`` of its own. For scheduler and
+  workers in different processes (multiprocess executor, several engines on one node) too.
 
 The in-process store speaks :class:`TieredCache`'s asynchronous API: ``put`` returns a
 ``PutHandle`` (a CUDA tensor is copied by the cache's copy engine: into the GPU tier when it is on
