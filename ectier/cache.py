@@ -272,18 +272,19 @@ class TieredCache:
         _end(lease, WriteLease, "abort")
         self._mover.abort(self._host, lease.slot)
 
-    def acquire(self, key: str, *, namespace: str | None = None) -> ReadLease | None:
+    def acquire(self, key: str, *, namespace: str | None = None, promote: bool = True) -> ReadLease | None:
         """Pin an entry in the host arena for another party to copy out; ``None`` on a miss.
 
         An NVMe hit is promoted into the host arena first; if it cannot be placed there (larger
-        than the host budget, or no clean room), the result is ``None``. The entry is neither
-        evicted nor freed until :meth:`release`.
+        than the host budget, or no clean room), the result is ``None``. ``promote=False``: only
+        an entry already in the host arena is pinned (no I/O; anything else is ``None``, not
+        counted as a miss). The entry is neither evicted nor freed until :meth:`release`.
         """
         ns, key = self._identity(key, namespace)
         self._check_open()
         if self._host is None:
             return None
-        slot = self._reads.acquire(self._host, entry_digest(ns, key), ns, key)
+        slot = self._reads.acquire(self._host, entry_digest(ns, key), ns, key, promote)
         return ReadLease(slot.meta, tuple(self._host.byte_extents(slot)), slot) if slot is not None else None
 
     def release(self, lease: ReadLease) -> None:

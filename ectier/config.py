@@ -334,6 +334,11 @@ class DaemonConfig:
             and holds no lease (clients reconnect by themselves); 0 = never. Default 300.
         metrics_port: serve Prometheus metrics on this TCP port; ``None`` (default) = off.
         metrics_host: address of the metrics endpoint. Default ``127.0.0.1``.
+        view_pin_bytes: bytes of the host arena one client process may hold pinned under
+            zero-copy views (process-held leases: no ``lease_s`` deadline, released when the view
+            is freed or the process exits); a read beyond it is copied instead (counted as
+            ``views.refused`` in ``ectier stats``). ``None`` (default) = half of
+            ``host.capacity_bytes``; 0 = no views (every read copies).
     """
 
     socket_path: str | None = None
@@ -347,6 +352,7 @@ class DaemonConfig:
     idle_timeout_s: float = 300.0
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    view_pin_bytes: int | None = None
 
     def __post_init__(self) -> None:
         check_daemon(self)

@@ -351,6 +351,9 @@ def check_daemon(cfg: DaemonConfig) -> None:
                 raise ConfigError(f"daemon.metrics_port: must be <= 65535, got {cfg.metrics_port}")
     with p.check("daemon.metrics_host"):
         check_text("daemon.metrics_host", cfg.metrics_host, "an address")
+    if cfg.view_pin_bytes is not None:
+        with p.check("daemon.view_pin_bytes"):
+            check_int("daemon.view_pin_bytes", cfg.view_pin_bytes, minimum=0)
     p.raise_if_any()
 
 

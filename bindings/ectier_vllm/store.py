@@ -9,9 +9,11 @@
   (:meth:`InProcessStore.stage` / :meth:`take_staged`), so the worker copies exactly the bytes the
   scheduler verified, and nothing can evict or delete them in between.
 - :class:`DaemonStore`: a :class:`~ectier.daemon.client.DaemonClient` per connector; the scheduler
-  pins with a daemon ``get`` lease (released when the worker reports the load), the worker reads
-  with its own ``get``. For scheduler and workers in different processes (multiprocess executor,
-  several engines on one node).
+  pins a step's ready items in the step's one ``prefetch`` round trip (process-held leases,
+  released from a background thread once the worker reported the load); the worker reads a
+  read-only zero-copy view of the daemon's arena (``DaemonClient.get_view``): from the pin its
+  scheduler staged when both run in one process, else with a ``get`` of its own. For scheduler and
+  workers in different processes (multiprocess executor, several engines on one node) too.
 
 The in-process store speaks :class:`TieredCache`'s asynchronous API: ``put`` returns a
 ``PutHandle`` (a CUDA tensor is copied by the cache's copy engine: into the GPU tier when it is on
@@ -35,7 +37,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ectier.config import CacheConfig
@@ -203,6 +205,7 @@ class DaemonStore:
         self._expected: set[str] = set()  # keys to ask about in this step's round trip
         self._tracked: dict[str, int] = {}  # key of a handle in flight -> step it was last polled
         self._batched: bool | None = None  # the daemon has the prefetch op (None: not known yet)
+        self._pinned: dict[str, Pin] = {}  # this step's pins taken by the round trip, not acquired yet
         # one connection attempt now, no wait: an unreachable daemon is reported loudly here, not
         # discovered as slow misses later; never fatal (the daemon may start after the engine)
         try:
@@ -225,6 +228,9 @@ class DaemonStore:
         """A scheduler step begins: answers of the last step are forgotten."""
         self._step += 1
         self._answers = {}
+        for pin in self._pinned.values():  # pinned by this step's round trip, never acquired
+            self.release(pin)
+        self._pinned = {}
         self._expected = set()  # a request still waiting says so again
         # handles nobody polled in the last step (promotion given up by the connector): not asked again
         self._tracked = {k: s for k, s in self._tracked.items() if s >= self._step - 1}
@@ -248,10 +254,21 @@ class DaemonStore:
         from ectier.daemon.protocol import MAX_BATCH_KEYS
 
         batch = list(dict.fromkeys([key, *self._expected, *(k for k in self._tracked if k not in self._answers)]))
+        wanted = self._expected.union(self._tracked)  # keys the scheduler pins once ready
         self._expected = set()
+        views = "view" in self.client.features
         for i in range(0, len(batch), MAX_BATCH_KEYS):  # more than one only past 1024 items in flight
             chunk = batch[i:i + MAX_BATCH_KEYS]
-            self._answers.update(zip(chunk, self.client.prefetch(chunk, namespace=self.namespace)))
+            if not views:
+                self._answers.update(zip(chunk, self.client.prefetch(chunk, namespace=self.namespace)))
+                continue
+            # the ready ones are pinned in the same round trip: acquire() then costs nothing
+            pin = [k for k in chunk if k in wanted and k not in self._pinned]
+            states, pins, instance = self.client.prefetch_and_pin(chunk, pin, namespace=self.namespace)
+            self._answers.update(zip(chunk, states))
+            for k, reply in zip(pin, pins):
+                if reply is not None:
+                    self._pinned[k] = _held_pin(reply, instance)
         return self._answers[key]
 
     def _legacy(self) -> bool:
@@ -278,20 +295,37 @@ class DaemonStore:
     def acquire(self, key: str, device: str) -> Pin | None:
         """Pin ``key``: a daemon ``get`` lease, which takes over the pin (or, for an entry larger
         than the daemon's arena, the scratch file) the daemon's finished promotion holds."""
+        pin = self._pinned.pop(key, None)
+        if pin is not None:
+            return pin  # pinned by this step's prefetch round trip
         direct = {"direct": True} if "direct" in self.client.features else {}
-        reply = self.client.call("get", key=key, namespace=self.namespace, **direct)
+        hold = {"hold": True} if "view" in self.client.features else {}
+        reply = self.client.call("get", key=key, namespace=self.namespace, **direct, **hold)
         if not reply.get("hit"):
             return None
+        if reply.get("view"):
+            return _held_pin(reply, self.client.server_info.get("instance", ""))
         return Pin(tuple(reply["shape"]), str(reply["dtype"]), reply["lease"])
 
     def release(self, pin: Pin) -> None:
-        self.client.call("release", retry=False, lease=pin.lease)
+        """End ``pin``: a process-held lease from the background releaser (no round trip here;
+        once no view of this process's worker still reads it, see :meth:`stage`), an older
+        daemon's connection lease with a ``release`` call."""
+        if isinstance(pin.lease, HeldLease):
+            _SHARED.drop(pin.lease, self.client)
+        else:
+            self.client.call("release", retry=False, lease=pin.lease)
 
-    def stage(self, key: str, pin: Pin) -> None:  # the worker is another client: nothing to share
-        return None
+    def stage(self, key: str, pin: Pin) -> None:
+        """Offer a process-held pin to a worker connector of this process (vLLM's uniproc
+        executor runs scheduler and worker in one process): its :meth:`get` then views the
+        pinned bytes with no round trip, and the lease ends once both the scheduler released it
+        and the view is freed. A worker in another process asks the daemon itself."""
+        if isinstance(pin.lease, HeldLease):
+            _SHARED.stage((self.client.socket_path, self.namespace, key), pin)
 
     def unstage(self, key: str) -> None:
-        return None
+        _SHARED.unstage((self.client.socket_path, self.namespace, key))
 
     def put(self, key: str, tensor: Any, *, after: Any = None) -> Any:
         """``DaemonClient.put`` (returns ``None`` once committed); ``after``: a CUDA event the
@@ -304,13 +338,96 @@ class DaemonStore:
         return DaemonStore(*self._args)
 
     def get(self, key: str, device: str) -> Any:
-        return self.client.get(key, namespace=self.namespace, device=None if device == "cpu" else device)
+        """Read ``key``: onto the CPU, a read-only zero-copy view of the daemon's arena
+        (:meth:`DaemonClient.get_view`: pinned until the tensor is freed); onto a GPU, one copy
+        from that view to ``device``."""
+        view = _SHARED.view((self.client.socket_path, self.namespace, key), self.client)
+        if view is None:
+            view = self.client.get_view(key, namespace=self.namespace)
+        if view is None or device == "cpu":
+            return view
+        return view.to(device)  # the view (and so its pin) goes once copied
 
     def flush(self) -> None:
         return None  # the daemon flushes on its own shutdown
 
     def close(self) -> None:
+        for pin in self._pinned.values():
+            self.release(pin)
+        self._pinned = {}
         self.client.close()
+
+
+@dataclass(frozen=True)
+class HeldLease:
+    """A daemon lease held by this process (no deadline; released from a background thread):
+    its ``id`` and the daemon run (``instance``) that granted it."""
+
+    id: int
+    instance: str
+    #: the ``get``-reply fields of the pinned bytes (``dtype``, ``shape``, ``nbytes``, ``extents``)
+    fields: dict = field(default_factory=dict, compare=False, hash=False)
+
+
+def _held_pin(reply: dict[str, Any], instance: str) -> Pin:
+    fields = {k: reply[k] for k in ("dtype", "shape", "nbytes", "extents")}
+    return Pin(tuple(reply["shape"]), str(reply["dtype"]), HeldLease(reply["lease"], instance, fields))
+
+
+class _SharedPins:
+    """Process-held pins a scheduler connector staged for a worker connector of the same
+    process, reference-counted: the scheduler's hold plus one per live view made from it; the
+    lease is released (background releaser) when the count reaches 0. A view's finalizer drops
+    its reference through :class:`ectier.moves.views.Releaser` (never blocks on the lock)."""
+
+    def __init__(self) -> None:
+        from ectier.moves.views import Releaser
+
+        self._lock = threading.Lock()
+        self._staged: dict[tuple, HeldLease] = {}
+        self._refs: dict[HeldLease, int] = {}  # lease -> references
+        self._releaser = Releaser(self._lock)
+
+    def stage(self, ident: tuple, pin: Pin) -> None:
+        with self._lock:
+            self._staged[ident] = pin.lease
+            self._refs[pin.lease] = self._refs.get(pin.lease, 0) + 1
+
+    def unstage(self, ident: tuple) -> None:
+        with self._lock:
+            self._staged.pop(ident, None)
+
+    def drop(self, lease: HeldLease, client: Any) -> None:
+        """The scheduler's release of ``lease`` (not staged: released at once)."""
+        with self._lock:
+            self._drop_locked(lease, client)
+
+    def _drop_locked(self, lease: HeldLease, client: Any) -> None:
+        refs = self._refs.get(lease)
+        if refs is not None:
+            if refs > 1:
+                self._refs[lease] = refs - 1
+                return
+            del self._refs[lease]
+        client.release_held(lease.id, lease.instance)  # never blocks
+
+    def view(self, ident: tuple, client: Any) -> Any:
+        """A view of the staged pin of ``ident`` (None: none staged, or of another daemon run)."""
+        with self._lock:
+            lease = self._staged.get(ident)
+            if lease is None or lease not in self._refs or not lease.fields:
+                return None
+            if lease.instance != client.server_info.get("instance"):
+                return None  # the daemon restarted since: its pins went with it
+            self._refs[lease] += 1
+        try:
+            return client.view_of(lease.fields, lambda: self._releaser.call(lambda: self._drop_locked(lease, client)))
+        except BaseException:
+            self.drop(lease, client)
+            raise
+
+
+_SHARED = _SharedPins()
 
 
 class DaemonLoad:

@@ -16,7 +16,9 @@ serialised on its connection); give busy threads their own client.
 What the daemon offers beyond protocol 1's first operations is in its ``hello`` reply
 (:attr:`DaemonClient.features`): the batched :meth:`DaemonClient.prefetch`, and direct reads and
 writes through scratch files for entries the host arena cannot take (``put``/``get`` use them by
-themselves). Against an older daemon, :meth:`prefetch` raises and ``put``/``get`` work as before.
+themselves), and zero-copy reads (:meth:`~ectier.daemon.client_views.ViewCalls.get_view`, a mixin
+of :mod:`ectier.daemon.client_views`). Against an older daemon, :meth:`prefetch` raises,
+``get_view`` copies, and ``put``/``get`` work as before.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ..config import DaemonConfig
 from ..entry import validate_key, validate_namespace
 from .client_copy import copy_from_device as _copy_from_device, device_to_host as _device_to_host
 from .client_errors import DaemonFeatureError, DaemonUnavailableError, error_from_reply as _error_from
+from .client_views import ViewCalls
 from .protocol import PROTOCOL_VERSION, FrameDecoder, ProtocolError, encode_frame
 
 __all__ = ["DaemonClient", "DaemonUnavailableError", "DaemonFeatureError"]
@@ -43,7 +46,7 @@ __all__ = ["DaemonClient", "DaemonUnavailableError", "DaemonFeatureError"]
 log = logging.getLogger(__name__)
 
 
-class DaemonClient:
+class DaemonClient(ViewCalls):
     """Talk to ``ectier serve``.
 
     Args:
@@ -106,6 +109,9 @@ class DaemonClient:
         self._arena_path: str | None = None
         self._arena_fd: int | None = None  # the mapped file, kept open to recognise it on reconnect
         self._arena_registered = False  # the mapping is page-locked (cudaHostRegister)
+        self._ro = None  # read-only ArenaView of the views (client_views.py), per daemon run
+        self._releaser = None  # this process's ViewReleaser for socket_path (client_views.py)
+        self.view_refusals = 0  # get_view calls the daemon answered with a copy (view_pin_bytes)
 
     # ---------------------------------------------------------------------------- connection
 
@@ -458,37 +464,40 @@ class DaemonClient:
 
         ``device``: ``None``/``"cpu"`` or an explicit ``"cuda:<index>"``.
         """
-        import torch
-
-        from ..tensors import parse_device, torch_dtype
+        from ..tensors import parse_device
 
         dev = parse_device(device)
         with self._lock:
             reply = self.call("get", key=key, **_ns(namespace), **self._direct())
-            if not reply["hit"]:
-                return None
-            out = torch.empty(reply["nbytes"], dtype=torch.uint8)
-            try:
-                with self._bytes_of(reply) as arena:
-                    off = 0
-                    for start, length in reply["extents"]:
-                        out[off : off + length].copy_(arena[start : start + length])
-                        off += length
-                    del arena  # before a scratch file's mapping is closed
-            finally:
-                try:
-                    valid = self.call("release", retry=False, lease=reply["lease"])["valid"]
-                except DaemonUnavailableError:
-                    # the daemon closes the connection of a client whose lease expired (or went
-                    # away): either way the copy cannot be vouched for
-                    valid = False
-            if not valid:
-                return None  # the lease expired while copying: the bytes may be foreign
-            dtype = torch_dtype(reply["dtype"])
-            shape = tuple(reply["shape"])
-            tensor = out.view(dtype).view(shape) if reply["nbytes"] else torch.empty(shape, dtype=dtype)
-            return tensor if dev.type == "cpu" else tensor.to(dev)
+            tensor = self._copy_out(reply) if reply["hit"] else None
+        return tensor if tensor is None or dev.type == "cpu" else tensor.to(dev)
 
+    def _copy_out(self, reply: dict[str, Any]):
+        """Copy the bytes of a ``get`` reply's lease into a new CPU tensor, then release the lease;
+        ``None`` when the lease had expired meanwhile (the bytes may be foreign)."""
+        import torch
+
+        from ..tensors import torch_dtype
+
+        out = torch.empty(reply["nbytes"], dtype=torch.uint8)
+        try:
+            with self._bytes_of(reply) as arena:
+                off = 0
+                for start, length in reply["extents"]:
+                    out[off : off + length].copy_(arena[start : start + length])
+                    off += length
+                del arena  # before a scratch file's mapping is closed
+        finally:
+            try:
+                valid = self.call("release", retry=False, lease=reply["lease"])["valid"]
+            except DaemonUnavailableError:
+                # the daemon closes the connection of a client whose lease expired (or went
+                # away): either way the copy cannot be vouched for
+                valid = False
+        if not valid:
+            return None
+        dtype, shape = torch_dtype(reply["dtype"]), tuple(reply["shape"])
+        return out.view(dtype).view(shape) if reply["nbytes"] else torch.empty(shape, dtype=dtype)
 
 def _ns(namespace: str | None) -> dict[str, str]:
     return {} if namespace is None else {"namespace": namespace}

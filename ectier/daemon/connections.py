@@ -55,6 +55,9 @@ class Connection:
     greeted: bool = False
     busy: bool = False
     last_active: float = field(default_factory=time.monotonic)
+    #: process-held leases granted while answering the current request: revoked if its reply
+    #: cannot be sent (the client gave up waiting and closed), or nobody would ever release them
+    granted_now: list[int] = field(default_factory=list)
 
     @property
     def idle(self) -> bool:

@@ -72,6 +72,7 @@ def _op_hello(server: DaemonServer, conn: Connection, version: int, client: str 
                   "block_bytes": server.config.host.block_bytes},
         "lease_s": server.config.daemon.lease_s,
         "features": list(FEATURES),
+        "instance": server.instance,
     }
 
 
@@ -145,7 +146,7 @@ def _op_abort(server: DaemonServer, conn: Connection, lease: int) -> dict[str, A
 
 
 def _op_get(server: DaemonServer, conn: Connection, key: str, namespace: str | None = None,
-            direct: bool = False) -> dict[str, Any]:
+            direct: bool = False, hold: bool = False) -> dict[str, Any]:
     assert server.cache is not None
     held = server.prefetcher.take(namespace, key, direct=direct)  # a finished prefetch's pin: no I/O
     handle = held.handle if held is not None else server.cache.acquire(key, namespace=namespace)
@@ -158,27 +159,76 @@ def _op_get(server: DaemonServer, conn: Connection, key: str, namespace: str | N
             server.prefetcher.unleasable(namespace, key)
     if handle is None:
         return {"hit": False}
-    lease_id = server.leases.grant(conn, "get", handle)
+    extra: dict[str, Any] = {}
+    lease_id = None
+    if hold and isinstance(handle, ReadLease):
+        # a process-held lease for a zero-copy view (holders.py); refused: an ordinary lease
+        lease_id, refused = server.grant_view(conn, handle)
+        extra = {"view": True} if lease_id is not None else {"view_refused": refused}
+    if lease_id is None:
+        lease_id = server.leases.grant(conn, "get", handle)
     if isinstance(handle, ReadLease):
-        meta = handle.meta
-        return {"hit": True, "lease": lease_id, "dtype": meta.dtype, "shape": list(meta.shape),
-                "nbytes": meta.nbytes, "extents": [list(e) for e in handle.extents]}
+        return {"hit": True, "lease": lease_id, **_read_fields(handle), **extra}
     return {"hit": True, "lease": lease_id, "dtype": handle.dtype, "shape": list(handle.shape),
             "nbytes": handle.nbytes, "extents": handle.scratch.extents, "path": handle.scratch.path}
 
 
+def _read_fields(handle: ReadLease) -> dict[str, Any]:
+    meta = handle.meta
+    return {"dtype": meta.dtype, "shape": list(meta.shape), "nbytes": meta.nbytes,
+            "extents": [list(e) for e in handle.extents]}
+
+
 def _op_prefetch(server: DaemonServer, conn: Connection, keys: list, namespace: str | None = None,
-                 direct: bool = False) -> dict[str, Any]:
-    return {"states": server.prefetcher.states(keys, namespace, direct=direct)}
+                 direct: bool = False, pin: list | None = None) -> dict[str, Any]:
+    if pin is None:
+        return {"states": server.prefetcher.states(keys, namespace, direct=direct)}
+    # keys to pin that are in the arena now are pinned at once (one acquire, no I/O); the rest
+    # go through the prefetcher, and those it then answers ready are pinned as well
+    pins = {key: p for key in dict.fromkeys(pin) if (p := _pin(server, conn, key, namespace)) is not None}
+    rest = [k for k in keys if k not in pins]
+    states = dict(zip(rest, server.prefetcher.states(rest, namespace, direct=direct)))
+    for key in pin:
+        if key not in pins and states.get(key) == "ready" and (p := _pin(server, conn, key, namespace)) is not None:
+            pins[key] = p
+    return {"states": ["ready" if k in pins else states[k] for k in keys], "pins": [pins.get(k) for k in pin]}
 
 
-def _op_release(server: DaemonServer, conn: Connection, lease: int) -> dict[str, Any]:
-    held = server.leases.take(conn, lease, "get")
-    if held is not None:
-        assert server.cache is not None
-        end_lease(server.cache, held, commit=False)
+def _pin(server: DaemonServer, conn: Connection, key: str, namespace: str | None) -> dict[str, Any] | None:
+    """A process-held lease on ``key`` for ``prefetch``'s ``pin`` (the fields of a ``get``
+    reply), or None: not in the arena (never waits on I/O), or the view bound refused it."""
+    assert server.cache is not None
+    held = server.prefetcher.take(namespace, key, direct=False)
+    handle = held.handle if held is not None else server.cache.acquire(key, namespace=namespace, promote=False)
+    if not isinstance(handle, ReadLease):
+        return None
+    lease_id, _ = server.grant_view(conn, handle)
+    if lease_id is None:
+        server.cache.release(handle)
+        return None
+    return {"lease": lease_id, **_read_fields(handle)}
+
+
+def _op_release(server: DaemonServer, conn: Connection, lease: int | None = None,
+                leases: list | None = None, instance: str | None = None) -> dict[str, Any]:
+    if (lease is None) == (leases is None):
+        raise ProtocolError("release: give exactly one of 'lease' (an int) or 'leases' (a list of ints)")
+    assert server.cache is not None
+    if instance is not None and instance != server.instance:
+        # ids an earlier daemon run granted (this one may have given the same ids to others)
+        return {"released": 0} if leases is not None else {"valid": False}
+    released = 0
+    for lease_id in [lease] if leases is None else leases:
+        held = server.leases.take(conn, lease_id, "get")
+        if held is not None:
+            end_lease(server.cache, held, commit=False)
+            released += 1
+            if held.conn is None:
+                server.holders.counters["released"] += 1
+    if leases is not None:
+        return {"released": released}
     # valid=False: the lease expired before release, so the bytes copied may be foreign
-    return {"valid": held is not None}
+    return {"valid": released == 1}
 
 
 def _op_contains(server: DaemonServer, conn: Connection, key: str, namespace: str | None = None) -> dict[str, Any]:

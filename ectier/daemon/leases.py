@@ -1,7 +1,10 @@
 """The daemon's leases: one per reservation (``put``) or read pin (``get``) a client holds.
 
 A lease belongs to one connection and has a deadline (monotonic seconds, ``daemon.lease_s`` after
-it was granted). :class:`LeaseBook` keeps the live ones by id; :func:`end_lease` ends one on the
+it was granted), except a *process-held* read lease (``pid`` set; the pin under a client's
+zero-copy view, :mod:`ectier.daemon.holders`): it belongs to the client process, has no deadline,
+survives its connections, and is released by any connection of that process or when the process
+dies. :class:`LeaseBook` keeps the live ones by id; :func:`end_lease` ends one on the
 cache (commit or abort a reservation, release a pin). Who ends which lease when (disconnect,
 expiry, shutdown) is the server's business (:mod:`ectier.daemon.server`).
 
@@ -38,9 +41,10 @@ class Lease:
 
     id: int
     kind: str  # "put" | "get"
-    conn: Connection
+    conn: Connection | None  # None for a process-held lease
     deadline: float
     handle: WriteLease | ReadLease | DirectPut | DirectRead
+    pid: int | None = None  # the holding process of a process-held lease
 
     @property
     def arena_nbytes(self) -> int:
@@ -63,6 +67,9 @@ class LeaseBook:
         self._lease_s = lease_s
         self._new_id_locked = new_id_locked
         self._by_id: dict[int, Lease] = {}
+        # pid -> {arena place of an entry: [process-held leases on it, its bytes]}: what a
+        # process pins through views, each entry counted once (kept as leases come and go)
+        self._held: dict[int, dict[tuple, list[int]]] = {}
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -75,22 +82,69 @@ class LeaseBook:
             conn.leases.add(lease.id)
         return lease.id
 
+    def grant_held_locked(self, pid: int, handle: ReadLease) -> int:
+        """Record a process-held read lease of process ``pid`` (no deadline); returns its id."""
+        lease = Lease(self._new_id_locked(), "get", None, float("inf"), handle, pid)
+        self._by_id[lease.id] = lease
+        place = self._held.setdefault(pid, {}).setdefault(_place(handle), [0, handle.meta.nbytes])
+        place[0] += 1
+        return lease.id
+
+    def _forget_held_locked(self, lease: Lease) -> None:
+        places = self._held.get(lease.pid)
+        place = places.get(_place(lease.handle)) if places is not None else None
+        if place is None:
+            return
+        place[0] -= 1
+        if place[0] <= 0:
+            del places[_place(lease.handle)]
+            if not places:
+                del self._held[lease.pid]
+
     def take(self, conn: Connection, lease_id: int, kind: str) -> Lease | None:
-        """Remove and return lease ``lease_id`` if it is ``conn``'s and of ``kind``; else None
-        (unknown, expired, another connection's, or the other kind)."""
+        """Remove and return lease ``lease_id`` if it is ``conn``'s (or, process-held, its
+        process's) and of ``kind``; else None (unknown, expired, another client's, the other kind)."""
         with self._lock:
             lease = self._by_id.get(lease_id)
-            if lease is None or lease.conn is not conn or lease.kind != kind:
+            if lease is None or lease.kind != kind:
+                return None
+            if (lease.pid != conn.pid) if lease.conn is None else (lease.conn is not conn):
                 return None
             del self._by_id[lease_id]
-            conn.leases.discard(lease_id)
+            if lease.conn is not None:
+                conn.leases.discard(lease_id)
+            else:
+                self._forget_held_locked(lease)
             return lease
+
+    def take_held_of_locked(self, pid: int) -> list[Lease]:
+        """Remove and return every process-held lease of process ``pid`` (it died)."""
+        mine = [l for l in self._by_id.values() if l.conn is None and l.pid == pid]
+        for lease in mine:
+            del self._by_id[lease.id]
+        self._held.pop(pid, None)
+        return mine
+
+    def held_bytes_locked(self, pid: int, also: ReadLease | None = None) -> int:
+        """Host-arena bytes the process-held leases of ``pid`` pin (and ``also`` would): each
+        entry counted once, however many leases of the process pin it (e.g. the scheduler's
+        pin and the worker's view of one item)."""
+        places = self._held.get(pid, {})
+        total = sum(nbytes for _, nbytes in places.values())
+        if also is not None and _place(also) not in places:
+            total += also.meta.nbytes
+        return total
+
+    def held_pids_locked(self) -> set[int]:
+        """Processes holding at least one process-held lease."""
+        return set(self._held)
 
     def take_all(self) -> list[Lease]:
         """Remove and return every lease (at shutdown)."""
         with self._lock:
             leases = list(self._by_id.values())
             self._by_id.clear()
+            self._held.clear()
         return leases
 
     def take_of_locked(self, conn: Connection) -> list[Lease]:
@@ -104,7 +158,8 @@ class LeaseBook:
         expired = [l for l in self._by_id.values() if l.deadline <= now]
         for lease in expired:
             del self._by_id[lease.id]
-            lease.conn.leases.discard(lease.id)
+            if lease.conn is not None:
+                lease.conn.leases.discard(lease.id)
         return expired
 
     def arena_blocks(self, block_bytes: int) -> int:
@@ -113,9 +168,21 @@ class LeaseBook:
             return sum(-(-l.arena_nbytes // block_bytes) for l in self._by_id.values())
 
     def counts_locked(self) -> dict[str, int]:
-        """``{"put": n, "get": n}``: live leases by kind."""
+        """``{"put": n, "get": n}``: live leases by kind (process-held read leases count as ``get``)."""
         return {"put": sum(1 for l in self._by_id.values() if l.kind == "put"),
                 "get": sum(1 for l in self._by_id.values() if l.kind == "get")}
+
+    def held_counts_locked(self) -> dict[str, int]:
+        """``{"leases": n, "bytes": b, "processes": p}``: the process-held leases, the arena bytes
+        they pin (each entry once per process), and the processes holding them."""
+        return {"leases": sum(1 for l in self._by_id.values() if l.conn is None),
+                "bytes": sum(n for places in self._held.values() for _, n in places.values()),
+                "processes": len(self._held)}
+
+
+def _place(handle) -> tuple:
+    """Where a read lease's bytes lie in the arena (the same for every lease of one entry)."""
+    return tuple(tuple(e) for e in handle.extents)
 
 
 def end_lease(cache: TieredCache, lease: Lease, *, commit: bool) -> None:

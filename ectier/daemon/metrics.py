@@ -34,6 +34,11 @@ metric                                      type       meaning
                                                        ``expired`` (pin not taken in ``lease_s``),
                                                        ``taken`` (by a get)
 ``ectier_prefetch_held_bytes``              gauge      arena bytes pinned by finished promotions
+``ectier_view_pinned_bytes``                gauge      arena bytes clients' zero-copy views pin
+``ectier_view_leases``                      gauge      process-held leases under views
+``ectier_views_total{result}``              counter    view leases: ``granted``, ``refused`` (over
+                                                       ``daemon.view_pin_bytes``: copied instead),
+                                                       ``released``, ``released_dead`` (holder exited)
 ``ectier_remote_errors_total{kind}``        counter    remote calls that failed: ``error``,
                                                        ``timeout`` (past ``remote.timeout_s``),
                                                        ``checksum`` (an object failed its checks)
@@ -122,6 +127,14 @@ class StatsCollector:
             yield fam
             yield GaugeMetricFamily("ectier_prefetch_held_bytes", "Arena bytes pinned by finished promotions",
                                     value=prefetch.get("held_bytes", 0))
+            views = daemon.get("views") or {}
+            yield GaugeMetricFamily("ectier_view_pinned_bytes", "Arena bytes pinned under clients' zero-copy views",
+                                    value=views.get("bytes", 0))
+            yield GaugeMetricFamily("ectier_view_leases", "Process-held leases under views", value=views.get("leases", 0))
+            fam = CounterMetricFamily("ectier_views", "View leases by result", labels=["result"])
+            for result in ("granted", "refused", "released", "released_dead"):
+                fam.add_metric([result], views.get(result, 0))
+            yield fam
 
 
 def _remote_families(r: dict[str, Any]) -> Iterable[Any]:

@@ -138,8 +138,10 @@ MAX_BATCH_KEYS = 1024
 #: what this daemon offers beyond protocol 1's first operations (the ``hello`` reply's
 #: ``features``; a client uses an operation or argument only if its daemon lists it):
 #: ``prefetch`` (the batched ``prefetch`` op), ``direct`` (``direct: true`` on ``reserve``/``get``/
-#: ``prefetch``: entries the arena cannot hold move through a scratch file)
-FEATURES = ("prefetch", "direct")
+#: ``prefetch``: entries the arena cannot hold move through a scratch file), ``view`` (``hold:
+#: true`` on ``get`` and ``pin`` on ``prefetch``: process-held leases for zero-copy views, released
+#: in batches with ``release``'s ``leases``; see :mod:`ectier.daemon.holders`)
+FEATURES = ("prefetch", "direct", "view")
 
 #: op -> {argument: (types, required)}
 OPS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
@@ -149,9 +151,9 @@ OPS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
                 "direct": (_BOOL, False)},
     "commit": {"lease": (_INT, True)},
     "abort": {"lease": (_INT, True)},
-    "get": {"key": (_STR, True), "namespace": (_STR, False), "direct": (_BOOL, False)},
-    "prefetch": {"keys": (_LIST, True), "namespace": (_STR, False), "direct": (_BOOL, False)},
-    "release": {"lease": (_INT, True)},
+    "get": {"key": (_STR, True), "namespace": (_STR, False), "direct": (_BOOL, False), "hold": (_BOOL, False)},
+    "prefetch": {"keys": (_LIST, True), "namespace": (_STR, False), "direct": (_BOOL, False), "pin": (_LIST, False)},
+    "release": {"lease": (_INT, False), "leases": (_LIST, False), "instance": (_STR, False)},
     "contains": {"key": (_STR, True), "namespace": (_STR, False)},
     "delete": {"key": (_STR, True), "namespace": (_STR, False)},
     "stats": {},
@@ -202,9 +204,15 @@ def parse_request(msg: dict[str, Any]) -> Request:
             raise ProtocolError("reserve: argument 'shape' must be a list of at most 32 ints in [0, 2**48)")
         args["shape"] = tuple(shape)
     if op == "prefetch":
-        keys = args["keys"]
-        if len(keys) > MAX_BATCH_KEYS or not all(isinstance(k, str) for k in keys):
-            raise ProtocolError(f"prefetch: argument 'keys' must be a list of at most {MAX_BATCH_KEYS} strs")
+        for name in ("keys", "pin"):
+            keys = args.get(name, ())
+            if len(keys) > MAX_BATCH_KEYS or not all(isinstance(k, str) for k in keys):
+                raise ProtocolError(f"prefetch: argument {name!r} must be a list of at most {MAX_BATCH_KEYS} strs")
+    if op == "release" and "leases" in args:
+        ids = args["leases"]
+        if len(ids) > MAX_BATCH_KEYS or not all(not isinstance(i, bool) and isinstance(i, int) and 0 <= i < 1 << 63
+                                                for i in ids):
+            raise ProtocolError(f"release: argument 'leases' must be a list of at most {MAX_BATCH_KEYS} lease ids")
     for name in ("lease",):
         if name in args and not 0 <= args[name] < 1 << 63:
             raise ProtocolError(f"{op}: argument {name!r} out of range")

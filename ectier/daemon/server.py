@@ -23,6 +23,9 @@ Leases: every reservation and read lease belongs to a connection and has a deadl
 (``daemon.lease_s``). A disconnect (including a client killed with ``kill -9``) releases all of its
 leases at once; a live client that overruns a deadline loses the lease (its commit fails, its
 release reports the copy invalid) and its connection is closed. ``contains`` never renews a lease.
+The exception: the *process-held* read leases under clients' zero-copy views (``get`` with
+``hold``, ``prefetch`` with ``pin``) belong to the client process, have no deadline and outlive
+its connections; they end on release or when the process exits (:mod:`ectier.daemon.holders`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from ..errors import EctierError
 from .connections import Connection, admission, peer_credentials
 from .files import claim_socket_path, reclaim_stale_arenas
 from .handlers import handle
+from .holders import Holders
 from .leases import LeaseBook, end_lease
 from .prefetch import Prefetcher
 from .protocol import FrameDecoder, ProtocolError, encode_frame, error_reply
@@ -87,6 +91,10 @@ class DaemonServer:
         self._conns: dict[int, Connection] = {}
         self._next_id = 1  # of the next connection or lease
         self.leases = LeaseBook(self._lock, config.daemon.lease_s, self._new_id_locked)
+        view_bytes = config.daemon.view_pin_bytes
+        self.holders = Holders(config.host.capacity_bytes // 2 if view_bytes is None else view_bytes)
+        #: names this daemon run in ``hello`` (a client drops releases of leases an earlier run granted)
+        self.instance = os.urandom(8).hex()
         self._threads: list[threading.Thread] = []
         self.allowed_gid = self._resolve_group(config.daemon.allowed_group)
         self.prefetcher: Prefetcher | None = None
@@ -234,6 +242,8 @@ class DaemonServer:
             t.join(timeout=10)
         for lease in self.leases.take_all():
             end_lease(self.cache, lease, commit=False)
+        with self._lock:
+            self.holders.close_locked()
         if self.prefetcher is not None:
             self.prefetcher.close()
         if self._metrics_server is not None:
@@ -356,10 +366,22 @@ class DaemonServer:
             conn.closed = True
             return
         for msg in messages:
+            conn.granted_now = []
             reply = self._handle(conn, msg)
             if not self._send(conn, reply):
+                self._revoke(conn, conn.granted_now)
                 conn.closed = True
                 return
+
+    def _revoke(self, conn: Connection, lease_ids: list[int]) -> None:
+        """End the process-held leases granted by a request whose reply never reached its client."""
+        for lease_id in lease_ids:
+            lease = self.leases.take(conn, lease_id, "get")
+            if lease is not None:
+                end_lease(self.cache, lease, commit=False)
+        if lease_ids:
+            log.info("client %s (pid %d) went away before the reply granting %d view lease(s); revoked",
+                     conn.name, conn.pid, len(lease_ids))
 
     def _close_if_idle(self, conn: Connection) -> bool:
         """After ``daemon.idle_timeout_s`` without a request: close ``conn`` unless it holds a
@@ -412,6 +434,8 @@ class DaemonServer:
                 "metrics": ({"host": self.metrics_address[0], "port": self.metrics_address[1]}
                             if self.metrics_address else None),
                 "leases": self.leases.counts_locked(),
+                "views": {**self.leases.held_counts_locked(), "limit_bytes": self.holders.limit_bytes,
+                          **self.holders.counters},
                 "prefetch": self.prefetcher.stats() if self.prefetcher is not None else {},
                 "clients": [
                     {"id": c.id, "name": c.name, "pid": c.pid, "uid": c.uid, "connected_s": round(now - c.since, 3),
@@ -428,8 +452,42 @@ class DaemonServer:
         interval = min(1.0, self.config.daemon.lease_s / 4)
         while not self._stop.wait(interval):
             self.expire_leases()
+            self.reap_dead_holders()
             if self.prefetcher is not None:
                 self.prefetcher.expire()
+
+    def grant_view(self, conn: Connection, handle: Any) -> tuple[int | None, str | None]:
+        """A process-held lease of ``conn``'s process on ``handle`` (a ``ReadLease``), within
+        ``daemon.view_pin_bytes`` (:mod:`ectier.daemon.holders`). Returns ``(lease id, None)``, or
+        ``(None, reason)`` when refused (``handle`` is then still the caller's)."""
+        with self._lock:
+            reason = self.holders.refusal_locked(conn.pid, self.leases.held_bytes_locked(conn.pid),
+                                                 self.leases.held_bytes_locked(conn.pid, also=handle))
+            if reason is not None:
+                self.holders.counters["refused"] += 1
+                return None, reason
+            self.holders.counters["granted"] += 1
+            lease_id = self.leases.grant_held_locked(conn.pid, handle)
+            conn.granted_now.append(lease_id)
+            return lease_id, None
+
+    def reap_dead_holders(self) -> int:
+        """Release the process-held leases of client processes that exited (pidfd readable), and
+        stop watching processes that hold none. Returns how many leases were released."""
+        with self._lock:
+            dead = self.holders.dead_locked()
+            leases = [l for pid in dead for l in self.leases.take_held_of_locked(pid)]
+            self.holders.counters["released_dead"] += len(leases)
+            holding = self.leases.held_pids_locked()
+            for pid in list(self.holders.watched_pids_locked()):
+                if pid not in holding:
+                    self.holders.forget_locked(pid)
+        for lease in leases:
+            end_lease(self.cache, lease, commit=False)
+        if leases:
+            log.info("client process(es) %s exited holding %d view lease(s); reclaimed",
+                     ", ".join(map(str, dead)), len(leases))
+        return len(leases)
 
     def expire_leases(self, now: float | None = None) -> int:
         """End every lease past its deadline and close its connection. Returns how many expired."""
@@ -437,7 +495,7 @@ class DaemonServer:
         with self._lock:
             expired = self.leases.take_expired_locked(now)
             self.counters["leases_expired"] += len(expired)
-        for lease in expired:
+        for lease in expired:  # never a process-held lease (no deadline)
             log.warning("lease %d (%s) of client %s (pid %d) expired after daemon.lease_s=%s; reclaimed",
                         lease.id, lease.kind, lease.conn.name, lease.conn.pid, self.config.daemon.lease_s)
             end_lease(self.cache, lease, commit=False)

@@ -117,9 +117,10 @@ class Reads:
         result = tensor_from_bytes(meta, data, out)
         return result if dev.type == "cpu" else result.to(dev)
 
-    def acquire(self, host: ArenaTier, digest: bytes, ns: str, key: str):
-        """Pin the entry in ``host`` for another party (an NVMe hit is promoted there first):
-        the pinned slot, or ``None``."""
+    def acquire(self, host: ArenaTier, digest: bytes, ns: str, key: str, promote: bool = True):
+        """Pin the entry in ``host`` for another party (an NVMe hit is promoted there first,
+        unless ``promote`` is False: then only an entry already in ``host`` is pinned, no I/O,
+        nothing counted otherwise): the pinned slot, or ``None``."""
         m = self.m
         for _ in range(m.RETRIES):
             loc = self.locate(digest, start=host)
@@ -131,6 +132,8 @@ class Reads:
                 m.counters.count("host", hits=1, hit_bytes=loc.slot.meta.nbytes)
                 m.counters.count("cache", hits=1)
                 return loc.slot
+            if not promote:
+                return None
             rec = m.nvme.tier.record(digest)
             if rec is None or not host.fits(rec.header.raw_nbytes):
                 break  # an entry larger than the host arena cannot be leased through it
@@ -144,6 +147,8 @@ class Reads:
             return slot
         else:
             loc = None
+        if not promote:
+            return None
         if loc is None and m.remote is not None and m.remote.fetch(digest, ns, key, None) is not None:
             loc = self.locate(digest, start=host)
             if loc is not None and loc.tier is host:

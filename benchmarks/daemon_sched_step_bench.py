@@ -1,0 +1,99 @@
+"""Daemon mode: the scheduler-side cost of one step that loads 8 items (issue 14, item 3).
+
+    VLLM_TARGET_DEVICE=cpu PYTHONPATH=$PWD:$PWD/bindings /work/main/.venv-vllm/bin/python \
+        benchmarks/daemon_sched_step_bench.py [--steps 300] [--items 8]
+
+Starts a daemon (host tier only) with ``--items`` entries of ``(64, 8192)`` bf16, and drives the
+scheduler role of ``ECTierConnector`` (daemon mode) as vLLM's scheduler does in a step that finds
+a request's items in the store: ``ensure_cache_available``, ``has_cache_item`` and
+``update_state_after_alloc`` per item, ``build_connector_meta``; then, as in the next step once
+the worker reported the loads, ``update_connector_output`` (the pins are dropped) and
+``request_finished``. No worker runs (its reads are not the scheduler's cost). Each step is one
+new request for the same items; its wall time over all those calls is one sample. Prints p50,
+p90, p99 and max in ms. Goal (issue 14): p99 <= 0.5 ms for 8 items.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--items", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=20)
+    args = ap.parse_args()
+
+    from ectier.bench import connector_driver as cd
+    from ectier.daemon.client import DaemonClient
+    from ectier_vllm.metadata import ECTierWorkerMetadata
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    v = cd._v()
+    rows, n = 64, args.items
+    directory = tempfile.mkdtemp(prefix="ectier-step-", dir="/tmp")
+    daemon = cd._Daemon(directory, (n + 4) * rows * 8192 * 2, nvme=False).start()
+    sched = None
+    try:
+        hashes = [f"step-item-{i}" for i in range(n)]
+        with DaemonClient(daemon.socket_path) as c:
+            for i, h in enumerate(hashes):
+                c.put(h, torch.full((rows, 8192), float(i), dtype=torch.bfloat16), namespace="bench")
+        model = cd.write_model(os.path.join(directory, "model"), rows * n)
+        cfg = cd._vllm_config(model, rows * n, "ECTierConnector", "ec_consumer",
+                              {"mode": "daemon", "socket_path": daemon.socket_path, "namespace": "bench"},
+                              "ectier_vllm.connector")
+        sched = v.Factory.create_connector(cfg, v.Role.SCHEDULER)
+        samples, parts = [], []
+        for step in range(args.warmup + args.steps):
+            feats = [MultiModalFeatureSpec(data=None, modality="audio", identifier=h,
+                                           mm_position=PlaceholderRange(offset=1 + i * rows, length=rows))
+                     for i, h in enumerate(hashes)]
+            req = Request(request_id=f"r{step}", prompt_token_ids=[1] * (rows * n + 2),
+                          sampling_params=SamplingParams(max_tokens=1), pooling_params=None, mm_features=feats)
+            t0 = time.perf_counter()
+            if not sched.ensure_cache_available(req, 0):
+                raise RuntimeError("items not ready")
+            ta = time.perf_counter()
+            for i, h in enumerate(hashes):
+                if not sched.has_cache_item(h):
+                    raise RuntimeError(f"{h} not pinned")
+                sched.update_state_after_alloc(req, i)
+            meta = sched.build_connector_meta(v.SchedulerOutput.make_empty())
+            t1 = time.perf_counter()
+            assert len(meta.loads) == n
+            t2 = time.perf_counter()
+            sched.update_connector_output(v.ECConnectorOutput(
+                ec_connector_worker_meta=ECTierWorkerMetadata(loaded=list(hashes))))
+            sched.request_finished(req)
+            t3 = time.perf_counter()
+            if step >= args.warmup:
+                samples.append((t1 - t0) + (t3 - t2))
+                parts.append((ta - t0, t1 - ta, t3 - t2))
+            time.sleep(0.002)  # a model step runs between scheduler steps
+        import statistics
+
+        print("p50 ms of ensure_cache_available / the other calls of the step / update_connector_output + "
+              "request_finished: " + " / ".join(f"{statistics.median(x) * 1e3:.3f}" for x in zip(*parts)))
+        samples.sort()
+        q = lambda p: samples[min(len(samples) - 1, int(p * len(samples)))] * 1e3  # noqa: E731
+        print(f"scheduler-side cost per step, {n} items, {len(samples)} steps: p50 {q(0.5):.3f} ms, "
+              f"p90 {q(0.9):.3f} ms, p99 {q(0.99):.3f} ms, max {samples[-1] * 1e3:.3f} ms")
+    finally:
+        if sched is not None:
+            sched.shutdown()
+        daemon.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Client processes that hold zero-copy views: what one may pin, and noticing when it dies.
+
+A client reads an entry without copying by asking ``get`` for a *process-held* lease
+(``hold: true``): the daemon pins the entry's arena blocks for the client **process** (its pid,
+from ``SO_PEERCRED`` at connect), not for the connection. Such a lease has no ``daemon.lease_s``
+deadline and survives the connection (a client-side timeout, the daemon's idle close, a
+reconnect): the client's tensor view over the shared arena stays valid however long the model
+keeps it. It ends when
+
+- the client releases it (``release`` with ``leases``, sent by the client's background
+  releaser once the view's storage is freed; any connection of the same process may send it), or
+- the client process dies: :class:`Holders` opens a pidfd (``pidfd_open``) for every holding
+  process and the lease reaper polls them (every ``min(1 s, daemon.lease_s / 4)``); a readable
+  pidfd is an exited process, whose leases are all released. A pidfd names one process, so a
+  recycled pid is never mistaken for the holder. Where ``pidfd_open`` is missing (Linux < 5.3)
+  the reaper checks ``kill(pid, 0)`` instead.
+
+A process may hold at most ``daemon.view_pin_bytes`` of the arena so (default: half of
+``host.capacity_bytes``): one that leaks views cannot pin the whole arena for ever. A ``get``
+beyond that bound is answered with an ordinary connection lease and ``view_refused`` (the
+reason, naming the knob; counted in the stats' ``daemon.views.refused``): the client copies, as
+before. A holder whose pid the daemon cannot see (0: another pid namespace) is refused the same way.
+
+Locking: every method expects the server's lock held (the one of the lease book).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+
+__all__ = ["Holders"]
+
+log = logging.getLogger("ectier.daemon")
+
+
+class Holders:
+    """The processes holding process-held leases (module docstring).
+
+    Args:
+        limit_bytes: ``daemon.view_pin_bytes`` resolved: the most arena bytes one process may hold
+            pinned through views; 0 refuses every view.
+    """
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self._fds: dict[int, int] = {}  # pid -> pidfd, or -1 (watched with kill(pid, 0))
+        self.counters = {"granted": 0, "refused": 0, "released": 0, "released_dead": 0}
+
+    def refusal_locked(self, pid: int, held_bytes: int, after_bytes: int) -> str | None:
+        """Why process ``pid``, holding ``held_bytes`` of the arena through views, may not hold
+        ``after_bytes`` (with the one asked for; ``None``: it may). Starts watching ``pid`` when
+        it may."""
+        if self.limit_bytes == 0:
+            return "views are off (daemon.view_pin_bytes=0)"
+        if after_bytes > self.limit_bytes:
+            return (f"process {pid} holds {held_bytes} bytes of the arena through views; {after_bytes - held_bytes} "
+                    f"more would pass daemon.view_pin_bytes={self.limit_bytes}")
+        if pid <= 0 or not self._watch(pid):
+            return f"the daemon cannot watch client process {pid} (another pid namespace, or gone)"
+        return None
+
+    def _watch(self, pid: int) -> bool:
+        if pid in self._fds:
+            return True
+        try:
+            self._fds[pid] = os.pidfd_open(pid)
+        except AttributeError:  # Python built without it
+            self._fds[pid] = -1
+        except OSError as exc:
+            if exc.errno == 3:  # ESRCH: already gone
+                return False
+            self._fds[pid] = -1  # ENOSYS (old kernel), EPERM, ...: fall back to kill(pid, 0)
+        return True
+
+    def dead_locked(self) -> list[int]:
+        """Watched processes that exited (each reported once, then no longer watched)."""
+        fds = [fd for fd in self._fds.values() if fd >= 0]
+        readable = set(select.select(fds, [], [], 0)[0]) if fds else set()
+        dead = []
+        for pid, fd in list(self._fds.items()):
+            if fd >= 0 and fd in readable or fd < 0 and not _alive(pid):
+                dead.append(pid)
+                self.forget_locked(pid)
+        return dead
+
+    def forget_locked(self, pid: int) -> None:
+        """Stop watching ``pid`` (it holds nothing any more, or died)."""
+        fd = self._fds.pop(pid, -1)
+        if fd >= 0:
+            os.close(fd)
+
+    def close_locked(self) -> None:
+        for pid in list(self._fds):
+            self.forget_locked(pid)
+
+    def watched_pids_locked(self) -> list[int]:
+        return list(self._fds)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
