@@ -13,7 +13,7 @@ from typing import Any
 from ...errors import EctierError
 from ...record import pack_record
 
-__all__ = ["RemoteBackend", "RemoteError", "RemoteTimeout", "RemoteNodeError", "RemoteNodeTimeout"]
+__all__ = ["RemoteBackend", "RemoteError", "RemoteTimeout", "RemoteNodeError", "RemoteNodeTimeout", "byte_view"]
 
 
 class RemoteError(EctierError):
@@ -108,3 +108,14 @@ class RemoteBackend(abc.ABC):
 
     def close(self) -> None:
         """Close connections. Idempotent."""
+
+
+def byte_view(data: Any) -> memoryview:
+    """``data`` as a 1-D byte memoryview. Raises TypeError (not bytes-like), ValueError (not C-contiguous)."""
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise TypeError(f"data: expected bytes, bytearray or memoryview, got {type(data).__name__}") from None
+    if not view.c_contiguous:
+        raise ValueError("data: the buffer must be C-contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view

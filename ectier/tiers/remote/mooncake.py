@@ -61,8 +61,8 @@ import numpy as np
 
 from ...errors import ConfigError
 from ...record import checksum, pack_header
-from .backend import RemoteBackend, RemoteError, RemoteTimeout
-from .mooncake_calls import HOLD_S, MAX_IN_FLIGHT, Holds, Runner, byte_view, check_args, route_address
+from .backend import RemoteBackend, RemoteError, RemoteTimeout, byte_view
+from .mooncake_calls import HOLD_S, MAX_IN_FLIGHT, Holds, Runner, check_args, route_address
 from .mooncake_calls import code as _code
 from .mooncake_io import NO_HANDLE as _NO_HANDLE, NOT_FOUND as _NOT_FOUND, SAFE as _SAFE
 from .mooncake_io import NOT_READY as _NOT_READY

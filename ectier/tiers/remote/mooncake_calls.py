@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from .backend import RemoteTimeout
 
-__all__ = ["Runner", "Holds", "code", "byte_view", "check_args", "route_address", "ERROR_NAMES", "MAX_IN_FLIGHT",
+__all__ = ["Runner", "Holds", "code", "check_args", "route_address", "ERROR_NAMES", "MAX_IN_FLIGHT",
            "HOLD_S", "HOLD_CAP_BYTES"]
 
 log = logging.getLogger("ectier.tiers.remote.mooncake")
@@ -118,17 +118,6 @@ class Runner:
             if fut.done():
                 return fut.result()
             raise RemoteTimeout(f"mooncake {what}: past its deadline of {seconds:g} s") from None
-
-
-def byte_view(data: Any) -> memoryview:
-    """``data`` as a 1-D byte memoryview. Raises TypeError (not bytes-like), ValueError (not C-contiguous)."""
-    try:
-        view = memoryview(data)
-    except TypeError:
-        raise TypeError(f"data: expected bytes, bytearray or memoryview, got {type(data).__name__}") from None
-    if not view.c_contiguous:
-        raise ValueError("data: the buffer must be C-contiguous")
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
 def check_args(key: Any, deadline_s: Any) -> None:

@@ -68,7 +68,7 @@ else:
 
 from ...errors import ConfigError
 from ...record import pack_header, pack_record
-from .backend import RemoteBackend, RemoteError, RemoteTimeout
+from .backend import RemoteBackend, RemoteError, RemoteTimeout, byte_view
 from .redis_nodes import NodeBackoff
 
 __all__ = ["RedisBackend", "MANIFEST"]
@@ -116,16 +116,6 @@ class _Manifest:
         if magic != _MAGIC or version != _VERSION or cb <= 0 or n != -(-total // cb):
             return None
         return cls(n, cb, total, digest, gen)
-
-
-def _byte_view(data: Any) -> memoryview:
-    try:
-        view = memoryview(data)
-    except TypeError:
-        raise TypeError(f"data: expected bytes, bytearray or memoryview, got {type(data).__name__}") from None
-    if not view.c_contiguous:
-        raise ValueError("data: the buffer must be C-contiguous")
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
 def _check_key(key: Any) -> str:
@@ -312,7 +302,7 @@ class RedisBackend(NodeBackoff, RemoteBackend):
         """
         _check_key(key)
         dl = _Deadline(deadline_s)
-        view = _byte_view(data)
+        view = byte_view(data)
         cb = self._chunk_bytes
         chunks = [view[i * cb:(i + 1) * cb] for i in range(-(-len(view) // cb))]
         self._put_chunks(key, chunks, len(view), xxhash.xxh3_64_intdigest(view), dl)
@@ -329,7 +319,7 @@ class RedisBackend(NodeBackoff, RemoteBackend):
         """
         _check_key(key)
         head = pack_header(header)
-        body = _byte_view(payload)
+        body = byte_view(payload)
         if len(body) != header.payload_nbytes:
             raise ValueError(f"payload: {len(body)} bytes, header.payload_nbytes is {header.payload_nbytes}")
         cb = self._chunk_bytes
