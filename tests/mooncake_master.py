@@ -189,9 +189,12 @@ class Store:
         self.master.stop()
 
     def pause_master(self) -> None:
-        """SIGSTOP the master: it accepts connections but answers nothing (a hung master)."""
+        """SIGSTOP the master: it accepts connections but answers nothing (a hung master).
+        Returns once every thread of it is stopped (on a loaded machine the stop can land later
+        than the signal is sent)."""
         assert self.master.process is not None
         self.master.process.send_signal(signal.SIGSTOP)
+        _wait_stopped(self.master.process.pid)
 
     def resume_master(self) -> None:
         assert self.master.process is not None
@@ -201,6 +204,23 @@ class Store:
         """Start the master again on its ports (empty: it keeps no metadata across restarts)."""
         self.master.stop()
         _start_master(self)
+
+
+def _wait_stopped(pid: int, within_s: float = 10.0) -> None:
+    """Wait until every thread of ``pid`` is in state T (stopped); RuntimeError after ``within_s``."""
+    end = time.monotonic() + within_s
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except (OSError, IndexError):
+                continue  # a thread that just ended
+        if states and all(st in ("T", "t") for st in states):
+            return
+        if time.monotonic() > end:
+            raise RuntimeError(f"process {pid} not stopped {within_s:g} s after SIGSTOP: thread states {states}")
+        time.sleep(0.01)
 
 
 def _metadata_answers(port: int) -> bool:
