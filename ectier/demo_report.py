@@ -168,6 +168,13 @@ def _baseline(summary: dict[str, Any], console: Console) -> None:
         if x is not None:
             rel = f"{x:.1f}x faster than" if x >= 1 else f"{1 / x:.1f}x slower than"
             say(f"ectier {word} {rel} safetensors-per-item (seconds per byte)")
+    if base["load_s"] > 0 and base["hit_bytes"]:
+        say(f"by tier: host hits {_fmt_gbps(ect['get_host_gbps'])} ({ect['host_hits']}), NVMe hits "
+            f"{_fmt_gbps(ect['get_nvme_gbps'])} ({ect['nvme_hits']}); baseline "
+            f"{_fmt_gbps(base['hit_bytes'] / base['load_s'] / 1e9)}")
+        say("  an NVMe hit is read, checksummed and placed in the host tier before the")
+        say("  consumer's copy (two passes over memory); the baseline maps its")
+        say("  page-cached file (one pass, no check): docs/benchmarks.md, `ectier demo`")
     say("load, both sides: the connector's load, then every byte copied into one")
     say("  warm buffer (what vLLM's gather does); ectier: a lease + zero-copy view of")
     say("  the host arena (an NVMe hit decoded straight into its host slot);")

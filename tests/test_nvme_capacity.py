@@ -82,3 +82,22 @@ def test_bytes_the_store_already_holds_count_as_room(tmp_path, monkeypatch):
 def test_thin_provisioning_must_be_a_bool():
     with pytest.raises(ConfigError, match=r"^nvme\.thin_provisioning: expected true/false"):
         CacheConfig.from_dict({"nvme": {"thin_provisioning": "sometimes"}})
+
+
+def test_a_store_reopened_with_a_lower_budget_warns_once_naming_the_field_and_the_evictions(tmp_path, caplog):
+    """A lowered ``nvme.capacity_bytes`` (or a typo in it) evicts stored entries at open: one
+    WARNING says how many and names the field; the entries that fit stay byte-exact."""
+    values = {f"k{i}": torch.full((64, 1024), float(i), dtype=torch.bfloat16) for i in range(8)}  # 128 KiB each
+    with TieredCache(make_config(tmp_path / "nvme", host_bytes=0, nvme_bytes=8 * MiB)) as cache:
+        for k, v in values.items():
+            cache.put(k, v)
+    with caplog.at_level("WARNING", logger="ectier"):
+        with TieredCache(make_config(tmp_path / "nvme", host_bytes=0, nvme_bytes=MiB // 2)) as cache:
+            kept = {k: cache.get(k) for k in values}
+    warned = [r.getMessage() for r in caplog.records if "at open" in r.getMessage()]
+    assert len(warned) == 1 and "nvme.capacity_bytes=524288" in warned[0], warned
+    lost = [k for k, got in kept.items() if got is None]
+    assert lost and f"evicted the {len(lost)} least recently used" in warned[0], (lost, warned)
+    for k, got in kept.items():
+        assert got is None or torch.equal(got, values[k])
+    assert lost == [f"k{i}" for i in range(len(lost))]  # the oldest went first

@@ -95,7 +95,8 @@ def _op_reserve(server: DaemonServer, conn: Connection, key: str, dtype: str, sh
             block = server.config.host.block_bytes
             raise TierWriteError(
                 f"{exc}: {server.leases.arena_blocks(block) * block} bytes of the {server.cache.host_arena_bytes}-byte "
-                f"arena are held by daemon clients' open put reservations and get leases"
+                f"arena are held by daemon clients' open put reservations, get leases and zero-copy view pins "
+                f"(view pins: at most daemon.view_pin_bytes={server.holders.limit_bytes} per process)"
                 + ("" if server.config.nvme.enabled else ", and there is no NVMe tier (nvme.path) to store it on")
             ) from None
         raise

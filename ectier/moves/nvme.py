@@ -59,17 +59,24 @@ class NvmeMoves:
                 self.m.catalog.set_current_many([(d, rec.version) for d, rec in records])
                 self.index.track_many([(d, rec.stored_bytes) for d, rec in records])
             del records
-        self.trim_to_budget()
+        evicted, over = self.trim_to_budget()
+        if evicted:  # a lowered budget (or a typo in it) costs stored entries: say so, once
+            log.warning("nvme tier: %s held %d bytes more than nvme.capacity_bytes=%d: evicted the %d least "
+                        "recently used record(s) at open (docs/operations.md, NVMe tier)", self.tier.path, over,
+                        self.index.capacity_bytes, evicted)
 
-    def trim_to_budget(self) -> None:
+    def trim_to_budget(self) -> tuple[int, int]:
+        """Evict the least valuable records until the tier is within its budget; returns
+        ``(records evicted, bytes the tier was over its budget)``."""
         over = self.index.over_budget_bytes()
         if over <= 0:
-            return
+            return 0, 0
         with self.m.cond:
             victims = self.index.victims(over)
             doomed = self._claim_victims_locked(victims)
         for digest, version in doomed:
             self.tier.delete(digest, only_version=version)
+        return len(doomed), over
 
     # ------------------------------------------------------------------------- store
     def store(self, digest: bytes, meta: EntryMeta, version: int, src: torch.Tensor, *, register: bool,
