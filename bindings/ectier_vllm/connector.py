@@ -68,7 +68,8 @@ from .config import PREFIX, ConnectorSettings, default_namespace, operator_key, 
 from .gpubudget import check_gpu_arena_fits
 from .metrics import ECTierConnectorStats, ECTierPromMetrics
 from .scheduler import Promotion, SchedulerSide
-from .store import DaemonStore, InProcessStore, open_inprocess
+from .daemon_store import DaemonStore
+from .store import InProcessStore, open_inprocess
 from .worker import WorkerSide
 
 if TYPE_CHECKING:

@@ -1,0 +1,326 @@
+"""The daemon-mode store of the connector (:class:`DaemonStore`): a
+:class:`~ectier.daemon.client.DaemonClient` per connector behind the interface of
+:mod:`ectier_vllm.store` (which describes both stores and their calls).
+
+The scheduler pins a step's ready items in the step's one ``prefetch`` round trip (process-held
+leases, released from a background thread once the worker reported the load); the worker reads a
+read-only zero-copy view of the daemon's arena (``DaemonClient.get_view``): from the pin its
+scheduler staged when both run in one process (:class:`_SharedPins`), else with a ``get`` of its
+own. Errors are ectier's (``EctierError``); the connector turns them into misses.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .store import Pin
+
+log = logging.getLogger(__name__)
+
+#: longest a daemon-mode call waits for a daemon that went away (a restart) before it is a miss;
+#: bounded further by the connector's ``daemon_timeout_s``
+DAEMON_CONNECT_RETRY_S = 5.0
+#: after a failed connection attempt, calls are misses at once (no attempt) for this long
+DAEMON_BACKOFF_S = 1.0
+
+# socket paths this process has already warned about (one warning, not one per connector)
+_WARNED_UNREACHABLE: set[str] = set()
+
+
+class DaemonStore:
+    """A :class:`DaemonClient` of one connector, with the namespace on every call."""
+
+    mode = "daemon"
+    #: ``DaemonClient.put`` copies and commits before it returns ``None``
+    async_put = False
+    #: a remote tier of the daemon is the daemon's business: its ``prefetch`` answers for it
+    remote = False
+
+    def __init__(self, socket_path: str | None, namespace: str, timeout_s: float) -> None:
+        from ectier.daemon.client import DaemonClient, DaemonUnavailableError
+
+        self._args = (socket_path, namespace, timeout_s)
+
+        # the connector's daemon_timeout_s bounds every wait of a call, the reconnect wait too;
+        # a client whose daemon is unreachable fails fast (DAEMON_BACKOFF_S) so calls are misses
+        self.client = DaemonClient(socket_path, timeout_s=timeout_s,
+                                   connect_retry_s=min(DAEMON_CONNECT_RETRY_S, timeout_s),
+                                   backoff_s=DAEMON_BACKOFF_S)
+        self.namespace = namespace
+        self._step = 0
+        self._answers: dict[str, str] = {}  # this step's answers: key -> state
+        self._expected: set[str] = set()  # keys to ask about in this step's round trip
+        self._tracked: dict[str, int] = {}  # key of a handle in flight -> step it was last polled
+        self._batched: bool | None = None  # the daemon has the prefetch op (None: not known yet)
+        self._pinned: dict[str, Pin] = {}  # this step's pins taken by the round trip, not acquired yet
+        # one connection attempt now, no wait: an unreachable daemon is reported loudly here, not
+        # discovered as slow misses later; never fatal (the daemon may start after the engine)
+        try:
+            self.client.connect(wait=False)
+        except DaemonUnavailableError as exc:
+            path = self.client.socket_path
+            if path not in _WARNED_UNREACHABLE:
+                _WARNED_UNREACHABLE.add(path)
+                log.warning(
+                    "ectier: the daemon is UNREACHABLE at ec_connector_extra_config.socket_path=%r (%s). "
+                    "Encoder outputs will be neither saved nor loaded (every lookup is a miss) until "
+                    "`ectier serve` listens there; check that the daemon runs and that socket_path "
+                    "matches its daemon.socket_path.", path, exc)
+        except Exception as exc:  # a refusal (max_clients, group) or protocol trouble: calls report it
+            log.warning("ectier: connecting to the daemon at ec_connector_extra_config.socket_path=%r "
+                        "failed: %s", self.client.socket_path, exc)
+
+    # --------------------------------------------------------------------- step-batched lookups
+    def new_step(self) -> None:
+        """A scheduler step begins: answers of the last step are forgotten."""
+        self._step += 1
+        self._answers = {}
+        for pin in self._pinned.values():  # pinned by this step's round trip, never acquired
+            self.release(pin)
+        self._pinned = {}
+        self._expected = set()  # a request still waiting says so again
+        # handles nobody polled in the last step (promotion given up by the connector): not asked again
+        self._tracked = {k: s for k, s in self._tracked.items() if s >= self._step - 1}
+
+    def expect(self, keys: list[str]) -> None:
+        """Keys the scheduler is about to ask about this step: asked in the same round trip."""
+        self._expected.update(k for k in keys if k not in self._answers)
+
+    def _answer(self, key: str) -> str:
+        """This step's state of ``key`` (``"absent"``/``"promoting"``/``"ready"``). The first
+        question of a step asks the daemon about every key expected or being promoted, in one
+        ``prefetch`` round trip (which also starts the promotions); later questions of the step
+        about those keys cost nothing.
+
+        Raises:
+            EctierError (DaemonUnavailableError, ...): the round trip failed; the keys stay unanswered.
+        """
+        state = self._answers.get(key)
+        if state is not None:
+            return state
+        from ectier.daemon.protocol import MAX_BATCH_KEYS
+
+        batch = list(dict.fromkeys([key, *self._expected, *(k for k in self._tracked if k not in self._answers)]))
+        wanted = self._expected.union(self._tracked)  # keys the scheduler pins once ready
+        self._expected = set()
+        views = "view" in self.client.features
+        for i in range(0, len(batch), MAX_BATCH_KEYS):  # more than one only past 1024 items in flight
+            chunk = batch[i:i + MAX_BATCH_KEYS]
+            if not views:
+                self._answers.update(zip(chunk, self.client.prefetch(chunk, namespace=self.namespace)))
+                continue
+            # the ready ones are pinned in the same round trip: acquire() then costs nothing
+            pin = [k for k in chunk if k in wanted and k not in self._pinned]
+            states, pins, instance = self.client.prefetch_and_pin(chunk, pin, namespace=self.namespace)
+            self._answers.update(zip(chunk, states))
+            for k, reply in zip(pin, pins):
+                if reply is not None:
+                    self._pinned[k] = _held_pin(reply, instance)
+        return self._answers[key]
+
+    def _legacy(self) -> bool:
+        """True for a daemon without the ``prefetch`` op (older than this binding)."""
+        if self._batched is None:
+            self.client.connect()  # DaemonUnavailableError: asked again at the next call
+            self._batched = "prefetch" in self.client.features
+        return not self._batched
+
+    def contains(self, key: str) -> bool:
+        """True unless the daemon answered ``key`` absent this step."""
+        if self._legacy():
+            return self.client.contains(key, namespace=self.namespace)
+        return self._answer(key) != "absent"
+
+    def prefetch(self, keys: list[str], device: str) -> list["DaemonLoad"] | None:
+        """Handles of the daemon's promotions of ``keys`` into its arena (``device`` is ignored:
+        the worker reads from the arena). ``None`` for an older daemon (no ``prefetch`` op): the
+        connector then pins at once, and the daemon's ``get`` promotes synchronously."""
+        if self._legacy():
+            return None
+        return [DaemonLoad(self, k) for k in keys]
+
+    def acquire(self, key: str, device: str) -> Pin | None:
+        """Pin ``key``: a daemon ``get`` lease, which takes over the pin (or, for an entry larger
+        than the daemon's arena, the scratch file) the daemon's finished promotion holds."""
+        pin = self._pinned.pop(key, None)
+        if pin is not None:
+            return pin  # pinned by this step's prefetch round trip
+        direct = {"direct": True} if "direct" in self.client.features else {}
+        hold = {"hold": True} if "view" in self.client.features else {}
+        reply = self.client.call("get", key=key, namespace=self.namespace, **direct, **hold)
+        if not reply.get("hit"):
+            return None
+        if reply.get("view"):
+            return _held_pin(reply, self.client.server_info.get("instance", ""))
+        return Pin(tuple(reply["shape"]), str(reply["dtype"]), reply["lease"])
+
+    def release(self, pin: Pin) -> None:
+        """End ``pin``: a process-held lease from the background releaser (no round trip here;
+        once no view of this process's worker still reads it, see :meth:`stage`), an older
+        daemon's connection lease with a ``release`` call."""
+        if isinstance(pin.lease, HeldLease):
+            _SHARED.drop(pin.lease, self.client)
+        else:
+            self.client.call("release", retry=False, lease=pin.lease)
+
+    def stage(self, key: str, pin: Pin) -> None:
+        """Offer a process-held pin to a worker connector of this process (vLLM's uniproc
+        executor runs scheduler and worker in one process): its :meth:`get` then views the
+        pinned bytes with no round trip, and the lease ends once both the scheduler released it
+        and the view is freed. A worker in another process asks the daemon itself."""
+        if isinstance(pin.lease, HeldLease):
+            _SHARED.stage((self.client.socket_path, self.namespace, key), pin)
+
+    def unstage(self, key: str) -> None:
+        _SHARED.unstage((self.client.socket_path, self.namespace, key))
+
+    def put(self, key: str, tensor: Any, *, after: Any = None) -> Any:
+        """``DaemonClient.put`` (returns ``None`` once committed); ``after``: a CUDA event the
+        copy of a device ``tensor`` waits for."""
+        return self.client.put(key, tensor, namespace=self.namespace, after=after)
+
+    def for_saves(self) -> "DaemonStore":
+        """A store with a daemon client of its own, for a background save thread (its puts never
+        hold the lock of this store's client)."""
+        return DaemonStore(*self._args)
+
+    def get(self, key: str, device: str) -> Any:
+        """Read ``key``: onto the CPU, a read-only zero-copy view of the daemon's arena
+        (:meth:`DaemonClient.get_view`: pinned until the tensor is freed); onto a GPU, one copy
+        from that view to ``device``."""
+        view = _SHARED.view((self.client.socket_path, self.namespace, key), self.client)
+        if view is None:
+            view = self.client.get_view(key, namespace=self.namespace)
+        if view is None or device == "cpu":
+            return view
+        return view.to(device)  # the view (and so its pin) goes once copied
+
+    def flush(self) -> None:
+        return None  # the daemon flushes on its own shutdown
+
+    def close(self) -> None:
+        for pin in self._pinned.values():
+            self.release(pin)
+        self._pinned = {}
+        self.client.close()
+
+
+@dataclass(frozen=True)
+class HeldLease:
+    """A daemon lease held by this process (no deadline; released from a background thread):
+    its ``id`` and the daemon run (``instance``) that granted it."""
+
+    id: int
+    instance: str
+    #: the ``get``-reply fields of the pinned bytes (``dtype``, ``shape``, ``nbytes``, ``extents``)
+    fields: dict = field(default_factory=dict, compare=False, hash=False)
+
+
+def _held_pin(reply: dict[str, Any], instance: str) -> Pin:
+    fields = {k: reply[k] for k in ("dtype", "shape", "nbytes", "extents")}
+    return Pin(tuple(reply["shape"]), str(reply["dtype"]), HeldLease(reply["lease"], instance, fields))
+
+
+class _SharedPins:
+    """Process-held pins a scheduler connector staged for a worker connector of the same
+    process, reference-counted: the scheduler's hold plus one per live view made from it; the
+    lease is released (background releaser) when the count reaches 0. A view's finalizer drops
+    its reference through :class:`ectier.moves.views.Releaser` (never blocks on the lock)."""
+
+    def __init__(self) -> None:
+        from ectier.moves.views import Releaser
+
+        self._lock = threading.Lock()
+        self._staged: dict[tuple, HeldLease] = {}
+        self._refs: dict[HeldLease, int] = {}  # lease -> references
+        self._releaser = Releaser(self._lock)
+
+    def stage(self, ident: tuple, pin: Pin) -> None:
+        with self._lock:
+            self._staged[ident] = pin.lease
+            self._refs[pin.lease] = self._refs.get(pin.lease, 0) + 1
+
+    def unstage(self, ident: tuple) -> None:
+        with self._lock:
+            self._staged.pop(ident, None)
+
+    def drop(self, lease: HeldLease, client: Any) -> None:
+        """The scheduler's release of ``lease`` (not staged: released at once)."""
+        with self._lock:
+            self._drop_locked(lease, client)
+
+    def _drop_locked(self, lease: HeldLease, client: Any) -> None:
+        refs = self._refs.get(lease)
+        if refs is not None:
+            if refs > 1:
+                self._refs[lease] = refs - 1
+                return
+            del self._refs[lease]
+        client.release_held(lease.id, lease.instance)  # never blocks
+
+    def view(self, ident: tuple, client: Any) -> Any:
+        """A view of the staged pin of ``ident`` (None: none staged, or of another daemon run)."""
+        with self._lock:
+            lease = self._staged.get(ident)
+            if lease is None or lease not in self._refs or not lease.fields:
+                return None
+            if lease.instance != client.server_info.get("instance"):
+                return None  # the daemon restarted since: its pins went with it
+            self._refs[lease] += 1
+        try:
+            return client.view_of(lease.fields, lambda: self._releaser.call(lambda: self._drop_locked(lease, client)))
+        except BaseException:
+            self.drop(lease, client)
+            raise
+
+
+_SHARED = _SharedPins()
+
+
+class DaemonLoad:
+    """A daemon promotion of one key, as the connector polls it (the shape of ectier's
+    ``LoadHandle``): ``done()`` is True once the daemon answers ``ready`` or ``absent`` (asked at
+    most once per scheduler step, see :meth:`DaemonStore._answer`), or the question failed
+    (``error``: the exception); ``wait(timeout_s)`` is True for ``ready``. Never blocks on I/O in
+    ``done()``; ``wait`` with a timeout above 0 polls the daemon every 10 ms until then."""
+
+    __slots__ = ("key", "error", "_store", "_state")
+
+    def __init__(self, store: DaemonStore, key: str) -> None:
+        self.key = key
+        self.error: BaseException | None = None
+        self._store = store
+        self._state: str | None = None
+        store._tracked[key] = store._step
+
+    def done(self) -> bool:
+        if self.error is not None or self._state in ("ready", "absent"):
+            return True
+        self._store._tracked[self.key] = self._store._step
+        try:
+            self._state = self._store._answer(self.key)
+        except Exception as exc:  # noqa: BLE001 - a handle reports, never raises (the item is a miss)
+            self.error = exc
+        finished = self.error is not None or self._state != "promoting"
+        if finished:
+            self._store._tracked.pop(self.key, None)
+        return finished
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.done():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+            self._store._answers.pop(self.key, None)  # ask again: this is a wait, not a step
+        return self.error is None and self._state == "ready"
+
+    def __repr__(self) -> str:
+        return f"<DaemonLoad {self.key!r} {self._state or 'unasked'}>"
+
+
+# ------------------------------------------------------------------ per-process registry
