@@ -364,3 +364,25 @@ def test_no_pool_registers_per_call(counted):
     for _ in range(3):
         assert len(be.get("k", deadline_s=D)) == MiB
     assert client.calls["register_buffer"] == 4 and be.describe()["buffer_pool"] is None
+
+
+@pytest.mark.parametrize("pooled_max", [64 * MiB, 0], ids=["from the pool", "upsert_parts"])
+def test_a_known_checksum_is_stored_as_given_and_an_object_that_fails_it_is_a_miss(counted, pooled_max):
+    class Backend(MooncakeBackend):
+        pooled_put_max_bytes = pooled_max
+
+    be, client = counted(Backend)
+    tier = RemoteTier(_tier_cfg(be), be)
+    n = 2 * MiB + 3
+    data = torch.frombuffer(bytearray(os.urandom(n)), dtype=torch.uint8)
+    right = xxhash.xxh3_64_intdigest(data.numpy())
+    for key, csum in (("good", right), ("bad", right ^ 1)):
+        assert tier.write(EntryMeta("ns", key, "uint8", (n,), n), data, 1, entry_digest("ns", key),
+                          payload_checksum=csum)
+        got = bytes(be.get(tier.key_of(entry_digest("ns", key)), deadline_s=D))
+        assert unpack_header(got[:header_nbytes(got)]).payload_checksum == csum  # stored as given
+    assert client.calls.get("upsert_parts", 0) == (0 if pooled_max else 2)
+    hit = tier.fetch(entry_digest("ns", "good"), "ns", "good")
+    assert hit is not None and torch.equal(hit[1], data)
+    assert tier.fetch(entry_digest("ns", "bad"), "ns", "bad") is None  # its payload is not what its header says
+    assert tier.describe()["checksum_failures"] == 1

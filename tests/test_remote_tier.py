@@ -5,15 +5,17 @@ wrong tensor, an exception or a stall of the caller."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
 import pytest
 import torch
+import xxhash
 
 from ectier import CacheConfig, testing
 from ectier.config import GpuTierConfig
-from ectier.entry import entry_digest
+from ectier.entry import EntryMeta, entry_digest
 from ectier.errors import ConfigError
 from ectier.tiers.base import Tier
 from ectier.tiers.remote.backend import RemoteError
@@ -244,3 +246,60 @@ def test_object_keys_carry_the_prefix_once(nodes):
     c = make(_cfg(prefix="site-a"))
     key = testing.tier(c, "remote").key_of(entry_digest("qwen", "k"))
     assert "site-a" not in key and key == entry_digest("qwen", "k").hex()
+
+
+class _CountingKnown(testing.MemoryBackend):
+    """The in-memory store, noting for each record put whether its checksum came known."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.known: list[bool] = []
+
+    def put_record(self, key, header, payload, *, deadline_s, checksum_known=False):
+        self.known.append(checksum_known)
+        super().put_record(key, header, payload, deadline_s=deadline_s)
+
+
+def _nvme_cfg(tmp_path, **nvme):
+    cfg = _cfg(tmp_path)
+    return cfg.replace(nvme=dataclasses.replace(cfg.nvme, **nvme))
+
+
+@pytest.mark.parametrize("case, known", [
+    ("straight to nvme", True),  # too large for the host: its NVMe record read back, checked
+    ("host, nvme write-through", True),  # the host slot's bytes; the NVMe record of that version
+    ("nvme zstd", False),  # the record's checksum is of the compressed bytes, not these
+    ("host only", False),
+])
+def test_a_write_through_reuses_the_nvme_records_checksum_only_where_it_is_that_of_the_bytes(tmp_path, case, known):
+    be = _CountingKnown()
+    cfg = {"straight to nvme": _nvme_cfg(tmp_path), "host, nvme write-through": _nvme_cfg(tmp_path, write_through=True),
+           "nvme zstd": _nvme_cfg(tmp_path, codec="zstd"), "host only": _cfg()}[case]
+    rows = 5120 if "nvme" in case and "host" not in case else 1024  # 5 MiB: past the 4 MiB host
+    t = _t(21, rows=rows)
+    producer = testing.make_cache(cfg, remote_backend=be)
+    consumer = testing.make_cache(_cfg(), remote_backend=be)
+    try:
+        producer.put("k", t)
+        assert testing.drain(producer)
+        assert be.known == [known]
+        assert _same(consumer.get("k"), t)  # the record's checksum holds, whoever computed it
+        assert consumer.stats()["tiers"]["remote"]["checksum_failures"] == 0
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_a_remote_object_whose_payload_does_not_match_its_known_checksum_is_a_miss(nodes):
+    be, make = nodes
+    producer, consumer = make(), make()
+    tier = testing.tier(producer, "remote")
+    data = _t(22).view(-1).view(torch.uint8)
+    meta = EntryMeta("qwen", "k", "bfloat16", (64, 512), data.numel())
+    digest = entry_digest("qwen", "k")
+    right = xxhash.xxh3_64_intdigest(data.numpy())
+    assert tier.write(meta, data, 1, digest, payload_checksum=right ^ 1)  # stored as given: a wrong one
+    assert consumer.get("k") is None
+    assert consumer.stats()["tiers"]["remote"]["checksum_failures"] == 1
+    assert tier.write(meta, data, 2, digest, payload_checksum=right)
+    assert _same(consumer.get("k"), _t(22))

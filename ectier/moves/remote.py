@@ -16,6 +16,7 @@ import torch
 
 from ..entry import EntryMeta
 from ..errors import TierWriteError
+from ..tiers.nvme import RAW_CODEC_ID
 from ..tiers.remote.tier import RemoteTier
 from .nvme import RETRY
 
@@ -76,7 +77,8 @@ class RemoteMoves:
                 src.pin(slot)
             try:
                 data = m.arena.cpu_bytes(src, slot)
-                if data is not None and self.tier.write(slot.meta, data, version, digest):
+                if data is not None and self.tier.write(slot.meta, data, version, digest,
+                                                        payload_checksum=self._known_checksum(digest, version)):
                     m.counters.count("remote", puts=1, put_bytes=slot.meta.nbytes)
             finally:
                 m.unpin(src, slot)
@@ -98,8 +100,21 @@ class RemoteMoves:
         if got is None or got is RETRY:
             return
         meta, data = got
-        if self.tier.write(meta, data, version, digest):
+        if self.tier.write(meta, data, version, digest, payload_checksum=self._known_checksum(digest, version)):
             m.counters.count("remote", puts=1, put_bytes=meta.nbytes)
+
+    def _known_checksum(self, digest: bytes, version: int) -> int | None:
+        """The xxh3-64 of the raw bytes of ``version`` of ``digest`` when the NVMe tier's record of
+        that version stores them uncompressed (its header's payload checksum, computed while those
+        bytes were written; every read checks it), else ``None`` (the remote put computes it)."""
+        nvme = self.m.nvme
+        rec = nvme.tier.record(digest) if nvme is not None else None
+        if rec is None or rec.version != version:
+            return None
+        h = rec.header
+        if h.codec_id != RAW_CODEC_ID or h.payload_nbytes != h.raw_nbytes:
+            return None  # a compressed payload: its checksum is not that of the raw bytes
+        return h.payload_checksum
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued write-through ran; False on timeout."""

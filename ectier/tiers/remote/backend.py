@@ -66,12 +66,15 @@ class RemoteBackend(abc.ABC):
             RemoteError, RemoteTimeout.
         """
 
-    def put_record(self, key: str, header: Any, payload: Any, *, deadline_s: float) -> None:
+    def put_record(self, key: str, header: Any, payload: Any, *, deadline_s: float,
+                   checksum_known: bool = False) -> None:
         """Store one record (``header``: a :class:`~ectier.record.RecordHeader`; ``payload``: its
         bytes) as the object under ``key``, as :meth:`put` does. The default joins both with
         :func:`~ectier.record.pack_record` (one copy of the payload); a backend may write them
         without that buffer. A backend with :attr:`computes_checksum` stores the header with
-        ``payload_checksum`` set to the payload's xxh3-64, whatever ``header`` says.
+        ``payload_checksum`` set to the payload's xxh3-64, whatever ``header`` says — unless
+        ``checksum_known``: the caller knew the payload's xxh3-64, ``header`` carries it and is
+        stored as given (no pass over the payload for it).
 
         Raises:
             RemoteError, RemoteTimeout.

@@ -274,26 +274,29 @@ class MooncakeBackend(RemoteBackend):
             raise RemoteError(f"mooncake put of {len(view)} bytes on {self._master}: {_code(rc)}")
         self._sizes.note(name, len(view))
 
-    def put_record(self, key: str, header: Any, payload: Any, *, deadline_s: float) -> None:
+    def put_record(self, key: str, header: Any, payload: Any, *, deadline_s: float,
+                   checksum_known: bool = False) -> None:
         """Store one record (``header``, then ``payload``) under ``key``; ``header.payload_checksum``
-        is stored as the payload's xxh3-64, computed here (``computes_checksum``). A record up to
-        :attr:`pooled_put_max_bytes` (or one larger than half of
+        is stored as the payload's xxh3-64, computed here (``computes_checksum``) unless
+        ``checksum_known`` (the caller knew it: stored as given, no pass over the payload for it).
+        A record up to :attr:`pooled_put_max_bytes` (or one larger than half of
         ``remote.mooncake_local_buffer_bytes``) is copied into a buffer of the pool of registered
         memory, the checksum computed during that copy, and written with ``upsert_from``; otherwise,
         or without room in the pool, a record up to half of that buffer goes through the client's
         own buffer with ``upsert_parts`` (the checksum computed first), a larger one (or one that
         finds that buffer full) is copied into one new buffer and written from it as :meth:`put`
         does. Each measured faster than the alternatives in docs/benchmarks.md. A call past its
-        deadline may still read ``payload`` on its thread: a copy into the pool that ends past the deadline writes nothing (its checksum,
-        computed over what was copied, would vouch for bytes the caller may have reused); on the
-        other paths the checksum comes first, so such an object fails it (a miss).
+        deadline may still read ``payload`` on its thread: a copy into the pool that ends past the
+        deadline writes nothing (its checksum, computed over what was copied, would vouch for bytes
+        the caller may have reused); on the other paths the checksum comes first (or was known), so
+        such an object fails it (a miss).
 
         Raises:
             ValueError / TypeError: a bad key, payload or deadline_s.
             RemoteError, RemoteTimeout.
         """
         check_args(key, deadline_s)
-        start = time.monotonic()
+        end = time.monotonic() + deadline_s  # the pool's copy too: the caller waits for it
         body = byte_view(payload)
         if len(body) != header.payload_nbytes:
             raise ValueError(f"payload: {len(body)} bytes, header.payload_nbytes is {header.payload_nbytes}")
@@ -301,35 +304,36 @@ class MooncakeBackend(RemoteBackend):
         nbytes = len(pack_header(header)) + len(body)  # the checksum's value does not change the length
         parts = self.zero_copy and nbytes <= self._cfg.mooncake_local_buffer_bytes // 2
         if self._pool is not None and (nbytes <= self.pooled_put_max_bytes or not parts):
-            end = start + deadline_s  # no later than the call's own: the caller waits for the copy
-            rc = self._call("put", deadline_s,
-                            lambda store: put_pooled(store, self._pool, self._holds, name, header, body, end))
+            rc = self._call("put", deadline_s, lambda store: put_pooled(store, self._pool, self._holds, name, header,
+                                                                        body, end, hashing=not checksum_known))
             if rc == _LATE:
                 raise RemoteTimeout(f"mooncake put: the copy of {nbytes} bytes ended past the deadline")
-            if rc == 0:
-                self._sizes.note(name, nbytes)
+            if self._put_done(rc, name, nbytes):
                 return
-            if rc is not None and rc not in (_TOO_SMALL, _NO_HANDLE):
-                raise RemoteError(f"mooncake put of {nbytes} bytes on {self._master}: {_code(rc)}")
-            deadline_s -= time.monotonic() - start  # no room in the pool: the paths below
-            if deadline_s <= 0:
-                raise RemoteTimeout("mooncake put: past its deadline (no room in the buffer pool)")
-        head = pack_header(dataclasses.replace(header, payload_checksum=checksum(body)))
+            deadline_s = _left(end, "no room in the buffer pool")
+        if not checksum_known:
+            header = dataclasses.replace(header, payload_checksum=checksum(body))
+        head = pack_header(header)
         if parts:
-            rc = self._call("put", deadline_s, lambda store: store.upsert_parts(name, head, body))
-            if rc == 0:
-                self._sizes.note(name, nbytes)
+            if self._put_done(self._call("put", deadline_s, lambda store: store.upsert_parts(name, head, body)),
+                              name, nbytes):
                 return
-            if rc not in (_TOO_SMALL, _NO_HANDLE):
-                raise RemoteError(f"mooncake put of {nbytes} bytes on {self._master}: {_code(rc)}")
-            deadline_s -= time.monotonic() - start  # the client's buffer is full: the copy path
-            if deadline_s <= 0:
-                raise RemoteTimeout("mooncake put: past its deadline (the client's buffer was full)")
+            deadline_s = _left(end, "the client's buffer was full")
         buf = aligned_empty(nbytes)
         buf[:len(head)] = np.frombuffer(head, dtype=np.uint8)
         if len(body):
             buf[len(head):] = np.frombuffer(body, dtype=np.uint8)
         self.put(key, memoryview(buf), deadline_s=deadline_s)
+
+    def _put_done(self, rc: int | None, name: str, nbytes: int) -> bool:
+        """True: a put's ``rc`` says the object is stored; False: no room (the next path may have
+        some: ``None`` from the pool, or Mooncake's no-handle / too-small). Raises RemoteError."""
+        if rc == 0:
+            self._sizes.note(name, nbytes)
+            return True
+        if rc is not None and rc not in (_TOO_SMALL, _NO_HANDLE):
+            raise RemoteError(f"mooncake put of {nbytes} bytes on {self._master}: {_code(rc)}")
+        return False
 
     def get(self, key: str, *, deadline_s: float) -> memoryview | bytes | None:
         """The object under ``key`` (a memoryview of a new buffer), or ``None`` if there is none
@@ -481,6 +485,14 @@ def exit_now_if_abandoned(code: int) -> None:
         except (OSError, ValueError, AttributeError):
             pass
     os._exit(code)
+
+
+def _left(end: float, why: str) -> float:
+    """The seconds left before ``end`` (monotonic) for a put's next path. Raises RemoteTimeout."""
+    left = end - time.monotonic()
+    if left <= 0:
+        raise RemoteTimeout(f"mooncake put: past its deadline ({why})")
+    return left
 
 
 def _close_quietly(store: Any, pool: BufferPool | None = None) -> None:

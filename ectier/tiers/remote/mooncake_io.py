@@ -28,22 +28,26 @@ LATE = -1_000_001
 
 
 def put_pooled(store: Any, pool: BufferPool, holds: Holds, name: str, header: Any, body: memoryview,
-               end: float) -> int | None:
+               end: float, *, hashing: bool = True) -> int | None:
     """Write the record ``header`` + ``body`` as object ``name`` from a pool buffer, with
-    ``header.payload_checksum`` set to the xxh3-64 of ``body``: Mooncake's return code, or
-    ``None`` when the pool had no room, or :data:`LATE` (nothing written) when the copy ended at
-    or past ``end`` (monotonic seconds, the caller's deadline): the caller may have let ``body``
-    change by then, and a checksum computed over what was copied would vouch for torn bytes."""
+    ``header.payload_checksum`` set to the xxh3-64 of ``body`` (``hashing``; else ``header`` is
+    written as given: its checksum known to the caller): Mooncake's return code, or ``None`` when
+    the pool had no room, or :data:`LATE` (nothing written) when the copy ended at or past ``end``
+    (monotonic seconds, the caller's deadline): the caller may have let ``body`` change by then,
+    and a checksum computed over what was copied would vouch for torn bytes."""
     nhead = len(pack_header(header))  # the checksum's value does not change the length
     buf = pool.acquire(store, nhead + len(body))
     if buf is None:
         return None
     mv = memoryview(buf.array)
-    total = copy_hashing(mv[nhead:nhead + len(body)], body)
+    if hashing:
+        header = dataclasses.replace(header, payload_checksum=copy_hashing(mv[nhead:nhead + len(body)], body))
+    else:
+        mv[nhead:nhead + len(body)] = body
     if time.monotonic() >= end:
         pool.give_back(buf)
         return LATE
-    mv[:nhead] = pack_header(dataclasses.replace(header, payload_checksum=total))
+    mv[:nhead] = pack_header(header)
     rc = store.upsert_from(name, buf.ptr, nhead + len(body))
     _end(rc, pool, holds, buf)
     return rc

@@ -307,8 +307,10 @@ class RedisBackend(NodeBackoff, RemoteBackend):
         chunks = [view[i * cb:(i + 1) * cb] for i in range(-(-len(view) // cb))]
         self._put_chunks(key, chunks, len(view), xxhash.xxh3_64_intdigest(view), dl)
 
-    def put_record(self, key: str, header: Any, payload: Any, *, deadline_s: float) -> None:
-        """Store one record (``header``: a :class:`~ectier.record.RecordHeader`, then ``payload``)
+    def put_record(self, key: str, header: Any, payload: Any, *, deadline_s: float,
+                   checksum_known: bool = False) -> None:
+        """Store one record (``header``: a :class:`~ectier.record.RecordHeader`, stored as given
+        whatever ``checksum_known`` says; then ``payload``)
         as :meth:`put` stores their concatenation, without building it: only the first chunk
         (the header and the payload's first bytes) is copied, every other chunk is a view of
         ``payload`` (docs/benchmarks.md, "Remote tier": the join cost a 64 MiB put ~40 %).

@@ -19,6 +19,7 @@ backend fails the calls needing that node at once (``skipped_node_down``), the o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -151,12 +152,21 @@ class RemoteTier(Tier):
             for k, n in amounts.items():
                 self.counters[k] += n
 
-    def write(self, meta: EntryMeta, src: torch.Tensor, version: int, digest: bytes) -> bool:
-        """Write version ``version`` of an entry (``src``: its flat ``uint8`` CPU bytes). True if stored."""
-        record = encode_record(self._codec, meta, src, version,
-                               with_checksum=not self.backend.computes_checksum)  # else computed while copied
-        ok, _ = self._call("put", lambda: self.backend.put_record(self.key_of(digest), record.header, record.payload,
-                                                                   deadline_s=self.config.timeout_s))
+    def write(self, meta: EntryMeta, src: torch.Tensor, version: int, digest: bytes, *,
+              payload_checksum: int | None = None) -> bool:
+        """Write version ``version`` of an entry (``src``: its flat ``uint8`` CPU bytes). True if stored.
+
+        ``payload_checksum``: the xxh3-64 of ``src`` when the caller knows it (the checksum of the
+        entry's raw NVMe record of this version): the record carries it and nobody makes a pass
+        over ``src`` for it. Give it only where it is truly the checksum of these bytes: a wrong
+        one makes the object fail its check on every read (a counted miss, never a wrong tensor)."""
+        known = payload_checksum is not None
+        record = encode_record(self._codec, meta, src, version,  # else computed here or while copied
+                               with_checksum=not known and not self.backend.computes_checksum)
+        header = dataclasses.replace(record.header, payload_checksum=payload_checksum) if known else record.header
+        ok, _ = self._call("put", lambda: self.backend.put_record(self.key_of(digest), header, record.payload,
+                                                                   deadline_s=self.config.timeout_s,
+                                                                   checksum_known=known))
         return ok
 
     def fetch(self, digest: bytes, namespace: str, key: str):
