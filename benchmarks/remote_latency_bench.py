@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import multiprocessing
-import os
 import statistics
 import sys
 import time
@@ -48,6 +46,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import remote_redis_bench as rb  # noqa: E402
+from remote_common import measured, mib_list, report, timed as _timed  # noqa: E402
 
 MiB = 1 << 20
 DEADLINE_S = 60.0
@@ -213,14 +212,14 @@ def throughput(addresses: str, sizes: list[int], rounds: int) -> list[dict]:
             for r in range(rounds + 1):
                 # the parts of a put: the record joined into one buffer, the backend's put of it
                 rec = encode_record(RawCodec(), meta, src, r + 1)
-                dt_j, packed = rb._timed(lambda: b"".join((rec.header_bytes, rec.payload)))
-                dt_b, _ = rb._timed(lambda: tier.backend.put(tier.key_of(digest), packed, deadline_s=DEADLINE_S))
+                dt_j, packed = _timed(lambda: b"".join((rec.header_bytes, rec.payload)))
+                dt_b, _ = _timed(lambda: tier.backend.put(tier.key_of(digest), packed, deadline_s=DEADLINE_S))
                 packed = None  # freed before the next allocation, as a write-through frees it
-                dt_rp, _ = rb._timed(lambda: raw.set(f"raw:{size}", data))
-                dt_rg, got = rb._timed(lambda: raw.get(f"raw:{size}"))
+                dt_rp, _ = _timed(lambda: raw.set(f"raw:{size}", data))
+                dt_rg, got = _timed(lambda: raw.get(f"raw:{size}"))
                 assert got == data
-                dt_p, ok = rb._timed(lambda: tier.write(meta, src, r + 1, digest))
-                dt_g, got = rb._timed(lambda: tier.fetch(digest, "bench", f"k{size}"))
+                dt_p, ok = _timed(lambda: tier.write(meta, src, r + 1, digest))
+                dt_g, got = _timed(lambda: tier.fetch(digest, "bench", f"k{size}"))
                 assert ok and got is not None and got[1].numel() == size
                 if r:
                     for k, v in (("put", dt_p), ("get", dt_g), ("raw_put", dt_rp), ("raw_get", dt_rg),
@@ -293,29 +292,23 @@ def main(argv: list[str] | None = None) -> int:
                     "mooncake: the master's host:port, the metadata server at http://<host>:8080/metadata")
     ap.add_argument("--json", default=None, help="also write every measurement here")
     args = ap.parse_args(argv)
-    vsizes = [int(float(s) * MiB) for s in args.visibility_mib.split(",") if s]
-    tsizes = [int(float(s) * MiB) for s in args.sizes_mib.split(",") if s]
-    with _spec(args.backend, args.addresses) as (spec, pids):
-        pids = [os.getpid(), *pids]
-        busy0, all0, own0 = rb._jiffies(pids)
+    vsizes, tsizes = mib_list(args.visibility_mib), mib_list(args.sizes_mib)
+
+    def run() -> tuple[list, list]:
         thr = throughput(spec["addresses"], tsizes, args.rounds) if args.backend == "redis" else []
-        vis = visibility(spec, vsizes, args.trials, args.poll_s)
-        busy1, all1, own1 = rb._jiffies(pids)
-    other = max(0, (busy1 - busy0) - (own1 - own0)) / max(1, all1 - all0)
+        return thr, visibility(spec, vsizes, args.trials, args.poll_s)
+
+    with _spec(args.backend, args.addresses) as (spec, pids):
+        (thr, vis), other = measured(pids, run)
     if args.backend == "redis":
         info: dict[str, Any] = rb.machine()
     else:
         import remote_mooncake_bench as mb
         info = mb.machine()
-    print("\n".join(f"- {k}: {v}" for k, v in info.items()))
-    print(f"- trials: {args.trials}, poll every {args.poll_s * 1e3:g} ms; rounds: {args.rounds}; other load: "
-          f"other processes took about {other:.0%} of the machine's CPU (the consumer process counts as other)\n")
-    print(tables(vis, thr))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"machine": info, "other_load": other, "visibility": vis,
-                                               "throughput": thr}, indent=1))
-    return 0
-
+    return report(info, f"- trials: {args.trials}, poll every {args.poll_s * 1e3:g} ms; rounds: {args.rounds}; "
+                  f"other load: other processes took about {other:.0%} of the machine's CPU (the consumer process "
+                  "counts as other)", tables(vis, thr), args.json, {"other_load": other, "visibility": vis,
+                                                                   "throughput": thr})
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -38,10 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -59,7 +56,7 @@ from ectier.config import RemoteTierConfig  # noqa: E402
 from ectier.entry import EntryMeta, entry_digest  # noqa: E402
 from ectier.tiers.remote.mooncake import MooncakeBackend  # noqa: E402
 from ectier.tiers.remote.tier import RemoteTier  # noqa: E402
-from remote_redis_bench import _jiffies  # noqa: E402
+from remote_common import machine_base, measured, mib_list, report  # noqa: E402
 
 MiB = 1 << 20
 DEADLINE_S = 60.0
@@ -196,10 +193,7 @@ def table(rows: list[dict]) -> str:
 
 def machine() -> dict[str, str]:
     from importlib.metadata import version
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "cpu": f"{cpu}, {os.cpu_count()} CPUs", "python": platform.python_version(),
+    return {**machine_base(),
             "mooncake": f"mooncake-transfer-engine-non-cuda {version('mooncake-transfer-engine-non-cuda')}, tcp"}
 
 
@@ -211,21 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metadata", default=None, help="its metadata server (default http://<master host>:8080/metadata)")
     ap.add_argument("--json", default=None, help="also write the per-round times here")
     args = ap.parse_args(argv)
-    sizes = [int(float(s) * MiB) for s in args.sizes_mib.split(",")]
+    sizes = mib_list(args.sizes_mib)
     with _store(args.master, args.metadata) as (master, metadata, pids):
-        pids = [os.getpid(), *pids]
-        busy0, all0, own0 = _jiffies(pids)
-        rows = measure(master, metadata, sizes, args.rounds)
-        busy1, all1, own1 = _jiffies(pids)
-    other = max(0, (busy1 - busy0) - (own1 - own0)) / max(1, all1 - all0)
-    info = machine()
-    print("\n".join(f"- {k}: {v}" for k, v in info.items()))
-    print(f"- rounds: {args.rounds}; other load: other processes took {other:.0%} of the machine's CPU\n")
-    print(table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"machine": info, "other_load": other, "rows": rows}, indent=1))
-    return 0
-
+        rows, other = measured(pids, lambda: measure(master, metadata, sizes, args.rounds))
+    return report(machine(), f"- rounds: {args.rounds}; other load: other processes took {other:.0%} of the "
+                  "machine's CPU", table(rows), args.json, {"other_load": other, "rows": rows})
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,38 +20,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # redis_cluster.py
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from ectier.config import RemoteTierConfig  # noqa: E402
 from ectier.tiers.remote.redis import RedisBackend  # noqa: E402
+from remote_common import machine_base, measured, mib_list, report, timed as _timed  # noqa: E402
 
 MiB = 1 << 20
 DEADLINE_S = 60.0
-
-
-def _jiffies(pids: list[int]) -> tuple[int, int, int]:
-    """(busy jiffies of the machine, all its jiffies, busy jiffies of ``pids``)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    busy = sum(fields) - fields[3] - fields[4]  # minus idle and iowait
-    own = 0
-    for pid in pids:
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
-            parts = f.read().rsplit(")", 1)[1].split()
-            own += int(parts[11]) + int(parts[12])  # utime, stime
-    return busy, sum(fields), own
 
 
 @contextlib.contextmanager
@@ -85,12 +70,6 @@ def _raw_client(addresses: str) -> Any:
         return probe
     probe.close()
     return RedisCluster(startup_nodes=[ClusterNode(host, int(port))], socket_timeout=DEADLINE_S)
-
-
-def _timed(fn) -> tuple[float, Any]:
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
 
 
 def measure(addresses: str, sizes: list[int], chunks: list[int], tagged: list[int], rounds: int) -> list[dict]:
@@ -159,12 +138,8 @@ def machine() -> dict[str, str]:
         parser = f"hiredis {hiredis.__version__}"
     except ImportError:
         parser = "pure-Python parser (no hiredis)"
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
     server = subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.strip()
-    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "cpu": f"{cpu}, {os.cpu_count()} CPUs", "python": platform.python_version(),
-            "redis-py": f"{redis.__version__} ({parser})", "server": server}
+    return {**machine_base(), "redis-py": f"{redis.__version__} ({parser})", "server": server}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,23 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--addresses", default=None, help="an existing cluster or server (default: start one)")
     ap.add_argument("--json", default=None, help="also write the per-round times here")
     args = ap.parse_args(argv)
-    sizes = [int(float(s) * MiB) for s in args.sizes_mib.split(",")]
-    chunks = [int(float(c) * MiB) for c in args.chunks_mib.split(",")]
-    tagged = [int(float(c) * MiB) for c in args.hash_tag_chunks_mib.split(",") if c]
+    sizes, chunks, tagged = mib_list(args.sizes_mib), mib_list(args.chunks_mib), mib_list(args.hash_tag_chunks_mib)
     with _servers(args.addresses) as (addresses, pids):
-        pids = [os.getpid(), *pids]
-        busy0, all0, own0 = _jiffies(pids)
-        rows = measure(addresses, sizes, chunks, tagged, args.rounds)
-        busy1, all1, own1 = _jiffies(pids)
-    other = max(0, (busy1 - busy0) - (own1 - own0)) / max(1, all1 - all0)
-    info = machine()
-    print("\n".join(f"- {k}: {v}" for k, v in info.items()))
-    print(f"- rounds: {args.rounds}; other load: other processes took {other:.0%} of the machine's CPU\n")
-    print(table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"machine": info, "other_load": other, "rows": rows}, indent=1))
-    return 0
-
+        rows, other = measured(pids, lambda: measure(addresses, sizes, chunks, tagged, args.rounds))
+    return report(machine(), f"- rounds: {args.rounds}; other load: other processes took {other:.0%} of the "
+                  "machine's CPU", table(rows), args.json, {"other_load": other, "rows": rows})
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -24,7 +24,6 @@ removes their directory (logs: ``master.log`` / ``node.log`` there while they ru
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import os
 import shutil
@@ -41,16 +40,15 @@ from typing import Any, Iterator
 
 import pytest
 
+from server_helpers import apt_install, die_with_parent, free_port, unavailable
+
 _STARTUP_S = 30.0
 NODE_SEGMENT = "768MB"  # the store node's memory for everyone's objects
 _installed: str | None = None  # "" once the client imports, else why it cannot
 
 
 def _unavailable(reason: str) -> None:
-    """Skip (or on CI fail) the test that needs a Mooncake Store."""
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail(f"Mooncake tests must run on CI: {reason}")
-    pytest.skip(reason)
+    unavailable("Mooncake tests", reason)
 
 
 def _import_error() -> str:
@@ -66,16 +64,9 @@ def _install() -> str:
     error = _import_error()
     if not error or "libibverbs" not in error:
         return error and f"the Mooncake client does not import (pip install -e '.[test]'): {error}"
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        return f"libibverbs1 missing and not installable here (needs root and apt-get): {error}"
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "libibverbs1"]):
-        try:
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return f"{' '.join(cmd)} failed: {exc}"
-        if done.returncode != 0:
-            return f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr.strip()[-500:]}"
+    why = apt_install(["libibverbs1"])
+    if why:
+        return f"libibverbs1 missing: {why}: {error}"
     error = _import_error()
     return f"the Mooncake client still does not import after apt-get install libibverbs1: {error}" if error else ""
 
@@ -95,19 +86,6 @@ def ensure_tools() -> Path:
     return here
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGKILL when the test process dies, even by a crash that skips teardown."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
@@ -122,7 +100,7 @@ class Proc:
 
     def start(self) -> None:
         with open(self.log, "ab") as f:
-            self.process = subprocess.Popen(self.args, stdout=f, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+            self.process = subprocess.Popen(self.args, stdout=f, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
 
     def stop(self) -> None:
         p = self.process

@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from server_helpers import apt_install
+
 SUBNET = "10.213.0"
 PREFIX = "ect"
 _STARTUP_S = 30.0
@@ -44,16 +46,9 @@ _STARTUP_S = 30.0
 
 def _install_ip() -> str:
     """Install Debian's ``iproute2`` (the ``ip`` command) with apt-get; '' or why not."""
-    if shutil.which("apt-get") is None:
-        return "the ip command (iproute2) is missing and apt-get is not there to install it"
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "iproute2"]):
-        try:
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return f"{' '.join(cmd)} failed: {exc}"
-        if done.returncode != 0:
-            return f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr.strip()[-500:]}"
+    why = apt_install(["iproute2"])
+    if why:
+        return f"the ip command is missing: {why}"
     return "" if shutil.which("ip") else "the ip command is still missing after apt-get install iproute2"
 
 

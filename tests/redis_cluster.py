@@ -30,7 +30,6 @@ import dataclasses
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -39,16 +38,15 @@ from typing import Any, Iterator
 
 import pytest
 
+from server_helpers import apt_install, free_port, unavailable
+
 AUTH_PASSWORD = "ectier-test-secret"
 _STARTUP_S = 20.0
 _installed: str | None = None  # "" once the tools are there, else why they cannot be had
 
 
 def _unavailable(reason: str) -> None:
-    """Skip (or on CI fail) the test that needs a Redis server."""
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail(f"Redis tests must run on CI: {reason}")
-    pytest.skip(reason)
+    unavailable("Redis tests", reason)
 
 
 def _install() -> str:
@@ -57,16 +55,9 @@ def _install() -> str:
                                  ("openssl", "openssl")) if shutil.which(tool) is None]
     if not missing:
         return ""
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        return f"{', '.join(missing)} missing and not installable here (needs root and apt-get)"
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", *missing]):
-        try:
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return f"{' '.join(cmd)} failed: {exc}"
-        if done.returncode != 0:
-            return f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr.strip()[-500:]}"
+    why = apt_install(missing)
+    if why:
+        return f"{', '.join(missing)} missing: {why}"
     still = [t for t in ("redis-server", "redis-cli", "openssl") if shutil.which(t) is None]
     return f"{', '.join(still)} still missing after apt-get install" if still else ""
 
@@ -82,13 +73,6 @@ def ensure_tools() -> None:
         import redis  # noqa: F401
     except ImportError as exc:
         _unavailable(f"the 'redis' Python package is missing (pip install -e '.[test]'): {exc}")
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass

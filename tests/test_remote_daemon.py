@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 from daemon_helpers import (ECTIER_SCRIPT, MiB, DaemonProcess, assert_same, clean_env, daemon_config, daemon_stats, make_tensor, remove_dir,
                             short_tmpdir, wait_for, write_config)
-from redis_cluster import free_port
+from server_helpers import free_port
 from remote_stores import remote_store  # noqa: F401
 
 from ectier import CacheConfig, TieredCache, testing

@@ -21,7 +21,8 @@ from ectier.errors import ConfigError
 from ectier.tiers.remote import open_backend
 from ectier.tiers.remote.backend import RemoteError, RemoteTimeout
 from ectier.tiers.remote.mooncake import MooncakeBackend
-from mooncake_master import free_port, mooncake_store, mooncake_store_fn  # noqa: F401
+from mooncake_master import mooncake_store, mooncake_store_fn  # noqa: F401
+from server_helpers import eventually, free_port
 
 KiB, MiB = 1 << 10, 1 << 20
 D = 20.0  # deadline of the calls that are not about deadlines
@@ -36,14 +37,7 @@ def b(mooncake_store, request):
 
 
 def _eventually(fn, within_s: float = 20.0):
-    end = time.monotonic() + within_s
-    while True:
-        try:
-            return fn()
-        except RemoteError:
-            if time.monotonic() > end:
-                raise
-            time.sleep(0.2)
+    return eventually(fn, (RemoteError,), within_s)
 
 
 @pytest.mark.parametrize("n", [1, 7, 4 * KiB - 1, 4 * KiB, MiB + 1, 16 * MiB, 64 * MiB])

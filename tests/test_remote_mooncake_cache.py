@@ -26,7 +26,7 @@ D = 20.0
 def _cfg(store, host="160MiB", **remote):
     return CacheConfig.from_dict({
         "namespace": "qwen3-vl", "host": {"capacity_bytes": host, "pin_memory": False},
-        "remote": store.remote_dict(timeout_s=1.0, backoff_s=0.5, **remote)})
+        "remote": store.remote_dict(**{"timeout_s": 1.0, "backoff_s": 0.5, **remote})})
 
 
 def _t(seed: int, rows: int = 256) -> torch.Tensor:
@@ -40,19 +40,26 @@ def _same(a, b) -> bool:
 
 @pytest.fixture
 def pair(mooncake_store, request):
+    """A producer and a consumer on one prefix, with ``remote.timeout_s`` 1 s, or the seconds
+    given by an indirect parametrization."""
     prefix = f"c-{request.node.name}".replace("[", "-").replace("]", "")
-    made = [TieredCache(_cfg(mooncake_store, prefix=prefix)), TieredCache(_cfg(mooncake_store, prefix=prefix))]
+    timeout_s = getattr(request, "param", 1.0)
+    made = [TieredCache(_cfg(mooncake_store, prefix=prefix, timeout_s=timeout_s)) for _ in range(2)]
     yield made
     for c in made:
         c.close()
 
 
+# About bytes, not deadlines: a deadline no load on the machine reaches (a 64 MiB write-through
+# took over 1 s under load, so the put was a counted timeout); the deadlines are
+# test_a_master_killed_mid_run_*'s and test_remote_mooncake.py's.
+@pytest.mark.parametrize("pair", [D], indirect=True)
 @pytest.mark.parametrize("rows", [0, 1, 3, 1024, 4096])  # 0 B, 16 KiB, 48 KiB, 16 MiB, 64 MiB of bf16
 def test_a_put_on_one_cache_is_served_byte_exact_by_another(pair, rows):
     producer, consumer = pair
     t = _t(rows, rows)
     producer.put("img", t)
-    assert testing.drain(producer)
+    assert testing.drain(producer, timeout_s=2 * D)
     assert producer.stats()["tiers"]["remote"]["puts"] == 1
     got = consumer.get("img")
     assert _same(got, t)

@@ -22,6 +22,7 @@ from ectier.tiers.remote.redis import MANIFEST, RedisBackend
 from redis_cluster import AUTH_PASSWORD, Servers  # noqa: F401
 from redis_cluster import redis_cluster, redis_cluster_fn, redis_single, redis_single_auth  # noqa: F401
 from redis_cluster import redis_single_fn, redis_single_tls  # noqa: F401
+from server_helpers import eventually
 
 KiB, MiB = 1 << 10, 1 << 20
 CHUNK = 64 * KiB  # the smallest remote.chunk_bytes: many chunks from small objects
@@ -316,14 +317,7 @@ def test_a_failed_node_fails_within_the_deadline_and_the_others_still_serve(redi
 
 
 def _eventually(fn, within_s: float = 15.0):
-    end = time.monotonic() + within_s
-    while True:
-        try:
-            return fn()
-        except RemoteError:
-            if time.monotonic() > end:
-                raise
-            time.sleep(0.2)
+    return eventually(fn, (RemoteError,), within_s)
 
 
 def test_a_hung_node_raises_remote_timeout(redis_cluster_fn):

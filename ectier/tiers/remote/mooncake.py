@@ -49,12 +49,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from typing import Any, Callable
 
 import numpy as np
@@ -62,7 +59,7 @@ import numpy as np
 from ...errors import ConfigError
 from ...record import checksum, pack_header
 from .backend import RemoteBackend, RemoteError, RemoteTimeout, byte_view
-from .mooncake_calls import HOLD_S, MAX_IN_FLIGHT, Holds, Runner, check_args, route_address
+from .mooncake_calls import HOLD_S, MAX_IN_FLIGHT, Holds, Runner, check_args, route_address, unreachable
 from .mooncake_calls import code as _code
 from .mooncake_io import NO_HANDLE as _NO_HANDLE, NOT_FOUND as _NOT_FOUND, SAFE as _SAFE
 from .mooncake_io import NOT_READY as _NOT_READY
@@ -76,7 +73,6 @@ log = logging.getLogger(__name__)
 _ABSENT = frozenset({_NOT_FOUND, _NOT_READY})  # no object (yet): a miss
 _HELD: list[Any] = []  # clients closed with calls still running: never freed
 _GET_ATTEMPTS = 3
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the probe goes straight
 
 
 class MooncakeBackend(RemoteBackend):
@@ -175,22 +171,7 @@ class MooncakeBackend(RemoteBackend):
         done.set()
 
     def _unreachable(self) -> str:
-        """'' when the master accepts a connection and an HTTP metadata server answers (within
-        ``remote.timeout_s`` each), else why not."""
-        host, _, port = self._master.rpartition(":")
-        t = self._cfg.timeout_s
-        try:
-            socket.create_connection((host, int(port)), timeout=t).close()
-        except OSError as exc:
-            return f"master {self._master} does not accept connections: {exc}"
-        if self._metadata.startswith(("http://", "https://")):
-            try:
-                _NO_PROXY.open(f"{self._metadata}?key=ectier-probe", timeout=t).close()
-            except urllib.error.HTTPError:
-                pass  # an answer (404 for the unknown key)
-            except OSError as exc:
-                return f"metadata server {self._metadata} does not answer: {exc}"
-        return ""
+        return unreachable(self._master, self._metadata, self._cfg.timeout_s)
 
     def _client(self, what: str, end: float, seconds: float) -> Any:
         """The client, counted in use (:meth:`_release` when the call ended)."""
@@ -350,42 +331,34 @@ class MooncakeBackend(RemoteBackend):
     def _read(self, store: Any, name: str) -> memoryview | bytes | None:
         if not self.zero_copy:
             size = store.get_size(name)
-            if size in _ABSENT:
-                return None
-            if size < 0:
-                raise RemoteError(f"mooncake get on {self._master}: {_code(size)}")
-            data = store.get(name)
-            return data if data else None
+            return (store.get(name) or None) if size > 0 else self._answer(size, name, None)
         hint = self._sizes.get(name) if self._pool is not None else None
         pooled = self._pool.acquire(store, hint) if hint else None
         if pooled is not None:  # the size this backend last wrote or read: no get_size
             rc, got = read_pooled(store, self._pool, self._holds, name, pooled, pooled.capacity)
-            if rc > 0:
-                self._sizes.note(name, rc)
-                return got
-            if rc in _ABSENT or rc == 0:
-                self._sizes.drop(name)
-                return None
             if rc != _TOO_SMALL:
-                raise RemoteError(f"mooncake get on {self._master}: {_code(rc)}")
+                return self._answer(rc, name, got)
         for _ in range(_GET_ATTEMPTS):  # an overwrite between get_size and get_into: again
             size = store.get_size(name)
-            if size in _ABSENT or size == 0:
-                return None
-            if size < 0:
-                raise RemoteError(f"mooncake get on {self._master}: {_code(size)}")
+            if size <= 0:
+                return self._answer(size, name, None)
             pooled = self._pool.acquire(store, size) if self._pool is not None else None
             rc, got = (read_pooled(store, self._pool, self._holds, name, pooled, size) if pooled
-                        else read_fresh(store, self._holds, name, size))
-            if rc in _ABSENT:
-                self._sizes.drop(name)
-                return None
-            if rc >= 0:
-                self._sizes.note(name, rc)
-                return got
+                       else read_fresh(store, self._holds, name, size))
             if rc != _TOO_SMALL:
-                raise RemoteError(f"mooncake get of {size} bytes on {self._master}: {_code(rc)}")
+                return self._answer(rc, name, got)
         return None  # overwritten under every attempt: a miss
+
+    def _answer(self, rc: int, name: str, got: Any) -> Any:
+        """A read's answer after Mooncake's ``rc`` (a size, or a code): ``got`` (``rc`` > 0 bytes),
+        or ``None`` for no object (yet). Raises RemoteError for any other code."""
+        if rc > 0:
+            self._sizes.note(name, rc)
+            return got
+        if rc in _ABSENT or rc == 0:
+            self._sizes.drop(name)
+            return None
+        raise RemoteError(f"mooncake get on {self._master}: {_code(rc)}")
 
     def exists(self, key: str, *, deadline_s: float) -> bool:
         """Whether an object is stored under ``key``.

@@ -1,6 +1,7 @@
 """How the Mooncake backend runs client calls: each on a daemon thread, the caller waiting at most
 its deadline (:class:`Runner`); buffers of failed transfers kept alive for a while (:class:`Holds`);
-Mooncake's return codes by name; the checks of a call's arguments. Used by
+Mooncake's return codes by name; the checks of a call's arguments; the probe of a master before a
+setup (:func:`unreachable`). Used by
 ``ectier/tiers/remote/mooncake.py`` only."""
 
 from __future__ import annotations
@@ -9,13 +10,15 @@ import logging
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable
 
 from .backend import RemoteTimeout
 
-__all__ = ["Runner", "Holds", "code", "check_args", "route_address", "ERROR_NAMES", "MAX_IN_FLIGHT",
+__all__ = ["Runner", "Holds", "code", "check_args", "route_address", "unreachable", "ERROR_NAMES", "MAX_IN_FLIGHT",
            "HOLD_S", "HOLD_CAP_BYTES"]
 
 log = logging.getLogger("ectier.tiers.remote.mooncake")
@@ -136,3 +139,24 @@ def route_address(host: str, port: int) -> str:
             return s.getsockname()[0]
     except OSError:
         return socket.gethostbyname(socket.gethostname())
+
+
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the probe goes straight
+
+
+def unreachable(master: str, metadata: str, timeout_s: float) -> str:
+    """'' when ``master`` (``host:port``) accepts a connection and the HTTP metadata server
+    ``metadata`` answers (within ``timeout_s`` seconds each; a non-HTTP one is not probed), else why not."""
+    host, _, port = master.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        return f"master {master} does not accept connections: {exc}"
+    if metadata.startswith(("http://", "https://")):
+        try:
+            _NO_PROXY.open(f"{metadata}?key=ectier-probe", timeout=timeout_s).close()
+        except urllib.error.HTTPError:
+            pass  # an answer (404 for the unknown key)
+        except OSError as exc:
+            return f"metadata server {metadata} does not answer: {exc}"
+    return ""
