@@ -135,8 +135,7 @@ class TieredCache:
         for t in tiers:
             fit.append(t.fits(nbytes))
         if True not in fit:
-            raise EntryTooLargeError(f"entry of {nbytes} bytes is larger than every tier's whole budget "
-                                     f"({self._stack.budgets_text()})")
+            raise EntryTooLargeError.for_put(nbytes, [(t.name, t.capacity_bytes) for t in tiers])
         self._catalog.update_cost(digest, cost_s)
         version, handle = next_version(), PutHandle(key)
         for t, fits in zip(tiers, fit):

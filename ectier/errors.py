@@ -83,6 +83,15 @@ class InvalidDeviceError(EctierError, ValueError):
 class EntryTooLargeError(EctierError, ValueError):
     """An entry is larger than the whole byte budget of every tier that could hold it."""
 
+    @classmethod
+    def for_put(cls, nbytes: int, budgets: Sequence[tuple[str, int]]) -> "EntryTooLargeError":
+        """The error of a put of ``nbytes`` bytes that no tier takes; ``budgets``: ``(tier name,
+        capacity_bytes)`` of each tier the put could place it in (the local tiers from its entry
+        tier down: the remote tier is written through from them, never put into)."""
+        listed = ", ".join(f"{name}.capacity_bytes={capacity}" for name, capacity in budgets)
+        return cls(f"entry of {nbytes} bytes is larger than the whole budget of every tier a put can place it "
+                   f"in ({listed}); raise one of them")
+
 
 class StoreLockedError(EctierError):
     """The NVMe tier's directory is locked by another process (another cache or the daemon)."""

@@ -118,10 +118,6 @@ class TierStack:
         """
         return cls(open_tiers(config, host_shm_path, engines, remote_backend))
 
-    def budgets_text(self) -> str:
-        """``"gpu.capacity_bytes=…, host.capacity_bytes=…"`` for error messages."""
-        return ", ".join(f"{t.name}.capacity_bytes={t.capacity_bytes}" for t in self._tiers)
-
 
 def open_tiers(config: CacheConfig, host_shm_path: str | None, engines: Engines,
                remote_backend: "RemoteBackend | None" = None) -> list:

@@ -89,6 +89,21 @@ def test_bench_replay_trace(tmp_path):
     assert r["hits"] == 25  # 5 distinct keys, every repeat hits at the default budgets
 
 
+@pytest.mark.parametrize("source, smallest", [("trace", 128), ("generator", 70)])
+def test_bench_replay_refuses_a_max_tokens_that_leaves_no_image_up_front(tmp_path, source, smallest):
+    if source == "trace":
+        tr = tmp_path / "t.csv"
+        tr.write_text("timestamp,mm_hash,tokens\n0,a,128\n1,b,1024\n2,a,128\n")
+        args = ["--trace", str(tr)]
+    else:
+        args = ["--items", "2", "--requests", "5", "--seed", "0"]  # two images, neither <= 64 tokens
+    res = CliRunner().invoke(main, ["bench", "replay", "-q", "--no-curve", *args, "--max-tokens", "64",
+                                    "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2, res.output  # a usage error before any run, not a traceback after one
+    assert "--max-tokens" in res.output and f"the smallest accepted value is {smallest}" in res.output
+    assert not (tmp_path / "out" / "replay.json").exists()
+
+
 def test_bench_replay_bad_policy(tmp_path):
     res = CliRunner().invoke(main, ["bench", "replay", "--policy", "fifo", "--out", str(tmp_path)])
     assert res.exit_code == 2 and "policy" in res.output

@@ -16,7 +16,7 @@ import xxhash
 from ectier import CacheConfig, testing
 from ectier.config import GpuTierConfig
 from ectier.entry import EntryMeta, entry_digest
-from ectier.errors import ConfigError
+from ectier.errors import ConfigError, EntryTooLargeError
 from ectier.tiers.base import Tier
 from ectier.tiers.remote.backend import RemoteError
 
@@ -303,3 +303,15 @@ def test_a_remote_object_whose_payload_does_not_match_its_known_checksum_is_a_mi
     assert consumer.stats()["tiers"]["remote"]["checksum_failures"] == 1
     assert tier.write(meta, data, 2, digest, payload_checksum=right)
     assert _same(consumer.get("k"), _t(22))
+
+
+def test_too_large_for_every_tier_names_the_budgets_a_put_can_use_not_the_remote_tier(nodes, tmp_path):
+    be, make = nodes
+    for cache, budgets in ((make(), "host.capacity_bytes=4194304"),
+                           (make(_nvme_cfg(tmp_path, capacity_bytes=4 << 20)),
+                            "host.capacity_bytes=4194304, nvme.capacity_bytes=4194304")):
+        with pytest.raises(EntryTooLargeError) as err:
+            cache.put("big", _t(23, rows=5120))  # 5 MiB
+        assert f"({budgets}); raise one of them" in str(err.value)
+        assert "remote" not in str(err.value)  # written through from those tiers, never put into
+        assert not be.objects

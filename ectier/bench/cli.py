@@ -82,10 +82,16 @@ def _stream(trace, requests, items, zipf, seed, max_tokens):
     try:
         if trace:
             s = read_trace(trace)
-            return (s if max_tokens is None else [r for r in s if r.num_tokens <= max_tokens]), {"trace": trace}
+            kept = s if max_tokens is None else [r for r in s if r.num_tokens <= max_tokens]
+            if not kept:
+                raise ConfigError(f"max_tokens: {max_tokens} leaves no image of the trace {trace!r}; the smallest "
+                                  f"accepted value is {min(r.num_tokens for r in s)}")
+            return kept, {"trace": trace}
         spec = WorkloadSpec(requests=requests, items=items, zipf_s=zipf, seed=seed, max_tokens=max_tokens)
         return generate(spec), {"generator": {k: getattr(spec, k) for k in spec.__dataclass_fields__}}
     except ConfigError as exc:
+        if str(exc).startswith("max_tokens: "):  # refused before any run: the option at fault, by its name
+            raise click.BadParameter(str(exc).removeprefix("max_tokens: "), param_hint="--max-tokens") from None
         raise click.UsageError(str(exc)) from None
 
 

@@ -268,10 +268,13 @@ def replay_stream(
         get_p99_s``, ``put_p50_s, put_p99_s``; None without samples).
 
     Raises:
-        ConfigError: budgets too small for a block. Errors from torch/LMDB propagate.
+        ConfigError: budgets too small for a block. ValueError: an empty ``stream``, a ``width_scale``
+            that does not divide ``width``. Errors from torch/LMDB propagate.
     """
     if width % width_scale:
         raise ValueError(f"width_scale: {width_scale} does not divide width {width}")
+    if not stream:
+        raise ValueError("stream: no request to replay")
     w = width // width_scale
     max_tokens = max(r.num_tokens for r in stream)
     if factory is None or factory.width != w or factory.scratch.numel() < max_tokens * w * 2:

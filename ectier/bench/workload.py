@@ -125,6 +125,7 @@ def generate(spec: WorkloadSpec, model: str | ModelSpec = "qwen3-vl") -> list[Re
     kinds = [k for k, _ in spec.mix]
     weights = np.array([w for _, w in spec.mix], dtype=float)
     catalogue: list[Request] = []
+    smallest = None  # tokens of the smallest image left out by max_tokens
     for i in range(spec.items):
         kind = kinds[rng.choice(len(kinds), p=weights / weights.sum())]
         if kind == "photo":
@@ -135,10 +136,12 @@ def generate(spec: WorkloadSpec, model: str | ModelSpec = "qwen3-vl") -> list[Re
         info = image_tokens(w, h, m)
         n = info.num_tokens
         if spec.max_tokens is not None and n > spec.max_tokens:
+            smallest = n if smallest is None else min(smallest, n)
             continue  # a fixed-size kind above the cap: left out of the catalogue
         catalogue.append(Request(_key(spec.seed, i), n, info.nbytes, kind, w, h))
     if not catalogue:
-        raise ConfigError(f"max_tokens: {spec.max_tokens} leaves no image in the catalogue")
+        raise ConfigError(f"max_tokens: {spec.max_tokens} leaves no image in the catalogue; the smallest accepted "
+                          f"value is {smallest}")
     order = rng.permutation(len(catalogue))
     pz = np.arange(1, len(catalogue) + 1, dtype=float) ** -spec.zipf_s
     pz /= pz.sum()

@@ -30,7 +30,7 @@ from .nvme_index import NvmeIndex, NvmeRecord
 from .nvme_migrate import migrate_v1
 from .nvme_scan import gc_paused, scan_index
 from .nvme_segment import BLOCK_BYTES, SEGMENT_NAME, ExtentSpace, SegmentFile, blocks_for
-from .storedir import check_local_filesystem, check_space, move_aside
+from .storedir import check_local_filesystem, check_space, missing_dirs, move_aside, remove_created
 from .storedir import free_bytes as free_disk_bytes
 
 __all__ = ["NvmeEnv", "RWLock", "STORE_FORMAT", "RELEASE_MARKER", "write_error_text", "free_disk_bytes",
@@ -183,6 +183,7 @@ class NvmeEnv:
                 :class:`~ectier.tiers.nvme.NvmeTier`; nothing stays open or locked then.
         """
         check_local_filesystem(self.path, allow=self.config.allow_network_fs)
+        created = missing_dirs(self.path)
         try:
             self._lock_directory()
             try:
@@ -195,6 +196,7 @@ class NvmeEnv:
                         thin=self.config.thin_provisioning)
         except BaseException:
             self.close()
+            remove_created(created)  # a refused open leaves no directory it made
             raise
 
     def _lock_directory(self) -> None:

@@ -11,6 +11,10 @@ moving a damaged LMDB environment aside.
 - :func:`free_bytes` is what a file may still take on a directory's filesystem (``statvfs``; the
   host tier's shared arena asks it too); :func:`check_space` refuses an ``nvme.capacity_bytes``
   the filesystem cannot hold (``nvme.thin_provisioning: true`` opts out).
+- :func:`missing_dirs` lists the directories an open is about to create, and
+  :func:`remove_created` takes them away again after an open that was refused (a budget the disk
+  cannot hold, a store that cannot be opened): the store's own files first, under its lock, then
+  each directory that is then empty — nothing is left behind, and nothing else is removed.
 - :func:`move_aside` renames ``<store>/lmdb`` (and ``segment.0``) into ``<store>/damaged-<UTC time>/`` (used by
   ``nvme.on_damaged: reset`` and ``ectier fsck --repair``). The copy stays inside the store
   directory: on the same filesystem (a rename, no copy), and possible when the store directory is
@@ -21,6 +25,7 @@ See docs/operations.md ("The NVMe tier on disk").
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import time
@@ -31,9 +36,12 @@ from ..errors import ConfigError
 
 __all__ = ["Mount", "NETWORK_FS_TYPES", "parse_mountinfo", "mount_of", "is_network_fs",
            "check_local_filesystem", "move_aside", "damaged_copies", "MOUNTINFO_PATH", "free_bytes",
-           "check_space"]
+           "check_space", "missing_dirs", "remove_created", "STORE_FILES"]
 
 MOUNTINFO_PATH = "/proc/self/mountinfo"
+
+#: what an open creates in a new store directory, deepest first (the lock file last)
+STORE_FILES = ("lmdb/data.mdb", "lmdb/lock.mdb", "lmdb", "segment.0", "ectier.lock")
 
 #: Filesystem types (``/proc/self/mountinfo``'s type field) on which LMDB's locking is unsafe:
 #: network and cluster filesystems, and FUSE (any ``fuse.<name>`` too).
@@ -173,6 +181,55 @@ def check_space(path: str | os.PathLike, capacity_bytes: int, held_bytes: int, *
         f"filesystem of nvme.path {str(path)!r}: it has {free} bytes ({free / 2**30:.2f} GiB) free{held}; "
         f"lower nvme.capacity_bytes, free space there, or set nvme.thin_provisioning: true to accept a "
         f"budget above the free space (writes past it then fail with disk full)")
+
+
+def missing_dirs(path: str | os.PathLike) -> list[Path]:
+    """``path`` and those of its parents that do not exist yet, deepest first: what a
+    ``mkdir(parents=True)`` of it would create (``[]`` for a directory that exists)."""
+    out: list[Path] = []
+    p = Path(os.path.abspath(os.fspath(path)))
+    while not os.path.lexists(p) and p != p.parent:
+        out.append(p)
+        p = p.parent
+    return out
+
+
+def remove_created(created: list[Path]) -> None:
+    """Remove what a refused open created: ``created`` (:func:`missing_dirs` before the open,
+    deepest first) once its store is closed. In the deepest, the store's own files
+    (:data:`STORE_FILES`) go first, while this holds the store's lock; then each directory that
+    is empty. Nothing is removed when another process holds that lock (the directory is its
+    store now); anything else found there stays, and its directory with it. Never raises."""
+    if not created:
+        return
+    store = created[0]
+    try:
+        lock = open(store / "ectier.lock", "a+")
+    except OSError:
+        lock = None  # no lock file (the open failed before it): nothing of a store there
+    try:
+        if lock is not None:
+            try:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return  # another process opened it meanwhile: its store now
+            for name in STORE_FILES:
+                target = store / name
+                try:
+                    if target.is_dir() and not target.is_symlink():
+                        target.rmdir()
+                    else:
+                        target.unlink()
+                except OSError:
+                    pass  # absent, or a directory with other files: left as it is
+    finally:
+        if lock is not None:
+            lock.close()
+    for d in created:
+        try:
+            d.rmdir()
+        except OSError:
+            return  # not empty (or not ours to remove): it and its parents stay
 
 
 def damaged_copies(store_dir: str | os.PathLike) -> list[Path]:
