@@ -40,11 +40,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from server_helpers import apt_install, die_with_parent, free_port, unavailable
+from server_helpers import apt_install, die_with_parent, ensure_installed, free_port, unavailable
 
 _STARTUP_S = 30.0
 NODE_SEGMENT = "768MB"  # the store node's memory for everyone's objects
-_installed: str | None = None  # "" once the client imports, else why it cannot
 
 
 def _unavailable(reason: str) -> None:
@@ -73,11 +72,7 @@ def _install() -> str:
 
 def ensure_tools() -> Path:
     """The directory of the ``mooncake`` package (with its binaries), or skip/fail."""
-    global _installed
-    if _installed is None:
-        _installed = _install()
-    if _installed:
-        _unavailable(_installed)
+    ensure_installed("Mooncake tests", _install)
     import mooncake
     here = Path(mooncake.__file__).parent
     missing = [b for b in ("mooncake_master", "mooncake_client") if not os.access(here / b, os.X_OK)]

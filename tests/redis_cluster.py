@@ -38,11 +38,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from server_helpers import apt_install, free_port, unavailable
+from server_helpers import apt_install, ensure_installed, free_port, unavailable
 
 AUTH_PASSWORD = "ectier-test-secret"
 _STARTUP_S = 20.0
-_installed: str | None = None  # "" once the tools are there, else why they cannot be had
 
 
 def _unavailable(reason: str) -> None:
@@ -64,11 +63,7 @@ def _install() -> str:
 
 def ensure_tools() -> None:
     """Make ``redis-server``, ``redis-cli`` and the ``redis`` package available, or skip/fail."""
-    global _installed
-    if _installed is None:
-        _installed = _install()
-    if _installed:
-        _unavailable(_installed)
+    ensure_installed("Redis tests", _install)
     try:
         import redis  # noqa: F401
     except ImportError as exc:

@@ -1,6 +1,7 @@
 """What the test servers' helpers share (``tests/mooncake_master.py``, ``tests/redis_cluster.py``,
 ``tests/netns.py``): skip a test whose servers cannot be had, or fail it on CI
-(:func:`unavailable`); install Debian packages they need (:func:`apt_install`); pick a free
+(:func:`unavailable`), once an install of what they need failed (:func:`ensure_installed`, once per
+process); install Debian packages (:func:`apt_install`); pick a free
 loopback port (:func:`free_port`); tie a server process's life to the test process
 (:func:`die_with_parent`, a ``preexec_fn``); call until servers answer again (:func:`eventually`)."""
 
@@ -16,7 +17,7 @@ import subprocess
 import time
 from typing import Any, Callable
 
-__all__ = ["unavailable", "apt_install", "free_port", "die_with_parent", "eventually"]
+__all__ = ["unavailable", "ensure_installed", "apt_install", "free_port", "die_with_parent", "eventually"]
 
 
 def unavailable(what: str, reason: str) -> None:
@@ -27,6 +28,18 @@ def unavailable(what: str, reason: str) -> None:
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail(f"{what} must run on CI: {reason}")
     pytest.skip(reason)
+
+
+_installs: dict[str, str] = {}  # what -> "" once installed, else why it cannot be
+
+
+def ensure_installed(what: str, install: Callable[[], str]) -> None:
+    """Run ``install`` (it makes the tools of ``what`` available: '' or why not) the first time
+    it is asked for ``what`` in this process; while that failed, :func:`unavailable` with why."""
+    if what not in _installs:
+        _installs[what] = install()
+    if _installs[what]:
+        unavailable(what, _installs[what])
 
 
 def apt_install(packages: list[str]) -> str:
