@@ -24,7 +24,8 @@ as header + payload (:meth:`MooncakeBackend.put_record`): up to
 :attr:`~MooncakeBackend.pooled_put_max_bytes`, copied into a pool buffer, the payload's xxh3
 computed during the copy (the tier makes no pass of its own), and written with ``upsert_from``;
 larger, or without room in the pool, with ``upsert_parts`` through the client's transfer buffer
-when the record takes at most half of it, else joined into one buffer and put. Each measured
+(after a checksum pass, unless the caller knew it: ``checksum_known``) when the record takes at
+most half of it, else joined into one buffer and put. Each measured
 faster than the alternatives (docs/benchmarks.md, "Remote tier: Mooncake Store"). A buffer whose
 transfer failed in a way that may leave it in flight stays registered and referenced for
 :data:`~ectier.tiers.remote.mooncake_calls.HOLD_S` seconds (never freed or reused under a
