@@ -23,7 +23,6 @@ import errno
 import os
 import struct
 import threading
-from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -209,7 +208,7 @@ class ExtentSpace:
         self.on_shrink = on_shrink
         self._alloc = _Blocks(nblocks)
         self._epoch = 0
-        self._active: Counter = Counter()  # epoch -> reads in progress that began in it
+        self._active: dict[int, int] = {}  # epoch -> reads in progress that began in it
         self._limbo: list[tuple[int, tuple[tuple[int, int], ...]]] = []  # (epoch freed, extents)
 
     @property
@@ -281,7 +280,8 @@ class ExtentSpace:
         now against reuse until :meth:`end_read` with the returned epoch."""
         with self._lock:
             epoch = self._epoch
-            self._active[epoch] += 1
+            active = self._active
+            active[epoch] = active.get(epoch, 0) + 1
         return epoch
 
     def end_read(self, epoch: int) -> None:
@@ -380,8 +380,19 @@ class SegmentFile:
             CorruptRecordError: a read past the end of the file (a truncated segment; the rest of
                 ``dst`` is left unread), or ``loc`` holds fewer bytes than ``dst``.
         """
+        fd, extents = self.fd, loc.extents
+        if isinstance(dst, memoryview) and len(extents) == 1 and 0 < len(dst) <= _CHUNK_BYTES:
+            # the usual small read (one buffer, one extent, one chunk): no hasher object, no loop
+            if len(dst) > extents[0][1] * BLOCK_BYTES:
+                raise CorruptRecordError("payload location holds fewer bytes than the header says")
+            n = os.preadv(fd, [dst], extents[0][0] * BLOCK_BYTES)
+            if n == len(dst):
+                return xxhash.xxh3_64_intdigest(dst)
+            if n <= 0:
+                raise CorruptRecordError("payload extends past the end of the segment file (truncated)")
+            # a short read (not seen from a regular file): the general loop reads the rest
         h = xxhash.xxh3_64()
-        fd, update = self.fd, h.update
+        update = h.update
         bufs = [dst] if isinstance(dst, memoryview) else dst
         extents = iter(loc.extents)
         off = left = 0  # file offset and bytes left of the current extent
