@@ -252,7 +252,8 @@ class NvmeEnv:
             self.meta_db = self.env.open_db(b"meta")
             self.quarantine_db = self.env.open_db(b"quarantine")
             self.settings_db = self.env.open_db(b"settings")
-            self.segment = SegmentFile(str(self.path / SEGMENT_NAME), sync=self.config.sync)
+            self.segment = SegmentFile(str(self.path / SEGMENT_NAME), sync=self.config.sync,
+                                       read_threads=self.config.read_threads)
             if self._check_settings() == b"1":
                 migrate_v1(self)
             self._scan()

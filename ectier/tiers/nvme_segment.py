@@ -32,6 +32,7 @@ import xxhash
 
 from ..arena import BlockAllocator
 from ..errors import CorruptRecordError
+from .nvme_reader import PARALLEL_MIN_BYTES, SERIAL_CHUNK_BYTES, ReadHelper, parallel_chunk_bytes, plan_chunks, read_hashed
 
 __all__ = ["BLOCK_BYTES", "SEGMENT_NAME", "LOCATION_MAGIC", "Location", "pack_location", "unpack_location",
            "ExtentSpace", "SegmentFile", "blocks_for"]
@@ -325,9 +326,10 @@ class SegmentFile:
         OSError: the file cannot be opened or created.
     """
 
-    def __init__(self, path: str, *, sync: bool) -> None:
+    def __init__(self, path: str, *, sync: bool, read_threads: int = 1) -> None:
         self.path = path
         self.sync = sync
+        self._helper = ReadHelper() if read_threads >= 2 and len(os.sched_getaffinity(0)) >= 2 else None
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -380,45 +382,29 @@ class SegmentFile:
             CorruptRecordError: a read past the end of the file (a truncated segment; the rest of
                 ``dst`` is left unread), or ``loc`` holds fewer bytes than ``dst``.
         """
-        fd, extents = self.fd, loc.extents
-        if isinstance(dst, memoryview) and len(extents) == 1 and 0 < len(dst) <= _CHUNK_BYTES:
-            # the usual small read (one buffer, one extent, one chunk): no hasher object, no loop
+        fd, extents, helper = self.fd, loc.extents, self._helper
+        if (isinstance(dst, memoryview) and len(extents) == 1 and 0 < len(dst) <= SERIAL_CHUNK_BYTES
+                and (helper is None or len(dst) < PARALLEL_MIN_BYTES)):
+            # the usual small read (one buffer, one extent, one chunk): no hasher object, no plan
             if len(dst) > extents[0][1] * BLOCK_BYTES:
                 raise CorruptRecordError("payload location holds fewer bytes than the header says")
             n = os.preadv(fd, [dst], extents[0][0] * BLOCK_BYTES)
             if n == len(dst):
                 return xxhash.xxh3_64_intdigest(dst)
-            if n <= 0:
-                raise CorruptRecordError("payload extends past the end of the segment file (truncated)")
-            # a short read (not seen from a regular file): the general loop reads the rest
-        h = xxhash.xxh3_64()
-        update = h.update
+            # a short read (not seen from a regular file): the general path reads it again
         bufs = [dst] if isinstance(dst, memoryview) else dst
-        extents = iter(loc.extents)
-        off = left = 0  # file offset and bytes left of the current extent
-        for buf in bufs:
-            pos, total = 0, len(buf)
-            while pos < total:
-                if not left:
-                    start, count = next(extents, (None, 0))
-                    if start is None:
-                        raise CorruptRecordError("payload location holds fewer bytes than the header says")
-                    off, left = start * BLOCK_BYTES, count * BLOCK_BYTES
-                chunk = buf[pos:pos + min(total - pos, left, _CHUNK_BYTES)]
-                n = os.preadv(fd, [chunk], off)
-                if n <= 0:
-                    raise CorruptRecordError("payload extends past the end of the segment file (truncated)")
-                update(chunk[:n] if n < len(chunk) else chunk)
-                pos += n
-                off += n
-                left -= n
-        return h.intdigest()
+        total = sum(len(b) for b in bufs)
+        if helper is None or total < PARALLEL_MIN_BYTES:
+            return read_hashed(fd, plan_chunks(extents, bufs, BLOCK_BYTES, SERIAL_CHUNK_BYTES))
+        return read_hashed(fd, plan_chunks(extents, bufs, BLOCK_BYTES, parallel_chunk_bytes(total)), helper)
 
     def truncate_blocks(self, nblocks: int) -> None:
         """Cut the file to ``nblocks`` blocks (nothing past them is in use)."""
         os.ftruncate(self.fd, nblocks * BLOCK_BYTES)
 
     def close(self) -> None:
+        if self._helper is not None:
+            self._helper.close()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
