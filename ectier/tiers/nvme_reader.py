@@ -3,10 +3,11 @@
 A warm read is a copy (page cache -> destination, ``os.preadv``) and an xxh3-64 over the bytes
 copied. :func:`read_hashed` reads the payload in chunks, each hashed right after it is read (while
 it is in the CPU cache), on the calling thread; with a :class:`ReadHelper` a second thread reads
-chunks **from the back** of the same payload at the same time (``preadv`` releases the GIL), and
-when the two meet the caller hashes the helper's chunks in payload order. The checksum stays one
-xxh3-64 stream over the payload in order (the record format's), computed while the bytes are
-copied; only the copies of the helper's chunks overlap the caller's copies and hashing.
+chunks of the same payload at the same time (``preadv`` releases the GIL): each thread claims the
+next unread chunk, and the caller hashes every chunk in payload order as soon as it is read (the
+helper's while they are still in the shared cache), reading another chunk while the next in order
+is still being read. The checksum stays one xxh3-64 stream over the payload in order (the record
+format's), computed while the bytes are copied; only the copies overlap.
 
 A helper that is busy with another read, or not scheduled (a loaded machine), takes nothing: the
 caller reads every chunk itself, the serial path. The caller returns only after every chunk the
@@ -78,21 +79,30 @@ def _pread_full(fd: int, mv: memoryview, off: int) -> None:
 
 
 class _Job:
-    """One payload read shared by the caller (chunks from the front) and the helper (from the back)."""
+    """One payload read shared by the caller and the helper: each claims the next unread chunk."""
 
-    __slots__ = ("fd", "chunks", "front", "back", "lock", "done", "error")
+    __slots__ = ("fd", "chunks", "next", "lock", "done", "error")
 
     def __init__(self, fd: int, chunks: list[Chunk]) -> None:
         self.fd, self.chunks = fd, chunks
-        self.front, self.back = 0, len(chunks)  # chunks [front, back) are unclaimed
+        self.next = 0  # chunks [next, len) are unclaimed
         self.lock = threading.Lock()
         self.done: dict[int, threading.Lock] = {}  # chunk taken by the helper -> released once read
         self.error: BaseException | None = None
 
+    def claim(self) -> int | None:
+        """The next unclaimed chunk's index, or ``None``."""
+        with self.lock:
+            i = self.next
+            if i >= len(self.chunks):
+                return None
+            self.next = i + 1
+            return i
+
 
 class ReadHelper:
-    """One daemon thread reading chunks from the back of the reads handed to it (started at the
-    first, again in a forked child). :meth:`close` stops it; a closed helper takes no more reads."""
+    """One daemon thread reading chunks of the reads handed to it (started at the first, again in a
+    forked child). :meth:`close` stops it; a closed helper takes no more reads."""
 
     def __init__(self, name: str = "ectier-nvme-read") -> None:
         self._name = name
@@ -129,10 +139,10 @@ class ReadHelper:
                 return
             while True:
                 with job.lock:
-                    if job.back <= job.front:
+                    i = job.next
+                    if i >= len(job.chunks):
                         break
-                    job.back -= 1
-                    i = job.back
+                    job.next = i + 1
                     done = job.done[i] = threading.Lock()
                     done.acquire()
                 try:
@@ -146,7 +156,9 @@ class ReadHelper:
 
 def read_hashed(fd: int, chunks: list[Chunk], helper: ReadHelper | None = None) -> int:
     """Read ``chunks`` (:func:`plan_chunks`) from ``fd`` into their buffers; the xxh3-64 of all
-    their bytes in order. With ``helper``, its thread reads chunks from the back meanwhile.
+    their bytes in order. With ``helper``, its thread reads some of the chunks meanwhile: the caller
+    hashes each chunk in order once it is read (its own right after reading it, the helper's as soon
+    as they are done), and reads the next unclaimed chunk while the next in order is not.
 
     Raises:
         CorruptRecordError: a read past the end of the file (a truncated segment).
@@ -160,29 +172,32 @@ def read_hashed(fd: int, chunks: list[Chunk], helper: ReadHelper | None = None) 
             update(mv)
         return h.intdigest()
     job = _Job(fd, chunks)
-    lock = job.lock
+    done, n = job.done, len(chunks)
     helper.submit(job)
-    i = 0
+    hashed = 0
     try:
         while True:
-            with lock:
-                if job.front >= job.back:
-                    break
-                job.front += 1
+            i = job.claim()
+            if i is None:
+                break
             off, mv = chunks[i]
             _pread_full(fd, mv, off)
-            update(mv)
-            i += 1
+            while hashed <= i:  # hash, in order, every chunk read so far (the helper's if done)
+                d = done.get(hashed)
+                if d is not None and not d.acquire(blocking=False):
+                    break  # the helper is still reading it: read another chunk meanwhile
+                update(chunks[hashed][1])  # (a chunk the helper failed to read: raised below)
+                hashed += 1
     finally:
-        with lock:
-            job.back = job.front  # after an error the helper takes no more chunks
-        for j in range(i, len(chunks)):
-            done = job.done.get(j)
-            if done is not None:
-                done.acquire()  # wait until the helper's read of chunk j is over
+        with job.lock:
+            job.next = n  # after an error the helper takes no more chunks
+        for j in range(hashed, n):
+            d = done.get(j)
+            if d is not None:
+                d.acquire()  # wait until the helper's read of chunk j is over
     if job.error is not None:
         raise job.error
-    for j in range(i, len(chunks)):
+    for j in range(hashed, n):
         update(chunks[j][1])
     return h.intdigest()
 
