@@ -16,7 +16,7 @@ from conftest import MiB
 from ectier import testing
 from ectier.config import NvmeTierConfig
 from ectier.errors import ConfigError, CorruptRecordError
-from ectier.tiers.nvme_reader import ByteViews, ReadHelper, parallel_chunk_bytes, plan_chunks, read_hashed
+from ectier.tiers.nvme_reader import PARALLEL_MIN_BYTES, ByteViews, ReadHelper, plan_chunks, read_hashed
 
 KiB = 1 << 10
 BLOCK = 64 * KiB
@@ -50,7 +50,7 @@ def test_two_thread_read_lands_every_byte_and_hashes_in_order(tmp_path, nbytes):
         want = xxhash.xxh3_64_intdigest(data[BLOCK:BLOCK + nbytes])
         for i in range(30):  # the helper takes a different share each time
             out = np.zeros(nbytes, dtype=np.uint8)
-            chunks = plan_chunks(((1, 100),), [memoryview(out)], BLOCK, parallel_chunk_bytes(nbytes))
+            chunks = plan_chunks(((1, 100),), [memoryview(out)], BLOCK, 128 * KiB)
             assert read_hashed(fd, chunks, helper if i % 3 else None) == want
             assert np.array_equal(out, data[BLOCK:BLOCK + nbytes])
     finally:
@@ -100,9 +100,10 @@ def test_read_threads_is_checked():
 
 @pytest.mark.parametrize("read_threads", [1, 2])
 def test_reads_with_a_helper_thread_round_trip_and_catch_a_flipped_byte(make_cache, tmp_path, read_threads):
-    cache, _ = make_cache(host_bytes=0, nvme_bytes=32 * MiB, read_threads=read_threads)
+    cache, _ = make_cache(host_bytes=0, nvme_bytes=48 * MiB, read_threads=read_threads)
+    big = PARALLEL_MIN_BYTES  # read on two threads with read_threads=2
     vals = {k: torch.randint(0, 256, (n,), dtype=torch.uint8) for k, n in
-            (("a", 3 * MiB + 17), ("b", 700 * KiB), ("c", 100 * KiB), ("d", 2 * MiB))}
+            (("a", big + 3 * MiB + 17), ("b", 700 * KiB), ("c", 100 * KiB), ("d", big))}
     for k, t in vals.items():
         cache.put(k, t)
     for _ in range(3):

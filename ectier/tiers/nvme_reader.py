@@ -30,13 +30,13 @@ from ..errors import CorruptRecordError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ByteViews", "Chunk", "plan_chunks", "read_hashed", "ReadHelper", "SERIAL_CHUNK_BYTES", "PARALLEL_MIN_BYTES"]
+__all__ = ["ByteViews", "Chunk", "plan_chunks", "read_hashed", "ReadHelper", "CHUNK_BYTES", "PARALLEL_MIN_BYTES"]
 
-#: Chunk of the serial path, bytes: 1 MiB measured fastest at 1-64 MiB (docs/benchmarks.md).
-SERIAL_CHUNK_BYTES = 1 << 20
-#: Payloads of at least this many bytes are read on two threads when a helper is given.
-PARALLEL_MIN_BYTES = 512 << 10
-_MIN_PARALLEL_CHUNK = 256 << 10
+#: Chunk of a read, bytes: 1 MiB measured fastest at 1-64 MiB (docs/benchmarks.md, "NVMe tier").
+CHUNK_BYTES = 1 << 20
+#: Payloads of at least this many bytes are read on two threads when a helper is given (below it
+#: the helper's wake-up, ~10-25 µs on this VM, is not paid back; measured slower at 1 MiB).
+PARALLEL_MIN_BYTES = 4 << 20
 
 Chunk = tuple[int, memoryview]  # (file offset in bytes, destination bytes)
 
@@ -200,11 +200,6 @@ def read_hashed(fd: int, chunks: list[Chunk], helper: ReadHelper | None = None) 
     for j in range(hashed, n):
         update(chunks[j][1])
     return h.intdigest()
-
-
-def parallel_chunk_bytes(total: int) -> int:
-    """Chunk size of a two-thread read of ``total`` bytes: a quarter of it, within 256 KiB-1 MiB."""
-    return max(_MIN_PARALLEL_CHUNK, min(SERIAL_CHUNK_BYTES, total // 4))
 
 
 class ByteViews:

@@ -11,7 +11,8 @@
   older record needs both until it commits.
 - :class:`SegmentFile` — the file: writes (``pwrite`` in chunks, xxh3 computed over each chunk as it
   is written: one pass over the bytes) and reads straight into the caller's buffer (``preadv`` in
-  chunks, xxh3 over each chunk while it is in the CPU cache). Buffered I/O with
+  chunks, xxh3 over each chunk while it is in the CPU cache; with ``nvme.read_threads=2`` a helper
+  thread copies chunks of large payloads meanwhile: :mod:`ectier.tiers.nvme_reader`). Buffered I/O with
   ``POSIX_FADV_SEQUENTIAL`` (``O_DIRECT`` measured slower here: docs/benchmarks.md, "Layout v2").
 
 See docs/operations.md ("The NVMe tier on disk") for the whole layout.
@@ -32,7 +33,7 @@ import xxhash
 
 from ..arena import BlockAllocator
 from ..errors import CorruptRecordError
-from .nvme_reader import PARALLEL_MIN_BYTES, SERIAL_CHUNK_BYTES, ReadHelper, parallel_chunk_bytes, plan_chunks, read_hashed
+from .nvme_reader import CHUNK_BYTES, PARALLEL_MIN_BYTES, ReadHelper, plan_chunks, read_hashed
 
 __all__ = ["BLOCK_BYTES", "SEGMENT_NAME", "LOCATION_MAGIC", "Location", "pack_location", "unpack_location",
            "ExtentSpace", "SegmentFile", "blocks_for"]
@@ -40,7 +41,6 @@ __all__ = ["BLOCK_BYTES", "SEGMENT_NAME", "LOCATION_MAGIC", "Location", "pack_lo
 #: Allocation unit of the segment file, bytes (a multiple of 4 KiB: aligned for ``O_DIRECT``).
 BLOCK_BYTES = 64 << 10
 SEGMENT_NAME = "segment.0"
-_CHUNK_BYTES = 1 << 20  # checksum granularity: a chunk is hashed while still in the CPU cache
 _LOC_MAGIC = b"ECLX"
 LOCATION_MAGIC = _LOC_MAGIC  #: first bytes of a packed location (the open-time scan checks them)
 _LOC_HEAD = struct.Struct("<4sII")  # magic, block bytes, extent count
@@ -353,7 +353,7 @@ class SegmentFile:
             off = start * BLOCK_BYTES
             end = min(total, pos + count * BLOCK_BYTES)
             while pos < end:
-                chunk = src[pos:min(end, pos + _CHUNK_BYTES)]
+                chunk = src[pos:min(end, pos + CHUNK_BYTES)]
                 n = os.pwrite(self.fd, chunk, off)
                 if n <= 0:
                     raise OSError(errno.ENOSPC, "short write to the segment file")
@@ -383,8 +383,7 @@ class SegmentFile:
                 ``dst`` is left unread), or ``loc`` holds fewer bytes than ``dst``.
         """
         fd, extents, helper = self.fd, loc.extents, self._helper
-        if (isinstance(dst, memoryview) and len(extents) == 1 and 0 < len(dst) <= SERIAL_CHUNK_BYTES
-                and (helper is None or len(dst) < PARALLEL_MIN_BYTES)):
+        if isinstance(dst, memoryview) and len(extents) == 1 and 0 < len(dst) <= CHUNK_BYTES:
             # the usual small read (one buffer, one extent, one chunk): no hasher object, no plan
             if len(dst) > extents[0][1] * BLOCK_BYTES:
                 raise CorruptRecordError("payload location holds fewer bytes than the header says")
@@ -394,9 +393,8 @@ class SegmentFile:
             # a short read (not seen from a regular file): the general path reads it again
         bufs = [dst] if isinstance(dst, memoryview) else dst
         total = sum(len(b) for b in bufs)
-        if helper is None or total < PARALLEL_MIN_BYTES:
-            return read_hashed(fd, plan_chunks(extents, bufs, BLOCK_BYTES, SERIAL_CHUNK_BYTES))
-        return read_hashed(fd, plan_chunks(extents, bufs, BLOCK_BYTES, parallel_chunk_bytes(total)), helper)
+        chunks = plan_chunks(extents, bufs, BLOCK_BYTES, CHUNK_BYTES)
+        return read_hashed(fd, chunks, helper if total >= PARALLEL_MIN_BYTES else None)
 
     def truncate_blocks(self, nblocks: int) -> None:
         """Cut the file to ``nblocks`` blocks (nothing past them is in use)."""
