@@ -176,9 +176,9 @@ class NvmeTierConfig:
             own entry is durable. Default 0.002.
         read_threads: threads that copy one payload out of the page cache on a read: ``1``
             (default): the reading thread alone, each chunk hashed right after it is copied; ``2``: a
-            helper thread also copies chunks from the back of payloads of 512 KiB and more (the
-            caller hashes them in order). Faster with an idle core; slower on a loaded machine
-            (docs/benchmarks.md, "NVMe tier").
+            helper thread also copies chunks of payloads of 4 MiB and more (the caller hashes them
+            in order), for a machine with an idle core: measured slower on a loaded one, not yet
+            measured on an idle one (docs/benchmarks.md, "NVMe tier").
         allow_network_fs: open a store on a network or FUSE filesystem (NFS, CIFS/SMB, 9p, Ceph,
             GlusterFS, Lustre, GPFS, ``fuse.*``, ...). Default ``False``: such a ``path`` is refused
             with ``ConfigError`` at open, because LMDB's locks and shared memory map are unsafe there.
