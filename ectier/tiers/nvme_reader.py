@@ -207,9 +207,9 @@ class ByteViews:
 
     ``Tensor.numpy()`` costs ~3-8 µs a call here (more after a 1 MiB copy has flushed the CPU
     caches); a caller that reads into the same ``out=`` again gets the view made the first time.
-    A view is of the memory at an address (``ctypes``), holding no reference to the tensor; it is
-    only handed out for a tensor whose bytes are at that address and of that length now, i.e.
-    memory that tensor holds while the read runs. At most :attr:`LIMIT` are remembered.
+    A view is of the memory at an address (``PyMemoryView_FromMemory``), holding no reference to
+    the tensor; it is only handed out for a tensor whose bytes are at that address and of that
+    length now, i.e. memory that tensor holds while the read runs. At most :attr:`LIMIT` are kept.
     """
 
     LIMIT = 64
@@ -224,5 +224,13 @@ class ByteViews:
         if mv is None:
             if len(self._views) >= self.LIMIT:
                 self._views.clear()
-            mv = self._views[key] = memoryview((ctypes.c_ubyte * key[1]).from_address(key[0])).cast("B")
+            mv = self._views[key] = _memory_view(key[0], key[1], _PYBUF_WRITE)
         return mv
+
+
+# CPython's PyMemoryView_FromMemory: a writable 1-D "B" view of memory at an address (no ctypes
+# array type per length, which ctypes would keep for good).
+_memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
+_memory_view.restype = ctypes.py_object
+_memory_view.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_PYBUF_WRITE = 0x200
