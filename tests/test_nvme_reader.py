@@ -112,7 +112,7 @@ def test_reads_with_a_helper_thread_round_trip_and_catch_a_flipped_byte(make_cac
             out = torch.empty_like(t)
             assert cache.get(k, out=out) is out and torch.equal(out, t)
     store, env = testing.tier(cache, "nvme").path, testing.lmdb_of(cache).env
-    for pos in (5, -5):  # a byte of the caller's first chunk, and of the helper's first (the last)
+    for pos in (5, -5):  # a byte of the first chunk (the caller's) and of the last (either thread's)
         nh.flip_payload_byte(store, nh.index_value(store, "a" if pos > 0 else "d", env=env), pos=pos)
     assert cache.get("a") is None and cache.get("d") is None
     assert cache.stats()["tiers"]["nvme"]["checksum_failures"] == 2

@@ -11,8 +11,9 @@ format's), computed while the bytes are copied; only the copies overlap.
 
 A helper that is busy with another read, or not scheduled (a loaded machine), takes nothing: the
 caller reads every chunk itself, the serial path. The caller returns only after every chunk the
-helper took is read, so no write into the destination outlives the call. Measured in
-docs/benchmarks.md ("NVMe tier").
+helper took is read, so no write into the destination outlives the call. :class:`ByteViews` gives
+the destination's bytes of a caller's ``out=`` tensor without a ``Tensor.numpy()`` per read.
+Measured in docs/benchmarks.md ("NVMe tier").
 """
 
 from __future__ import annotations
