@@ -3,6 +3,7 @@
 ::
 
     python benchmarks/nvme_ratios.py --dir /var/tmp/ectier-ratios --rounds 7 [--sizes 1,16,64] [--reopen 100000]
+        [--read-threads 2] [--cpu 40]
 
 An NVMe-only ``TieredCache`` (``host.capacity_bytes=0``: every put goes to the NVMe tier, every get
 reads it) against, per size (MiB):
@@ -14,7 +15,10 @@ reads it) against, per size (MiB):
 
 Ratios are (raw time / ectier time) of the medians: 1.0 = as fast as raw I/O; ``paired`` is the
 median of the per-round ratios (each round's raw and ectier reads run back to back, so a burst of
-load on a shared machine hits both), with its spread (min-max over the rounds). ``--reopen N`` also
+load on a shared machine hits both), with its spread (min-max over the rounds). ``--cpu B`` also
+times warm gets against warm reads in a steady loop, ``B`` interleaved batches, in CPU time of the
+thread (robust to other processes' load; a second thread's work, ``--read-threads 2``, is not in
+it). ``--reopen N`` also
 times opening a store of N small entries (index scan only). Prints one table; ``--json`` writes it.
 Results and their machine: docs/benchmarks.md ("NVMe tier").
 """
@@ -46,13 +50,37 @@ def _drop(path: str) -> None:
         os.close(fd)
 
 
-def _cache(path: Path, nbytes: int) -> TieredCache:
+def _cache(path: Path, nbytes: int, read_threads: int = 1) -> TieredCache:
+    more = {"read_threads": read_threads} if read_threads != 1 else {}  # (runs against older ectier too)
     return TieredCache(CacheConfig(
         namespace="bench", host=HostTierConfig(capacity_bytes=0),
-        nvme=NvmeTierConfig(path=str(path), sync=True, capacity_bytes=4 * nbytes + 64 * MiB, flush_on_close=False)))
+        nvme=NvmeTierConfig(path=str(path), sync=True, capacity_bytes=4 * nbytes + 64 * MiB, flush_on_close=False,
+                            **more)))
 
 
-def measure(d: Path, mib: int, rounds: int) -> dict:
+def _cpu_batches(cache: TieredCache, out: torch.Tensor, raw_path: str, batches: int) -> dict:
+    """Warm ``get(out=)`` vs warm open+``preadv``+close in a steady loop, interleaved batch by batch,
+    timed in CPU seconds of this thread (``time.thread_time``: other processes' load does not
+    stretch it); per call: medians and the median of the per-batch ratios."""
+    dst, calls = memoryview(out.numpy()), max(2, (32 * MiB) // max(1, out.numel()))
+    raw_s, get_s = [], []
+    for _ in range(batches):
+        t0 = time.thread_time()
+        for _ in range(calls):
+            fd = os.open(raw_path, os.O_RDONLY)
+            os.preadv(fd, [dst], 0)
+            os.close(fd)
+        t1 = time.thread_time()
+        for _ in range(calls):
+            cache.get("k", out=out)
+        raw_s.append((t1 - t0) / calls)
+        get_s.append((time.thread_time() - t1) / calls)
+    med_r, med_g = statistics.median(raw_s), statistics.median(get_s)
+    return {"cpu raw_us": med_r * 1e6, "cpu get_us": med_g * 1e6, "cpu get/raw": med_r / med_g,
+            "cpu get/raw paired": statistics.median([r / g for r, g in zip(raw_s, get_s)])}
+
+
+def measure(d: Path, mib: int, rounds: int, read_threads: int = 1, cpu_batches: int = 0) -> dict:
     nbytes = mib * MiB
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     buf = memoryview(src.numpy())
@@ -63,7 +91,7 @@ def measure(d: Path, mib: int, rounds: int) -> dict:
         f.write(buf)
     store = d / f"store-{mib}"
     shutil.rmtree(store, ignore_errors=True)
-    cache = _cache(store, nbytes)
+    cache = _cache(store, nbytes, read_threads)
     seg = str(store / "segment.0")
     t: dict[str, list[float]] = {k: [] for k in ("put", "raw_w", "get", "raw_r", "get_cold", "raw_cold")}
     try:
@@ -99,6 +127,7 @@ def measure(d: Path, mib: int, rounds: int) -> dict:
             t0 = time.perf_counter()
             cache.get("k", out=out)
             t["get_cold"].append(time.perf_counter() - t0)
+        cpu = _cpu_batches(cache, out, raw_path, cpu_batches) if cpu_batches else {}
     finally:
         cache.close()
         shutil.rmtree(store, ignore_errors=True)
@@ -108,7 +137,7 @@ def measure(d: Path, mib: int, rounds: int) -> dict:
     paired = [r / g for r, g in zip(t["raw_r"], t["get"])]
     return {"mib": mib, "GB/s": gbs, "put/raw": med["raw_w"] / med["put"], "get/raw": med["raw_r"] / med["get"],
             "cold get/raw": med["raw_cold"] / med["get_cold"], "get/raw paired": statistics.median(paired),
-            "get/raw paired spread": (min(paired), max(paired))}
+            "get/raw paired spread": (min(paired), max(paired)), **cpu}
 
 
 def reopen(d: Path, n: int) -> float:
@@ -135,11 +164,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--sizes", default="1,16,64")
     ap.add_argument("--reopen", type=int, default=0, help="also time reopening a store of this many entries")
+    ap.add_argument("--read-threads", type=int, default=1, help="nvme.read_threads of the cache (1 or 2)")
+    ap.add_argument("--cpu", type=int, default=0, metavar="BATCHES",
+                    help="also time warm gets vs warm reads in a steady loop, CPU time, this many batches")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)
-    rows = [measure(d, int(s), args.rounds) for s in args.sizes.split(",")]
+    rows = [measure(d, int(s), args.rounds, args.read_threads, args.cpu) for s in args.sizes.split(",")]
     print(f"{'MiB':>4} {'put/raw':>8} {'get/raw':>8} {'cold/raw':>9}   GB/s: put raw_w get raw_r get_cold raw_cold"
           "   get/raw paired (min-max)")
     for r in rows:
@@ -147,6 +179,10 @@ def main() -> int:
         print(f"{r['mib']:>4} {r['put/raw']:8.2f} {r['get/raw']:8.2f} {r['cold get/raw']:9.2f}   "
               f"{g['put']:.2f} {g['raw_w']:.2f} {g['get']:.2f} {g['raw_r']:.2f} {g['get_cold']:.2f} {g['raw_cold']:.2f}"
               f"   {r['get/raw paired']:.2f} ({lo:.2f}-{hi:.2f})")
+    for r in rows:
+        if "cpu get/raw" in r:
+            print(f"{r['mib']:>4} MiB steady loop, CPU per call: get {r['cpu get_us']:.0f} us, read {r['cpu raw_us']:.0f} us, "
+                  f"get/raw {r['cpu get/raw']:.2f} (paired {r['cpu get/raw paired']:.2f})")
     result = {"rows": rows}
     if args.reopen:
         result["reopen_s"] = reopen(d, args.reopen)

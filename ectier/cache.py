@@ -183,6 +183,8 @@ class TieredCache:
         """
         ns, key = self._identity(key, namespace)
         dev = parse_device(device)
+        if out is not None and not isinstance(out, torch.Tensor):  # (before any read: nothing changes)
+            raise InvalidTensorError(f"out: expected a contiguous CPU tensor, got {type(out).__name__}")
         self._check_open()
         return self._reads.get(entry_digest(ns, key), ns, key, dev, out)
 

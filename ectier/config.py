@@ -174,6 +174,11 @@ class NvmeTierConfig:
             other writes still copying theirs, so that they share one ``fdatasync`` and one LMDB
             commit (seconds, >= 0). A lone write never waits; every write still returns once its
             own entry is durable. Default 0.002.
+        read_threads: threads that copy one payload out of the page cache on a read: ``1``
+            (default): the reading thread alone, each chunk hashed right after it is copied; ``2``: a
+            helper thread also copies chunks of payloads of 4 MiB and more (the caller hashes them
+            in order), for a machine with an idle core: measured slower on a loaded one, not yet
+            measured on an idle one (docs/benchmarks.md, "NVMe tier").
         allow_network_fs: open a store on a network or FUSE filesystem (NFS, CIFS/SMB, 9p, Ceph,
             GlusterFS, Lustre, GPFS, ``fuse.*``, ...). Default ``False``: such a ``path`` is refused
             with ``ConfigError`` at open, because LMDB's locks and shared memory map are unsafe there.
@@ -198,6 +203,7 @@ class NvmeTierConfig:
     map_max_bytes: int | None = None
     policy: str = "lru"
     group_commit_s: float = 0.002
+    read_threads: int = 1
     allow_network_fs: bool = False
     on_damaged: str = "fail"
     thin_provisioning: bool = False

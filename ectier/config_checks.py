@@ -271,6 +271,10 @@ def check_nvme(cfg: NvmeTierConfig) -> None:
             raise ConfigError(f"nvme.codec: unknown codec {cfg.codec!r}; known: {', '.join(known)}")
     with p.check("nvme.group_commit_s"):
         check_seconds("nvme.group_commit_s", cfg.group_commit_s)
+    with p.check("nvme.read_threads"):
+        check_int("nvme.read_threads", cfg.read_threads, minimum=1)
+        if cfg.read_threads > 2:
+            raise ConfigError(f"nvme.read_threads: 1 or 2 (a helper thread reads beside the caller), got {cfg.read_threads}")
     with p.check("nvme.zstd_level"):
         check_int("nvme.zstd_level", cfg.zstd_level)
         if not -7 <= cfg.zstd_level <= 22:

@@ -308,7 +308,8 @@ class _EnvProxy:
         self.go_on = threading.Event()
 
     def begin(self, *args, **kwargs):
-        staged = threading.current_thread().name == self._thread_name and kwargs.get("buffers") \
+        # the first read-only transaction of the reading thread: the read's index lookup
+        staged = threading.current_thread().name == self._thread_name \
             and not kwargs.get("write") and not self.go_on.is_set()
         if staged:
             self.before_begin.set()

@@ -72,8 +72,7 @@ class Promotions:
         rec = self.m.nvme.tier.record(digest)
         if rec is None:
             return None
-        h = rec.header
-        meta = EntryMeta(h.namespace, h.key, h.dtype, tuple(h.shape), h.raw_nbytes)
+        meta = rec.meta  # made once per record
         slot = self.m.admit(host, digest, meta, version, promotion=True, protect=digest)
         if slot is None:
             return None

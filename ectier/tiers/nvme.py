@@ -68,6 +68,7 @@ from .nvme_env import (RELEASE_MARKER, STORE_FORMAT, NvmeDiskFullError, NvmeEnv,
                        write_error_text)
 from .nvme_commit import GroupCommit, Pending
 from .nvme_index import NvmeIndex, NvmeRecord
+from .nvme_reader import ByteViews
 from .nvme_record import (CheckedRecord, EncodedRecord, check_index_value, check_record, encode_record,
                           pack_index_value, parse_index_value)
 from .nvme_segment import BLOCK_BYTES, Location, blocks_for, pack_location
@@ -114,6 +115,7 @@ class NvmeTier(Tier):
         self._store = NvmeEnv(config, self.index, self.counters)
         self._group = GroupCommit(self._commit_group, config.group_commit_s)
         self._rw = self._store.rw
+        self._views = ByteViews()
         self._write_lock = self._store.write_lock
         self._store.open()
 
@@ -361,9 +363,11 @@ class NvmeTier(Tier):
         epoch = space.begin_read()  # before the lookup: the blocks it finds stay unreused until the end
         try:
             assert self._env is not None
-            with self._env.begin(buffers=True) as txn:
+            txn = self._env.begin()  # read-only: begin, get (bytes: the header and location), abort
+            try:
                 raw = txn.get(digest, db=self._meta)
-                raw = bytes(raw) if raw is not None else None  # a small copy: the header and location
+            finally:
+                txn.abort()
             if raw is not None:
                 try:
                     rec, loc = self._checked(digest, (namespace, key), raw)
@@ -411,11 +415,12 @@ class NvmeTier(Tier):
             return None
         if out is None or out.numel() != h.raw_nbytes or not _flat_cpu_bytes(out):
             out = torch.empty(h.raw_nbytes, dtype=torch.uint8)  # (an unsuitable out= is not used)
-        dst = out.numpy()
-        buf = dst if raw else np.empty(h.payload_nbytes, dtype=np.uint8)
+        if raw:
+            self._check_payload(h, loc, self._views.of(out) if h.raw_nbytes else memoryview(b""))
+            return out
+        buf = np.empty(h.payload_nbytes, dtype=np.uint8)
         self._check_payload(h, loc, memoryview(buf))
-        if buf is not dst:
-            rec.codec.decode_into(buf, dst, rec.itemsize)
+        rec.codec.decode_into(buf, out.numpy(), rec.itemsize)
         return out
 
     def _check_payload(self, h: RecordHeader, loc: Location, dst: memoryview | list[memoryview]) -> None:

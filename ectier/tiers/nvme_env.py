@@ -60,12 +60,14 @@ def _damaged_hint(path: Path) -> str:
 class RWLock:
     """Many shared holders or one exclusive holder (used only around LMDB map resizes).
 
-    ``with rw.shared():`` is on every read's path, so it is a plain object's ``__enter__`` /
-    ``__exit__`` over one :class:`threading.Lock` (no generator, no re-entrant lock): ~1 µs.
+    ``with rw.shared():`` is on every read's path, so taking and releasing it shared is one
+    :class:`threading.Lock` each (C level: no :class:`threading.Condition` method, no ``notify_all``
+    unless an exclusive holder waits for the shared ones to leave).
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._shared = 0
         self._exclusive = False
         self._shared_ctx = _Shared(self)
@@ -75,16 +77,19 @@ class RWLock:
         return self._shared_ctx
 
     def acquire_shared(self) -> None:
-        with self._cond:
+        with self._lock:
+            if not self._exclusive:
+                self._shared += 1
+                return
             while self._exclusive:
                 self._cond.wait()
             self._shared += 1
 
     def release_shared(self) -> None:
-        with self._cond:
+        with self._lock:
             self._shared -= 1
-            if self._shared == 0:
-                self._cond.notify_all()
+            if self._exclusive and self._shared == 0:
+                self._cond.notify_all()  # the exclusive holder waits for the last shared one
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -249,7 +254,8 @@ class NvmeEnv:
             self.meta_db = self.env.open_db(b"meta")
             self.quarantine_db = self.env.open_db(b"quarantine")
             self.settings_db = self.env.open_db(b"settings")
-            self.segment = SegmentFile(str(self.path / SEGMENT_NAME), sync=self.config.sync)
+            self.segment = SegmentFile(str(self.path / SEGMENT_NAME), sync=self.config.sync,
+                                       read_threads=self.config.read_threads)
             if self._check_settings() == b"1":
                 migrate_v1(self)
             self._scan()
