@@ -1,5 +1,6 @@
-"""A host arena is faulted in once at open, so no put pays first-touch page faults
-(``ectier.tiers.arena.populate``; a daemon client's mapping: ``populate_mapping_later``).
+"""A host arena is faulted in once, in the background from open on, so no put pays first-touch
+page faults (``ectier.tiers.arena.populate_later``; a daemon client's mapping:
+``populate_mapping_later``).
 
 Residency is read from ``/proc/self/smaps`` (the ``Rss`` of the mapping holding the arena): pages
 this process has mapped in. Linux only.
@@ -10,12 +11,14 @@ from __future__ import annotations
 import mmap
 import os
 import sys
+import time
+import weakref
 
 import pytest
 import torch
 
 from ectier.config import HostTierConfig
-from ectier.tiers.arena import populate, populate_mapping_later
+from ectier.tiers.arena import populate_later, populate_mapping_later
 from ectier.tiers.host import HostTier
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
@@ -41,28 +44,46 @@ def _rss_bytes(address: int, nbytes: int) -> int:
     return total
 
 
-def test_an_unpinned_host_arena_is_resident_from_open():
+def _resident_within(address: int, nbytes: int, limit_s: float = 60.0) -> int:
+    """The mapping's resident bytes once they reach ``nbytes`` (or whatever they are after ``limit_s``)."""
+    deadline = time.monotonic() + limit_s
+    while (rss := _rss_bytes(address, nbytes)) < nbytes - MiB and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return rss
+
+
+def test_an_unpinned_host_arena_becomes_resident_without_a_put():
     tier = HostTier(HostTierConfig(capacity_bytes=ARENA, block_bytes=MiB, pin_memory=False))
     try:
         assert not tier.pinned
-        assert _rss_bytes(tier.buffer.data_ptr(), ARENA) > ARENA - MiB  # today: only the pages written so far
+        # today: only the pages a put wrote ever become resident
+        assert _resident_within(tier.buffer.data_ptr(), ARENA) > ARENA - MiB
     finally:
         tier.close()
 
 
-def test_populate_keeps_what_the_arena_holds():
+def test_populating_keeps_what_the_arena_holds_and_lets_it_go():
     buf = torch.empty(ARENA, dtype=torch.uint8)
     buf[: 3 * MiB].fill_(7)
     buf[-MiB:].fill_(9)
-    seconds = populate(buf, private=True)
-    assert seconds >= 0.0
+    thread = populate_later(buf, chunk_bytes=8 * MiB)
+    assert thread is not None
+    thread.join(60)
+    assert not thread.is_alive()
     assert _rss_bytes(buf.data_ptr(), ARENA) > ARENA - MiB
     assert int(buf[: 3 * MiB].min()) == 7 == int(buf[: 3 * MiB].max())
     assert int(buf[-MiB:].min()) == 9 == int(buf[-MiB:].max())
+    # an arena dropped while it is populated is freed, not kept alive by the thread
+    other = torch.empty(ARENA, dtype=torch.uint8)
+    ref = weakref.ref(other)
+    thread = populate_later(other, chunk_bytes=MiB)
+    del other
+    thread.join(60)
+    assert ref() is None and not thread.is_alive()
 
 
-def test_populate_of_an_empty_buffer_does_nothing():
-    assert populate(torch.empty(0, dtype=torch.uint8), private=True) == 0.0
+def test_nothing_to_populate_in_an_empty_buffer():
+    assert populate_later(torch.empty(0, dtype=torch.uint8)) is None
 
 
 def test_a_shared_mapping_is_populated_in_the_background_without_changing_it(tmp_path):

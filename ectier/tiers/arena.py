@@ -14,6 +14,7 @@ import logging
 import mmap
 import threading
 import time
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -23,7 +24,7 @@ from ..index import ArenaIndex, Slot
 from ..policy import EvictionPolicy
 from .base import Admission, Tier
 
-__all__ = ["ArenaTier", "populate", "populate_mapping_later", "run_pairs"]
+__all__ = ["ArenaTier", "populate_later", "populate_mapping_later", "run_pairs"]
 
 log = logging.getLogger(__name__)
 
@@ -48,43 +49,53 @@ def _madvise(address: int, length: int, advice: int) -> int:
     return 0 if _libc.madvise(address, length, advice) == 0 else (ctypes.get_errno() or errno.EINVAL)
 
 
-def populate(buffer: torch.Tensor, *, private: bool) -> float:
-    """Fault in every page of a CPU arena once, at open, so no copy into it pays first-touch faults.
+def populate_later(buffer: torch.Tensor, *, hugepages: bool = True,
+                   chunk_bytes: int = 32 << 20) -> threading.Thread | None:
+    """Fault in every page of a private CPU arena, in a background thread, so copies into it
+    (the saves) pay no first-touch page faults.
 
-    Why: a fresh (unpinned) arena is only reserved address space; the first write to each 4 KiB
+    Why: a fresh unpinned arena is only reserved address space; the first write to each 4 KiB
     page faults and the kernel zeroes it. Measured on the 2-core dev VM: a 64 MiB ``copy_`` into
-    fresh pages ran at ~0.7-1.8 GB/s, into faulted-in pages at ~7 GB/s. ``private`` (an anonymous
-    allocation of this process) also asks for transparent huge pages (``MADV_HUGEPAGE``: 512x
-    fewer faults and TLB misses), which populating then fills at ~6 GB/s (~0.17 s per GiB at
-    open); a shared mapping (the daemon's arena file, already allocated by ``posix_fallocate``)
-    only gets its page-table entries (no zeroing). The arena's whole capacity is resident from
-    open on (as a pinned arena's is).
+    fresh pages ran at ~0.4-1.8 GB/s, into faulted-in pages at ~2.5-7 GB/s (load-dependent).
+    ``hugepages`` first asks for transparent huge pages (``MADV_HUGEPAGE``: 512x fewer faults and
+    TLB misses; refused where THP is off). Then ``MADV_POPULATE_WRITE`` (Linux >= 5.14), 32 MiB
+    per call: contents are never changed, so puts racing the thread are safe. Off the opening
+    thread because it costs ~0.17 s per GiB (huge pages, quiet) to ~1 s per GiB (4 KiB pages,
+    loaded VM). Memory: the arena's whole capacity becomes resident within that time (as a
+    pinned arena's is at once). The thread holds the buffer only during each call (a weak
+    reference otherwise), so an arena closed meanwhile is freed as before; it stops at the first
+    refusal (an older kernel: the pages then fault on first write, as before).
 
-    ``buffer``: a flat ``uint8`` CPU tensor whose bytes are the arena. Contents are never changed
-    (``MADV_POPULATE_WRITE``); on a kernel without it (before Linux 5.14) a ``private`` arena is
-    zero-filled instead (safe: nothing is stored yet), a shared one is left to fault.
-
-    Returns:
-        Seconds spent (0.0 for an empty buffer). Never raises: failure only costs the faults.
+    ``buffer``: a flat CPU tensor whose bytes are the arena. Returns the thread (``None`` for an
+    empty or non-CPU buffer). Never raises.
     """
     nbytes = buffer.numel() * buffer.element_size()
     if nbytes == 0 or buffer.device.type != "cpu":
-        return 0.0
-    t0 = time.perf_counter()
+        return None
     start = (buffer.data_ptr() + _PAGE - 1) & ~(_PAGE - 1)
     length = (buffer.data_ptr() + nbytes - start) & ~(_PAGE - 1)
     if length <= 0:
-        return 0.0
-    if private:
-        _madvise(start, length, _MADV_HUGEPAGE)  # refused where THP is off: 4 KiB pages then
-    rc = _madvise(start, length, _MADV_POPULATE_WRITE)
-    if rc != 0:
-        if private:
-            buffer.zero_()
-        else:
-            log.debug("arena: MADV_POPULATE_WRITE refused (errno %d); pages fault on first write", rc)
-    return time.perf_counter() - t0
+        return None
+    if hugepages:
+        _madvise(start, length, _MADV_HUGEPAGE)
+    ref = weakref.ref(buffer)
 
+    def run() -> None:
+        t0 = time.perf_counter()
+        for lo in range(0, length, chunk_bytes):
+            held = ref()
+            if held is None:
+                return
+            rc = _madvise(start + lo, min(chunk_bytes, length - lo), _MADV_POPULATE_WRITE)
+            del held
+            if rc != 0:
+                log.debug("arena: MADV_POPULATE_WRITE refused (errno %d); pages fault on first write", rc)
+                return
+        log.debug("arena: %d bytes populated in %.3f s", length, time.perf_counter() - t0)
+
+    thread = threading.Thread(target=run, daemon=True, name="ectier-arena-populate")
+    thread.start()
+    return thread
 
 
 def populate_mapping_later(mapping: mmap.mmap, *, chunk_bytes: int = 32 << 20) -> threading.Thread | None:
@@ -93,7 +104,7 @@ def populate_mapping_later(mapping: mmap.mmap, *, chunk_bytes: int = 32 << 20) -
     their contents are untouched), so a client's writes into it take no fault per 4 KiB page.
 
     Off the caller's path because it costs ~0.3-1.2 s per GiB of mapping (measured on the dev
-    VM); writes racing it are safe. Stops at the first refusal (a closed mapping, a kernel before
+    VM); writes racing it are safe (as :func:`populate_later`). Stops at the first refusal (a closed mapping, a kernel before
     Linux 5.14). Returns the thread (``None`` for an empty mapping).
     """
     if len(mapping) == 0:
