@@ -28,7 +28,6 @@ __all__ = ["ArenaTier", "populate_later", "populate_mapping_later", "run_pairs"]
 
 log = logging.getLogger(__name__)
 
-_MADV_HUGEPAGE = 14  # linux/mman.h: back the range with transparent huge pages where possible
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault every page in, writable, contents untouched
 _PAGE = 4096
 _libc: Any = None
@@ -49,19 +48,18 @@ def _madvise(address: int, length: int, advice: int) -> int:
     return 0 if _libc.madvise(address, length, advice) == 0 else (ctypes.get_errno() or errno.EINVAL)
 
 
-def populate_later(buffer: torch.Tensor, *, hugepages: bool = True,
-                   chunk_bytes: int = 32 << 20) -> threading.Thread | None:
+def populate_later(buffer: torch.Tensor, *, chunk_bytes: int = 32 << 20) -> threading.Thread | None:
     """Fault in every page of a private CPU arena, in a background thread, so copies into it
     (the saves) pay no first-touch page faults.
 
     Why: a fresh unpinned arena is only reserved address space; the first write to each 4 KiB
     page faults and the kernel zeroes it. Measured on the 2-core dev VM: a 64 MiB ``copy_`` into
     fresh pages ran at ~0.4-1.8 GB/s, into faulted-in pages at ~2.5-7 GB/s (load-dependent).
-    ``hugepages`` first asks for transparent huge pages (``MADV_HUGEPAGE``: 512x fewer faults and
-    TLB misses; refused where THP is off). Then ``MADV_POPULATE_WRITE`` (Linux >= 5.14), 32 MiB
-    per call: contents are never changed, so puts racing the thread are safe. Off the opening
-    thread because it costs ~0.17 s per GiB (huge pages, quiet) to ~1 s per GiB (4 KiB pages,
-    loaded VM). Memory: the arena's whole capacity becomes resident within that time (as a
+    ``MADV_POPULATE_WRITE`` (Linux >= 5.14), 32 MiB per call: contents are never changed, so puts
+    racing the thread are safe. Off the opening thread because it costs ~0.6 s per GiB (quiet) to
+    ~1.5 s per GiB (loaded VM). No transparent huge pages (``MADV_HUGEPAGE``): populating them is
+    ~3x faster, but a put that reaches a page before the thread does then compacts memory in
+    its fault (measured slower puts, docs/benchmarks.md), and reads were not faster. Memory: the arena's whole capacity becomes resident within that time (as a
     pinned arena's is at once). The thread holds the buffer only during each call (a weak
     reference otherwise), so an arena closed meanwhile is freed as before; it stops at the first
     refusal (an older kernel: the pages then fault on first write, as before).
@@ -76,8 +74,6 @@ def populate_later(buffer: torch.Tensor, *, hugepages: bool = True,
     length = (buffer.data_ptr() + nbytes - start) & ~(_PAGE - 1)
     if length <= 0:
         return None
-    if hugepages:
-        _madvise(start, length, _MADV_HUGEPAGE)
     ref = weakref.ref(buffer)
 
     def run() -> None:
