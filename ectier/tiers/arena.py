@@ -12,6 +12,7 @@ import ctypes
 import errno
 import logging
 import mmap
+import os
 import threading
 import time
 import weakref
@@ -30,6 +31,10 @@ log = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault every page in, writable, contents untouched
 _PAGE = 4096
+#: bytes per populating ``madvise``: one call holds the process's memory-map lock (read) while it
+#: faults its range in (~1-3 ms for 2 MiB on a loaded VM), so an ``mmap``/``munmap`` of another
+#: thread never waits longer than that
+_CHUNK = 2 << 20
 _libc: Any = None
 
 
@@ -48,16 +53,25 @@ def _madvise(address: int, length: int, advice: int) -> int:
     return 0 if _libc.madvise(address, length, advice) == 0 else (ctypes.get_errno() or errno.EINVAL)
 
 
-def populate_later(buffer: torch.Tensor, *, chunk_bytes: int = 32 << 20) -> threading.Thread | None:
+def _lowest_priority() -> None:
+    """Run the calling thread at nice 19 (Linux: per thread), so populating an arena yields the
+    CPU to the model's and the saves' threads; where that is refused it runs at normal priority."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+
+
+def populate_later(buffer: torch.Tensor, *, chunk_bytes: int = _CHUNK) -> threading.Thread | None:
     """Fault in every page of a private CPU arena, in a background thread, so copies into it
     (the saves) pay no first-touch page faults.
 
     Why: a fresh unpinned arena is only reserved address space; the first write to each 4 KiB
     page faults and the kernel zeroes it. Measured on the 2-core dev VM: a 64 MiB ``copy_`` into
     fresh pages ran at ~0.4-1.8 GB/s, into faulted-in pages at ~2.5-7 GB/s (load-dependent).
-    ``MADV_POPULATE_WRITE`` (Linux >= 5.14), 32 MiB per call: contents are never changed, so puts
+    ``MADV_POPULATE_WRITE`` (Linux >= 5.14), 2 MiB per call: contents are never changed, so puts
     racing the thread are safe. Off the opening thread because it costs ~0.6 s per GiB (quiet) to
-    ~1.5 s per GiB (loaded VM). No transparent huge pages (``MADV_HUGEPAGE``): populating them is
+    ~1.5 s per GiB (loaded VM); the thread runs at nice 19, 2 MiB per call. No transparent huge pages (``MADV_HUGEPAGE``): populating them is
     ~3x faster, but a put that reaches a page before the thread does then compacts memory in
     its fault (measured slower puts, docs/benchmarks.md), and reads were not faster. Memory: the arena's whole capacity becomes resident within that time (as a
     pinned arena's is at once). The thread holds the buffer only during each call (a weak
@@ -77,6 +91,7 @@ def populate_later(buffer: torch.Tensor, *, chunk_bytes: int = 32 << 20) -> thre
     ref = weakref.ref(buffer)
 
     def run() -> None:
+        _lowest_priority()
         t0 = time.perf_counter()
         for lo in range(0, length, chunk_bytes):
             held = ref()
@@ -94,19 +109,21 @@ def populate_later(buffer: torch.Tensor, *, chunk_bytes: int = 32 << 20) -> thre
     return thread
 
 
-def populate_mapping_later(mapping: mmap.mmap, *, chunk_bytes: int = 32 << 20) -> threading.Thread | None:
-    """Fault in a shared, writable mapping of an arena file in a background thread, 32 MiB per
-    ``madvise(MADV_POPULATE_WRITE)`` (page-table entries only: the file's pages exist already,
-    their contents are untouched), so a client's writes into it take no fault per 4 KiB page.
+def populate_mapping_later(mapping: mmap.mmap, *, chunk_bytes: int = _CHUNK) -> threading.Thread | None:
+    """Fault in a shared, writable mapping of an arena file in a background thread (nice 19),
+    2 MiB per ``madvise(MADV_POPULATE_WRITE)``: page-table entries only (the file's pages exist
+    already, their contents are untouched), so a client's writes into it take no fault per 4 KiB
+    page.
 
     Off the caller's path because it costs ~0.3-1.2 s per GiB of mapping (measured on the dev
-    VM); writes racing it are safe (as :func:`populate_later`). Stops at the first refusal (a closed mapping, a kernel before
-    Linux 5.14). Returns the thread (``None`` for an empty mapping).
+    VM); writes racing it are safe (as :func:`populate_later`). Stops at the first refusal (a
+    closed mapping, a kernel before Linux 5.14). Returns the thread (``None`` for an empty mapping).
     """
     if len(mapping) == 0:
         return None
 
     def run() -> None:
+        _lowest_priority()
         for lo in range(0, len(mapping), chunk_bytes):
             try:
                 mapping.madvise(_MADV_POPULATE_WRITE, lo, min(chunk_bytes, len(mapping) - lo))
