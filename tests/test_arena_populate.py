@@ -1,5 +1,5 @@
 """A host arena is faulted in once, in the background from open on, so no put pays first-touch
-page faults (``ectier.tiers.arena.populate_later``; a daemon client's mapping:
+page faults (``ectier.tiers.populate.populate_later``; a daemon client's mapping:
 ``populate_mapping_later``).
 
 Residency is read from ``/proc/self/smaps`` (the ``Rss`` of the mapping holding the arena): pages
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ectier.config import HostTierConfig
-from ectier.tiers.arena import populate_later, populate_mapping_later
+from ectier.tiers.populate import populate_later, populate_mapping_later
 from ectier.tiers.host import HostTier
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")

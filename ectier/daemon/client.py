@@ -375,8 +375,8 @@ class DaemonClient(ViewCalls):
             self._arena = torch.frombuffer(self._arena_mmap, dtype=torch.uint8) if arena["nbytes"] else torch.empty(0, dtype=torch.uint8)
             self._arena_path = arena["path"]
             self._register_arena(torch)
-            if not self._arena_registered:  # pageable: no fault per page in the puts (tiers/arena.py)
-                from ectier.tiers.arena import populate_mapping_later
+            if not self._arena_registered:  # pageable: no fault per page in the puts (tiers/populate.py)
+                from ectier.tiers.populate import populate_mapping_later
 
                 populate_mapping_later(self._arena_mmap)
         return self._arena
