@@ -1,6 +1,6 @@
 """Faulting a CPU arena's pages in ahead of its copies: :func:`populate_later` (a private,
 pageable host arena) and :func:`populate_mapping_later` (a daemon client's mapping of the
-daemon's arena file), each in a background thread at nice 19.
+daemon's arena file), each in a background thread.
 
 A fresh pageable arena is only reserved address space: without this, the first write into each
 4 KiB page (a save) faults and the kernel zeroes the page, and a 64 MiB save ran 3-9x slower
@@ -14,7 +14,6 @@ import ctypes
 import errno
 import logging
 import mmap
-import os
 import threading
 import time
 import weakref
@@ -28,10 +27,11 @@ log = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault every page in, writable, contents untouched
 _PAGE = 4096
-#: bytes per populating ``madvise``: one call holds the process's memory-map lock (read) while it
-#: faults its range in (~1-3 ms for 2 MiB on a loaded VM), so an ``mmap``/``munmap`` of another
-#: thread never waits longer than that
-_CHUNK = 2 << 20
+#: bytes per populating ``madvise``: each call holds the process's memory-map lock (read) while
+#: it faults its range in, and every ``mmap``/``munmap`` of the process (large tensors, Python's
+#: own arenas) waits behind it; 256 KiB (~0.05-0.3 ms) keeps that wait short. Measured: with 32 MiB
+#: calls, puts and saves beside a populating 2.5 GiB arena had p90s of 35-62 ms (1 ms without one)
+_CHUNK = 256 << 10
 _libc: Any = None
 
 
@@ -50,15 +50,6 @@ def _madvise(address: int, length: int, advice: int) -> int:
     return 0 if _libc.madvise(address, length, advice) == 0 else (ctypes.get_errno() or errno.EINVAL)
 
 
-def _lowest_priority() -> None:
-    """Run the calling thread at nice 19 (Linux: per thread), so populating an arena yields the
-    CPU to the model's and the saves' threads; where that is refused it runs at normal priority."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
-
-
 def populate_later(buffer: torch.Tensor, *, chunk_bytes: int = _CHUNK) -> threading.Thread | None:
     """Fault in every page of a private CPU arena, in a background thread, so copies into it
     (the saves) pay no first-touch page faults.
@@ -66,14 +57,15 @@ def populate_later(buffer: torch.Tensor, *, chunk_bytes: int = _CHUNK) -> thread
     Why: a fresh unpinned arena is only reserved address space; the first write to each 4 KiB
     page faults and the kernel zeroes it. Measured on the 2-core dev VM: a 64 MiB ``copy_`` into
     fresh pages ran at ~0.4-1.8 GB/s, into faulted-in pages at ~2.5-7 GB/s (load-dependent).
-    ``MADV_POPULATE_WRITE`` (Linux >= 5.14), 2 MiB per call: contents are never changed, so puts
+    ``MADV_POPULATE_WRITE`` (Linux >= 5.14), 256 KiB per call: contents are never changed, so puts
     racing the thread are safe. Off the opening thread because it costs ~0.6 s per GiB (quiet) to
-    ~1.5 s per GiB (loaded VM); the thread runs at nice 19. No transparent huge pages
-    (``MADV_HUGEPAGE``): populating them is ~3x faster, but a put that reaches a page before the
+    ~1.5 s per GiB (loaded VM). Not at a lower priority: a thread descheduled inside a call
+    holds the lock above for as long (measured: 1 MiB daemon puts 265 ms p50 at nice 19). No
+    transparent huge pages (``MADV_HUGEPAGE``): populating them is ~3x faster, but a put that reaches a page before the
     thread does then compacts memory in its fault (measured: slower puts, docs/benchmarks.md),
     and reads were not faster. Memory: the arena's whole capacity becomes resident within that
-    time (as a pinned arena's is at once). The thread holds the buffer only during each call (a weak
-    reference otherwise), so an arena closed meanwhile is freed as before; it stops at the first
+    time (as a pinned arena's is at once). The thread holds the buffer only during each call (a
+    weak reference otherwise), so an arena closed meanwhile is freed as before; it stops at the first
     refusal (an older kernel: the pages then fault on first write, as before).
 
     ``buffer``: a flat CPU tensor whose bytes are the arena. Returns the thread (``None`` for an
@@ -89,7 +81,6 @@ def populate_later(buffer: torch.Tensor, *, chunk_bytes: int = _CHUNK) -> thread
     ref = weakref.ref(buffer)
 
     def run() -> None:
-        _lowest_priority()
         t0 = time.perf_counter()
         for lo in range(0, length, chunk_bytes):
             held = ref()
@@ -108,8 +99,8 @@ def populate_later(buffer: torch.Tensor, *, chunk_bytes: int = _CHUNK) -> thread
 
 
 def populate_mapping_later(mapping: mmap.mmap, *, chunk_bytes: int = _CHUNK) -> threading.Thread | None:
-    """Fault in a shared, writable mapping of an arena file in a background thread (nice 19),
-    2 MiB per ``madvise(MADV_POPULATE_WRITE)``: page-table entries only (the file's pages exist
+    """Fault in a shared, writable mapping of an arena file in a background thread,
+    256 KiB per ``madvise(MADV_POPULATE_WRITE)``: page-table entries only (the file's pages exist
     already, their contents are untouched), so a client's writes into it take no fault per 4 KiB
     page.
 
@@ -121,7 +112,6 @@ def populate_mapping_later(mapping: mmap.mmap, *, chunk_bytes: int = _CHUNK) -> 
         return None
 
     def run() -> None:
-        _lowest_priority()
         for lo in range(0, len(mapping), chunk_bytes):
             try:
                 mapping.madvise(_MADV_POPULATE_WRITE, lo, min(chunk_bytes, len(mapping) - lo))
