@@ -3,7 +3,7 @@ pageable host arena) and :func:`populate_mapping_later` (a daemon client's mappi
 daemon's arena file), each in a background thread.
 
 A fresh pageable arena is only reserved address space: without this, the first write into each
-4 KiB page (a save) faults and the kernel zeroes the page, and a 64 MiB save ran 3-9x slower
+4 KiB page (a save) faults and the kernel zeroes the page, and a 64 MiB save ran 2.5-20x slower
 (docs/benchmarks.md, "Saves into a populated arena"). Pinned arenas need none of it: page-locking
 faults every page in.
 """
@@ -26,7 +26,7 @@ __all__ = ["populate_later", "populate_mapping_later"]
 log = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault every page in, writable, contents untouched
-_PAGE = 4096
+_PAGE = mmap.PAGESIZE
 #: bytes per populating ``madvise``: each call holds the process's memory-map lock (read) while
 #: it faults its range in, and every ``mmap``/``munmap`` of the process (large tensors, Python's
 #: own arenas) waits behind it; 256 KiB (~0.05-0.3 ms) keeps that wait short. Measured: with 32 MiB
