@@ -375,6 +375,10 @@ class DaemonClient(ViewCalls):
             self._arena = torch.frombuffer(self._arena_mmap, dtype=torch.uint8) if arena["nbytes"] else torch.empty(0, dtype=torch.uint8)
             self._arena_path = arena["path"]
             self._register_arena(torch)
+            if not self._arena_registered:  # pageable: no fault per page in the puts (tiers/populate.py)
+                from ectier.tiers.populate import populate_mapping_later
+
+                populate_mapping_later(self._arena_mmap)
         return self._arena
 
     def _register_arena(self, torch) -> None:

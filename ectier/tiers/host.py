@@ -20,6 +20,7 @@ from ..index import Slot
 from ..policy import EvictionPolicy
 from ..tensors import byte_view, cuda_available, output_for, torch_dtype
 from .arena import ArenaTier
+from .populate import populate_later
 from .storedir import free_bytes
 
 __all__ = ["HostTier"]
@@ -75,6 +76,8 @@ class HostTier(ArenaTier):
             self.buffer = self._map_shared(shm_path, nbytes)
             # a shared mapping cannot come from the pinned allocator: register it with the driver
             self.pinned = bool(want_pin) and self._register(self.buffer)
+        if not self.pinned and shm_path is None:  # faulted in now, not by each first put (tiers/populate.py)
+            populate_later(self.buffer)
         log.info("host tier: %d bytes in %d-byte blocks, pinned=%s, shared=%s",
                  nbytes, config.block_bytes, self.pinned, shm_path or "no")
 
