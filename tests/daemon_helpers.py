@@ -508,3 +508,24 @@ def die_holding_get_lease(socket_path: str, key: str, ready) -> None:
     ready.set()
     time.sleep(0.05)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def stop_process(pid: int, within_s: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped (state T): on a loaded
+    machine the stop can land after a request sent right after the signal was answered."""
+    import signal
+
+    os.kill(pid, signal.SIGSTOP)
+    end = time.monotonic() + within_s
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                pass  # a thread that exited
+        if states and all(s in ("T", "t") for s in states):
+            return
+        if time.monotonic() > end:
+            raise RuntimeError(f"process {pid} not stopped after {within_s} s: {states}")
+        time.sleep(0.005)
