@@ -292,9 +292,19 @@ class SchedulerSide:
             self._unavailable.update(req_ids)
             self._poisoned.add(mm_hash)
             self._release_pin(mm_hash)
+        self._send_releases()
         if meta.stats:
             self._recompute.observe_report(meta.stats)  # takes out encoder_tokens/_seconds
             self._stats = merge_stats_data(self._stats, meta.stats)
+
+    def _send_releases(self) -> None:
+        """The pins released by this call go to the store in one request (daemon mode: sent
+        without waiting for its reply)."""
+        try:
+            self._store.send_releases()
+        except STORE_ERRORS as exc:
+            self._warn.warning(("release-pin", type(exc).__name__), "ectier: releasing pins failed (%s: %s)",
+                               type(exc).__name__, exc)
 
     def take_unavailable_requests(self) -> set[str]:
         out, self._unavailable = self._unavailable, set()
@@ -308,10 +318,11 @@ class SchedulerSide:
                 state.req_ids.discard(request.request_id)
                 if not state.req_ids and feature.identifier not in self._to_load:
                     self._release_pin(feature.identifier)
+        self._send_releases()
         return False, None
 
     def _confirm_saves(self) -> None:
-        found = self._confirm.poll(self._store.contains, STORE_ERRORS)
+        found = self._confirm.poll(self._store.stored, STORE_ERRORS)
         if found.saves:
             self._count(saves=found.saves, save_bytes=found.save_bytes)
         if found.failed:

@@ -88,6 +88,9 @@ class InProcessStore:
     def contains(self, key: str) -> bool:
         return self.cache.contains(key)
 
+    def stored(self, key: str) -> bool:  # the daemon store's exact check; here contains is exact
+        return self.cache.contains(key)
+
     def prefetch(self, keys: list[str], device: str) -> list[Any] | None:
         """``TieredCache.prefetch``: NVMe → host, and on into the GPU tier when ``device`` is its
         device. ``None`` for a cache of a host tier only: an entry it holds is in the host arena
@@ -128,6 +131,9 @@ class InProcessStore:
     def release(self, pin: Pin) -> None:
         if pin.lease is not None:
             self.cache.release(pin.lease)
+
+    def send_releases(self) -> None:  # release() released already
+        return None
 
     def stage(self, key: str, pin: Pin) -> None:
         with self._entry.lock:
