@@ -510,22 +510,26 @@ def die_holding_get_lease(socket_path: str, key: str, ready) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def stop_process(pid: int, within_s: float = 10.0) -> None:
-    """SIGSTOP ``pid`` and return once every thread of it is stopped (state T): on a loaded
-    machine the stop can land after a request sent right after the signal was answered."""
-    import signal
 
+def stop_process(pid: int, within_s: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped (:func:`wait_stopped`): on a
+    loaded machine the stop can land after a request sent right after the signal was answered."""
     os.kill(pid, signal.SIGSTOP)
+    wait_stopped(pid, within_s)
+
+
+def wait_stopped(pid: int, within_s: float = 10.0) -> None:
+    """Wait until every thread of ``pid`` is in state T (stopped); RuntimeError after ``within_s``."""
     end = time.monotonic() + within_s
     while True:
         states = []
         for task in Path(f"/proc/{pid}/task").iterdir():
             try:
                 states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
-            except OSError:
-                pass  # a thread that exited
-        if states and all(s in ("T", "t") for s in states):
+            except (OSError, IndexError):
+                continue  # a thread that just ended
+        if states and all(st in ("T", "t") for st in states):
             return
         if time.monotonic() > end:
-            raise RuntimeError(f"process {pid} not stopped after {within_s} s: {states}")
+            raise RuntimeError(f"process {pid} not stopped {within_s:g} s after SIGSTOP: thread states {states}")
         time.sleep(0.005)
