@@ -2,8 +2,9 @@
 :class:`~ectier.daemon.client.DaemonClient` per connector behind the interface of
 :mod:`ectier_vllm.store` (which describes both stores and their calls).
 
-The scheduler pins a step's ready items in the step's one ``prefetch`` round trip (process-held
-leases, released from a background thread once the worker reported the load); the worker reads a
+The scheduler pins a step's ready items in the step's one ``prefetch`` request, never waiting for
+the daemon's reply beyond ``daemon_answer_wait_s`` (process-held leases, released in one request
+once the worker reported the load: :mod:`ectier_vllm.daemon_lookups`); the worker reads a
 read-only zero-copy view of the daemon's arena (``DaemonClient.get_view``): from the pin its
 scheduler staged when both run in one process (:class:`_SharedPins`), else with a ``get`` of its
 own. Errors are ectier's (``EctierError``); the connector turns them into misses.
@@ -128,7 +129,7 @@ class DaemonStore:
         return Pin(tuple(reply["shape"]), str(reply["dtype"]), reply["lease"])
 
     def release(self, pin: Pin) -> None:
-        """End ``pin``: a process-held lease from the background releaser (no round trip here;
+        """End ``pin``: a process-held lease is queued for :meth:`send_releases` (no round trip here;
         once no view of this process's worker still reads it, see :meth:`stage`), an older
         daemon's connection lease with a ``release`` call."""
         if isinstance(pin.lease, HeldLease):

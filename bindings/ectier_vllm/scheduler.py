@@ -111,7 +111,7 @@ class SchedulerSide:
             # this step; it must not run again meanwhile
             return False
         settled = self._settled.get(request.request_id, ())
-        # daemon mode: every item of the request is asked about in one round trip (store.expect)
+        # daemon mode: every item of the request is asked about in one request (store.expect)
         self._store.expect([f.identifier for f in request.mm_features
                             if f.mm_position.offset + f.mm_position.length > num_computed_tokens
                             and f.identifier not in settled and f.identifier not in self._pins])
@@ -157,7 +157,8 @@ class SchedulerSide:
     def _promotion(self, mm_hash: str) -> "Promotion":
         """Where ``mm_hash`` stands (a :class:`Promotion`). In-process, ``TieredCache.prefetch`` towards the worker's device
         gives ``LoadHandle`` s; in daemon mode the store's handles are answered by the daemon's
-        batched ``prefetch`` (one round trip per step, no I/O waited for). ``None`` from the
+        batched ``prefetch`` (one request per step, its reply never waited for beyond
+        ``daemon_answer_wait_s``: unanswered is WAIT). ``None`` from the
         store's ``prefetch``: pin at once (an in-process cache of a host tier only, where there
         is nothing to promote; a daemon without the op, whose ``get`` promotes synchronously)."""
         pf = self._prefetching.get(mm_hash)
