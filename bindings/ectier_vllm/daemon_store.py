@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 DAEMON_CONNECT_RETRY_S = 5.0
 #: after a failed connection attempt, calls are misses at once (no attempt) for this long
 DAEMON_BACKOFF_S = 1.0
+#: longest wait for ``hello`` when (re)connecting after a failure or at start-up: a healthy daemon
+#: answers at once, and a stopped one then costs a scheduler step at most this per back-off window
+DAEMON_PROBE_S = 0.25
 
 # socket paths this process has already warned about (one warning, not one per connector)
 _WARNED_UNREACHABLE: set[str] = set()
@@ -52,7 +55,8 @@ class DaemonStore:
         # a client whose daemon is unreachable fails fast (DAEMON_BACKOFF_S) so calls are misses
         self.client = DaemonClient(socket_path, timeout_s=timeout_s,
                                    connect_retry_s=min(DAEMON_CONNECT_RETRY_S, timeout_s),
-                                   backoff_s=DAEMON_BACKOFF_S)
+                                   backoff_s=DAEMON_BACKOFF_S,
+                                   probe_timeout_s=min(DAEMON_PROBE_S, timeout_s))
         self.namespace = namespace
         #: the scheduler's step-batched, non-blocking lookups and its pins' releases
         self.lookups = StepLookups(self.client, namespace, answer_wait_s, _held_pin)
