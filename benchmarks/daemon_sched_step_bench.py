@@ -6,11 +6,14 @@
 Starts a daemon (host tier only) with ``--items`` entries of ``(64, 8192)`` bf16, and drives the
 scheduler role of ``ECTierConnector`` (daemon mode) as vLLM's scheduler does in a step that finds
 a request's items in the store: ``ensure_cache_available``, ``has_cache_item`` and
-``update_state_after_alloc`` per item, ``build_connector_meta``; then, as in the next step once
-the worker reported the loads, ``update_connector_output`` (the pins are dropped) and
-``request_finished``. No worker runs (its reads are not the scheduler's cost). Each step is one
-new request for the same items; its wall time over all those calls is one sample. Prints p50,
-p90, p99 and max in ms. Goal (issue 14): p99 <= 0.5 ms for 8 items.
+``update_state_after_alloc`` per item, ``build_connector_meta``; then, as vLLM's
+``update_from_output`` does once the worker reported the step's loads, ``update_connector_output``
+(the pins are dropped) and ``request_finished``. No worker runs (its reads are not the scheduler's cost). A new request for
+the same items arrives once the last one was loadable; a step whose lookup is not answered yet
+defers it (``ensure_cache_available`` is False, asked again next step, as vLLM does). Every step's
+wall time over all those calls is one sample, 2 ms between steps (a model step). Prints p50, p90,
+p99 and max in ms, and how many steps and ms a request waited until loadable. Goal (issue 14):
+p99 <= 0.5 ms for 8 items.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--items", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--wait-s", type=float, default=None,
+                    help="the connector's daemon_answer_wait_s (default: the connector's default)")
     args = ap.parse_args()
 
     from ectier.bench import connector_driver as cd
@@ -41,7 +46,8 @@ def main() -> None:
     v = cd._v()
     rows, n = 64, args.items
     directory = tempfile.mkdtemp(prefix="ectier-step-", dir="/tmp")
-    daemon = cd._Daemon(directory, (n + 4) * rows * 8192 * 2, nvme=False).start()
+    # twice the items: every pin within daemon.view_pin_bytes (half the arena by default)
+    daemon = cd._Daemon(directory, (2 * n + 4) * rows * 8192 * 2, nvme=False).start()
     sched = None
     try:
         hashes = [f"step-item-{i}" for i in range(n)]
@@ -50,40 +56,56 @@ def main() -> None:
                 c.put(h, torch.full((rows, 8192), float(i), dtype=torch.bfloat16), namespace="bench")
         model = cd.write_model(os.path.join(directory, "model"), rows * n)
         cfg = cd._vllm_config(model, rows * n, "ECTierConnector", "ec_consumer",
-                              {"mode": "daemon", "socket_path": daemon.socket_path, "namespace": "bench"},
+                              {"mode": "daemon", "socket_path": daemon.socket_path, "namespace": "bench",
+                               **({} if args.wait_s is None else {"daemon_answer_wait_s": args.wait_s})},
                               "ectier_vllm.connector")
         sched = v.Factory.create_connector(cfg, v.Role.SCHEDULER)
-        samples, parts = [], []
-        for step in range(args.warmup + args.steps):
-            feats = [MultiModalFeatureSpec(data=None, modality="audio", identifier=h,
-                                           mm_position=PlaceholderRange(offset=1 + i * rows, length=rows))
-                     for i, h in enumerate(hashes)]
-            req = Request(request_id=f"r{step}", prompt_token_ids=[1] * (rows * n + 2),
-                          sampling_params=SamplingParams(max_tokens=1), pooling_params=None, mm_features=feats)
+        samples, parts, latency = [], [], []
+        req, step, t_req = None, 0, 0.0
+        while len(samples) < args.steps:
+            step += 1
+            if req is None:
+                feats = [MultiModalFeatureSpec(data=None, modality="audio", identifier=h,
+                                               mm_position=PlaceholderRange(offset=1 + i * rows, length=rows))
+                         for i, h in enumerate(hashes)]
+                req = Request(request_id=f"r{step}", prompt_token_ids=[1] * (rows * n + 2),
+                              sampling_params=SamplingParams(max_tokens=1), pooling_params=None, mm_features=feats)
+                t_req, asked = time.perf_counter(), 0
             t0 = time.perf_counter()
-            if not sched.ensure_cache_available(req, 0):
-                raise RuntimeError("items not ready")
+            ready = sched.ensure_cache_available(req, 0)  # False: answered in a later step
+            asked += 1
             ta = time.perf_counter()
-            for i, h in enumerate(hashes):
-                if not sched.has_cache_item(h):
-                    raise RuntimeError(f"{h} not pinned")
-                sched.update_state_after_alloc(req, i)
+            if ready:
+                for i, h in enumerate(hashes):
+                    if not sched.has_cache_item(h):
+                        raise RuntimeError(f"{h} not pinned")
+                    sched.update_state_after_alloc(req, i)
             meta = sched.build_connector_meta(v.SchedulerOutput.make_empty())
             t1 = time.perf_counter()
-            assert len(meta.loads) == n
+            if asked > 1000:
+                raise RuntimeError("items never ready")
+            assert len(meta.loads) == (n if ready else 0)
             t2 = time.perf_counter()
-            sched.update_connector_output(v.ECConnectorOutput(
-                ec_connector_worker_meta=ECTierWorkerMetadata(loaded=list(hashes))))
-            sched.request_finished(req)
+            if ready:  # the model step ran the loads: its output reports them
+                sched.update_connector_output(v.ECConnectorOutput(
+                    ec_connector_worker_meta=ECTierWorkerMetadata(loaded=list(hashes))))
+                sched.request_finished(req)
             t3 = time.perf_counter()
-            if step >= args.warmup:
+            if step > args.warmup:
                 samples.append((t1 - t0) + (t3 - t2))
                 parts.append((ta - t0, t1 - ta, t3 - t2))
+                if ready:
+                    latency.append((asked, t1 - t_req))
+            if ready:
+                req = None
             time.sleep(0.002)  # a model step runs between scheduler steps
         import statistics
 
         print("p50 ms of ensure_cache_available / the other calls of the step / update_connector_output + "
               "request_finished: " + " / ".join(f"{statistics.median(x) * 1e3:.3f}" for x in zip(*parts)))
+        print(f"requests: {len(latency)}, scheduler steps until loadable p50 "
+              f"{statistics.median(a for a, _ in latency):.0f} (max {max(a for a, _ in latency)}), "
+              f"ms from the first ask p50 {statistics.median(t for _, t in latency) * 1e3:.3f}")
         samples.sort()
         q = lambda p: samples[min(len(samples) - 1, int(p * len(samples)))] * 1e3  # noqa: E731
         print(f"scheduler-side cost per step, {n} items, {len(samples)} steps: p50 {q(0.5):.3f} ms, "

@@ -403,6 +403,13 @@ def stats(socket_path: Optional[str], as_json: bool, timeout_s: float) -> None:
         clients.add_row(str(c["id"]), c["name"], str(c["pid"]), str(c["uid"]), f"{c['connected_s']:.0f} s",
                         str(c["requests"]), str(c["leases"]))
     console.print(clients)
+    views = daemon.get("views")
+    if views is not None:  # a daemon with zero-copy views: the arena its clients pin under them
+        console.print(f"view pins: {views['leases']} lease(s), {format_bytes(views['bytes'])} of the arena, "
+                      f"{views['processes']} process(es); bounds {format_bytes(views['limit_bytes'])} per process"
+                      f"{', ' + format_bytes(views['total_limit_bytes']) + ' in all' if 'total_limit_bytes' in views else ''}"
+                      f"; granted {views['granted']}, refused {views['refused']}, released {views['released']}, "
+                      f"released at exit {views['released_dead']}")
 
 
 def _used_capacity(t: dict) -> str:

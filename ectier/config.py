@@ -344,7 +344,11 @@ class DaemonConfig:
             zero-copy views (process-held leases: no ``lease_s`` deadline, released when the view
             is freed or the process exits); a read beyond it is copied instead (counted as
             ``views.refused`` in ``ectier stats``). ``None`` (default) = half of
-            ``host.capacity_bytes``; 0 = no views (every read copies).
+            ``host.capacity_bytes``; 0 = no views (every read copies). At most ``host.capacity_bytes``.
+        view_pin_total_bytes: bytes of the host arena all client processes together may hold
+            pinned under zero-copy views (summed over the processes); a read beyond it is copied.
+            ``None`` (default) = half of ``host.capacity_bytes``, or ``view_pin_bytes`` when that
+            is larger. At least ``view_pin_bytes``, at most ``host.capacity_bytes``.
     """
 
     socket_path: str | None = None
@@ -359,6 +363,7 @@ class DaemonConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     view_pin_bytes: int | None = None
+    view_pin_total_bytes: int | None = None
 
     def __post_init__(self) -> None:
         check_daemon(self)

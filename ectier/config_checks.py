@@ -355,9 +355,10 @@ def check_daemon(cfg: DaemonConfig) -> None:
                 raise ConfigError(f"daemon.metrics_port: must be <= 65535, got {cfg.metrics_port}")
     with p.check("daemon.metrics_host"):
         check_text("daemon.metrics_host", cfg.metrics_host, "an address")
-    if cfg.view_pin_bytes is not None:
-        with p.check("daemon.view_pin_bytes"):
-            check_int("daemon.view_pin_bytes", cfg.view_pin_bytes, minimum=0)
+    for name in ("view_pin_bytes", "view_pin_total_bytes"):
+        if getattr(cfg, name) is not None:
+            with p.check(f"daemon.{name}"):
+                check_int(f"daemon.{name}", getattr(cfg, name), minimum=0)
     p.raise_if_any()
 
 

@@ -38,6 +38,8 @@ from typing import Any, Iterator
 
 import msgpack
 
+from server_helpers import wait_stopped  # noqa: F401  (re-exported for the daemon tests)
+
 from ectier.daemon.protocol import PROTOCOL_VERSION, FrameDecoder, ProtocolError, encode_frame
 
 KiB = 1 << 10
@@ -508,3 +510,11 @@ def die_holding_get_lease(socket_path: str, key: str, ready) -> None:
     ready.set()
     time.sleep(0.05)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+
+def stop_process(pid: int, within_s: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped (:func:`wait_stopped`): on a
+    loaded machine the stop can land after a request sent right after the signal was answered."""
+    os.kill(pid, signal.SIGSTOP)
+    wait_stopped(pid, within_s)

@@ -40,7 +40,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from server_helpers import apt_install, die_with_parent, ensure_installed, free_port, unavailable
+from server_helpers import apt_install, die_with_parent, ensure_installed, free_port, unavailable, wait_stopped
 
 _STARTUP_S = 30.0
 NODE_SEGMENT = "768MB"  # the store node's memory for everyone's objects
@@ -167,7 +167,7 @@ class Store:
         than the signal is sent)."""
         assert self.master.process is not None
         self.master.process.send_signal(signal.SIGSTOP)
-        _wait_stopped(self.master.process.pid)
+        wait_stopped(self.master.process.pid)
 
     def resume_master(self) -> None:
         assert self.master.process is not None
@@ -177,23 +177,6 @@ class Store:
         """Start the master again on its ports (empty: it keeps no metadata across restarts)."""
         self.master.stop()
         _start_master(self)
-
-
-def _wait_stopped(pid: int, within_s: float = 10.0) -> None:
-    """Wait until every thread of ``pid`` is in state T (stopped); RuntimeError after ``within_s``."""
-    end = time.monotonic() + within_s
-    while True:
-        states = []
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            try:
-                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
-            except (OSError, IndexError):
-                continue  # a thread that just ended
-        if states and all(st in ("T", "t") for st in states):
-            return
-        if time.monotonic() > end:
-            raise RuntimeError(f"process {pid} not stopped {within_s:g} s after SIGSTOP: thread states {states}")
-        time.sleep(0.01)
 
 
 def _metadata_answers(port: int) -> bool:

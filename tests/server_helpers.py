@@ -15,9 +15,10 @@ import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["unavailable", "ensure_installed", "apt_install", "free_port", "die_with_parent", "eventually"]
+__all__ = ["unavailable", "ensure_installed", "apt_install", "free_port", "die_with_parent", "eventually", "wait_stopped"]
 
 
 def unavailable(what: str, reason: str) -> None:
@@ -83,3 +84,20 @@ def eventually(fn: Callable[[], Any], errors: tuple[type[BaseException], ...], w
             if time.monotonic() > end:
                 raise
             time.sleep(0.2)
+
+
+def wait_stopped(pid: int, within_s: float = 10.0) -> None:
+    """Wait until every thread of ``pid`` is in state T (stopped); RuntimeError after ``within_s``."""
+    end = time.monotonic() + within_s
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except (OSError, IndexError):
+                continue  # a thread that just ended
+        if states and all(st in ("T", "t") for st in states):
+            return
+        if time.monotonic() > end:
+            raise RuntimeError(f"process {pid} not stopped {within_s:g} s after SIGSTOP: thread states {states}")
+        time.sleep(0.005)

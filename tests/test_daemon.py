@@ -192,7 +192,7 @@ def test_hello_with_a_wrong_version_is_a_protocol_error(main_daemon, client):
     client.ping()
     c = DaemonClient(main_daemon.socket_path)
     try:
-        import ectier.daemon.client as client_mod
+        import ectier.daemon.client_conn as client_mod
 
         orig = client_mod.PROTOCOL_VERSION
         client_mod.PROTOCOL_VERSION = PROTOCOL_VERSION + 41
@@ -281,7 +281,7 @@ def test_stats_command_prints_tiers_and_clients(main_daemon, client):
     r = runner.invoke(cli_main, ["stats", "--socket", main_daemon.socket_path])
     assert r.exit_code == 0, r.output
     for words in ("tiers", "host", "nvme", "used / capacity", "clients", "pytest-main", "ectier-stats",
-                  main_daemon.socket_path):
+                  main_daemon.socket_path, "view pins: 0 lease(s)", "per process", "in all"):
         assert words in r.output, words
     r = runner.invoke(cli_main, ["stats", "--socket", main_daemon.socket_path, "--json"])
     assert r.exit_code == 0, r.output

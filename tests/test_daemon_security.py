@@ -88,6 +88,7 @@ def test_peer_allowed_rules(monkeypatch):
     import types
 
     import ectier.daemon.server as srv
+    import ectier.daemon.serving as serving  # the connections' admission lives there
 
     group = types.SimpleNamespace(gr_name="encoders", gr_gid=4242, gr_mem=["alice"])
     users = {1001: "alice", 1002: "bob"}
@@ -109,7 +110,7 @@ def test_peer_allowed_rules(monkeypatch):
 
     monkeypatch.setattr(srv.grp, "getgrnam", getgrnam)
     monkeypatch.setattr(srv.grp, "getgrgid", getgrgid)
-    monkeypatch.setattr(srv.pwd, "getpwuid", getpwuid)
+    monkeypatch.setattr(serving.pwd, "getpwuid", getpwuid)
     me = os.getuid()
     base = daemon_config("/tmp/unused", nvme=False, host_bytes=1 * MiB)
 

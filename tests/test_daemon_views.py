@@ -223,3 +223,48 @@ def test_a_view_is_read_only():
     finally:
         proc.stop()
         remove_dir(d)
+
+
+def test_view_pin_bounds_larger_than_the_arena_are_config_errors():
+    from ectier.config import CacheConfig
+    from ectier.daemon.server import DaemonServer
+    from ectier.errors import ConfigError
+
+    d = short_tmpdir()
+    try:
+        base = daemon_config(d, host_bytes=8 * MiB, nvme=False)
+        for daemon, field in (({"view_pin_bytes": "16MiB"}, "daemon.view_pin_bytes"),
+                              ({"view_pin_total_bytes": "9MiB"}, "daemon.view_pin_total_bytes"),
+                              ({"view_pin_bytes": "4MiB", "view_pin_total_bytes": "2MiB"}, "daemon.view_pin_total_bytes")):
+            cfg = CacheConfig.from_dict({**base, "daemon": {**base["daemon"], **daemon}})
+            with pytest.raises(ConfigError, match=field):
+                DaemonServer(cfg)
+        assert not [n for n in os.listdir(d) if n.endswith(".arena")]  # refused before anything was made
+    finally:
+        remove_dir(d)
+
+
+def test_two_processes_at_the_default_bound_cannot_fill_the_arena_between_them(tmp_daemon):
+    """Default bounds: half the arena per process AND half of it over all processes, so a
+    second process views only what the first left of that half (the rest it copies)."""
+    proc = tmp_daemon(host_bytes=8 * MiB, nvme=False)
+    items = {f"e{i}": make_tensor(60 + i, "bfloat16", ITEM) for i in range(6)}
+    with DaemonClient(proc.socket_path) as c:
+        for k, t in items.items():
+            c.put(k, t)
+        mine = [c.get_view(k) for k in ("e0", "e1", "e2")]  # 3 MiB of the 4 MiB
+        assert c.view_refusals == 0
+        child = textwrap.dedent(f"""
+            from ectier.daemon.client import DaemonClient
+            c = DaemonClient({proc.socket_path!r})
+            views = [c.get_view(k) for k in ("e3", "e4", "e5")]
+            assert all(v is not None for v in views)
+            print(c.view_refusals, flush=True)
+        """)
+        out = subprocess.run([sys.executable, "-c", child], capture_output=True, env={**os.environ}, timeout=60)
+        assert out.returncode == 0, out.stderr.decode()
+        assert out.stdout.strip() == b"2"  # 1 MiB more fit under the 4 MiB over all processes
+        v = _views(proc.socket_path)
+        assert v["total_limit_bytes"] == 4 * MiB and v["limit_bytes"] == 4 * MiB and v["refused"] == 2
+        for got, k in zip(mine, ("e0", "e1", "e2")):
+            assert_same(got, items[k])

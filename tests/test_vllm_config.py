@@ -58,6 +58,7 @@ def test_daemon_mode():
                                     "daemon_timeout_s": 5}, default_ns=NS)
     assert s.mode == "daemon" and s.cache is None and s.socket_path == "/run/ectier/ectier.sock"
     assert s.daemon_timeout_s == 5.0
+    assert s.daemon_answer_wait_s == 0.0002  # the default (docs/vllm.md)
 
 
 def test_config_path(tmp_path):
@@ -83,6 +84,10 @@ def test_config_path(tmp_path):
         ({"host": 5}, "ec_connector_extra_config.host: expected a mapping"),
         ({"mode": "daemon", "host": {}}, "ec_connector_extra_config.host: not used in daemon mode"),
         ({"daemon_timeout_s": 2}, "ec_connector_extra_config.daemon_timeout_s: only used in daemon mode"),
+        ({"mode": "daemon", "daemon_answer_wait_s": -1}, "ec_connector_extra_config.daemon_answer_wait_s: expected"),
+        ({"mode": "daemon", "daemon_answer_wait_s": 2}, "ec_connector_extra_config.daemon_answer_wait_s: expected"),
+        ({"mode": "daemon", "daemon_answer_wait_s": True}, "ec_connector_extra_config.daemon_answer_wait_s"),
+        ({"daemon_answer_wait_s": 0.001}, "ec_connector_extra_config.daemon_answer_wait_s: only used in daemon mode"),
         ({"socket_path": "/x.sock"}, "ec_connector_extra_config.socket_path: only used in daemon mode"),
         ({"mode": "daemon", "config_path": "x.yaml"}, "ec_connector_extra_config.config_path: not used in daemon mode"),
         ({"socket_path": "/x.sock"}, "ec_connector_extra_config.socket_path: only used in daemon mode"),

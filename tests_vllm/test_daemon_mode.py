@@ -41,6 +41,21 @@ def _wait_released(client) -> None:
         time.sleep(0.02)
 
 
+def _until_scheduled(sched, worker, req_id: str, max_steps: int = 500, per_step_s: float = 1.0):
+    """Run engine steps until ``req_id`` is scheduled (a daemon-mode lookup is answered in a
+    later step when the daemon's reply is not in within the step's wait); returns the last
+    step's outputs. Every ``schedule()`` returns within ``per_step_s``."""
+    for _ in range(max_steps):
+        t0 = time.monotonic()
+        so = sched.schedule()
+        assert time.monotonic() - t0 < per_step_s, "schedule() waited on the daemon"
+        out = sched.update_from_output(so, worker.execute(so))
+        if req_id in {r.req_id for r in so.scheduled_new_reqs}:
+            return so, out
+        time.sleep(0.002)
+    raise AssertionError(f"{req_id} never scheduled")
+
+
 def test_encoder_instance_to_pd_instance_through_the_daemon(engine, daemon):
     extra = {"mode": "daemon", "socket_path": daemon.socket_path, "namespace": "qwen-test"}
     items = [H.Item("m" * 64, 0, 64), H.Item("n" * 64, 100, 33)]
@@ -54,7 +69,7 @@ def test_encoder_instance_to_pd_instance_through_the_daemon(engine, daemon):
     pd_sched, pd_worker = engine("ec_consumer", extra)
     assert pd_sched.ec_connector._store.client is not pd_worker.connector._store.client
     pd_sched.add_request(H.make_request("c", items + [H.Item("absent", 200, 10)]))
-    so, out = run_step(pd_sched, pd_worker)
+    so, out = _until_scheduled(pd_sched, pd_worker, "c")
     assert so.scheduled_encoder_inputs == {"c": [2]}  # only the item nobody produced is encoded
     for h, t in produced.items():
         got = pd_worker.encoder_cache[h]
@@ -146,7 +161,12 @@ def test_a_hung_daemon_is_a_miss_or_a_failed_load_never_an_exception(engine, dae
     _produce(engine, extra, [item, other])
     sched, worker = engine("ec_consumer", extra)
     sched.add_request(H.make_request("pinned", [item]))
-    so = sched.schedule()
+    for _ in range(500):  # until pinned for a load (answered within a step or a later one)
+        so = sched.schedule()
+        if "pinned" in {r.req_id for r in so.scheduled_new_reqs}:
+            break
+        sched.update_from_output(so, worker.execute(so))
+        time.sleep(0.002)
     assert so.scheduled_encoder_inputs == {}  # pinned for a load
     os.kill(daemon.pid, signal.SIGSTOP)
     try:
@@ -155,7 +175,8 @@ def test_a_hung_daemon_is_a_miss_or_a_failed_load_never_an_exception(engine, dae
         assert worker.encoded == []
         t0 = time.monotonic()
         sched.add_request(H.make_request("later", [other]))
-        so, out = run_step(sched, worker)
+        # deferred while the daemon does not answer; a miss once daemon_timeout_s (1 s) is past
+        so, out = _until_scheduled(sched, worker, "later", max_steps=1000, per_step_s=0.5)
         assert time.monotonic() - t0 < 3.0
         assert so.scheduled_encoder_inputs.get("later") == [0]  # a miss: encoded locally
         assert worker.encoded == ["i" * 64]
@@ -192,14 +213,20 @@ def counted_calls(monkeypatch):
     from ectier.daemon.client import DaemonClient
 
     ops: list[str] = []
-    original = DaemonClient.call
+    original, original_submit = DaemonClient.call, DaemonClient.submit
 
     def counting(self, op, **kw):
         if threading.current_thread() is threading.main_thread():  # not the background releaser's
             ops.append(op)
         return original(self, op, **kw)
 
+    def counting_submit(self, op, **kw):  # requests sent without waiting for the reply
+        if threading.current_thread() is threading.main_thread():
+            ops.append(op)
+        return original_submit(self, op, **kw)
+
     monkeypatch.setattr(DaemonClient, "call", counting)
+    monkeypatch.setattr(DaemonClient, "submit", counting_submit)
     return ops
 
 
@@ -235,8 +262,9 @@ def test_an_nvme_only_entry_never_stalls_the_scheduler(engine, daemon):
 
 def test_one_round_trip_per_step_for_eight_items(engine, daemon, counted_calls):
     """Eight NVMe-only items of one request, promoted over several steps: each step asks the
-    daemon about all of them in ONE request (``prefetch``), which also pins those that are ready:
-    no other request of the scheduler (its releases go from a background thread)."""
+    daemon about all of them in at most ONE request (``prefetch``; none while the last one is
+    unanswered), which also pins those that are ready; the scheduler's only other request is the
+    batched ``release`` of its pins once the worker reported the loads."""
     extra = {"mode": "daemon", "socket_path": daemon.socket_path, "namespace": "qwen-test"}
     items = [H.Item(f"{i}" * 64, 40 * i, 32) for i in range(8)]
     produced = _produce(engine, extra, items)
@@ -253,10 +281,9 @@ def test_one_round_trip_per_step_for_eight_items(engine, daemon, counted_calls):
             scheduled = "c" in {r.req_id for r in so.scheduled_new_reqs}
             sched.update_from_output(so, worker.execute(so))
             time.sleep(0.02)
-        for ops in steps[:-1]:
-            assert ops == ["prefetch"], ops
-        # the last step also runs the worker's loads: one get (a view) per item
-        assert steps[-1] == ["prefetch"] or steps[-1].count("prefetch") == 1
+        for ops in steps:
+            assert ops.count("prefetch") <= 1 and set(ops) <= {"prefetch", "release"}, ops
+        assert sum(ops.count("release") for ops in steps) <= 1  # one request for the 8 pins
         assert len(steps) > 1  # the promotions took several steps
         sched_store = sched.ec_connector._store
         assert sched_store.client.stats()["daemon"]["views"]["granted"] >= 8
@@ -276,10 +303,16 @@ def test_a_miss_is_asked_once_per_step(engine, daemon, counted_calls):
     sched.add_request(H.make_request("c1", [shared, H.Item("y" * 64, 100, 20)]))
     sched.add_request(H.make_request("c2", [shared]))
     del counted_calls[:]
-    so = sched.schedule()
+    scheduled: set[str] = set()
+    for _ in range(500):  # the answer may come a step later: both requests wait for it
+        so = sched.schedule()
+        scheduled |= {r.req_id for r in so.scheduled_new_reqs}
+        sched.update_from_output(so, worker.execute(so))
+        if scheduled == {"c1", "c2"}:
+            break
+        time.sleep(0.002)
     assert counted_calls == ["prefetch"]
-    assert {r.req_id for r in so.scheduled_new_reqs} == {"c1", "c2"}  # misses: encoded locally
-    sched.update_from_output(so, worker.execute(so))
+    assert scheduled == {"c1", "c2"}  # misses: encoded locally
 
 
 def test_a_daemon_without_prefetch_is_asked_as_before(engine, daemon, monkeypatch, counted_calls):
@@ -299,3 +332,45 @@ def test_a_daemon_without_prefetch_is_asked_as_before(engine, daemon, monkeypatc
     sched.update_from_output(so, worker.execute(so))
     assert worker.encoded == []
     assert torch.equal(worker.encoder_cache[item.mm_hash].view(torch.int16), produced[item.mm_hash].view(torch.int16))
+
+
+def test_a_stopped_daemon_never_blocks_the_scheduler_and_the_item_loads_a_later_step(engine, daemon):
+    """SIGSTOP of the daemon once the consumer is connected: ``schedule()`` (and so
+    ``ensure_cache_available``) returns at once, far below daemon_timeout_s (30 s), with the
+    request deferred; after SIGCONT the daemon's answer arrives, the item loads a later step
+    (not encoded), and once the worker reported the load and vLLM dropped it nothing stays
+    pinned. Before issue 14, the step's ``prefetch`` round trip blocked ``schedule()`` until the
+    daemon answered."""
+    import signal
+
+    from daemon_helpers import daemon_stats, stop_process
+
+    extra = {"mode": "daemon", "socket_path": daemon.socket_path, "namespace": "qwen-test"}
+    item = H.Item("w" * 64, 0, 32)
+    produced = _produce(engine, extra, [item])
+    sched, worker = engine("ec_consumer", extra)
+    sched.add_request(H.make_request("c", [item]))
+    stop_process(daemon.pid)
+    resumed = threading.Timer(3.0, os.kill, (daemon.pid, signal.SIGCONT))
+    resumed.start()
+    try:
+        t0 = time.monotonic()
+        so = sched.schedule()
+        assert time.monotonic() - t0 < 1.0, "schedule() waited for the stopped daemon"
+        assert so.scheduled_new_reqs == [] and so.scheduled_encoder_inputs == {}  # deferred, not a miss
+        sched.update_from_output(so, worker.execute(so))
+        so, _ = _until_scheduled(sched, worker, "c", max_steps=5000, per_step_s=1.0)
+    finally:
+        resumed.cancel()
+        os.kill(daemon.pid, signal.SIGCONT)
+    assert so.scheduled_encoder_inputs == {} and worker.encoded == []  # loaded, not encoded
+    got = worker.encoder_cache[item.mm_hash]
+    assert torch.equal(got.view(torch.int16), produced[item.mm_hash].view(torch.int16))
+    assert sched.ec_connector._pins == {}
+    del got
+    worker.encoder_cache.clear()
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while (s := daemon_stats(daemon.socket_path)["daemon"])["views"]["leases"] or s["leases"]["get"]:
+        assert time.monotonic() < deadline, (s["views"], s["leases"])
+        time.sleep(0.02)

@@ -16,6 +16,7 @@ Keys (see docs/vllm.md for the full table)::
     config_path     in-process mode: an ectier .yaml/.json config file (instead of host/nvme/gpu/remote)
     socket_path     daemon mode: the socket of `ectier serve` (default: DaemonConfig's default)
     daemon_timeout_s  daemon mode: seconds per daemon call (default 30)
+    daemon_answer_wait_s  daemon mode: seconds a scheduler step may wait for the daemon's answers
     load_timeout_s  how long a request may wait for a promotion before the item counts as a miss
                     and is re-encoded (default 10)
     recompute       true (default): an item whose load would take longer than re-encoding it is a
@@ -47,12 +48,15 @@ KEYS = (
     "config_path",
     "socket_path",
     "daemon_timeout_s",
+    "daemon_answer_wait_s",
     "load_timeout_s",
     "recompute",
     "encoder_seconds_per_token",
     "save_queue_depth",
 )
 MODES = ("inprocess", "daemon")
+#: default of ``daemon_answer_wait_s``, seconds (docs/vllm.md: chosen by daemon_sched_step_bench)
+DEFAULT_ANSWER_WAIT_S = 0.0002
 TIER_KEYS = ("host", "nvme", "gpu", "remote")
 
 
@@ -68,6 +72,9 @@ class ConnectorSettings:
             ``namespace``); ``None`` in daemon mode (the daemon owns its tiers).
         socket_path: daemon mode: the daemon's socket (``None``: DaemonConfig's default).
         daemon_timeout_s: daemon mode: socket timeout per call.
+        daemon_answer_wait_s: daemon mode: the longest a scheduler step waits, in all, for the
+            daemon's answer to its lookups (seconds, >= 0); an item not answered by then waits for
+            a later step (:data:`DEFAULT_ANSWER_WAIT_S`).
         load_timeout_s: seconds a request may stay deferred waiting for a promotion.
         config_path: in-process mode: the ectier config file ``cache`` was read from, if any.
         recompute: answer a miss for an item whose load would take longer than re-encoding it
@@ -84,6 +91,7 @@ class ConnectorSettings:
     cache: CacheConfig | None = field(default_factory=CacheConfig)
     socket_path: str | None = None
     daemon_timeout_s: float = 30.0
+    daemon_answer_wait_s: float = DEFAULT_ANSWER_WAIT_S
     load_timeout_s: float = 10.0
     config_path: str | None = None
     recompute: bool = True
@@ -155,6 +163,9 @@ def settings_from_extra_config(extra: Mapping[str, Any] | None, *, default_ns: s
 
     load_timeout_s = _seconds("load_timeout_s", extra.get("load_timeout_s", 10.0))
     daemon_timeout_s = _seconds("daemon_timeout_s", extra.get("daemon_timeout_s", 30.0))
+    answer_wait_s = extra.get("daemon_answer_wait_s", DEFAULT_ANSWER_WAIT_S)
+    if isinstance(answer_wait_s, bool) or not isinstance(answer_wait_s, (int, float)) or not 0 <= answer_wait_s <= 1:
+        raise ConfigError(f"{PREFIX}.daemon_answer_wait_s: expected a number of seconds from 0 to 1, got {answer_wait_s!r}")
     recompute = extra.get("recompute", True)
     if not isinstance(recompute, bool):
         raise ConfigError(f"{PREFIX}.recompute: expected true or false, got {recompute!r}")
@@ -182,10 +193,11 @@ def settings_from_extra_config(extra: Mapping[str, Any] | None, *, default_ns: s
             )
         return ConnectorSettings(
             mode=mode, namespace=namespace, cache=None, socket_path=socket_path,
-            daemon_timeout_s=daemon_timeout_s, load_timeout_s=load_timeout_s, save_queue_depth=depth, **choice,
+            daemon_timeout_s=daemon_timeout_s, daemon_answer_wait_s=float(answer_wait_s),
+            load_timeout_s=load_timeout_s, save_queue_depth=depth, **choice,
         )
 
-    for key in ("socket_path", "daemon_timeout_s"):
+    for key in ("socket_path", "daemon_timeout_s", "daemon_answer_wait_s"):
         if key in extra and extra[key] is not None:
             raise ConfigError(f"{PREFIX}.{key}: only used in daemon mode (set \"mode\": \"daemon\")")
     if config_path is not None and tiers:

@@ -105,7 +105,7 @@ class ECTierConnector(SchedulerSide, WorkerSide, ECConnectorBase):
         self._store_obj: DaemonStore | InProcessStore | None = None
         if self.settings.mode == "daemon":
             self._store_obj = DaemonStore(self.settings.socket_path, self.settings.namespace,
-                                          self.settings.daemon_timeout_s)
+                                          self.settings.daemon_timeout_s, self.settings.daemon_answer_wait_s)
         else:
             self._check_gpu_device()
             if role != ECConnectorRole.WORKER or not self.settings.cache.gpu.enabled:

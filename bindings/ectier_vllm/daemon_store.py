@@ -2,8 +2,9 @@
 :class:`~ectier.daemon.client.DaemonClient` per connector behind the interface of
 :mod:`ectier_vllm.store` (which describes both stores and their calls).
 
-The scheduler pins a step's ready items in the step's one ``prefetch`` round trip (process-held
-leases, released from a background thread once the worker reported the load); the worker reads a
+The scheduler pins a step's ready items in the step's one ``prefetch`` request, never waiting for
+the daemon's reply beyond ``daemon_answer_wait_s`` (process-held leases, released in one request
+once the worker reported the load: :mod:`ectier_vllm.daemon_lookups`); the worker reads a
 read-only zero-copy view of the daemon's arena (``DaemonClient.get_view``): from the pin its
 scheduler staged when both run in one process (:class:`_SharedPins`), else with a ``get`` of its
 own. Errors are ectier's (``EctierError``); the connector turns them into misses.
@@ -13,10 +14,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .config import DEFAULT_ANSWER_WAIT_S
+from .daemon_lookups import ABSENT, DaemonLoad, StepLookups
 from .store import Pin
 
 log = logging.getLogger(__name__)
@@ -26,6 +28,9 @@ log = logging.getLogger(__name__)
 DAEMON_CONNECT_RETRY_S = 5.0
 #: after a failed connection attempt, calls are misses at once (no attempt) for this long
 DAEMON_BACKOFF_S = 1.0
+#: longest wait for ``hello`` when (re)connecting after a failure or at start-up: a healthy daemon
+#: answers at once, and a stopped one then costs a scheduler step at most this per back-off window
+DAEMON_PROBE_S = 0.25
 
 # socket paths this process has already warned about (one warning, not one per connector)
 _WARNED_UNREACHABLE: set[str] = set()
@@ -40,23 +45,22 @@ class DaemonStore:
     #: a remote tier of the daemon is the daemon's business: its ``prefetch`` answers for it
     remote = False
 
-    def __init__(self, socket_path: str | None, namespace: str, timeout_s: float) -> None:
+    def __init__(self, socket_path: str | None, namespace: str, timeout_s: float,
+                 answer_wait_s: float = DEFAULT_ANSWER_WAIT_S) -> None:
         from ectier.daemon.client import DaemonClient, DaemonUnavailableError
 
-        self._args = (socket_path, namespace, timeout_s)
+        self._args = (socket_path, namespace, timeout_s, answer_wait_s)
 
         # the connector's daemon_timeout_s bounds every wait of a call, the reconnect wait too;
         # a client whose daemon is unreachable fails fast (DAEMON_BACKOFF_S) so calls are misses
         self.client = DaemonClient(socket_path, timeout_s=timeout_s,
                                    connect_retry_s=min(DAEMON_CONNECT_RETRY_S, timeout_s),
-                                   backoff_s=DAEMON_BACKOFF_S)
+                                   backoff_s=DAEMON_BACKOFF_S,
+                                   probe_timeout_s=min(DAEMON_PROBE_S, timeout_s))
         self.namespace = namespace
-        self._step = 0
-        self._answers: dict[str, str] = {}  # this step's answers: key -> state
-        self._expected: set[str] = set()  # keys to ask about in this step's round trip
-        self._tracked: dict[str, int] = {}  # key of a handle in flight -> step it was last polled
+        #: the scheduler's step-batched, non-blocking lookups and its pins' releases
+        self.lookups = StepLookups(self.client, namespace, answer_wait_s, _held_pin)
         self._batched: bool | None = None  # the daemon has the prefetch op (None: not known yet)
-        self._pinned: dict[str, Pin] = {}  # this step's pins taken by the round trip, not acquired yet
         # one connection attempt now, no wait: an unreachable daemon is reported loudly here, not
         # discovered as slow misses later; never fatal (the daemon may start after the engine)
         try:
@@ -76,51 +80,12 @@ class DaemonStore:
 
     # --------------------------------------------------------------------- step-batched lookups
     def new_step(self) -> None:
-        """A scheduler step begins: answers of the last step are forgotten."""
-        self._step += 1
-        self._answers = {}
-        for pin in self._pinned.values():  # pinned by this step's round trip, never acquired
-            self.release(pin)
-        self._pinned = {}
-        self._expected = set()  # a request still waiting says so again
-        # handles nobody polled in the last step (promotion given up by the connector): not asked again
-        self._tracked = {k: s for k, s in self._tracked.items() if s >= self._step - 1}
+        """A scheduler step begins (:meth:`StepLookups.new_step`: no wait, no error)."""
+        self.lookups.new_step()
 
     def expect(self, keys: list[str]) -> None:
-        """Keys the scheduler is about to ask about this step: asked in the same round trip."""
-        self._expected.update(k for k in keys if k not in self._answers)
-
-    def _answer(self, key: str) -> str:
-        """This step's state of ``key`` (``"absent"``/``"promoting"``/``"ready"``). The first
-        question of a step asks the daemon about every key expected or being promoted, in one
-        ``prefetch`` round trip (which also starts the promotions); later questions of the step
-        about those keys cost nothing.
-
-        Raises:
-            EctierError (DaemonUnavailableError, ...): the round trip failed; the keys stay unanswered.
-        """
-        state = self._answers.get(key)
-        if state is not None:
-            return state
-        from ectier.daemon.protocol import MAX_BATCH_KEYS
-
-        batch = list(dict.fromkeys([key, *self._expected, *(k for k in self._tracked if k not in self._answers)]))
-        wanted = self._expected.union(self._tracked)  # keys the scheduler pins once ready
-        self._expected = set()
-        views = "view" in self.client.features
-        for i in range(0, len(batch), MAX_BATCH_KEYS):  # more than one only past 1024 items in flight
-            chunk = batch[i:i + MAX_BATCH_KEYS]
-            if not views:
-                self._answers.update(zip(chunk, self.client.prefetch(chunk, namespace=self.namespace)))
-                continue
-            # the ready ones are pinned in the same round trip: acquire() then costs nothing
-            pin = [k for k in chunk if k in wanted and k not in self._pinned]
-            states, pins, instance = self.client.prefetch_and_pin(chunk, pin, namespace=self.namespace)
-            self._answers.update(zip(chunk, states))
-            for k, reply in zip(pin, pins):
-                if reply is not None:
-                    self._pinned[k] = _held_pin(reply, instance)
-        return self._answers[key]
+        """Keys the scheduler is about to ask about this step: asked in the same request."""
+        self.lookups.expect(keys)
 
     def _legacy(self) -> bool:
         """True for a daemon without the ``prefetch`` op (older than this binding)."""
@@ -133,7 +98,12 @@ class DaemonStore:
         """True unless the daemon answered ``key`` absent this step."""
         if self._legacy():
             return self.client.contains(key, namespace=self.namespace)
-        return self._answer(key) != "absent"
+        return self.lookups.answer(key) != ABSENT
+
+    def stored(self, key: str) -> bool:
+        """True if the daemon stores ``key`` now (one ``contains`` round trip: the producer's
+        save confirmation, never the consumer's lookups)."""
+        return self.client.contains(key, namespace=self.namespace)
 
     def prefetch(self, keys: list[str], device: str) -> list["DaemonLoad"] | None:
         """Handles of the daemon's promotions of ``keys`` into its arena (``device`` is ignored:
@@ -141,14 +111,18 @@ class DaemonStore:
         connector then pins at once, and the daemon's ``get`` promotes synchronously."""
         if self._legacy():
             return None
-        return [DaemonLoad(self, k) for k in keys]
+        return [DaemonLoad(self.lookups, k) for k in keys]
 
     def acquire(self, key: str, device: str) -> Pin | None:
         """Pin ``key``: a daemon ``get`` lease, which takes over the pin (or, for an entry larger
         than the daemon's arena, the scratch file) the daemon's finished promotion holds."""
-        pin = self._pinned.pop(key, None)
+        pin = self.lookups.take_pin(key)
         if pin is not None:
-            return pin  # pinned by this step's prefetch round trip
+            return pin  # pinned by the step's prefetch request
+        if "view" in self.client.features:
+            # answered ready but not pinned (over daemon.view_pin_bytes, or evicted in between):
+            # a miss, never a blocking get in the scheduler
+            return None
         direct = {"direct": True} if "direct" in self.client.features else {}
         hold = {"hold": True} if "view" in self.client.features else {}
         reply = self.client.call("get", key=key, namespace=self.namespace, **direct, **hold)
@@ -159,11 +133,11 @@ class DaemonStore:
         return Pin(tuple(reply["shape"]), str(reply["dtype"]), reply["lease"])
 
     def release(self, pin: Pin) -> None:
-        """End ``pin``: a process-held lease from the background releaser (no round trip here;
+        """End ``pin``: a process-held lease is queued for :meth:`send_releases` (no round trip here;
         once no view of this process's worker still reads it, see :meth:`stage`), an older
         daemon's connection lease with a ``release`` call."""
         if isinstance(pin.lease, HeldLease):
-            _SHARED.drop(pin.lease, self.client)
+            _SHARED.drop(pin.lease, self.lookups)  # queued: sent by send_releases
         else:
             self.client.call("release", retry=False, lease=pin.lease)
 
@@ -202,10 +176,12 @@ class DaemonStore:
     def flush(self) -> None:
         return None  # the daemon flushes on its own shutdown
 
+    def send_releases(self) -> None:
+        """Send the releases queued by :meth:`release` (one request, no wait for its reply)."""
+        self.lookups.send_releases()
+
     def close(self) -> None:
-        for pin in self._pinned.values():
-            self.release(pin)
-        self._pinned = {}
+        self.lookups.close()
         self.client.close()
 
 
@@ -279,48 +255,3 @@ class _SharedPins:
 
 
 _SHARED = _SharedPins()
-
-
-class DaemonLoad:
-    """A daemon promotion of one key, as the connector polls it (the shape of ectier's
-    ``LoadHandle``): ``done()`` is True once the daemon answers ``ready`` or ``absent`` (asked at
-    most once per scheduler step, see :meth:`DaemonStore._answer`), or the question failed
-    (``error``: the exception); ``wait(timeout_s)`` is True for ``ready``. Never blocks on I/O in
-    ``done()``; ``wait`` with a timeout above 0 polls the daemon every 10 ms until then."""
-
-    __slots__ = ("key", "error", "_store", "_state")
-
-    def __init__(self, store: DaemonStore, key: str) -> None:
-        self.key = key
-        self.error: BaseException | None = None
-        self._store = store
-        self._state: str | None = None
-        store._tracked[key] = store._step
-
-    def done(self) -> bool:
-        if self.error is not None or self._state in ("ready", "absent"):
-            return True
-        self._store._tracked[self.key] = self._store._step
-        try:
-            self._state = self._store._answer(self.key)
-        except Exception as exc:  # noqa: BLE001 - a handle reports, never raises (the item is a miss)
-            self.error = exc
-        finished = self.error is not None or self._state != "promoting"
-        if finished:
-            self._store._tracked.pop(self.key, None)
-        return finished
-
-    def wait(self, timeout_s: float | None = None) -> bool:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not self.done():
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(0.01)
-            self._store._answers.pop(self.key, None)  # ask again: this is a wait, not a step
-        return self.error is None and self._state == "ready"
-
-    def __repr__(self) -> str:
-        return f"<DaemonLoad {self.key!r} {self._state or 'unasked'}>"
-
-
-# ------------------------------------------------------------------ per-process registry

@@ -111,7 +111,7 @@ class SchedulerSide:
             # this step; it must not run again meanwhile
             return False
         settled = self._settled.get(request.request_id, ())
-        # daemon mode: every item of the request is asked about in one round trip (store.expect)
+        # daemon mode: every item of the request is asked about in one request (store.expect)
         self._store.expect([f.identifier for f in request.mm_features
                             if f.mm_position.offset + f.mm_position.length > num_computed_tokens
                             and f.identifier not in settled and f.identifier not in self._pins])
@@ -157,7 +157,8 @@ class SchedulerSide:
     def _promotion(self, mm_hash: str) -> "Promotion":
         """Where ``mm_hash`` stands (a :class:`Promotion`). In-process, ``TieredCache.prefetch`` towards the worker's device
         gives ``LoadHandle`` s; in daemon mode the store's handles are answered by the daemon's
-        batched ``prefetch`` (one round trip per step, no I/O waited for). ``None`` from the
+        batched ``prefetch`` (one request per step, its reply never waited for beyond
+        ``daemon_answer_wait_s``: unanswered is WAIT). ``None`` from the
         store's ``prefetch``: pin at once (an in-process cache of a host tier only, where there
         is nothing to promote; a daemon without the op, whose ``get`` promotes synchronously)."""
         pf = self._prefetching.get(mm_hash)
@@ -292,9 +293,19 @@ class SchedulerSide:
             self._unavailable.update(req_ids)
             self._poisoned.add(mm_hash)
             self._release_pin(mm_hash)
+        self._send_releases()
         if meta.stats:
             self._recompute.observe_report(meta.stats)  # takes out encoder_tokens/_seconds
             self._stats = merge_stats_data(self._stats, meta.stats)
+
+    def _send_releases(self) -> None:
+        """The pins released by this call go to the store in one request (daemon mode: sent
+        without waiting for its reply)."""
+        try:
+            self._store.send_releases()
+        except STORE_ERRORS as exc:
+            self._warn.warning(("release-pin", type(exc).__name__), "ectier: releasing pins failed (%s: %s)",
+                               type(exc).__name__, exc)
 
     def take_unavailable_requests(self) -> set[str]:
         out, self._unavailable = self._unavailable, set()
@@ -308,10 +319,11 @@ class SchedulerSide:
                 state.req_ids.discard(request.request_id)
                 if not state.req_ids and feature.identifier not in self._to_load:
                     self._release_pin(feature.identifier)
+        self._send_releases()
         return False, None
 
     def _confirm_saves(self) -> None:
-        found = self._confirm.poll(self._store.contains, STORE_ERRORS)
+        found = self._confirm.poll(self._store.stored, STORE_ERRORS)
         if found.saves:
             self._count(saves=found.saves, save_bytes=found.save_bytes)
         if found.failed:

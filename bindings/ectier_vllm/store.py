@@ -10,8 +10,9 @@
   scheduler verified, and nothing can evict or delete them in between.
 - :class:`~ectier_vllm.daemon_store.DaemonStore` (its own module): a
   :class:`~ectier.daemon.client.DaemonClient` per connector; the scheduler
-  pins a step's ready items in the step's one ``prefetch`` round trip (process-held leases,
-  released from a background thread once the worker reported the load); the worker reads a
+  pins a step's ready items in the step's one ``prefetch`` request, sent without waiting for the
+  reply (process-held leases, released in one request once the worker reported the load); the
+  worker reads a
   read-only zero-copy view of the daemon's arena (``DaemonClient.get_view``): from the pin its
   scheduler staged when both run in one process, else with a ``get`` of its own. For scheduler and
   workers in different processes (multiprocess executor, several engines on one node) too.
@@ -25,10 +26,11 @@ The daemon client's ``put`` copies and commits before it returns ``None``, so
 (:mod:`ectier_vllm.saves`, :meth:`DaemonStore.for_saves`). Its
 ``prefetch`` returns handles of the same shape (``done()``, ``wait(timeout)``, ``error``) answered
 by the daemon's batched ``prefetch`` op: the daemon promotes NVMe → its arena in its own threads,
-and the store asks it about all of a scheduler step's items in **one round trip per step**
+and the store asks it about all of a scheduler step's items in **one request per step**, read when
+its reply has arrived (:mod:`ectier_vllm.daemon_lookups`)
 (:meth:`DaemonStore.new_step`, :meth:`DaemonStore.expect`); an answer, a miss included, holds for
-the rest of the step. The scheduler never waits on the daemon's I/O: it pins (``get``) only what
-the daemon answered ready.
+the rest of the step. The scheduler never waits for the daemon: an item not answered yet waits
+for a later step, and the ready ones come pinned in the same reply.
 Errors are ectier's (``EctierError``); the connector turns them into misses.
 """
 
@@ -88,6 +90,9 @@ class InProcessStore:
     def contains(self, key: str) -> bool:
         return self.cache.contains(key)
 
+    def stored(self, key: str) -> bool:  # the daemon store's exact check; here contains is exact
+        return self.cache.contains(key)
+
     def prefetch(self, keys: list[str], device: str) -> list[Any] | None:
         """``TieredCache.prefetch``: NVMe → host, and on into the GPU tier when ``device`` is its
         device. ``None`` for a cache of a host tier only: an entry it holds is in the host arena
@@ -128,6 +133,9 @@ class InProcessStore:
     def release(self, pin: Pin) -> None:
         if pin.lease is not None:
             self.cache.release(pin.lease)
+
+    def send_releases(self) -> None:  # release() released already
+        return None
 
     def stage(self, key: str, pin: Pin) -> None:
         with self._entry.lock:

@@ -1,5 +1,9 @@
 """Client of the ectier daemon: control calls over the Unix socket, tensor bytes through shm.
 
+The connection itself (connect, handshake, back-off, round trips, requests sent without waiting:
+``submit``/``poll``) is :mod:`ectier.daemon.client_conn`; zero-copy views are
+:mod:`ectier.daemon.client_views`; this module holds the control and data calls.
+
 No daemon internals are imported here, and torch is imported only by the data calls
 (``put``/``get``), so control calls (``contains``, ``delete``, ``stats``, ``ping``) work without
 torch.
@@ -27,7 +31,6 @@ import contextlib
 import logging
 import mmap
 import os
-import select
 import socket
 import threading
 import time
@@ -35,18 +38,19 @@ from typing import Any
 
 from .. import errors
 from ..config import DaemonConfig
-from ..entry import validate_key, validate_namespace
+from ..entry import validate_key
 from .client_copy import copy_from_device as _copy_from_device, device_to_host as _device_to_host
-from .client_errors import DaemonFeatureError, DaemonUnavailableError, error_from_reply as _error_from
+from .client_errors import DaemonFeatureError, DaemonUnavailableError
+from .client_conn import Transport
 from .client_views import ViewCalls
-from .protocol import PROTOCOL_VERSION, FrameDecoder, ProtocolError, encode_frame
+from .protocol import FrameDecoder
 
 __all__ = ["DaemonClient", "DaemonUnavailableError", "DaemonFeatureError"]
 
 log = logging.getLogger(__name__)
 
 
-class DaemonClient(ViewCalls):
+class DaemonClient(Transport, ViewCalls):
     """Talk to ``ectier serve``.
 
     Args:
@@ -103,6 +107,8 @@ class DaemonClient(ViewCalls):
         self._decoder = FrameDecoder(1 << 30)
         self._lock = threading.RLock()
         self._next_id = 1
+        self._submitted: dict[int, tuple[str, float]] = {}  # id -> (op, monotonic send time): see submit()
+        self._arrived: dict[int, Any] = {}  # id of a submitted request -> its reply (or the error)
         self.server_info: dict[str, Any] = {}
         self._arena_mmap: mmap.mmap | None = None
         self._arena = None  # torch uint8 tensor over the mapping, made on first data call
@@ -112,202 +118,6 @@ class DaemonClient(ViewCalls):
         self._ro = None  # read-only ArenaView of the views (client_views.py), per daemon run
         self._releaser = None  # this process's ViewReleaser for socket_path (client_views.py)
         self.view_refusals = 0  # get_view calls the daemon answered with a copy (view_pin_bytes)
-
-    # ---------------------------------------------------------------------------- connection
-
-    def connect(self, *, wait: bool = True) -> None:
-        """Connect and handshake now (calls do this lazily). Raises DaemonUnavailableError.
-
-        ``wait=False``: a probe, as at start-up: one attempt, no ``connect_retry_s`` wait, bounded
-        by ``probe_timeout_s``; a failure starts the back-off window like any other."""
-        with self._lock:
-            if self._sock is None:
-                self._connect(wait=wait)
-
-    @property
-    def unreachable(self) -> bool:
-        """True while the last connection attempt or request failed (calls then fail fast)."""
-        return self._failed_at is not None
-
-    def _fail(self, message: str) -> DaemonUnavailableError:
-        """Start the back-off window: calls fail fast with ``message`` for ``backoff_s``."""
-        self._failed_at = time.monotonic()
-        self._failure = message
-        return DaemonUnavailableError(message)
-
-    def _connect(self, *, wait: bool = True) -> None:
-        now = time.monotonic()
-        probe = not wait
-        if self._failed_at is not None:
-            if now - self._failed_at < self.backoff_s:
-                raise DaemonUnavailableError(
-                    f"{self._failure} ({now - self._failed_at:.2f} s ago; next attempt after {self.backoff_s:g} s)"
-                )
-            probe = True  # known down: one short attempt per back-off window, never a retry wait
-        timeout = min(self.timeout_s, self.probe_timeout_s) if probe else self.timeout_s
-        deadline = now + (0.0 if probe else self.connect_retry_s)
-        while True:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(timeout)
-            try:
-                sock.connect(self.socket_path)
-                break
-            except OSError as exc:
-                sock.close()
-                if time.monotonic() >= deadline:
-                    # the daemon whose arena we map is gone: let go of its (unlinked) file now, or
-                    # its pages stay allocated in daemon.shm_dir and a restarted daemon may find
-                    # no room for its own arena
-                    self._unmap()
-                    raise self._fail(
-                        f"cannot reach the ectier daemon at {self.socket_path!r}: {exc.strerror or exc}; "
-                        "is `ectier serve` running (daemon.socket_path)?"
-                    ) from None
-                time.sleep(0.05)
-        self._sock = sock
-        self._decoder = FrameDecoder(1 << 30)
-        try:
-            info = self._roundtrip({"op": "hello", "version": PROTOCOL_VERSION, "client": self.client_name}, timeout)
-        except BaseException:
-            self._drop()
-            raise
-        self._failed_at = None
-        self.server_info = info
-        # map the arena afresh unless it is the very file already mapped: a restarted daemon may
-        # create its arena under the old name (same pid, e.g. PID 1 of a container), and the old
-        # mapping would then be an unlinked file the daemon no longer reads
-        if not self._maps_arena_of(info):
-            self._unmap()
-
-    def _maps_arena_of(self, info: dict[str, Any]) -> bool:
-        """True if the current mapping is of the arena ``info`` names (same live file, same size)."""
-        if self._arena_fd is None:
-            return False
-        try:
-            arena = info["arena"]
-            mine, theirs = os.fstat(self._arena_fd), os.stat(arena["path"])
-        except (OSError, KeyError, TypeError):
-            return False
-        return (mine.st_nlink > 0 and (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino)
-                and arena.get("path") == self._arena_path and self._arena_mmap is not None
-                and arena.get("nbytes") == len(self._arena_mmap))
-
-    def _peer_closed(self) -> bool:
-        """True if the daemon closed this connection (idle timeout, room for another client,
-        restart): an end of file is waiting on the socket. Costs one poll, no wait."""
-        assert self._sock is not None
-        try:
-            readable, _, _ = select.select([self._sock], [], [], 0)
-            if not readable:
-                return False
-            return not self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return False
-        except (OSError, ValueError):
-            return True
-
-    def _drop(self) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.close()
-            except OSError:
-                pass
-        self._sock = None
-
-    def _unmap(self) -> None:
-        if getattr(self, "_arena_registered", False) and self._arena is not None:
-            import torch
-
-            torch.cuda.cudart().cudaHostUnregister(self._arena.data_ptr())
-            self._arena_registered = False
-        self._arena = None
-        if self._arena_mmap is not None:
-            try:
-                self._arena_mmap.close()
-            except BufferError:
-                pass  # a tensor view still exists; the mapping goes with it
-            self._arena_mmap = None
-        if self._arena_fd is not None:
-            os.close(self._arena_fd)
-            self._arena_fd = None
-        self._arena_path = None
-
-    def close(self) -> None:
-        """Close the connection (leases held by this client are released by the daemon)."""
-        with self._lock:
-            self._drop()
-            self._unmap()
-
-    def __enter__(self) -> "DaemonClient":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _roundtrip(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """Send ``request`` and wait at most ``timeout`` seconds in all for its reply. No reply in
-        time: the connection is dropped and the back-off starts (DaemonUnavailableError)."""
-        assert self._sock is not None
-        rid = self._next_id
-        self._next_id += 1
-        try:
-            frame = encode_frame({"id": rid, **request})
-        except UnicodeEncodeError as exc:  # a lone surrogate: the cache refuses such keys too
-            raise errors.InvalidKeyError(f"{request.get('op')}: strings must be valid UTF-8: {exc}") from None
-        deadline = time.monotonic() + timeout
-        try:
-            self._sock.settimeout(timeout)
-            self._sock.sendall(frame)
-            while True:
-                self._sock.settimeout(max(deadline - time.monotonic(), 1e-3))
-                data = self._sock.recv(65536)
-                if not data:
-                    raise ConnectionResetError("daemon closed the connection")
-                for msg in self._decoder.feed(data):
-                    if isinstance(msg, ProtocolError):
-                        raise msg
-                    if msg.get("id") not in (rid, None):
-                        continue
-                    if not msg.get("ok"):
-                        raise _error_from(msg.get("error") or {})
-                    msg.pop("id", None)
-                    msg.pop("ok", None)
-                    return msg
-        except socket.timeout:
-            self._drop()
-            raise self._fail(
-                f"the ectier daemon at {self.socket_path!r} did not answer {request.get('op')!r} within "
-                f"{timeout:g} s (hung, stopped or overloaded?)"
-            ) from None
-
-    def call(self, op: str, *, retry: bool = True, **args: Any) -> dict[str, Any]:
-        """Send one request and return its results. Raises the daemon's typed error on an error
-        reply, DaemonUnavailableError when the daemon is unreachable or does not answer within
-        ``timeout_s`` (never retried), or went away twice.
-
-        ``retry=True``: a connection the daemon closed (restart, idle timeout) is replaced first,
-        and a request whose connection is lost is sent again once on a new one. ``retry=False``
-        (requests bound to this connection: ``commit``, ``release`` of its leases): neither."""
-        if "key" in args:
-            validate_key(args["key"])
-        if "namespace" in args:
-            validate_namespace(args["namespace"])
-        with self._lock:
-            for attempt in (0, 1):
-                try:
-                    if self._sock is not None and retry and self._peer_closed():
-                        self._drop()
-                    if self._sock is None:
-                        self._connect()
-                    return self._roundtrip({"op": op, **args}, self.timeout_s)
-                except DaemonUnavailableError:
-                    self._drop()
-                    raise
-                except OSError as exc:  # ConnectionError, BrokenPipeError, ...: the daemon went away
-                    self._drop()
-                    if attempt == 1 or not retry:
-                        raise DaemonUnavailableError(f"lost the ectier daemon at {self.socket_path!r}: {exc}") from None
-            raise AssertionError("unreachable")
 
     # --------------------------------------------------------------------------- control calls
 
@@ -328,12 +138,6 @@ class DaemonClient(ViewCalls):
     def stats(self) -> dict[str, Any]:
         """The daemon's stats: tiers, bytes, hits/misses/evictions, clients, leases."""
         return self.call("stats")["stats"]
-
-    @property
-    def features(self) -> frozenset[str]:
-        """What the daemon of the current connection offers (``hello``'s ``features``; empty
-        before the first connection and for a daemon older than them)."""
-        return frozenset(self.server_info.get("features") or ())
 
     def prefetch(self, keys: list[str], *, namespace: str | None = None) -> list[str]:
         """Start promoting ``keys`` into the daemon's host arena; one state per key, answered at

@@ -218,14 +218,11 @@ def _op_release(server: DaemonServer, conn: Connection, lease: int | None = None
     if instance is not None and instance != server.instance:
         # ids an earlier daemon run granted (this one may have given the same ids to others)
         return {"released": 0} if leases is not None else {"valid": False}
-    released = 0
-    for lease_id in [lease] if leases is None else leases:
-        held = server.leases.take(conn, lease_id, "get")
-        if held is not None:
-            end_lease(server.cache, held, commit=False)
-            released += 1
-            if held.conn is None:
-                server.holders.counters["released"] += 1
+    taken = server.leases.take_many(conn, [lease] if leases is None else leases, "get")
+    for held in taken:
+        end_lease(server.cache, held, commit=False)
+    released = len(taken)
+    server.holders.counters["released"] += sum(1 for held in taken if held.conn is None)
     if leases is not None:
         return {"released": released}
     # valid=False: the lease expired before release, so the bytes copied may be foreign

@@ -16,8 +16,10 @@ keeps it. It ends when
   the reaper checks ``kill(pid, 0)`` instead.
 
 A process may hold at most ``daemon.view_pin_bytes`` of the arena so (default: half of
-``host.capacity_bytes``): one that leaks views cannot pin the whole arena for ever. A ``get``
-beyond that bound is answered with an ordinary connection lease and ``view_refused`` (the
+``host.capacity_bytes``): one that leaks views cannot pin the whole arena for ever; and all
+processes together at most ``daemon.view_pin_total_bytes`` (default: half of the arena, or
+``view_pin_bytes`` when that is larger), so two processes at the default cannot fill it between
+them. A ``get`` beyond either bound is answered with an ordinary connection lease and ``view_refused`` (the
 reason, naming the knob; counted in the stats' ``daemon.views.refused``): the client copies, as
 before. A holder whose pid the daemon cannot see (0: another pid namespace) is refused the same way.
 
@@ -43,20 +45,25 @@ class Holders:
             pinned through views; 0 refuses every view.
     """
 
-    def __init__(self, limit_bytes: int) -> None:
+    def __init__(self, limit_bytes: int, total_limit_bytes: int | None = None) -> None:
         self.limit_bytes = limit_bytes
+        self.total_limit_bytes = limit_bytes if total_limit_bytes is None else total_limit_bytes
         self._fds: dict[int, int] = {}  # pid -> pidfd, or -1 (watched with kill(pid, 0))
         self.counters = {"granted": 0, "refused": 0, "released": 0, "released_dead": 0}
 
-    def refusal_locked(self, pid: int, held_bytes: int, after_bytes: int) -> str | None:
+    def refusal_locked(self, pid: int, held_bytes: int, after_bytes: int, total_after: int = 0) -> str | None:
         """Why process ``pid``, holding ``held_bytes`` of the arena through views, may not hold
-        ``after_bytes`` (with the one asked for; ``None``: it may). Starts watching ``pid`` when
-        it may."""
+        ``after_bytes`` (with the one asked for), when all processes would then hold
+        ``total_after`` (``None``: it may). Starts watching ``pid`` when it may."""
         if self.limit_bytes == 0:
             return "views are off (daemon.view_pin_bytes=0)"
         if after_bytes > self.limit_bytes:
             return (f"process {pid} holds {held_bytes} bytes of the arena through views; {after_bytes - held_bytes} "
                     f"more would pass daemon.view_pin_bytes={self.limit_bytes}")
+        if total_after > self.total_limit_bytes:
+            return (f"the client processes hold {total_after - (after_bytes - held_bytes)} bytes of the arena "
+                    f"through views; {after_bytes - held_bytes} more would pass "
+                    f"daemon.view_pin_total_bytes={self.total_limit_bytes}")
         if pid <= 0 or not self._watch(pid):
             return f"the daemon cannot watch client process {pid} (another pid namespace, or gone)"
         return None

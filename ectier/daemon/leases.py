@@ -27,7 +27,7 @@ from ..errors import EctierError
 from .connections import Connection
 from .scratch import DirectPut, DirectRead
 
-__all__ = ["Lease", "LeaseBook", "end_lease"]
+__all__ = ["Lease", "LeaseBook", "end_lease", "place_of"]
 
 log = logging.getLogger("ectier.daemon")
 
@@ -45,6 +45,7 @@ class Lease:
     deadline: float
     handle: WriteLease | ReadLease | DirectPut | DirectRead
     pid: int | None = None  # the holding process of a process-held lease
+    place: tuple | None = None  # a process-held lease's arena place (:func:`place_of`)
 
     @property
     def arena_nbytes(self) -> int:
@@ -70,6 +71,10 @@ class LeaseBook:
         # pid -> {arena place of an entry: [process-held leases on it, its bytes]}: what a
         # process pins through views, each entry counted once (kept as leases come and go)
         self._held: dict[int, dict[tuple, list[int]]] = {}
+        self._held_bytes: dict[int, int] = {}  # pid -> the bytes of its places (kept with _held)
+        #: arena bytes pinned through views, summed over the processes (an entry that two
+        #: processes view counts twice)
+        self.held_total = 0
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -82,40 +87,60 @@ class LeaseBook:
             conn.leases.add(lease.id)
         return lease.id
 
-    def grant_held_locked(self, pid: int, handle: ReadLease) -> int:
-        """Record a process-held read lease of process ``pid`` (no deadline); returns its id."""
-        lease = Lease(self._new_id_locked(), "get", None, float("inf"), handle, pid)
+    def grant_held_locked(self, pid: int, handle: ReadLease, place: tuple | None = None) -> int:
+        """Record a process-held read lease of process ``pid`` (no deadline) on ``handle``, whose
+        :func:`place_of` is ``place`` (computed when ``None``); returns its id."""
+        place = place_of(handle) if place is None else place
+        lease = Lease(self._new_id_locked(), "get", None, float("inf"), handle, pid, place)
         self._by_id[lease.id] = lease
-        place = self._held.setdefault(pid, {}).setdefault(_place(handle), [0, handle.meta.nbytes])
-        place[0] += 1
+        places = self._held.setdefault(pid, {})
+        slot = places.get(place)
+        if slot is None:
+            places[place] = [1, handle.meta.nbytes]
+            self._held_bytes[pid] = self._held_bytes.get(pid, 0) + handle.meta.nbytes
+            self.held_total += handle.meta.nbytes
+        else:
+            slot[0] += 1
         return lease.id
 
     def _forget_held_locked(self, lease: Lease) -> None:
         places = self._held.get(lease.pid)
-        place = places.get(_place(lease.handle)) if places is not None else None
-        if place is None:
+        slot = places.get(lease.place) if places is not None else None
+        if slot is None:
             return
-        place[0] -= 1
-        if place[0] <= 0:
-            del places[_place(lease.handle)]
+        slot[0] -= 1
+        if slot[0] <= 0:
+            del places[lease.place]
+            self._held_bytes[lease.pid] -= slot[1]
+            self.held_total -= slot[1]
             if not places:
                 del self._held[lease.pid]
+                del self._held_bytes[lease.pid]
 
     def take(self, conn: Connection, lease_id: int, kind: str) -> Lease | None:
         """Remove and return lease ``lease_id`` if it is ``conn``'s (or, process-held, its
         process's) and of ``kind``; else None (unknown, expired, another client's, the other kind)."""
         with self._lock:
-            lease = self._by_id.get(lease_id)
-            if lease is None or lease.kind != kind:
-                return None
-            if (lease.pid != conn.pid) if lease.conn is None else (lease.conn is not conn):
-                return None
-            del self._by_id[lease_id]
-            if lease.conn is not None:
-                conn.leases.discard(lease_id)
-            else:
-                self._forget_held_locked(lease)
-            return lease
+            return self._take_locked(conn, lease_id, kind)
+
+    def take_many(self, conn: Connection, lease_ids: list[int], kind: str) -> list[Lease]:
+        """:meth:`take` of each of ``lease_ids`` under one acquisition of the lock; the leases
+        found (unknown ones are left out)."""
+        with self._lock:
+            return [l for i in lease_ids if (l := self._take_locked(conn, i, kind)) is not None]
+
+    def _take_locked(self, conn: Connection, lease_id: int, kind: str) -> Lease | None:
+        lease = self._by_id.get(lease_id)
+        if lease is None or lease.kind != kind:
+            return None
+        if (lease.pid != conn.pid) if lease.conn is None else (lease.conn is not conn):
+            return None
+        del self._by_id[lease_id]
+        if lease.conn is not None:
+            conn.leases.discard(lease_id)
+        else:
+            self._forget_held_locked(lease)
+        return lease
 
     def take_held_of_locked(self, pid: int) -> list[Lease]:
         """Remove and return every process-held lease of process ``pid`` (it died)."""
@@ -123,15 +148,15 @@ class LeaseBook:
         for lease in mine:
             del self._by_id[lease.id]
         self._held.pop(pid, None)
+        self.held_total -= self._held_bytes.pop(pid, 0)
         return mine
 
-    def held_bytes_locked(self, pid: int, also: ReadLease | None = None) -> int:
-        """Host-arena bytes the process-held leases of ``pid`` pin (and ``also`` would): each
-        entry counted once, however many leases of the process pin it (e.g. the scheduler's
-        pin and the worker's view of one item)."""
-        places = self._held.get(pid, {})
-        total = sum(nbytes for _, nbytes in places.values())
-        if also is not None and _place(also) not in places:
+    def held_bytes_locked(self, pid: int, also: ReadLease | None = None, place: tuple | None = None) -> int:
+        """Host-arena bytes the process-held leases of ``pid`` pin (and ``also``, whose
+        :func:`place_of` is ``place``, would): each entry counted once, however many leases of
+        the process pin it (e.g. the scheduler's pin and the worker's view of one item)."""
+        total = self._held_bytes.get(pid, 0)
+        if also is not None and (place_of(also) if place is None else place) not in self._held.get(pid, {}):
             total += also.meta.nbytes
         return total
 
@@ -145,6 +170,8 @@ class LeaseBook:
             leases = list(self._by_id.values())
             self._by_id.clear()
             self._held.clear()
+            self._held_bytes.clear()
+            self.held_total = 0
         return leases
 
     def take_of_locked(self, conn: Connection) -> list[Lease]:
@@ -176,13 +203,13 @@ class LeaseBook:
         """``{"leases": n, "bytes": b, "processes": p}``: the process-held leases, the arena bytes
         they pin (each entry once per process), and the processes holding them."""
         return {"leases": sum(1 for l in self._by_id.values() if l.conn is None),
-                "bytes": sum(n for places in self._held.values() for _, n in places.values()),
+                "bytes": self.held_total,
                 "processes": len(self._held)}
 
 
-def _place(handle) -> tuple:
+def place_of(handle) -> tuple:
     """Where a read lease's bytes lie in the arena (the same for every lease of one entry)."""
-    return tuple(tuple(e) for e in handle.extents)
+    return tuple(map(tuple, handle.extents))
 
 
 def end_lease(cache: TieredCache, lease: Lease, *, commit: bool) -> None:

@@ -10,8 +10,10 @@ Threads: the accept loop runs in the caller's thread (:meth:`DaemonServer.serve_
 connection gets a thread; one reaper thread expires leases; the ``prefetch`` op's promotions run
 in worker threads (:mod:`ectier.daemon.prefetch`), so no request waits on NVMe I/O for another
 client's sake. The daemon is a thin shell around :class:`~ectier.cache.TieredCache`, which is
-thread-safe. Requests are answered by :mod:`ectier.daemon.handlers`; the lease records live in
-:mod:`ectier.daemon.leases`.
+thread-safe. This module holds the lifecycle (start, arena, accept loop, shutdown) and the stats;
+the connection threads are :mod:`ectier.daemon.serving`, requests are answered by
+:mod:`ectier.daemon.handlers`, the lease records live in :mod:`ectier.daemon.leases` and their
+expiry and the view grants in :mod:`ectier.daemon.upkeep`.
 
 Connections: ``hello`` must be a connection's first request (any other op before it is refused
 with a ``ProtocolError``, so no client skips the version check); a connection that sends nothing
@@ -34,7 +36,6 @@ import fcntl
 import grp
 import logging
 import os
-import pwd
 import signal
 import socket
 import threading
@@ -45,20 +46,20 @@ from .. import __version__
 from ..cache import TieredCache
 from ..config import CacheConfig
 from ..errors import EctierError
-from .connections import Connection, admission, peer_credentials
+from .connections import Connection
 from .files import claim_socket_path, reclaim_stale_arenas
-from .handlers import handle
 from .holders import Holders
 from .leases import LeaseBook, end_lease
 from .prefetch import Prefetcher
-from .protocol import FrameDecoder, ProtocolError, encode_frame, error_reply
+from .serving import ConnectionServing
+from .upkeep import LeaseUpkeep, view_pin_bounds
 
-__all__ = ["DaemonServer", "run_daemon"]
+__all__ = ["DaemonServer", "run_daemon", "view_pin_bounds"]
 
 log = logging.getLogger("ectier.daemon")
 
 
-class DaemonServer:
+class DaemonServer(ConnectionServing, LeaseUpkeep):
     """Serve a :class:`TieredCache` over a Unix socket (see the module docstring).
 
     Args:
@@ -91,8 +92,7 @@ class DaemonServer:
         self._conns: dict[int, Connection] = {}
         self._next_id = 1  # of the next connection or lease
         self.leases = LeaseBook(self._lock, config.daemon.lease_s, self._new_id_locked)
-        view_bytes = config.daemon.view_pin_bytes
-        self.holders = Holders(config.host.capacity_bytes // 2 if view_bytes is None else view_bytes)
+        self.holders = Holders(*view_pin_bounds(config))
         #: names this daemon run in ``hello`` (a client drops releases of leases an earlier run granted)
         self.instance = os.urandom(8).hex()
         self._threads: list[threading.Thread] = []
@@ -269,158 +269,7 @@ class DaemonServer:
         self._next_id += 1
         return new_id
 
-    def _admit(self, sock: socket.socket) -> None:
-        pid, uid, gid = peer_credentials(sock)
-        victim = None
-        if not self._peer_allowed(uid, gid):
-            reason = f"uid {uid} is not allowed (daemon runs as uid {os.getuid()}; see daemon.allowed_group)"
-        else:
-            # a connection still answering its last request becomes idle a moment later: at the cap,
-            # look again for up to ~0.1 s before refusing while some connection is busy
-            for _ in range(6):
-                with self._lock:
-                    victim, reason = admission(self._conns.values(), uid, max_clients=self.config.daemon.max_clients,
-                                               max_per_uid=self.config.daemon.uid_connection_cap)
-                    if reason is None:
-                        if victim is not None:  # idle: no request in progress, no lease; see admission()
-                            victim.closed = True
-                            self.counters["evicted"] += 1
-                        conn = Connection(self._new_id_locked(), sock, pid, uid, gid)
-                        self._conns[conn.id] = conn
-                        self.counters["connections"] += 1
-                        break
-                    busy = any(c.busy for c in self._conns.values())
-                if not busy:
-                    break
-                time.sleep(0.02)
-        if reason is not None:
-            self.counters["refused"] += 1
-            log.warning("refused connection from pid %d: %s", pid, reason)
-            try:
-                sock.sendall(encode_frame(error_reply(None, "PermissionError", reason)))
-            except OSError:
-                pass
-            sock.close()
-            return
-        if victim is not None:
-            log.info("closed the idle connection of client %s (pid %d, uid %d; idle %.1f s) to make room for "
-                     "pid %d (daemon.max_clients=%d, daemon.max_clients_per_uid=%d)", victim.name, victim.pid,
-                     victim.uid, time.monotonic() - victim.last_active, pid, self.config.daemon.max_clients,
-                     self.config.daemon.uid_connection_cap)
-            _shutdown(victim.sock)
-        t = threading.Thread(target=self._serve_connection, args=(conn,), name=f"ectier-conn-{conn.id}", daemon=True)
-        self._threads = [x for x in self._threads if x.is_alive()]
-        self._threads.append(t)
-        t.start()
-
-    def _peer_allowed(self, uid: int, gid: int) -> bool:
-        if uid == os.getuid():
-            return True
-        if self.allowed_gid is None:
-            return False
-        if gid == self.allowed_gid:
-            return True
-        try:
-            user = pwd.getpwuid(uid).pw_name
-        except KeyError:
-            return False
-        return user in grp.getgrgid(self.allowed_gid).gr_mem
-
-    def _serve_connection(self, conn: Connection) -> None:
-        decoder = FrameDecoder(self.config.daemon.max_frame_bytes)
-        sock = conn.sock
-        idle_timeout = self.config.daemon.idle_timeout_s
-        try:
-            sock.settimeout(idle_timeout if idle_timeout > 0 else None)
-            while not self._stop.is_set():
-                try:
-                    data = sock.recv(65536)
-                except socket.timeout:
-                    if self._close_if_idle(conn):
-                        break
-                    continue
-                except OSError:
-                    break
-                with self._lock:  # closed meanwhile (to make room, lease expiry): drop the request
-                    if conn.closed or not data:
-                        break
-                    conn.busy = True
-                try:
-                    self._serve_data(conn, decoder, data)
-                finally:
-                    with self._lock:
-                        conn.busy = False
-                        conn.last_active = time.monotonic()
-                if conn.closed:
-                    break
-        finally:
-            self._disconnect(conn)
-
-    def _serve_data(self, conn: Connection, decoder: FrameDecoder, data: bytes) -> None:
-        """Answer every request completed by ``data``; a lost framing closes the connection."""
-        try:
-            messages = decoder.feed(data)
-        except ProtocolError as exc:  # framing lost: answer once, then drop this client
-            self.counters["protocol_errors"] += 1
-            self._send(conn, error_reply(None, "ProtocolError", str(exc)))
-            conn.closed = True
-            return
-        for msg in messages:
-            conn.granted_now = []
-            reply = self._handle(conn, msg)
-            if not self._send(conn, reply):
-                self._revoke(conn, conn.granted_now)
-                conn.closed = True
-                return
-
-    def _revoke(self, conn: Connection, lease_ids: list[int]) -> None:
-        """End the process-held leases granted by a request whose reply never reached its client."""
-        for lease_id in lease_ids:
-            lease = self.leases.take(conn, lease_id, "get")
-            if lease is not None:
-                end_lease(self.cache, lease, commit=False)
-        if lease_ids:
-            log.info("client %s (pid %d) went away before the reply granting %d view lease(s); revoked",
-                     conn.name, conn.pid, len(lease_ids))
-
-    def _close_if_idle(self, conn: Connection) -> bool:
-        """After ``daemon.idle_timeout_s`` without a request: close ``conn`` unless it holds a
-        lease (lease expiry takes care of those). Returns True if it is to be closed."""
-        with self._lock:
-            if conn.leases or conn.closed:
-                return conn.closed
-            conn.closed = True
-            self.counters["idle_closed"] += 1
-        log.debug("closed the connection of client %s (pid %d): no request for daemon.idle_timeout_s=%g s",
-                  conn.name, conn.pid, self.config.daemon.idle_timeout_s)
-        return True
-
-    def _send(self, conn: Connection, reply: dict[str, Any]) -> bool:
-        try:
-            conn.sock.sendall(encode_frame(reply, max_frame_bytes=1 << 30))
-            return True
-        except OSError:
-            return False
-
-    def _disconnect(self, conn: Connection) -> None:
-        with self._lock:
-            self._conns.pop(conn.id, None)
-            leases = self.leases.take_of_locked(conn)
-            conn.closed = True
-        for lease in leases:
-            end_lease(self.cache, lease, commit=False)
-        try:
-            conn.sock.close()
-        except OSError:
-            pass
-        if leases:
-            log.info("client %s (pid %d) disconnected holding %d lease(s); reclaimed", conn.name, conn.pid, len(leases))
-
     # ------------------------------------------------------------------------------ requests
-
-    def _handle(self, conn: Connection, msg: dict[str, Any] | ProtocolError) -> dict[str, Any]:
-        """The reply to one request of ``conn`` (:func:`ectier.daemon.handlers.handle`)."""
-        return handle(self, conn, msg)
 
     def stats(self) -> dict[str, Any]:
         """The cache's stats plus daemon facts: socket, arena, clients, leases, counters."""
@@ -435,6 +284,7 @@ class DaemonServer:
                             if self.metrics_address else None),
                 "leases": self.leases.counts_locked(),
                 "views": {**self.leases.held_counts_locked(), "limit_bytes": self.holders.limit_bytes,
+                          "total_limit_bytes": self.holders.total_limit_bytes,
                           **self.holders.counters},
                 "prefetch": self.prefetcher.stats() if self.prefetcher is not None else {},
                 "clients": [
@@ -447,70 +297,6 @@ class DaemonServer:
         return out
 
     # ------------------------------------------------------------------------ lease expiry
-
-    def _reap_loop(self) -> None:
-        interval = min(1.0, self.config.daemon.lease_s / 4)
-        while not self._stop.wait(interval):
-            self.expire_leases()
-            self.reap_dead_holders()
-            if self.prefetcher is not None:
-                self.prefetcher.expire()
-
-    def grant_view(self, conn: Connection, handle: Any) -> tuple[int | None, str | None]:
-        """A process-held lease of ``conn``'s process on ``handle`` (a ``ReadLease``), within
-        ``daemon.view_pin_bytes`` (:mod:`ectier.daemon.holders`). Returns ``(lease id, None)``, or
-        ``(None, reason)`` when refused (``handle`` is then still the caller's)."""
-        with self._lock:
-            reason = self.holders.refusal_locked(conn.pid, self.leases.held_bytes_locked(conn.pid),
-                                                 self.leases.held_bytes_locked(conn.pid, also=handle))
-            if reason is not None:
-                self.holders.counters["refused"] += 1
-                return None, reason
-            self.holders.counters["granted"] += 1
-            lease_id = self.leases.grant_held_locked(conn.pid, handle)
-            conn.granted_now.append(lease_id)
-            return lease_id, None
-
-    def reap_dead_holders(self) -> int:
-        """Release the process-held leases of client processes that exited (pidfd readable), and
-        stop watching processes that hold none. Returns how many leases were released."""
-        with self._lock:
-            dead = self.holders.dead_locked()
-            leases = [l for pid in dead for l in self.leases.take_held_of_locked(pid)]
-            self.holders.counters["released_dead"] += len(leases)
-            holding = self.leases.held_pids_locked()
-            for pid in list(self.holders.watched_pids_locked()):
-                if pid not in holding:
-                    self.holders.forget_locked(pid)
-        for lease in leases:
-            end_lease(self.cache, lease, commit=False)
-        if leases:
-            log.info("client process(es) %s exited holding %d view lease(s); reclaimed",
-                     ", ".join(map(str, dead)), len(leases))
-        return len(leases)
-
-    def expire_leases(self, now: float | None = None) -> int:
-        """End every lease past its deadline and close its connection. Returns how many expired."""
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            expired = self.leases.take_expired_locked(now)
-            self.counters["leases_expired"] += len(expired)
-        for lease in expired:  # never a process-held lease (no deadline)
-            log.warning("lease %d (%s) of client %s (pid %d) expired after daemon.lease_s=%s; reclaimed",
-                        lease.id, lease.kind, lease.conn.name, lease.conn.pid, self.config.daemon.lease_s)
-            end_lease(self.cache, lease, commit=False)
-            lease.conn.closed = True
-            _shutdown(lease.conn.sock)
-        return len(expired)
-
-
-def _shutdown(sock: socket.socket) -> None:
-    """Wake the connection's thread (its recv returns) so that it disconnects."""
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-
 
 def run_daemon(config: CacheConfig) -> int:
     """Run a daemon in the foreground until SIGTERM/SIGINT; returns the exit code (0)."""

@@ -1,0 +1,296 @@
+"""The daemon-mode scheduler's lookups: one ``prefetch`` request per scheduler step, never waited
+for beyond a small bound (:class:`StepLookups`), and the handles the connector polls
+(:class:`DaemonLoad`).
+
+How a step asks (issue 14: "the scheduler never waits on I/O"):
+
+- The first question of a step about a key nobody asked yet sends **one** ``prefetch`` request for
+  every key the step expects (:meth:`StepLookups.expect`) and every promotion still in flight,
+  with ``pin`` for the daemon to pin (process-held) those that are ready, and returns without
+  waiting for the reply (:meth:`~ectier.daemon.client_conn.Transport.submit`).
+- The reply is read when it has arrived: at the next question, or within the step's wait budget
+  (``daemon_answer_wait_s``, shared by all questions of the step). A key whose answer is not in
+  yet is ``"promoting"`` for now: the request waits for a later step (vLLM asks again).
+- An answer, a miss included, holds for the rest of the step it is used in (a miss is asked once
+  per step); an answer that arrives after its question holds for the next step, then goes (its
+  pin, never acquired, is released).
+- Releases of the scheduler's pins are queued and sent in one ``release`` request
+  (:meth:`StepLookups.send_releases`, also without waiting for its reply), so no background thread
+  wakes for them; one whose request was lost goes to the background releaser, which retries.
+
+Errors are ectier's (``EctierError``: ``DaemonUnavailableError`` when the daemon is unreachable,
+hung past ``daemon_timeout_s`` or lost); the connector turns them into misses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .store import Pin
+
+log = logging.getLogger(__name__)
+
+ABSENT, READY, PROMOTING = "absent", "ready", "promoting"
+
+
+@dataclass
+class _Ask:
+    """The step's ``prefetch`` request in flight: its id, keys, keys to pin, the daemon run."""
+
+    rid: int
+    batch: list  # the keys, in the order of the reply's states
+    keys: frozenset
+    pin: list | None
+    instance: str
+
+
+class StepLookups:
+    """The step-batched, non-blocking lookups of one daemon client (module docstring).
+
+    Args:
+        client: the connector's :class:`~ectier.daemon.client.DaemonClient`.
+        namespace: sent with every request.
+        wait_s: the step's wait budget for replies, seconds (``daemon_answer_wait_s``).
+        make_pin: ``(get-reply fields, daemon instance) -> Pin`` of a process-held pin.
+    """
+
+    def __init__(self, client: Any, namespace: str, wait_s: float, make_pin: Callable[[dict, str], Pin]) -> None:
+        self.client = client
+        self.namespace = namespace
+        self.wait_s = wait_s
+        self._make_pin = make_pin
+        self.step = 0
+        self._answers: dict[str, str] = {}  # answers used in this step: key -> state
+        self._fresh: dict[str, tuple[str, int]] = {}  # received, not used yet: key -> (state, step received)
+        self._pinned: dict[str, tuple[Pin, int]] = {}  # pins received, not acquired: key -> (pin, step)
+        self._queued: dict[str, None] = {}  # keys to ask in the next request (an ordered set)
+        self.tracked: dict[str, int] = {}  # key of a handle in flight -> step it was last polled
+        self._ask: _Ask | None = None
+        self._wait_left = wait_s
+        self._releases: dict[str, list[int]] = {}  # daemon instance -> lease ids to release
+        self._release_asks: dict[int, tuple[str, list[int]]] = {}  # release request id -> its ids
+        #: requests sent (``prefetch``, ``release``), for tests and diagnostics
+        self.sent = {"prefetch": 0, "release": 0}
+
+    # ------------------------------------------------------------------------ the step
+    def new_step(self) -> None:
+        """A scheduler step begins (never raises, never waits): answers used in the last step are
+        forgotten, pins nobody acquired are released, queued releases are sent."""
+        self._collect_quietly()
+        self.step += 1
+        self._wait_left = self.wait_s
+        for key, (pin, step) in list(self._pinned.items()):
+            if key in self._answers or step < self.step - 1:  # asked and not pinned, or stale
+                del self._pinned[key]
+                self.release_later(pin.lease)
+        self._answers = {}
+        self._fresh = {k: v for k, v in self._fresh.items() if v[1] >= self.step - 1}
+        self._queued = {}  # a request still waiting says so again
+        # handles nobody polled in the last step (promotion given up by the connector): not asked again
+        self.tracked = {k: s for k, s in self.tracked.items() if s >= self.step - 1}
+        self.send_releases()
+
+    def expect(self, keys: list[str]) -> None:
+        """Keys the scheduler is about to ask about this step: asked in the same request."""
+        for key in keys:
+            if key not in self._answers and key not in self._fresh:
+                self._queued[key] = None
+
+    def answer(self, key: str) -> str:
+        """This step's state of ``key``: ``"absent"``, ``"ready"`` (pinned when it was asked with
+        a pin), or ``"promoting"`` (the daemon promotes it, or its answer is not in yet). Waits at
+        most what is left of the step's wait budget.
+
+        Raises:
+            EctierError (DaemonUnavailableError, ...): the request could not be sent, or was lost,
+            or the daemon left it unanswered past ``daemon_timeout_s``.
+        """
+        state = self._answers.get(key)
+        if state is not None:
+            return state
+        if key not in self._fresh:
+            self._collect(0.0)
+        if key not in self._fresh:
+            if self._ask is None or key not in self._ask.keys:
+                self._queued[key] = None
+                if self._ask is None:
+                    self._send()
+            if self._wait_left > 0 and self._ask is not None and key in self._ask.keys:
+                t0 = time.perf_counter()
+                try:
+                    self._collect(self._wait_left)
+                finally:
+                    self._wait_left -= time.perf_counter() - t0
+        got = self._fresh.pop(key, None)
+        if got is None:
+            return PROMOTING  # not answered yet: not remembered, the next question may find it
+        self._answers[key] = got[0]
+        return got[0]
+
+    def forget(self, key: str) -> None:
+        """Let the next question about ``key`` ask again (a wait, not a step)."""
+        self._answers.pop(key, None)
+
+    def take_pin(self, key: str) -> Pin | None:
+        """The pin the daemon took for ``key`` in a reply (None: none), now the caller's."""
+        got = self._pinned.pop(key, None)
+        return None if got is None else got[0]
+
+    # ------------------------------------------------------------------------ requests
+    def _send(self) -> None:
+        from ectier.daemon.protocol import MAX_BATCH_KEYS
+        from ectier.entry import validate_key
+
+        stale = [k for k in self.tracked if k not in self._answers and k not in self._fresh]
+        batch = list(dict.fromkeys([*self._queued, *stale]))[:MAX_BATCH_KEYS]
+        for key in batch:
+            validate_key(key)
+        features = self.client.features
+        args: dict[str, Any] = {"keys": batch, "namespace": self.namespace}
+        if "direct" in features:
+            args["direct"] = True
+        pin = [k for k in batch if k not in self._pinned] if "view" in features else None
+        if pin is not None:
+            args["pin"] = pin
+        rid = self.client.submit("prefetch", **args)
+        self.sent["prefetch"] += 1
+        self._ask = _Ask(rid, batch, frozenset(batch), pin, self.client.server_info.get("instance", ""))
+        for key in batch:
+            self._queued.pop(key, None)
+
+    def _collect(self, timeout: float) -> None:
+        """Take the replies that arrived (waiting at most ``timeout`` for the step's request).
+        Raises as :meth:`answer` for the ``prefetch`` request (it is then forgotten)."""
+        ask = self._ask
+        if ask is None:
+            if self._release_asks and self.client.answered(next(iter(self._release_asks))):
+                self._collect_releases()
+            return
+        try:
+            reply = self.client.poll(ask.rid, timeout)  # reads every reply that has arrived
+        except BaseException:
+            self._ask = None
+            raise
+        finally:
+            self._collect_releases()
+        if reply is None:
+            return
+        self._ask = None
+        for key, state in zip(ask.batch, reply["states"]):
+            self._fresh[key] = (state, self.step)
+        for key, fields in zip(ask.pin or (), reply.get("pins") or ()):
+            if fields is not None:
+                self._pinned[key] = (self._make_pin(fields, ask.instance), self.step)
+
+    def _collect_quietly(self) -> None:
+        try:
+            self._collect(0.0)
+        except Exception as exc:  # noqa: BLE001 - the keys are asked again (and fail there, a miss)
+            log.debug("ectier: the daemon's answer to a lookup was lost: %s", exc)
+
+    # ------------------------------------------------------------------------ releases
+    def release_later(self, lease: Any) -> None:
+        """Queue the release of process-held lease ``lease`` (a ``HeldLease``): sent by the next
+        :meth:`send_releases` (never blocks)."""
+        self._releases.setdefault(lease.instance, []).append(lease.id)
+
+    def release_held(self, lease_id: int, instance: str) -> None:
+        """The ``DaemonClient.release_held`` signature of :meth:`release_later` (scheduler thread only)."""
+        self._releases.setdefault(instance, []).append(lease_id)
+
+    def send_releases(self) -> None:
+        """Send the queued releases, one ``release`` request per daemon run, without waiting
+        for the reply; what cannot be sent goes to the background releaser (it retries)."""
+        from ectier.daemon.protocol import MAX_BATCH_KEYS
+
+        queued, self._releases = self._releases, {}
+        for instance, ids in queued.items():
+            for i in range(0, len(ids), MAX_BATCH_KEYS):
+                chunk = ids[i:i + MAX_BATCH_KEYS]
+                try:
+                    rid = self.client.submit("release", leases=chunk, instance=instance)
+                except Exception:  # noqa: BLE001 - unreachable: the background releaser retries
+                    self._to_background(instance, chunk)
+                    continue
+                self.sent["release"] += 1
+                self._release_asks[rid] = (instance, chunk)
+
+    def _collect_releases(self) -> None:
+        for rid, (instance, ids) in list(self._release_asks.items()):
+            try:
+                if not self.client.answered(rid) or self.client.poll(rid, 0.0) is None:
+                    continue
+            except Exception:  # noqa: BLE001 - lost before the daemon answered: maybe not done
+                self._to_background(instance, ids)
+            del self._release_asks[rid]
+
+    def _to_background(self, instance: str, ids: list[int]) -> None:
+        for lease_id in ids:
+            self.client.release_held(lease_id, instance)
+
+    @property
+    def releases_pending(self) -> int:
+        """Lease ids queued or sent whose release the daemon did not confirm yet."""
+        return sum(map(len, self._releases.values())) + sum(len(ids) for _, ids in self._release_asks.values())
+
+    def close(self) -> None:
+        """Release every pin not acquired, send the queued releases, wait briefly (at most 1 s)
+        for their replies; the rest goes to the background releaser."""
+        for pin, _ in self._pinned.values():
+            self.release_later(pin.lease)
+        self._pinned = {}
+        self.send_releases()
+        deadline = time.monotonic() + 1.0
+        for rid, (instance, ids) in self._release_asks.items():
+            try:
+                if self.client.poll(rid, max(0.0, deadline - time.monotonic())) is not None:
+                    continue
+            except Exception:  # noqa: BLE001 - lost: maybe not done
+                pass
+            self._to_background(instance, ids)
+        self._release_asks = {}
+
+
+class DaemonLoad:
+    """A daemon promotion of one key, as the connector polls it (the shape of ectier's
+    ``LoadHandle``): ``done()`` is True once the daemon answered ``ready`` or ``absent`` (asked at
+    most once per scheduler step, see :class:`StepLookups`), or the question failed (``error``:
+    the exception); ``wait(timeout_s)`` is True for ``ready``. ``done()`` never waits beyond the
+    step's wait budget; ``wait`` with a timeout above 0 asks again every 10 ms until then."""
+
+    __slots__ = ("key", "error", "_lookups", "_state")
+
+    def __init__(self, lookups: StepLookups, key: str) -> None:
+        self.key = key
+        self.error: BaseException | None = None
+        self._lookups = lookups
+        self._state: str | None = None
+        lookups.tracked[key] = lookups.step
+
+    def done(self) -> bool:
+        if self.error is not None or self._state in (READY, ABSENT):
+            return True
+        self._lookups.tracked[self.key] = self._lookups.step
+        try:
+            self._state = self._lookups.answer(self.key)
+        except Exception as exc:  # noqa: BLE001 - a handle reports, never raises (the item is a miss)
+            self.error = exc
+        finished = self.error is not None or self._state != PROMOTING
+        if finished:
+            self._lookups.tracked.pop(self.key, None)
+        return finished
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.done():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+            self._lookups.forget(self.key)  # ask again: this is a wait, not a step
+        return self.error is None and self._state == READY
+
+    def __repr__(self) -> str:
+        return f"<DaemonLoad {self.key!r} {self._state or 'unasked'}>"

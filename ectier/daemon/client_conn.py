@@ -1,0 +1,355 @@
+"""The daemon client's connection: connect and handshake, back-off, one request's round trip, and
+requests sent without waiting for their reply (:meth:`Transport.submit` / :meth:`Transport.poll`).
+
+:class:`Transport` is the base of :class:`~ectier.daemon.client.DaemonClient` (which documents the
+arguments and the reconnect rules); it owns the socket, the frame decoder, the lock that
+serialises calls, the back-off state, the ``hello`` reply (``server_info``) and the arena mapping's
+lifetime (dropped when the daemon behind the socket changes).
+
+Asynchronous requests: :meth:`Transport.submit` sends a request and returns its id at once;
+:meth:`Transport.poll` returns its reply once it has arrived (reading only what the socket already
+holds, or waiting at most the ``timeout`` it is given). Synchronous calls made meanwhile on the
+same connection keep the replies of submitted requests they read for :meth:`poll`. A submitted
+request unanswered after ``timeout_s`` counts as a hung daemon (the connection is dropped and the
+back-off starts); one whose connection was lost is answered by ``DaemonUnavailableError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import socket
+import time
+from typing import Any
+
+from .. import errors
+from ..entry import validate_key, validate_namespace
+from .client_errors import DaemonUnavailableError, error_from_reply as _error_from
+from .protocol import PROTOCOL_VERSION, FrameDecoder, ProtocolError, encode_frame
+
+__all__ = ["Transport"]
+
+log = logging.getLogger(__name__)
+
+
+class Transport:
+    """Connection state and requests of a daemon client (module docstring). Expects the
+    attributes :class:`~ectier.daemon.client.DaemonClient` sets up in ``__init__``."""
+
+    def connect(self, *, wait: bool = True) -> None:
+        """Connect and handshake now (calls do this lazily). Raises DaemonUnavailableError.
+
+        ``wait=False``: a probe, as at start-up: one attempt, no ``connect_retry_s`` wait, bounded
+        by ``probe_timeout_s``; a failure starts the back-off window like any other."""
+        with self._lock:
+            if self._sock is None:
+                self._connect(wait=wait)
+
+    @property
+    def unreachable(self) -> bool:
+        """True while the last connection attempt or request failed (calls then fail fast)."""
+        return self._failed_at is not None
+
+    def _fail(self, message: str) -> DaemonUnavailableError:
+        """Start the back-off window: calls fail fast with ``message`` for ``backoff_s``."""
+        self._failed_at = time.monotonic()
+        self._failure = message
+        return DaemonUnavailableError(message)
+
+    def _connect(self, *, wait: bool = True) -> None:
+        now = time.monotonic()
+        probe = not wait
+        if self._failed_at is not None:
+            if now - self._failed_at < self.backoff_s:
+                raise DaemonUnavailableError(
+                    f"{self._failure} ({now - self._failed_at:.2f} s ago; next attempt after {self.backoff_s:g} s)"
+                )
+            probe = True  # known down: one short attempt per back-off window, never a retry wait
+        timeout = min(self.timeout_s, self.probe_timeout_s) if probe else self.timeout_s
+        deadline = now + (0.0 if probe else self.connect_retry_s)
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(timeout)
+            try:
+                sock.connect(self.socket_path)
+                break
+            except OSError as exc:
+                sock.close()
+                if time.monotonic() >= deadline:
+                    # the daemon whose arena we map is gone: let go of its (unlinked) file now, or
+                    # its pages stay allocated in daemon.shm_dir and a restarted daemon may find
+                    # no room for its own arena
+                    self._unmap()
+                    raise self._fail(
+                        f"cannot reach the ectier daemon at {self.socket_path!r}: {exc.strerror or exc}; "
+                        "is `ectier serve` running (daemon.socket_path)?"
+                    ) from None
+                time.sleep(0.05)
+        self._sock = sock
+        self._decoder = FrameDecoder(1 << 30)
+        try:
+            info = self._roundtrip({"op": "hello", "version": PROTOCOL_VERSION, "client": self.client_name}, timeout)
+        except BaseException:
+            self._drop()
+            raise
+        self._failed_at = None
+        self.server_info = info
+        # map the arena afresh unless it is the very file already mapped: a restarted daemon may
+        # create its arena under the old name (same pid, e.g. PID 1 of a container), and the old
+        # mapping would then be an unlinked file the daemon no longer reads
+        if not self._maps_arena_of(info):
+            self._unmap()
+
+    def _maps_arena_of(self, info: dict[str, Any]) -> bool:
+        """True if the current mapping is of the arena ``info`` names (same live file, same size)."""
+        if self._arena_fd is None:
+            return False
+        try:
+            arena = info["arena"]
+            mine, theirs = os.fstat(self._arena_fd), os.stat(arena["path"])
+        except (OSError, KeyError, TypeError):
+            return False
+        return (mine.st_nlink > 0 and (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino)
+                and arena.get("path") == self._arena_path and self._arena_mmap is not None
+                and arena.get("nbytes") == len(self._arena_mmap))
+
+    def _peer_closed(self) -> bool:
+        """True if the daemon closed this connection (idle timeout, room for another client,
+        restart): an end of file is waiting on the socket. Costs one poll, no wait."""
+        assert self._sock is not None
+        try:
+            readable, _, _ = select.select([self._sock], [], [], 0)
+            if not readable:
+                return False
+            return not self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except (OSError, ValueError):
+            return True
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            self._lose_submitted("the connection was dropped")
+        self._sock = None
+
+    def _unmap(self) -> None:
+        if getattr(self, "_arena_registered", False) and self._arena is not None:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self._arena.data_ptr())
+            self._arena_registered = False
+        self._arena = None
+        if self._arena_mmap is not None:
+            try:
+                self._arena_mmap.close()
+            except BufferError:
+                pass  # a tensor view still exists; the mapping goes with it
+            self._arena_mmap = None
+        if self._arena_fd is not None:
+            os.close(self._arena_fd)
+            self._arena_fd = None
+        self._arena_path = None
+
+    def close(self) -> None:
+        """Close the connection (leases held by this client are released by the daemon)."""
+        with self._lock:
+            self._drop()
+            self._unmap()
+
+    def __enter__(self) -> "Transport":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _roundtrip(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Send ``request`` and wait at most ``timeout`` seconds in all for its reply. No reply in
+        time: the connection is dropped and the back-off starts (DaemonUnavailableError)."""
+        assert self._sock is not None
+        rid = self._next_id
+        self._next_id += 1
+        try:
+            frame = encode_frame({"id": rid, **request})
+        except UnicodeEncodeError as exc:  # a lone surrogate: the cache refuses such keys too
+            raise errors.InvalidKeyError(f"{request.get('op')}: strings must be valid UTF-8: {exc}") from None
+        deadline = time.monotonic() + timeout
+        try:
+            self._sock.settimeout(timeout)
+            self._sock.sendall(frame)
+            while True:
+                self._sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+                data = self._sock.recv(65536)
+                if not data:
+                    raise ConnectionResetError("daemon closed the connection")
+                for msg in self._decoder.feed(data):
+                    if isinstance(msg, ProtocolError):
+                        raise msg
+                    if msg.get("id") not in (rid, None):
+                        self._keep_reply(msg)  # a submitted request's (poll takes it), else stale
+                        continue
+                    if not msg.get("ok"):
+                        raise _error_from(msg.get("error") or {})
+                    msg.pop("id", None)
+                    msg.pop("ok", None)
+                    return msg
+        except socket.timeout:
+            self._drop()
+            raise self._fail(
+                f"the ectier daemon at {self.socket_path!r} did not answer {request.get('op')!r} within "
+                f"{timeout:g} s (hung, stopped or overloaded?)"
+            ) from None
+
+    def call(self, op: str, *, retry: bool = True, **args: Any) -> dict[str, Any]:
+        """Send one request and return its results. Raises the daemon's typed error on an error
+        reply, DaemonUnavailableError when the daemon is unreachable or does not answer within
+        ``timeout_s`` (never retried), or went away twice.
+
+        ``retry=True``: a connection the daemon closed (restart, idle timeout) is replaced first,
+        and a request whose connection is lost is sent again once on a new one. ``retry=False``
+        (requests bound to this connection: ``commit``, ``release`` of its leases): neither."""
+        if "key" in args:
+            validate_key(args["key"])
+        if "namespace" in args:
+            validate_namespace(args["namespace"])
+        with self._lock:
+            for attempt in (0, 1):
+                try:
+                    if self._sock is not None and retry and self._peer_closed():
+                        self._drop()
+                    if self._sock is None:
+                        self._connect()
+                    return self._roundtrip({"op": op, **args}, self.timeout_s)
+                except DaemonUnavailableError:
+                    self._drop()
+                    raise
+                except OSError as exc:  # ConnectionError, BrokenPipeError, ...: the daemon went away
+                    self._drop()
+                    if attempt == 1 or not retry:
+                        raise DaemonUnavailableError(f"lost the ectier daemon at {self.socket_path!r}: {exc}") from None
+            raise AssertionError("unreachable")
+
+
+    @property
+    def features(self) -> frozenset[str]:
+        """What the daemon of the current connection offers (``hello``'s ``features``; empty
+        before the first connection and for a daemon older than them)."""
+        return frozenset(self.server_info.get("features") or ())
+
+
+    # ----------------------------------------------------------------- requests without waiting
+
+    def submit(self, op: str, **args: Any) -> int:
+        """Send one request without waiting for its reply; returns its id for :meth:`poll`.
+        Connects first when there is no connection (one probe: no ``connect_retry_s`` wait,
+        bounded by ``probe_timeout_s``; during the back-off it fails at once).
+
+        Raises:
+            DaemonUnavailableError: unreachable, or the request could not be sent.
+            InvalidKeyError: a string of the request is not valid UTF-8.
+        """
+        with self._lock:
+            if self._sock is not None and self._peer_closed():
+                self._drop()
+            if self._sock is None:
+                self._connect(wait=False)
+            rid = self._next_id
+            self._next_id += 1
+            try:
+                frame = encode_frame({"id": rid, "op": op, **args})
+            except UnicodeEncodeError as exc:
+                raise errors.InvalidKeyError(f"{op}: strings must be valid UTF-8: {exc}") from None
+            try:
+                self._sock.settimeout(self.timeout_s)
+                self._sock.sendall(frame)
+            except OSError as exc:
+                self._drop()
+                raise DaemonUnavailableError(f"lost the ectier daemon at {self.socket_path!r}: {exc}") from None
+            self._submitted[rid] = (op, time.monotonic())
+            return rid
+
+    def poll(self, rid: int, timeout: float = 0.0) -> dict[str, Any] | None:
+        """The reply to submitted request ``rid`` (as :meth:`call` returns it) once it has arrived,
+        else ``None``; waits at most ``timeout`` seconds (0: reads only what has arrived). A reply
+        is returned once; polling an id again afterwards raises ``KeyError``.
+
+        Raises:
+            the daemon's typed error (an error reply); DaemonUnavailableError: the connection was
+            lost before the reply, or the daemon left it unanswered for ``timeout_s`` (hung: the
+            connection is dropped and the back-off starts). KeyError: ``rid`` was never
+            submitted, or its reply was already taken.
+        """
+        with self._lock:
+            if rid not in self._submitted and rid not in self._arrived:
+                raise KeyError(rid)
+            deadline = time.monotonic() + timeout
+            while rid not in self._arrived:
+                if self._sock is None:
+                    self._lose_submitted("the connection was closed")
+                    break
+                wait = max(0.0, deadline - time.monotonic())
+                try:
+                    if not select.select([self._sock], [], [], wait)[0]:
+                        break
+                    data = self._sock.recv(65536)
+                    if not data:
+                        raise ConnectionResetError("daemon closed the connection")
+                except OSError as exc:
+                    self._drop()
+                    self._lose_submitted(str(exc))
+                    break
+                for msg in self._decoder.feed(data):
+                    if isinstance(msg, ProtocolError):
+                        self._drop()
+                        raise msg
+                    self._keep_reply(msg)
+            if rid not in self._arrived:
+                op, sent = self._submitted[rid]
+                if time.monotonic() - sent > self.timeout_s:
+                    self._drop()
+                    self._lose_submitted(f"no answer to {op!r} within {self.timeout_s:g} s")
+                    raise self._fail(
+                        f"the ectier daemon at {self.socket_path!r} did not answer {op!r} within "
+                        f"{self.timeout_s:g} s (hung, stopped or overloaded?)")
+                return None
+            msg = self._arrived.pop(rid)
+            self._submitted.pop(rid, None)
+        if isinstance(msg, BaseException):
+            raise msg
+        if not msg.get("ok"):
+            raise _error_from(msg.get("error") or {})
+        msg.pop("id", None)
+        msg.pop("ok", None)
+        return msg
+
+    def answered(self, rid: int) -> bool:
+        """True if :meth:`poll` of ``rid`` would return at once without reading the socket (its
+        reply, or its error, is in; or the daemon hung past ``timeout_s``). No I/O."""
+        if rid in self._arrived:
+            return True
+        sent = self._submitted.get(rid)
+        return sent is None or time.monotonic() - sent[1] > self.timeout_s
+
+    @property
+    def in_flight(self) -> int:
+        """Submitted requests whose reply was not taken yet."""
+        return len(self._submitted)
+
+    def _keep_reply(self, msg: dict[str, Any]) -> bool:
+        """Keep ``msg`` for :meth:`poll` if it answers a submitted request; True if it did."""
+        rid = msg.get("id")
+        if rid in self._submitted and rid not in self._arrived:
+            self._arrived[rid] = msg
+            return True
+        return False
+
+    def _lose_submitted(self, why: str) -> None:
+        """The connection went: every submitted request still unanswered is answered by an error."""
+        for rid in self._submitted:
+            if rid not in self._arrived:
+                self._arrived[rid] = DaemonUnavailableError(
+                    f"lost the ectier daemon at {self.socket_path!r} before its reply: {why}")

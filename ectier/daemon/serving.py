@@ -1,0 +1,191 @@
+"""The daemon's connections: admission, one thread per connection reading and answering its
+requests, and what a disconnect ends (a mixin of :class:`~ectier.daemon.server.DaemonServer`).
+
+Admission (:meth:`ConnectionServing._admit`): the peer's credentials (``SO_PEERCRED``) against
+``daemon.allowed_group``, then :func:`ectier.daemon.connections.admission` under the server's
+lock (an idle connection may be closed to make room). Each admitted connection is served by a
+thread of its own (:meth:`ConnectionServing._serve_connection`): frames are decoded and each
+request is answered by :func:`ectier.daemon.handlers.handle`; a reply that cannot be sent revokes
+the process-held leases its request granted; a connection idle for ``daemon.idle_timeout_s``
+without a lease is closed; a disconnect ends every lease of the connection.
+"""
+
+from __future__ import annotations
+
+import grp
+import logging
+import os
+import pwd
+import socket
+import threading
+import time
+from typing import Any
+
+from .connections import Connection, admission, peer_credentials
+from .handlers import handle
+from .leases import end_lease
+from .protocol import FrameDecoder, ProtocolError, encode_frame, error_reply
+
+__all__ = ["ConnectionServing", "shutdown_socket"]
+
+log = logging.getLogger("ectier.daemon")
+
+
+class ConnectionServing:
+    """The connection threads of :class:`~ectier.daemon.server.DaemonServer` (module docstring);
+    uses its ``config``, ``_lock``, ``_conns``, ``leases``, ``cache``, ``counters``, ``_stop``."""
+
+    def _admit(self, sock: socket.socket) -> None:
+        pid, uid, gid = peer_credentials(sock)
+        victim = None
+        if not self._peer_allowed(uid, gid):
+            reason = f"uid {uid} is not allowed (daemon runs as uid {os.getuid()}; see daemon.allowed_group)"
+        else:
+            # a connection still answering its last request becomes idle a moment later: at the cap,
+            # look again for up to ~0.1 s before refusing while some connection is busy
+            for _ in range(6):
+                with self._lock:
+                    victim, reason = admission(self._conns.values(), uid, max_clients=self.config.daemon.max_clients,
+                                               max_per_uid=self.config.daemon.uid_connection_cap)
+                    if reason is None:
+                        if victim is not None:  # idle: no request in progress, no lease; see admission()
+                            victim.closed = True
+                            self.counters["evicted"] += 1
+                        conn = Connection(self._new_id_locked(), sock, pid, uid, gid)
+                        self._conns[conn.id] = conn
+                        self.counters["connections"] += 1
+                        break
+                    busy = any(c.busy for c in self._conns.values())
+                if not busy:
+                    break
+                time.sleep(0.02)
+        if reason is not None:
+            self.counters["refused"] += 1
+            log.warning("refused connection from pid %d: %s", pid, reason)
+            try:
+                sock.sendall(encode_frame(error_reply(None, "PermissionError", reason)))
+            except OSError:
+                pass
+            sock.close()
+            return
+        if victim is not None:
+            log.info("closed the idle connection of client %s (pid %d, uid %d; idle %.1f s) to make room for "
+                     "pid %d (daemon.max_clients=%d, daemon.max_clients_per_uid=%d)", victim.name, victim.pid,
+                     victim.uid, time.monotonic() - victim.last_active, pid, self.config.daemon.max_clients,
+                     self.config.daemon.uid_connection_cap)
+            shutdown_socket(victim.sock)
+        t = threading.Thread(target=self._serve_connection, args=(conn,), name=f"ectier-conn-{conn.id}", daemon=True)
+        self._threads = [x for x in self._threads if x.is_alive()]
+        self._threads.append(t)
+        t.start()
+
+    def _peer_allowed(self, uid: int, gid: int) -> bool:
+        if uid == os.getuid():
+            return True
+        if self.allowed_gid is None:
+            return False
+        if gid == self.allowed_gid:
+            return True
+        try:
+            user = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            return False
+        return user in grp.getgrgid(self.allowed_gid).gr_mem
+
+    def _serve_connection(self, conn: Connection) -> None:
+        decoder = FrameDecoder(self.config.daemon.max_frame_bytes)
+        sock = conn.sock
+        idle_timeout = self.config.daemon.idle_timeout_s
+        try:
+            sock.settimeout(idle_timeout if idle_timeout > 0 else None)
+            while not self._stop.is_set():
+                try:
+                    data = sock.recv(65536)
+                except socket.timeout:
+                    if self._close_if_idle(conn):
+                        break
+                    continue
+                except OSError:
+                    break
+                with self._lock:  # closed meanwhile (to make room, lease expiry): drop the request
+                    if conn.closed or not data:
+                        break
+                    conn.busy = True
+                try:
+                    self._serve_data(conn, decoder, data)
+                finally:
+                    with self._lock:
+                        conn.busy = False
+                        conn.last_active = time.monotonic()
+                if conn.closed:
+                    break
+        finally:
+            self._disconnect(conn)
+
+    def _serve_data(self, conn: Connection, decoder: FrameDecoder, data: bytes) -> None:
+        """Answer every request completed by ``data``; a lost framing closes the connection."""
+        try:
+            messages = decoder.feed(data)
+        except ProtocolError as exc:  # framing lost: answer once, then drop this client
+            self.counters["protocol_errors"] += 1
+            self._send(conn, error_reply(None, "ProtocolError", str(exc)))
+            conn.closed = True
+            return
+        for msg in messages:
+            conn.granted_now = []
+            reply = handle(self, conn, msg)
+            if not self._send(conn, reply):
+                self._revoke(conn, conn.granted_now)
+                conn.closed = True
+                return
+
+    def _revoke(self, conn: Connection, lease_ids: list[int]) -> None:
+        """End the process-held leases granted by a request whose reply never reached its client."""
+        for lease_id in lease_ids:
+            lease = self.leases.take(conn, lease_id, "get")
+            if lease is not None:
+                end_lease(self.cache, lease, commit=False)
+        if lease_ids:
+            log.info("client %s (pid %d) went away before the reply granting %d view lease(s); revoked",
+                     conn.name, conn.pid, len(lease_ids))
+
+    def _close_if_idle(self, conn: Connection) -> bool:
+        """After ``daemon.idle_timeout_s`` without a request: close ``conn`` unless it holds a
+        lease (lease expiry takes care of those). Returns True if it is to be closed."""
+        with self._lock:
+            if conn.leases or conn.closed:
+                return conn.closed
+            conn.closed = True
+            self.counters["idle_closed"] += 1
+        log.debug("closed the connection of client %s (pid %d): no request for daemon.idle_timeout_s=%g s",
+                  conn.name, conn.pid, self.config.daemon.idle_timeout_s)
+        return True
+
+    def _send(self, conn: Connection, reply: dict[str, Any]) -> bool:
+        try:
+            conn.sock.sendall(encode_frame(reply, max_frame_bytes=1 << 30))
+            return True
+        except OSError:
+            return False
+
+    def _disconnect(self, conn: Connection) -> None:
+        with self._lock:
+            self._conns.pop(conn.id, None)
+            leases = self.leases.take_of_locked(conn)
+            conn.closed = True
+        for lease in leases:
+            end_lease(self.cache, lease, commit=False)
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+        if leases:
+            log.info("client %s (pid %d) disconnected holding %d lease(s); reclaimed", conn.name, conn.pid, len(leases))
+
+
+def shutdown_socket(sock: socket.socket) -> None:
+    """Wake the connection's thread (its recv returns) so that it disconnects."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

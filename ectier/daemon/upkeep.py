@@ -1,0 +1,105 @@
+"""The daemon's lease upkeep: the reaper thread that expires leases and ends the pins of client
+processes that exited, and the grant of process-held leases within the view bounds (a mixin of
+:class:`~ectier.daemon.server.DaemonServer`; :func:`view_pin_bounds` resolves the bounds).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from ..config import CacheConfig
+from ..errors import ConfigError
+from .connections import Connection
+from .leases import end_lease, place_of
+from .serving import shutdown_socket
+
+__all__ = ["LeaseUpkeep", "view_pin_bounds"]
+
+log = logging.getLogger("ectier.daemon")
+
+
+class LeaseUpkeep:
+    """Lease expiry and view grants of :class:`~ectier.daemon.server.DaemonServer` (module
+    docstring); uses its ``config``, ``_lock``, ``leases``, ``holders``, ``cache``, ``counters``,
+    ``prefetcher``, ``_stop``."""
+
+    def _reap_loop(self) -> None:
+        interval = min(1.0, self.config.daemon.lease_s / 4)
+        while not self._stop.wait(interval):
+            self.expire_leases()
+            self.reap_dead_holders()
+            if self.prefetcher is not None:
+                self.prefetcher.expire()
+
+    def grant_view(self, conn: Connection, handle: Any) -> tuple[int | None, str | None]:
+        """A process-held lease of ``conn``'s process on ``handle`` (a ``ReadLease``), within
+        ``daemon.view_pin_bytes`` (:mod:`ectier.daemon.holders`). Returns ``(lease id, None)``, or
+        ``(None, reason)`` when refused (``handle`` is then still the caller's)."""
+        place = place_of(handle)
+        with self._lock:
+            held = self.leases.held_bytes_locked(conn.pid)
+            after = self.leases.held_bytes_locked(conn.pid, also=handle, place=place)
+            reason = self.holders.refusal_locked(conn.pid, held, after, self.leases.held_total + after - held)
+            if reason is not None:
+                self.holders.counters["refused"] += 1
+                return None, reason
+            self.holders.counters["granted"] += 1
+            lease_id = self.leases.grant_held_locked(conn.pid, handle, place)
+            conn.granted_now.append(lease_id)
+            return lease_id, None
+
+    def reap_dead_holders(self) -> int:
+        """Release the process-held leases of client processes that exited (pidfd readable), and
+        stop watching processes that hold none. Returns how many leases were released."""
+        with self._lock:
+            dead = self.holders.dead_locked()
+            leases = [l for pid in dead for l in self.leases.take_held_of_locked(pid)]
+            self.holders.counters["released_dead"] += len(leases)
+            holding = self.leases.held_pids_locked()
+            for pid in list(self.holders.watched_pids_locked()):
+                if pid not in holding:
+                    self.holders.forget_locked(pid)
+        for lease in leases:
+            end_lease(self.cache, lease, commit=False)
+        if leases:
+            log.info("client process(es) %s exited holding %d view lease(s); reclaimed",
+                     ", ".join(map(str, dead)), len(leases))
+        return len(leases)
+
+    def expire_leases(self, now: float | None = None) -> int:
+        """End every lease past its deadline and close its connection. Returns how many expired."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            expired = self.leases.take_expired_locked(now)
+            self.counters["leases_expired"] += len(expired)
+        for lease in expired:  # never a process-held lease (no deadline)
+            log.warning("lease %d (%s) of client %s (pid %d) expired after daemon.lease_s=%s; reclaimed",
+                        lease.id, lease.kind, lease.conn.name, lease.conn.pid, self.config.daemon.lease_s)
+            end_lease(self.cache, lease, commit=False)
+            lease.conn.closed = True
+            shutdown_socket(lease.conn.sock)
+        return len(expired)
+
+
+def view_pin_bounds(config: CacheConfig) -> tuple[int, int]:
+    """``(daemon.view_pin_bytes, daemon.view_pin_total_bytes)`` resolved against the arena
+    (``host.capacity_bytes``): the per-process default is half the arena, the total's default
+    half the arena or the per-process bound when that is larger.
+
+    Raises:
+        ConfigError: a bound larger than ``host.capacity_bytes``, or a total below the
+        per-process bound (naming the field).
+    """
+    arena, d = config.host.capacity_bytes, config.daemon
+    per = arena // 2 if d.view_pin_bytes is None else d.view_pin_bytes
+    total = max(per, arena // 2) if d.view_pin_total_bytes is None else d.view_pin_total_bytes
+    for name, value in (("view_pin_bytes", d.view_pin_bytes), ("view_pin_total_bytes", d.view_pin_total_bytes)):
+        if value is not None and value > arena:
+            raise ConfigError(f"daemon.{name}: {value} bytes is larger than the host arena (host.capacity_bytes="
+                              f"{arena}); views can pin at most the whole arena, lower it (or leave it unset)")
+    if total < per:
+        raise ConfigError(f"daemon.view_pin_total_bytes: {total} bytes is below daemon.view_pin_bytes={per} "
+                          "(the bound of one process); raise it or lower daemon.view_pin_bytes")
+    return per, total
