@@ -20,15 +20,16 @@ from ectier.daemon.server import DaemonServer
 
 
 class SlowReads:
-    """An LMDB environment whose read transactions with ``buffers=True`` (payload reads) start
-    ``delay_s`` late; everything else is the environment's own."""
+    """An LMDB environment whose read-only transactions (a payload read's index lookup: the tier
+    keeps its index in memory, so these are the reads) start ``delay_s`` late; everything else is
+    the environment's own."""
 
     def __init__(self, env, delay_s: float) -> None:
         self._env = env
         self._delay_s = delay_s
 
     def begin(self, **kw):
-        if kw.get("buffers") and not kw.get("write"):
+        if not kw.get("write"):
             time.sleep(self._delay_s)
         return self._env.begin(**kw)
 
