@@ -40,6 +40,7 @@ from .moves.arena import ArenaMoves
 from .moves.nvme import RETRY, NvmeMoves
 from .moves.promote import Promotions
 from .moves.remote import RemoteMoves
+from .moves.writeback import WriteBehind
 from .stack import TierStack
 from .stats import Counters
 from .tensors import byte_view
@@ -115,6 +116,7 @@ class Mover:
         self._arenas, self._stores = stack.arenas(), stack.stores()  # fixed once open (hot loops)
         self._demotions: dict[tuple[str, str], Callable[..., bool]] = {}
         self._register()
+        self.write_behind = self._make_write_behind()
         self.promote = Promotions(self)  # the promotion sequence and the upward edges (moves/promote.py)
 
     # ------------------------------------------------------------------------- the edges
@@ -127,6 +129,21 @@ class Mover:
                 if src is not None:
                     self._demotions[src.name, "nvme"] = (
                         lambda v, protect, src=src: self.nvme.demote_slot(src, v, protect=protect))
+
+    def _make_write_behind(self) -> WriteBehind | None:
+        """The host tier's write-behind (``host.write_behind_fraction``), or ``None``: off, no host or
+        NVMe tier, or ``nvme.write_through`` (every host entry is written at its put already)."""
+        host = self.stack.get("host")
+        reserve = int(self.config.host.write_behind_fraction * host.capacity_bytes) if host is not None else 0
+        if self.nvme is None or reserve <= 0 or self.write_through:
+            return None
+        return WriteBehind(self, host, reserve)
+
+    def close_write_behind(self) -> None:
+        """Stop the write-behind (its write in flight finishes first); before a flush and before
+        the tiers close. Idempotent."""
+        if self.write_behind is not None:
+            self.write_behind.close()
 
     def edges(self) -> list[tuple[str, str]]:
         """Every registered edge ``(source tier, destination tier)``: demotions, then promotions."""
@@ -157,6 +174,8 @@ class Mover:
         # waits only for readers' pins: room that open reservations hold (another party's put in
         # progress, e.g. a daemon client's) is not waited for, the caller tries the next tier
         started = time.monotonic()  # admit_wait_s counts from here, evictions included
+        if self.write_behind is not None and tier.name == "host":
+            self.write_behind.poke()  # this admission's room may come from the window: keep it clean
         clean_only = promotion and tier.name == "host" and self.config.host.promote_clean_only
         while True:
             with self.lock:
@@ -206,6 +225,7 @@ class Mover:
     def demote(self, tier: ArenaTier, v: Slot, *, protect: bytes | None = None) -> bool:
         """Move a pinned victim to the nearest lower tier that takes it. True if a lower tier
         holds (or, once its copy completes, will hold) its version."""
+        host = tier.name == "host"
         with self.cond:
             if not self.catalog.is_current(v.digest, v.version):
                 return False  # replaced or deleted: nothing to keep
@@ -213,12 +233,19 @@ class Mover:
                 if t.holds(v.digest, v.version):
                     if self.nvme is not None and t is self.nvme.tier:
                         self.nvme.index.touch(v.digest)
+                    if host:
+                        self.counters.count("host", clean_evictions=1)
                     return True
-        for dst in self.stack.below(tier):
-            handler = self._demotions.get((tier.name, dst.name))
-            if handler is not None and self._run(f"demotion {tier.name} -> {dst.name}", handler, v, protect):
-                return True
-        return False
+        started = time.perf_counter()
+        try:
+            for dst in self.stack.below(tier):
+                handler = self._demotions.get((tier.name, dst.name))
+                if handler is not None and self._run(f"demotion {tier.name} -> {dst.name}", handler, v, protect):
+                    return True
+            return False
+        finally:
+            if host and self.nvme is not None:  # a write inside the call that needed the room
+                self.counters.count("host", dirty_evictions=1, eviction_write_s=time.perf_counter() - started)
 
     def _release_victim(self, tier: ArenaTier, v: Slot, moved: bool) -> None:
         with self.cond:
@@ -267,10 +294,13 @@ class Mover:
             if self.nvme is not None:
                 if self.nvme.tier.holds(digest, version):
                     slot.lower_copy = True
-                elif not keep_older_record:
-                    old = self.nvme.claim_locked(digest, older_than=version)  # never a newer record
-                    if old is not None:
-                        stale.append((digest, old))
+                else:
+                    if not keep_older_record:
+                        old = self.nvme.claim_locked(digest, older_than=version)  # never a newer record
+                        if old is not None:
+                            stale.append((digest, old))
+                    if self.write_behind is not None and tier is self.write_behind.host:
+                        self.write_behind.poke()  # a dirty host entry: the window may need writing
         for d, v in stale:
             # the key's older record goes before put returns, so a restart never serves it
             self.nvme.delete_claimed(d, v)

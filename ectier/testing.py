@@ -21,7 +21,8 @@ from .tiers.base import Tier
 from .tiers.remote.backend import RemoteBackend, RemoteTimeout
 
 __all__ = ["MemoryBackend", "DeferredCopyEngine", "make_cache", "tier", "where", "holds", "version_of", "versions", "drop_copy", "record_of",
-           "pins", "drain", "check_invariants", "fail_writes", "fail_after_writes", "watch_nvme_records", "lmdb_of", "set_lmdb_env", "NvmeLmdb", "copy_engine_of"]
+           "pins", "drain", "check_invariants", "fail_writes", "fail_after_writes", "watch_nvme_records", "lmdb_of", "set_lmdb_env", "NvmeLmdb", "copy_engine_of",
+           "write_behind_idle", "write_behind_enabled"]
 
 
 class DeferredCopyEngine(CopyEngine):
@@ -162,9 +163,22 @@ def pins(cache: TieredCache, tier_name: str = "host") -> int:
 def drain(cache: TieredCache, timeout_s: float | None = 10.0) -> bool:
     """Wait until every copy completion and prefetch in flight has run; False on timeout."""
     ok = cache._reads.quiesce(timeout_s)
+    ok = write_behind_idle(cache, timeout_s) and ok
     if cache._mover.remote is not None:
         ok = cache._mover.remote.drain(timeout_s) and ok
     return ok
+
+
+def write_behind_idle(cache: TieredCache, timeout_s: float | None = 10.0) -> bool:
+    """Wait until the host tier's write-behind has no write in flight and no round pending (True
+    at once without one); False on timeout (seconds)."""
+    wb = cache._mover.write_behind
+    return True if wb is None else wb.wait_idle(timeout_s)
+
+
+def write_behind_enabled(cache: TieredCache) -> bool:
+    """Whether the cache runs a write-behind of host entries to NVMe (``host.write_behind_fraction``)."""
+    return cache._mover.write_behind is not None
 
 
 @contextlib.contextmanager
@@ -267,6 +281,7 @@ def check_invariants(cache: TieredCache) -> None:
     copy is its key's current version; the NVMe records in memory equal what LMDB holds and are
     all current and tracked by the NVMe policy; every key of the catalog is held by some tier.
     """
+    assert write_behind_idle(cache), "the write-behind did not settle within 10 s"
     with cache._cond:
         cat = cache._catalog
         assert cat.pending_count() == 0, "copies still in flight"
