@@ -174,8 +174,6 @@ class Mover:
         # waits only for readers' pins: room that open reservations hold (another party's put in
         # progress, e.g. a daemon client's) is not waited for, the caller tries the next tier
         started = time.monotonic()  # admit_wait_s counts from here, evictions included
-        if self.write_behind is not None and tier.name == "host":
-            self.write_behind.poke()  # this admission's room may come from the window: keep it clean
         clean_only = promotion and tier.name == "host" and self.config.host.promote_clean_only
         while True:
             with self.lock:
@@ -294,13 +292,14 @@ class Mover:
             if self.nvme is not None:
                 if self.nvme.tier.holds(digest, version):
                     slot.lower_copy = True
-                else:
-                    if not keep_older_record:
-                        old = self.nvme.claim_locked(digest, older_than=version)  # never a newer record
-                        if old is not None:
-                            stale.append((digest, old))
-                    if self.write_behind is not None and tier is self.write_behind.host:
-                        self.write_behind.poke()  # a dirty host entry: the window may need writing
+                elif not keep_older_record:
+                    old = self.nvme.claim_locked(digest, older_than=version)  # never a newer record
+                    if old is not None:
+                        stale.append((digest, old))
+                if self.write_behind is not None and tier is self.write_behind.host:
+                    # after the admission (never during it: its pins would turn the admission's
+                    # victims away): the window moved, and may hold dirty entries now
+                    self.write_behind.poke()
         for d, v in stale:
             # the key's older record goes before put returns, so a restart never serves it
             self.nvme.delete_claimed(d, v)

@@ -9,8 +9,9 @@ so that those calls find clean victims.
 The window: ``host.write_behind_fraction * host.capacity_bytes`` bytes, counted from the
 least-recently-used end of the tier (the tier's free bytes count first: with that much free, there
 is nothing to do). Every dirty entry inside it is written to NVMe, oldest first, one at a time,
-by one daemon thread (``ectier-write-behind``) — woken by a host admission or by a commit of a
-dirty host entry, never polling.
+by one daemon thread (``ectier-write-behind``) — woken by every commit into the host tier (a put
+or a promotion: the window moved), never during an admission (the thread's pins would turn the
+admission's victims away) and never polling.
 
 Per-entry discipline (the same as a demotion's, docs/architecture.md "Versions" and
 docs/reliability.md): the thread picks and pins the slot under the cache lock, writes it outside
