@@ -98,7 +98,7 @@ class HostTierConfig:
             written to the NVMe tier ahead of need ("write-behind"): evicting such an entry is then
             a drop of a copy NVMe already holds, not a write inside the put or get that needs the
             room. 0 disables it (host victims are written on eviction). Has no effect without an
-            NVMe tier or with ``nvme.write_through``. Default 0.25 (docs/benchmarks.md, write-behind).
+            NVMe tier or with ``nvme.write_through``. Default 0.5 (docs/benchmarks.md, write-behind).
         policy: eviction policy of the tier, ``"lru"`` (default) or ``"gdsf"`` (Greedy-Dual-Size-
             Frequency: keeps the entries that save the most recompute seconds per byte, using the
             ``cost_s`` given to ``TieredCache.put``; see :mod:`ectier.policy`).
@@ -109,7 +109,7 @@ class HostTierConfig:
     pin_memory: bool | None = None
     admit_wait_s: float = 5.0
     promote_clean_only: bool = False
-    write_behind_fraction: float = 0.25
+    write_behind_fraction: float = 0.5
     policy: str = "lru"
 
     def __post_init__(self) -> None:

@@ -69,6 +69,20 @@ def test_without_write_behind_an_eviction_writes_in_the_call(tmp_path):
         assert same(c.get("k0"), 0)
 
 
+def waits_for_the_write(call, gate) -> None:
+    """``call`` (an overwrite or a delete of the key being written behind) returns only once the
+    held write-behind has finished: the record it may commit is then already deleted as stale, so
+    a crash after ``call`` returned can never bring the older bytes back."""
+    t = threading.Thread(target=call)
+    t.start()
+    t.join(0.5)
+    alive = t.is_alive()
+    gate.release(1)
+    t.join(10)
+    assert not t.is_alive()
+    assert alive, "returned while a write-behind of the older version could still commit its record"
+
+
 @pytest.mark.parametrize("after", [False, True], ids=["before-its-write", "after-its-record"])
 def test_a_new_version_put_while_the_old_is_written_behind(tmp_path, after):
     """NVMe ends with the new version or none, never the old one under the key."""
@@ -77,9 +91,8 @@ def test_a_new_version_put_while_the_old_is_written_behind(tmp_path, after):
         with hold_writes(c, "nvme", thread_name=WRITE_BEHIND_THREAD, after=after) as gate:
             c.put("k", filled(ENTRY, 1))
             assert gate.wait_held(1)
-            c.put("k", filled(ENTRY, 2))
+            waits_for_the_write(lambda: c.put("k", filled(ENTRY, 2)), gate)
             new = version_of(c, "k")
-            gate.release(1)
             assert gate.wait_held(2)  # the old version's write is finished: the new one's is held
             rec = record_of(c, "k")
             assert rec is None or rec.version == new, f"NVMe holds version {rec.version} of k, not {new}"
@@ -100,7 +113,7 @@ def test_a_delete_while_the_entry_is_written_behind(tmp_path, after):
         with hold_writes(c, "nvme", thread_name=WRITE_BEHIND_THREAD, after=after) as gate:
             c.put("k", filled(ENTRY, 1))
             assert gate.wait_held(1)
-            assert c.delete("k")
+            waits_for_the_write(lambda: c.delete("k"), gate)
         assert write_behind_idle(c)
         assert record_of(c, "k") is None and c.get("k") is None and not c.contains("k")
         testing.check_invariants(c)

@@ -64,6 +64,7 @@ class WriteBehind:
         self._idle = True
         self._retry_at: dict[tuple[bytes, int], float] = {}  # failed writes: (digest, version) -> when
         self._warned = False
+        self.writing: tuple[bytes, int] | None = None  # (digest, version) written now; guarded by m.cond
 
     # ------------------------------------------------------------------------- control
     def poke(self) -> None:
@@ -145,11 +146,23 @@ class WriteBehind:
                 if slot is None:
                     return
                 host.pin(slot)
+                self.writing = (slot.digest, slot.version)
             done.add((slot.digest, slot.version))
             try:
                 self._write(slot)
             finally:
-                m.unpin(host, slot)
+                with m.cond:
+                    self.writing = None
+                    host.unpin(slot)
+                    m.cond.notify_all()  # room freed, and an overwrite or delete of it may return
+
+    def wait_not_writing_locked(self, digest: bytes, older_than: int | None = None) -> None:
+        """Under ``m.cond``: wait until no write-behind of ``digest`` (of a version older than
+        ``older_than``, when given) is in flight. An overwrite or a delete of the key returns only
+        then: the older record that write may commit is deleted as stale before, so a restart never
+        serves bytes older than the put or the delete."""
+        while (w := self.writing) is not None and w[0] == digest and (older_than is None or w[1] < older_than):
+            self.m.cond.wait()
 
     def _pick_locked(self, done: set[tuple[bytes, int]]) -> Slot | None:
         """The least recently used dirty, writable entry inside the window, or ``None``."""
