@@ -167,7 +167,8 @@ class Mover:
         """Reserve room for an entry in a memory tier, moving its victims down as needed.
 
         Returns the reserved (invisible) slot, or ``None``: no room within ``host.admit_wait_s``
-        (at once for a promotion), or a promotion became pointless. With
+        (at once for a promotion, unless the host's write-behind holds a pin: one write, waited
+        for), or a promotion became pointless. With
         ``host.promote_clean_only`` a promotion into the host evicts only entries a lower tier
         already holds, so a get never waits on demotion writes.
         """
@@ -188,7 +189,10 @@ class Mover:
                 if adm.blocked:
                     step = 0.01 if tier.device is not None else 0.05
                     remaining = started + self.config.host.admit_wait_s - time.monotonic()
-                    if promotion or remaining <= 0 or _held_by_reservations(tier, meta.nbytes):
+                    # a promotion waits only for the write-behind's pin (one write), never for readers
+                    wb = self.write_behind
+                    writing = wb is not None and tier is wb.host and wb.writing is not None
+                    if (promotion and not writing) or remaining <= 0 or _held_by_reservations(tier, meta.nbytes):
                         self.counters.count(tier.name, admission_timeouts=1)
                         return None
                     self.cond.wait(timeout=min(remaining, step))

@@ -144,6 +144,28 @@ def test_an_eviction_passes_over_the_entry_being_written(tmp_path):
         testing.check_invariants(c)
 
 
+def test_a_promotion_blocked_only_by_the_write_behind_waits_for_its_write(tmp_path):
+    """Every host entry is leased but the one being written behind: an NVMe hit's promotion waits
+    for that one write (then evicts the entry, clean) instead of being served without a lease."""
+    with TieredCache(config(tmp_path)) as c:
+        c.put("y", filled(ENTRY, 9))
+        assert write_behind_idle(c) and testing.drop_copy(c, "host", "y")  # y: NVMe only
+        with hold_writes(c, "nvme", thread_name=WRITE_BEHIND_THREAD) as gate:
+            for i in range(4):
+                c.put(f"k{i}", filled(ENTRY, i))
+            assert gate.wait_held(1)  # k0's write
+            leases = [c.acquire(f"k{i}") for i in (1, 2, 3)]
+            threading.Timer(0.3, gate.release, (10,)).start()
+            lease = c.acquire("y")
+            assert lease is not None, "the NVMe hit was not promoted"
+            assert same(c.load(lease), 9)
+            c.release(lease)
+            for held in leases:
+                c.release(held)
+        assert where(c, "k0") == {"nvme"} and host_stats(c)["clean_evictions"] >= 1
+        testing.check_invariants(c)
+
+
 @pytest.mark.parametrize("flush_on_close", [True, False])
 def test_close_with_a_write_behind_in_flight(tmp_path, caplog, flush_on_close):
     """close() waits for the write in flight (never writes into a closed tier), then flushes if
