@@ -8,6 +8,7 @@ of the write-behind is held at a gate (``testing.hold_writes``) to make the inte
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import threading
@@ -83,44 +84,45 @@ def waits_for_the_write(call, gate) -> None:
     assert alive, "returned while a write-behind of the older version could still commit its record"
 
 
-@pytest.mark.parametrize("after", [False, True], ids=["before-its-write", "after-its-record"])
+@contextlib.contextmanager
+def k_written_behind(tmp_path, after: bool):
+    """A cache whose write-behind of ``k`` (version 1) is held, before its write or after its
+    record: yields ``(cache, gate)``; the cache is checked and closed afterwards."""
+    c = TieredCache(config(tmp_path))
+    try:
+        with hold_writes(c, "nvme", thread_name=WRITE_BEHIND_THREAD, after=after) as gate:
+            c.put("k", filled(ENTRY, 1))
+            assert gate.wait_held(1)
+            yield c, gate
+        assert write_behind_idle(c)
+        testing.check_invariants(c)
+    finally:
+        c.close()
+
+
+AFTER = pytest.mark.parametrize("after", [False, True], ids=["before-its-write", "after-its-record"])
+
+
+@AFTER
 def test_a_new_version_put_while_the_old_is_written_behind(tmp_path, after):
     """NVMe ends with the new version or none, never the old one under the key."""
-    c = TieredCache(config(tmp_path))
-    try:
-        with hold_writes(c, "nvme", thread_name=WRITE_BEHIND_THREAD, after=after) as gate:
-            c.put("k", filled(ENTRY, 1))
-            assert gate.wait_held(1)
-            waits_for_the_write(lambda: c.put("k", filled(ENTRY, 2)), gate)
-            new = version_of(c, "k")
-            assert gate.wait_held(2)  # the old version's write is finished: the new one's is held
-            rec = record_of(c, "k")
-            assert rec is None or rec.version == new, f"NVMe holds version {rec.version} of k, not {new}"
-            assert same(c.get("k"), 2)
-        assert write_behind_idle(c)
-        assert record_of(c, "k").version == new
-        testing.check_invariants(c)
-    finally:
-        c.close()
-    with TieredCache(config(tmp_path)) as c:
+    with k_written_behind(tmp_path, after) as (c, gate):
+        waits_for_the_write(lambda: c.put("k", filled(ENTRY, 2)), gate)
+        new = version_of(c, "k")
+        assert gate.wait_held(2)  # the old version's write is finished: the new one's is held
+        rec = record_of(c, "k")
+        assert rec is None or rec.version == new, f"NVMe holds version {rec.version} of k, not {new}"
         assert same(c.get("k"), 2)
-
-
-@pytest.mark.parametrize("after", [False, True], ids=["before-its-write", "after-its-record"])
-def test_a_delete_while_the_entry_is_written_behind(tmp_path, after):
-    c = TieredCache(config(tmp_path))
-    try:
-        with hold_writes(c, "nvme", thread_name=WRITE_BEHIND_THREAD, after=after) as gate:
-            c.put("k", filled(ENTRY, 1))
-            assert gate.wait_held(1)
-            waits_for_the_write(lambda: c.delete("k"), gate)
-        assert write_behind_idle(c)
-        assert record_of(c, "k") is None and c.get("k") is None and not c.contains("k")
-        testing.check_invariants(c)
-    finally:
-        c.close()
     with TieredCache(config(tmp_path)) as c:
-        assert c.get("k") is None
+        assert same(c.get("k"), 2) and record_of(c, "k").version == new
+
+
+@AFTER
+def test_a_delete_while_the_entry_is_written_behind(tmp_path, after):
+    with k_written_behind(tmp_path, after) as (c, gate):
+        waits_for_the_write(lambda: c.delete("k"), gate)
+    with TieredCache(config(tmp_path)) as c:
+        assert record_of(c, "k") is None and c.get("k") is None
 
 
 def test_an_eviction_passes_over_the_entry_being_written(tmp_path):
