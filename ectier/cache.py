@@ -406,6 +406,7 @@ class TieredCache:
             return
         try:
             self._reads.quiesce()
+            self._mover.close_write_behind()  # its write in flight lands before the flush
             if self.config.nvme.flush_on_close:
                 try:
                     self.flush()
@@ -413,6 +414,7 @@ class TieredCache:
                     log.error("close: flush to NVMe failed: %s", exc)
         finally:
             self._closed = True
+            self._mover.close_write_behind()  # never a write into a closed tier
             self._mover.completer.close()
             if self._mover.remote is not None:
                 self._mover.remote.close()  # queued write-throughs run first, within their deadline

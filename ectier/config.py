@@ -7,7 +7,8 @@
     ├── gpu: GpuTierConfig             device-memory arena on one explicit CUDA device (off by default)
     │     device, capacity_bytes, block_bytes, policy, copy_streams
     ├── host: HostTierConfig           pinned (or ordinary) host memory arena
-    │     capacity_bytes, block_bytes, pin_memory, admit_wait_s, promote_clean_only, policy
+    │     capacity_bytes, block_bytes, pin_memory, admit_wait_s, promote_clean_only, write_behind_fraction,
+    │     policy
     ├── nvme: NvmeTierConfig           LMDB store under a directory (disabled when path is None)
     │     path, capacity_bytes, codec, zstd_level, sync, write_through, flush_on_close,
     │     map_initial_bytes, map_max_bytes, policy
@@ -92,6 +93,12 @@ class HostTierConfig:
         promote_clean_only: when an NVMe hit is promoted, evict only host entries that NVMe already
             holds (no demotion write on the get path); if they do not cover the entry, it is served
             without promotion. Default ``False`` (LRU-faithful: promotion demotes what it must).
+        write_behind_fraction: share of ``capacity_bytes`` (0..1), counted from the
+            least-recently-used end of the tier (free bytes first), that a background thread keeps
+            written to the NVMe tier ahead of need ("write-behind"): evicting such an entry is then
+            a drop of a copy NVMe already holds, not a write inside the put or get that needs the
+            room. 0 disables it (host victims are written on eviction). Has no effect without an
+            NVMe tier or with ``nvme.write_through``. Default 0.5 (docs/benchmarks.md, write-behind).
         policy: eviction policy of the tier, ``"lru"`` (default) or ``"gdsf"`` (Greedy-Dual-Size-
             Frequency: keeps the entries that save the most recompute seconds per byte, using the
             ``cost_s`` given to ``TieredCache.put``; see :mod:`ectier.policy`).
@@ -102,6 +109,7 @@ class HostTierConfig:
     pin_memory: bool | None = None
     admit_wait_s: float = 5.0
     promote_clean_only: bool = False
+    write_behind_fraction: float = 0.5
     policy: str = "lru"
 
     def __post_init__(self) -> None:

@@ -205,6 +205,11 @@ def check_host(cfg: HostTierConfig) -> None:
         check_seconds("host.admit_wait_s", cfg.admit_wait_s)
     with p.check("host.promote_clean_only"):
         check_bool("host.promote_clean_only", cfg.promote_clean_only)
+    with p.check("host.write_behind_fraction"):
+        v = cfg.write_behind_fraction
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+            raise ConfigError(f"host.write_behind_fraction: expected a number between 0 and 1 (a share of "
+                              f"host.capacity_bytes; 0 disables the write-behind), got {v!r}")
     with p.check("host.policy"):
         check_policy("host.policy", cfg.policy)
     p.raise_if_any()

@@ -40,6 +40,7 @@ from .moves.arena import ArenaMoves
 from .moves.nvme import RETRY, NvmeMoves
 from .moves.promote import Promotions
 from .moves.remote import RemoteMoves
+from .moves.writeback import WriteBehind
 from .stack import TierStack
 from .stats import Counters
 from .tensors import byte_view
@@ -115,6 +116,7 @@ class Mover:
         self._arenas, self._stores = stack.arenas(), stack.stores()  # fixed once open (hot loops)
         self._demotions: dict[tuple[str, str], Callable[..., bool]] = {}
         self._register()
+        self.write_behind = self._make_write_behind()
         self.promote = Promotions(self)  # the promotion sequence and the upward edges (moves/promote.py)
 
     # ------------------------------------------------------------------------- the edges
@@ -127,6 +129,21 @@ class Mover:
                 if src is not None:
                     self._demotions[src.name, "nvme"] = (
                         lambda v, protect, src=src: self.nvme.demote_slot(src, v, protect=protect))
+
+    def _make_write_behind(self) -> WriteBehind | None:
+        """The host tier's write-behind (``host.write_behind_fraction``), or ``None``: off, no host or
+        NVMe tier, or ``nvme.write_through`` (every host entry is written at its put already)."""
+        host = self.stack.get("host")
+        reserve = int(self.config.host.write_behind_fraction * host.capacity_bytes) if host is not None else 0
+        if self.nvme is None or reserve <= 0 or self.write_through:
+            return None
+        return WriteBehind(self, host, reserve)
+
+    def close_write_behind(self) -> None:
+        """Stop the write-behind (its write in flight finishes first); before a flush and before
+        the tiers close. Idempotent."""
+        if self.write_behind is not None:
+            self.write_behind.close()
 
     def edges(self) -> list[tuple[str, str]]:
         """Every registered edge ``(source tier, destination tier)``: demotions, then promotions."""
@@ -150,7 +167,8 @@ class Mover:
         """Reserve room for an entry in a memory tier, moving its victims down as needed.
 
         Returns the reserved (invisible) slot, or ``None``: no room within ``host.admit_wait_s``
-        (at once for a promotion), or a promotion became pointless. With
+        (at once for a promotion, unless the host's write-behind holds a pin: one write, waited
+        for), or a promotion became pointless. With
         ``host.promote_clean_only`` a promotion into the host evicts only entries a lower tier
         already holds, so a get never waits on demotion writes.
         """
@@ -171,7 +189,10 @@ class Mover:
                 if adm.blocked:
                     step = 0.01 if tier.device is not None else 0.05
                     remaining = started + self.config.host.admit_wait_s - time.monotonic()
-                    if promotion or remaining <= 0 or _held_by_reservations(tier, meta.nbytes):
+                    # a promotion waits only for the write-behind's pin (one write), never for readers
+                    wb = self.write_behind
+                    writing = wb is not None and tier is wb.host and wb.writing is not None
+                    if (promotion and not writing) or remaining <= 0 or _held_by_reservations(tier, meta.nbytes):
                         self.counters.count(tier.name, admission_timeouts=1)
                         return None
                     self.cond.wait(timeout=min(remaining, step))
@@ -206,6 +227,7 @@ class Mover:
     def demote(self, tier: ArenaTier, v: Slot, *, protect: bytes | None = None) -> bool:
         """Move a pinned victim to the nearest lower tier that takes it. True if a lower tier
         holds (or, once its copy completes, will hold) its version."""
+        host = tier.name == "host"
         with self.cond:
             if not self.catalog.is_current(v.digest, v.version):
                 return False  # replaced or deleted: nothing to keep
@@ -213,12 +235,19 @@ class Mover:
                 if t.holds(v.digest, v.version):
                     if self.nvme is not None and t is self.nvme.tier:
                         self.nvme.index.touch(v.digest)
+                    if host:
+                        self.counters.count("host", clean_evictions=1)
                     return True
-        for dst in self.stack.below(tier):
-            handler = self._demotions.get((tier.name, dst.name))
-            if handler is not None and self._run(f"demotion {tier.name} -> {dst.name}", handler, v, protect):
-                return True
-        return False
+        started = time.perf_counter()
+        try:
+            for dst in self.stack.below(tier):
+                handler = self._demotions.get((tier.name, dst.name))
+                if handler is not None and self._run(f"demotion {tier.name} -> {dst.name}", handler, v, protect):
+                    return True
+            return False
+        finally:
+            if host and self.nvme is not None:  # a write inside the call that needed the room
+                self.counters.count("host", dirty_evictions=1, eviction_write_s=time.perf_counter() - started)
 
     def _release_victim(self, tier: ArenaTier, v: Slot, moved: bool) -> None:
         with self.cond:
@@ -271,9 +300,16 @@ class Mover:
                     old = self.nvme.claim_locked(digest, older_than=version)  # never a newer record
                     if old is not None:
                         stale.append((digest, old))
+                if self.write_behind is not None and tier is self.write_behind.host:
+                    # after the admission (never during it: its pins would turn the admission's
+                    # victims away): the window moved, and may hold dirty entries now
+                    self.write_behind.poke()
         for d, v in stale:
             # the key's older record goes before put returns, so a restart never serves it
             self.nvme.delete_claimed(d, v)
+        if not promotion and self.write_behind is not None:
+            with self.cond:  # likewise an older version being written behind (moves/writeback.py)
+                self.write_behind.wait_not_writing_locked(digest, older_than=version)
         return Commit.COMMITTED
 
     def delete(self, digest: bytes) -> bool:
@@ -291,6 +327,9 @@ class Mover:
                 stale = self.nvme.claim_locked(digest)
         if stale is not None:
             self.nvme.delete_claimed(digest, stale)
+        if self.write_behind is not None:
+            with self.cond:  # a write-behind of the key in flight deletes its record before this returns
+                self.write_behind.wait_not_writing_locked(digest)
         if self.remote is not None:
             self.remote.delete(digest)
         return existed

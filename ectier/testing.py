@@ -21,7 +21,8 @@ from .tiers.base import Tier
 from .tiers.remote.backend import RemoteBackend, RemoteTimeout
 
 __all__ = ["MemoryBackend", "DeferredCopyEngine", "make_cache", "tier", "where", "holds", "version_of", "versions", "drop_copy", "record_of",
-           "pins", "drain", "check_invariants", "fail_writes", "fail_after_writes", "watch_nvme_records", "lmdb_of", "set_lmdb_env", "NvmeLmdb", "copy_engine_of"]
+           "pins", "drain", "check_invariants", "fail_writes", "fail_after_writes", "watch_nvme_records", "lmdb_of", "set_lmdb_env", "NvmeLmdb", "copy_engine_of",
+           "write_behind_idle", "write_behind_enabled", "hold_writes", "WriteGate", "WRITE_BEHIND_THREAD"]
 
 
 class DeferredCopyEngine(CopyEngine):
@@ -162,9 +163,22 @@ def pins(cache: TieredCache, tier_name: str = "host") -> int:
 def drain(cache: TieredCache, timeout_s: float | None = 10.0) -> bool:
     """Wait until every copy completion and prefetch in flight has run; False on timeout."""
     ok = cache._reads.quiesce(timeout_s)
+    ok = write_behind_idle(cache, timeout_s) and ok
     if cache._mover.remote is not None:
         ok = cache._mover.remote.drain(timeout_s) and ok
     return ok
+
+
+def write_behind_idle(cache: TieredCache, timeout_s: float | None = 10.0) -> bool:
+    """Wait until the host tier's write-behind has no write in flight and no round pending (True
+    at once without one); False on timeout (seconds)."""
+    wb = cache._mover.write_behind
+    return True if wb is None else wb.wait_idle(timeout_s)
+
+
+def write_behind_enabled(cache: TieredCache) -> bool:
+    """Whether the cache runs a write-behind of host entries to NVMe (``host.write_behind_fraction``)."""
+    return cache._mover.write_behind is not None
 
 
 @contextlib.contextmanager
@@ -202,6 +216,76 @@ def fail_after_writes(cache: TieredCache, tier_name: str, exc: BaseException) ->
     try:
         yield results
     finally:
+        del t.write
+
+
+#: the name of the write-behind's thread (``hold_writes(thread_name=)``)
+WRITE_BEHIND_THREAD = "ectier-write-behind"
+
+
+class WriteGate:
+    """The writes held by :func:`hold_writes`, one at a time, in order.
+
+    ``wait_held(n)``: until the ``n``-th write (counted from the first) is held. ``release(n)``:
+    let ``n`` more writes go on. ``open()``: let every write go on from now (done at the end of
+    the context)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._held = 0  # writes that reached the gate
+        self._allowed = 0  # writes let go
+        self._open = False
+
+    def hold(self) -> None:
+        with self._cv:
+            self._held += 1
+            me = self._held
+            self._cv.notify_all()
+            while not self._open and self._allowed < me:
+                self._cv.wait()
+
+    def wait_held(self, n: int = 1, timeout_s: float = 10.0) -> bool:
+        """Wait until ``n`` writes have reached the gate; False on timeout (seconds)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._held >= n, timeout_s)
+
+    def release(self, n: int = 1) -> None:
+        with self._cv:
+            self._allowed += n
+            self._cv.notify_all()
+
+    def open(self) -> None:
+        with self._cv:
+            self._open = True
+            self._cv.notify_all()
+
+
+@contextlib.contextmanager
+def hold_writes(cache: TieredCache, tier_name: str, *, thread_name: str | None = None,
+                after: bool = False) -> Iterator[WriteGate]:
+    """Hold every write into tier ``tier_name`` (from the thread named ``thread_name``, when
+    given; other writes pass) at the yielded gate: before the write starts, or with ``after`` once
+    it has stored its record. The gate opens when the context ends."""
+    t = cache._stack.get(tier_name)
+    real = t.write
+    gate = WriteGate()
+
+    def held(*args, **kw):
+        if thread_name is not None and threading.current_thread().name != thread_name:
+            return real(*args, **kw)
+        if not after:
+            gate.hold()
+            return real(*args, **kw)
+        try:
+            return real(*args, **kw)
+        finally:
+            gate.hold()
+
+    t.write = held
+    try:
+        yield gate
+    finally:
+        gate.open()
         del t.write
 
 
@@ -267,6 +351,7 @@ def check_invariants(cache: TieredCache) -> None:
     copy is its key's current version; the NVMe records in memory equal what LMDB holds and are
     all current and tracked by the NVMe policy; every key of the catalog is held by some tier.
     """
+    assert write_behind_idle(cache), "the write-behind did not settle within 10 s"
     with cache._cond:
         cat = cache._catalog
         assert cat.pending_count() == 0, "copies still in flight"

@@ -75,13 +75,14 @@ def digest(key: str, namespace: str = "test") -> bytes:
 
 
 def make_config(path, *, host_bytes: int = 1 * MiB, nvme_bytes: int = 1 * MiB, block_bytes: int = 64 * KiB,
-                namespace: str = "test", nvme: bool = True, admit_wait_s: float = 1.0, **nvme_kw) -> CacheConfig:
+                namespace: str = "test", nvme: bool = True, admit_wait_s: float = 1.0,
+                write_behind_fraction: float = HostTierConfig.write_behind_fraction, **nvme_kw) -> CacheConfig:
     nvme_kw.setdefault("sync", False)
     nvme_kw.setdefault("map_initial_bytes", 4 * MiB)
     return CacheConfig(
         namespace=namespace,
         host=HostTierConfig(capacity_bytes=host_bytes, block_bytes=block_bytes, pin_memory=False,
-                            admit_wait_s=admit_wait_s),
+                            admit_wait_s=admit_wait_s, write_behind_fraction=write_behind_fraction),
         nvme=NvmeTierConfig(path=str(path), capacity_bytes=nvme_bytes, **nvme_kw) if nvme else NvmeTierConfig(),
     )
 

@@ -307,6 +307,7 @@ def test_bad_key_raises_and_changes_nothing(make_cache, bad):
     kept = {f"k{i}": filled(64 * KiB, i) for i in range(3)}  # k0 in NVMe, k1 k2 in host
     for k, t in kept.items():
         cache.put(k, t)
+    testing.drain(cache)  # the write-behind settles first
     before = cache.stats()
     for call in (lambda: cache.put(bad, torch.zeros(4)), lambda: cache.get(bad),
                  lambda: cache.contains(bad), lambda: cache.delete(bad)):
@@ -457,7 +458,8 @@ def test_overwrite_in_full_host(make_cache):
 
 
 def test_demotion_and_promotion(make_cache):
-    cache, _ = make_cache(host_bytes=2 * 2 * BLK, nvme_bytes=2 * MiB)  # host: 2 entries of 2 blocks
+    cache, _ = make_cache(host_bytes=2 * 2 * BLK, nvme_bytes=2 * MiB,  # host: 2 entries of 2 blocks
+                          write_behind_fraction=0)  # victims written on eviction
     vals = {k: filled(2 * BLK, i) for i, k in enumerate("abc")}
     for k in "abc":
         cache.put(k, vals[k])
@@ -487,7 +489,7 @@ def test_promotion_keeps_the_entry_just_read(make_cache):
     """Promoting an NVMe hit demotes host victims, which may need NVMe room. The entry just read
     (the most recently used one) must not be what gets dropped to make that room."""
     a, h = filled(3 * BLK, 1), filled(4 * BLK, 2)
-    cache, _ = make_cache(host_bytes=4 * BLK, nvme_bytes=4 * BLK + NVME_SLACK)
+    cache, _ = make_cache(host_bytes=4 * BLK, nvme_bytes=4 * BLK + NVME_SLACK, write_behind_fraction=0)
     cache.put("A", a)
     cache.put("H", h)  # A demoted to NVMe; NVMe cannot hold A and H together
     assert nvme_holds(cache, "A") and host_holds(cache, "H")
@@ -523,6 +525,7 @@ def test_entry_larger_than_every_tier_is_refused_before_evicting(make_cache, nvm
     small = {k: filled(BLK, i) for i, k in enumerate("abcdef")}
     for k, t in small.items():
         cache.put(k, t)
+    testing.drain(cache)  # the write-behind settles first
     before = cache.stats()
     with pytest.raises(EntryTooLargeError) as info:
         cache.put("huge", filled(16 * BLK, 1))
@@ -667,7 +670,7 @@ def test_failed_demotion_is_a_counted_drop_never_an_error_of_the_put(make_cache,
     lost, and no host blocks stay pinned (issue #16, item 4)."""
     from ectier.tiers.nvme import NvmeTier
 
-    cache, _ = make_cache(host_bytes=2 * BLK)
+    cache, _ = make_cache(host_bytes=2 * BLK, write_behind_fraction=0)  # the write at eviction
     cache.put("a", filled(BLK, 1))
     cache.put("b", filled(BLK, 2))
     original = NvmeTier.encode
@@ -697,7 +700,7 @@ def test_failed_demotion_is_a_counted_drop_never_an_error_of_the_put(make_cache,
 def test_eio_from_a_tier_write_during_demotion_keeps_the_put_typed(make_cache):
     """``OSError(EIO)`` from the NVMe tier's write itself (outside LMDB) during a demotion: the
     triggering put of another key succeeds; the victim is a counted drop."""
-    cache, _ = make_cache(host_bytes=2 * BLK)
+    cache, _ = make_cache(host_bytes=2 * BLK, write_behind_fraction=0)  # the write at eviction
     cache.put("a", filled(BLK, 1))
     cache.put("b", filled(BLK, 2))
     with testing.fail_writes(cache, "nvme", OSError(errno.EIO, "injected EIO")) as calls:

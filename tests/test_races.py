@@ -83,7 +83,8 @@ def test_get_racing_the_demotion_of_the_same_key(tmp_path, monkeypatch):
     after the demotion get(K) is an NVMe hit, promoted."""
     kd = digest("K")
     gate = Gate(monkeypatch, NvmeTier, "write", lambda tier, d, rec: d == kd)
-    cfg = make_config(tmp_path / "nvme", host_bytes=2 * 128 * KiB, nvme_bytes=2 * MiB)
+    cfg = make_config(tmp_path / "nvme", host_bytes=2 * 128 * KiB, nvme_bytes=2 * MiB,
+                      write_behind_fraction=0)  # K's write is the eviction's
     with TieredCache(cfg) as cache:
         k, x, y = filled(128 * KiB, 1), filled(128 * KiB, 2), filled(128 * KiB, 3)
         cache.put("K", k)

@@ -340,9 +340,11 @@ class NvmeMoves:
             return None  # unsuitable: tensor_from_bytes raises for it after the read, as before
 
     # ------------------------------------------------------------------------- memory -> NVMe
-    def demote_slot(self, src_tier, slot: Slot, *, write_through: bool = False, protect: bytes | None = None) -> bool:
-        """Write a pinned memory slot of ``src_tier`` to NVMe (a demotion, a flush, or a put's
-        write-through). True if NVMe now holds this version."""
+    def demote_slot(self, src_tier, slot: Slot, *, write_through: bool = False, write_behind: bool = False,
+                    protect: bytes | None = None) -> bool:
+        """Write a pinned memory slot of ``src_tier`` to NVMe (a demotion, a flush, a put's
+        write-through, or a write-behind: ``moves/writeback.py``, which logs its own failures).
+        True if NVMe now holds this version."""
         if not self.tier.fits(slot.meta.nbytes):
             self.m.counters.count("nvme", skipped_too_large=1)
             return False
@@ -352,7 +354,9 @@ class NvmeMoves:
         try:
             ok = self.store(slot.digest, slot.meta, slot.version, view, register=False, protect=protect)
         except TierWriteError as exc:
-            if write_through:
+            if write_behind:
+                log.debug("write-behind of an entry to NVMe failed (%s); the entry stays in host memory", exc)
+            elif write_through:
                 log.warning("write-through of an entry to NVMe failed (%s); the entry stays in host "
                             "memory only (not durable)", exc)
             else:
