@@ -182,11 +182,12 @@ class NvmeTierConfig:
             other writes still copying theirs, so that they share one ``fdatasync`` and one LMDB
             commit (seconds, >= 0). A lone write never waits; every write still returns once its
             own entry is durable. Default 0.002.
-        read_threads: threads that copy one payload out of the page cache on a read: ``1``
-            (default): the reading thread alone, each chunk hashed right after it is copied; ``2``: a
+        read_threads: threads that copy one payload out of the page cache on a read: ``1``: the
+            reading thread alone, each chunk hashed right after it is copied; ``2`` (default): a
             helper thread also copies chunks of payloads of 4 MiB and more (the caller hashes them
-            in order), for a machine with an idle core: measured slower on a loaded one, not yet
-            measured on an idle one (docs/benchmarks.md, "NVMe tier").
+            in order). On a quiet 2-vCPU machine a 64 MiB warm get went from 0.89 to 1.04-1.10 of
+            a raw read; on one whose cores are all busy it was slower: set ``1`` there
+            (docs/benchmarks.md, "NVMe tier").
         allow_network_fs: open a store on a network or FUSE filesystem (NFS, CIFS/SMB, 9p, Ceph,
             GlusterFS, Lustre, GPFS, ``fuse.*``, ...). Default ``False``: such a ``path`` is refused
             with ``ConfigError`` at open, because LMDB's locks and shared memory map are unsafe there.
@@ -211,7 +212,7 @@ class NvmeTierConfig:
     map_max_bytes: int | None = None
     policy: str = "lru"
     group_commit_s: float = 0.002
-    read_threads: int = 1
+    read_threads: int = 2
     allow_network_fs: bool = False
     on_damaged: str = "fail"
     thin_provisioning: bool = False
