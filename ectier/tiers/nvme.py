@@ -68,7 +68,7 @@ from .nvme_env import (RELEASE_MARKER, STORE_FORMAT, NvmeDiskFullError, NvmeEnv,
                        write_error_text)
 from .nvme_commit import GroupCommit, Pending
 from .nvme_index import NvmeIndex, NvmeRecord
-from .nvme_reader import ByteViews
+from .nvme_reader import ByteViews, flat_cpu_bytes
 from .nvme_record import (CheckedRecord, EncodedRecord, check_index_value, check_record, encode_record,
                           pack_index_value, parse_index_value)
 from .nvme_segment import BLOCK_BYTES, Location, blocks_for, pack_location
@@ -79,11 +79,6 @@ __all__ = ["NvmeTier", "NvmeRecord", "EncodedRecord", "STORE_FORMAT", "RELEASE_M
 RAW_CODEC_ID = get_codec("raw").codec_id
 
 log = logging.getLogger(__name__)
-
-
-def _flat_cpu_bytes(t: torch.Tensor) -> bool:
-    """True for a contiguous ``uint8`` CPU tensor (bytes a read may land in)."""
-    return t.dtype is torch.uint8 and t.is_cpu and t.is_contiguous()
 
 
 class NvmeTier(Tier):
@@ -406,14 +401,14 @@ class NvmeTier(Tier):
         or a new tensor."""
         h = rec.header
         raw = h.codec_id == RAW_CODEC_ID
-        if runs is not None and sum(r.numel() for r in runs) == h.raw_nbytes and all(_flat_cpu_bytes(r) for r in runs):
+        if runs is not None and sum(r.numel() for r in runs) == h.raw_nbytes and all(flat_cpu_bytes(r) for r in runs):
             if raw:
                 self._check_payload(h, loc, [memoryview(r.numpy()) for r in runs])
                 return None
             for r, part in zip(runs, self._read_payload(rec, loc, None).split([r.numel() for r in runs])):
                 r.copy_(part)  # a compressed payload: decoded first, then copied into the runs
             return None
-        if out is None or out.numel() != h.raw_nbytes or not _flat_cpu_bytes(out):
+        if out is None or out.numel() != h.raw_nbytes or not flat_cpu_bytes(out):
             out = torch.empty(h.raw_nbytes, dtype=torch.uint8)  # (an unsuitable out= is not used)
         if raw:
             self._check_payload(h, loc, self._views.of(out) if h.raw_nbytes else memoryview(b""))

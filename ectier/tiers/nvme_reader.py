@@ -31,7 +31,7 @@ from ..errors import CorruptRecordError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ByteViews", "Chunk", "plan_chunks", "read_hashed", "ReadHelper", "CHUNK_BYTES", "PARALLEL_MIN_BYTES"]
+__all__ = ["ByteViews", "flat_cpu_bytes", "Chunk", "plan_chunks", "read_hashed", "ReadHelper", "CHUNK_BYTES", "PARALLEL_MIN_BYTES"]
 
 #: Chunk of a read, bytes: 1 MiB measured fastest at 1-64 MiB (docs/benchmarks.md, "NVMe tier").
 CHUNK_BYTES = 1 << 20
@@ -201,6 +201,13 @@ def read_hashed(fd: int, chunks: list[Chunk], helper: ReadHelper | None = None) 
     for j in range(hashed, n):
         update(chunks[j][1])
     return h.intdigest()
+
+
+def flat_cpu_bytes(t: "torch.Tensor") -> bool:
+    """True for a contiguous ``uint8`` CPU tensor (bytes a read may land in)."""
+    import torch
+
+    return t.dtype is torch.uint8 and t.is_cpu and t.is_contiguous()
 
 
 class ByteViews:
