@@ -9,13 +9,13 @@
 
 Each input is cut into chunks (its first byte picks the chunk size) and fed to a
 :class:`~ectier.daemon.protocol.FrameDecoder`; every decoded message goes through
-``DaemonServer._handle`` of a server whose ``TieredCache`` holds a few known entries, on a fresh
+``ectier.daemon.handlers.handle`` of a server whose ``TieredCache`` holds a few known entries, on a fresh
 connection per input (closed after it, which ends its leases). Three inputs in four start on a
 connection that already said ``hello`` (so the handlers behind it run); the fourth on a bare
 one, where everything before a valid ``hello`` must be refused. The oracle:
 
 - the decoder raises nothing but a fatal ``ProtocolError``; ``parse_request`` nothing but ``ProtocolError``;
-- ``_handle`` never answers ``InternalError`` (an exception a handler did not expect) and every reply
+- ``handle`` never answers ``InternalError`` (an exception a handler did not expect) and every reply
   encodes as a frame; before a successful ``hello`` every request is refused (``ProtocolError``);
 - after the connection is gone: no lease, reservation or pin is left; every known entry is either
   absent (a valid ``delete`` may remove it; it is put back) or byte-exact, unless the input held a
@@ -93,6 +93,7 @@ def one_input(data: bytes) -> None:
     """Run one fuzz input through decoder, schema and handlers; raise AssertionError on a finding."""
     from ectier.daemon.protocol import PROTOCOL_VERSION, FrameDecoder, ProtocolError, encode_frame
     from ectier.daemon.connections import Connection
+    from ectier.daemon.handlers import handle
 
     if not _STATE:
         _setup()
@@ -103,7 +104,7 @@ def one_input(data: bytes) -> None:
     server._conns[conn.id] = conn
     try:
         if not data or data[0] % 4 != 3:
-            hello = server._handle(conn, {"id": 0, "op": "hello", "version": PROTOCOL_VERSION, "client": "fuzz"})
+            hello = handle(server, conn, {"id": 0, "op": "hello", "version": PROTOCOL_VERSION, "client": "fuzz"})
             assert hello["ok"], hello
         decoder = FrameDecoder(64 << 10)
         rewritten: set[str] = set()
@@ -119,7 +120,7 @@ def one_input(data: bytes) -> None:
                         and msg["key"] in _STATE["known"]:
                     rewritten.add(msg["key"])  # a valid reserve + commit may overwrite it: put back below
                 greeted = conn.greeted
-                reply = server._handle(conn, msg)
+                reply = handle(server, conn, msg)
                 encode_frame(reply, max_frame_bytes=1 << 30)
                 if not reply["ok"]:
                     assert reply["error"]["type"] != "InternalError", reply
