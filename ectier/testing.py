@@ -153,8 +153,10 @@ def drop_copy(cache: TieredCache, tier_name: str, key: str, namespace: str | Non
         return True
 
 
-def pins(cache: TieredCache, tier_name: str = "host") -> int:
-    """Pins held on the tier's slots (readers, leases, demoters) right now."""
+def pins(cache: TieredCache, tier_name: str = "host", *, settle_s: float = 10.0) -> int:
+    """Pins held on the tier's slots (readers, leases, demoters) once the host tier's write-behind
+    has finished its write in flight (its pin is transient; waits at most ``settle_s`` seconds)."""
+    write_behind_idle(cache, settle_s)
     t = cache._stack.get(tier_name)
     with cache._cond:
         return t.total_pins() if isinstance(t, ArenaTier) else 0
