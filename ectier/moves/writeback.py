@@ -206,5 +206,8 @@ class WriteBehind:
             self._retry_at[slot.digest, slot.version] = time.monotonic() + RETRY_AFTER_S  # the thread's own
             if not self._warned:
                 self._warned = True
-                log.warning("write-behind: an entry could not be written to NVMe; it stays in host memory "
-                            "(written on eviction, or retried in %.0f s)", RETRY_AFTER_S)
+                log.warning("write-behind: an entry could not be written to NVMe now (no room NVMe could free "
+                            "at once: its budget held by writes or reads in flight; or a write error, logged "
+                            "at DEBUG); it stays in host memory, written on eviction or retried in %.0f s. "
+                            "Counted in host.write_behind_failures; logged once until a write succeeds",
+                            RETRY_AFTER_S)
