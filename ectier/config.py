@@ -58,6 +58,7 @@ from .config_checks import (
     check_remote,
     format_bytes,
     parse_bytes,
+    view_pin_bounds,
 )
 from .errors import ConfigError
 
@@ -428,6 +429,7 @@ class CacheConfig:
                 with p.check(name):
                     raise ConfigError(f"{name}: expected {cls.__name__}, got {type(getattr(self, name)).__name__}")
         p.raise_if_any()
+        view_pin_bounds(self)  # the daemon's view pins against the host arena
         if self.gpu.enabled:
             return  # a GPU-only cache is valid (victims are then dropped)
         if self.host.capacity_bytes == 0 and not self.nvme.enabled:

@@ -444,3 +444,26 @@ def check_remote_mooncake(cfg: Any, p: Problems) -> None:
         check_int("remote.mooncake_local_buffer_bytes", cfg.mooncake_local_buffer_bytes, minimum=0)
     with p.check("remote.mooncake_buffer_pool_bytes"):
         check_int("remote.mooncake_buffer_pool_bytes", cfg.mooncake_buffer_pool_bytes, minimum=0)
+
+
+def view_pin_bounds(config: Any) -> tuple[int, int]:
+    """``(daemon.view_pin_bytes, daemon.view_pin_total_bytes)`` resolved against the arena
+    (``host.capacity_bytes``): the per-process default is half the arena, the total's default
+    half the arena or the per-process bound when that is larger.
+
+    Raises:
+        ConfigError: a bound larger than ``host.capacity_bytes``, or a total below the
+        per-process bound (naming the field). ``CacheConfig`` runs it when it is built; the daemon
+        sizes its bounds with it.
+    """
+    arena, d = config.host.capacity_bytes, config.daemon
+    per = arena // 2 if d.view_pin_bytes is None else d.view_pin_bytes
+    total = max(per, arena // 2) if d.view_pin_total_bytes is None else d.view_pin_total_bytes
+    for name, value in (("view_pin_bytes", d.view_pin_bytes), ("view_pin_total_bytes", d.view_pin_total_bytes)):
+        if value is not None and value > arena:
+            raise ConfigError(f"daemon.{name}: {value} bytes is larger than the host arena (host.capacity_bytes="
+                              f"{arena}); views can pin at most the whole arena, lower it (or leave it unset)")
+    if total < per:
+        raise ConfigError(f"daemon.view_pin_total_bytes: {total} bytes is below daemon.view_pin_bytes={per} "
+                          "(the bound of one process); raise it or lower daemon.view_pin_bytes")
+    return per, total

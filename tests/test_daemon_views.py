@@ -227,7 +227,7 @@ def test_a_view_is_read_only():
 
 def test_view_pin_bounds_larger_than_the_arena_are_config_errors():
     from ectier.config import CacheConfig
-    from ectier.daemon.server import DaemonServer
+    from ectier.daemon.server import view_pin_bounds
     from ectier.errors import ConfigError
 
     d = short_tmpdir()
@@ -236,10 +236,11 @@ def test_view_pin_bounds_larger_than_the_arena_are_config_errors():
         for daemon, field in (({"view_pin_bytes": "16MiB"}, "daemon.view_pin_bytes"),
                               ({"view_pin_total_bytes": "9MiB"}, "daemon.view_pin_total_bytes"),
                               ({"view_pin_bytes": "4MiB", "view_pin_total_bytes": "2MiB"}, "daemon.view_pin_total_bytes")):
-            cfg = CacheConfig.from_dict({**base, "daemon": {**base["daemon"], **daemon}})
-            with pytest.raises(ConfigError, match=field):
-                DaemonServer(cfg)
+            with pytest.raises(ConfigError, match=field):  # when the config is built, not first at serve
+                CacheConfig.from_dict({**base, "daemon": {**base["daemon"], **daemon}})
         assert not [n for n in os.listdir(d) if n.endswith(".arena")]  # refused before anything was made
+        ok = CacheConfig.from_dict({**base, "daemon": {**base["daemon"], "view_pin_bytes": "4MiB"}})
+        assert view_pin_bounds(ok) == (4 * MiB, 4 * MiB)  # per process; over all: max(per, half the arena)
     finally:
         remove_dir(d)
 
@@ -268,3 +269,4 @@ def test_two_processes_at_the_default_bound_cannot_fill_the_arena_between_them(t
         assert v["total_limit_bytes"] == 4 * MiB and v["limit_bytes"] == 4 * MiB and v["refused"] == 2
         for got, k in zip(mine, ("e0", "e1", "e2")):
             assert_same(got, items[k])
+

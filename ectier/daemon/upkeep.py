@@ -9,8 +9,7 @@ import logging
 import time
 from typing import Any
 
-from ..config import CacheConfig
-from ..errors import ConfigError
+from ..config_checks import view_pin_bounds
 from .connections import Connection
 from .leases import end_lease, place_of
 from .serving import shutdown_socket
@@ -81,25 +80,3 @@ class LeaseUpkeep:
             lease.conn.closed = True
             shutdown_socket(lease.conn.sock)
         return len(expired)
-
-
-def view_pin_bounds(config: CacheConfig) -> tuple[int, int]:
-    """``(daemon.view_pin_bytes, daemon.view_pin_total_bytes)`` resolved against the arena
-    (``host.capacity_bytes``): the per-process default is half the arena, the total's default
-    half the arena or the per-process bound when that is larger.
-
-    Raises:
-        ConfigError: a bound larger than ``host.capacity_bytes``, or a total below the
-        per-process bound (naming the field).
-    """
-    arena, d = config.host.capacity_bytes, config.daemon
-    per = arena // 2 if d.view_pin_bytes is None else d.view_pin_bytes
-    total = max(per, arena // 2) if d.view_pin_total_bytes is None else d.view_pin_total_bytes
-    for name, value in (("view_pin_bytes", d.view_pin_bytes), ("view_pin_total_bytes", d.view_pin_total_bytes)):
-        if value is not None and value > arena:
-            raise ConfigError(f"daemon.{name}: {value} bytes is larger than the host arena (host.capacity_bytes="
-                              f"{arena}); views can pin at most the whole arena, lower it (or leave it unset)")
-    if total < per:
-        raise ConfigError(f"daemon.view_pin_total_bytes: {total} bytes is below daemon.view_pin_bytes={per} "
-                          "(the bound of one process); raise it or lower daemon.view_pin_bytes")
-    return per, total
