@@ -17,6 +17,7 @@ from ectier import TieredCache
 from ectier.tiers.nvme import NvmeTier
 
 from conftest import KiB, MiB, assert_same, check_quiescent, digest, filled, make_config
+from staged_threads import join, start
 
 
 class HeldWrite:
@@ -48,43 +49,20 @@ class HeldWrite:
         assert self.entered.wait(10), "the staged write never came"
 
 
-def _start(fn, *args):
-    box: dict = {}
-
-    def run():
-        try:
-            box["value"] = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - re-raised by _join
-            box["error"] = exc
-
-    t = threading.Thread(target=run)
-    t.start()
-    return t, box
-
-
-def _join(t, box):
-    t.join(30)
-    assert not t.is_alive(), "staged thread stuck"
-    if "error" in box:
-        raise box["error"]
-
-
 def _same_after_reopen(cache, cfg, key, expected):
     """``key`` reads ``expected`` (``None``: a miss) now and after a reopen; both states checked."""
-    got = cache.get(key)
-    if expected is None:
-        assert got is None
-    else:
-        assert_same(got, expected)
-    check_quiescent(cache)
-    cache.close()
-    with TieredCache(cfg) as again:
-        got = again.get(key)
+    def check(c):
+        got = c.get(key)
         if expected is None:
             assert got is None
         else:
             assert_same(got, expected)
-        check_quiescent(again)
+        check_quiescent(c)
+
+    check(cache)
+    cache.close()
+    with TieredCache(cfg) as again:
+        check(again)
 
 
 @pytest.mark.parametrize("stage", ["before-write", "after-commit"])
@@ -96,11 +74,11 @@ def test_delete_racing_an_nvme_put_of_the_key(make_cache, monkeypatch, stage):
     v0, v1 = filled(100 * KiB, 0), filled(150 * KiB, 1)
     cache.put("K", v0)
     held = HeldWrite(monkeypatch, "K", stage)
-    t, box = _start(cache.put, "K", v1)
+    t, box = start(cache.put, "K", v1)
     held.wait()
     assert cache.delete("K")
     held.release.set()
-    _join(t, box)
+    join(t, box)
     _same_after_reopen(cache, cfg, "K", v1 if stage == "before-write" else None)
 
 
@@ -113,11 +91,11 @@ def test_two_nvme_puts_of_one_key_the_later_started_stands(make_cache, monkeypat
     va, vb = filled(100 * KiB, 1), filled(150 * KiB, 2)
     cache.put("K", filled(64 * KiB, 0))
     held = HeldWrite(monkeypatch, "K", stage)
-    t, box = _start(cache.put, "K", va)
+    t, box = start(cache.put, "K", va)
     held.wait()
     cache.put("K", vb)
     held.release.set()
-    _join(t, box)
+    join(t, box)
     _same_after_reopen(cache, cfg, "K", vb)
 
 
@@ -128,10 +106,10 @@ def test_delete_and_put_racing_an_overwrite_that_committed(make_cache, monkeypat
     v1, v2 = filled(100 * KiB, 1), filled(150 * KiB, 2)
     cache.put("K", filled(64 * KiB, 0))
     held = HeldWrite(monkeypatch, "K", "after-commit")
-    t, box = _start(cache.put, "K", v1)
+    t, box = start(cache.put, "K", v1)
     held.wait()
     assert cache.delete("K")
     cache.put("K", v2)
     held.release.set()
-    _join(t, box)
+    join(t, box)
     _same_after_reopen(cache, cfg, "K", v2)

@@ -28,6 +28,7 @@ from ectier.tiers.nvme import NvmeTier
 
 from conftest import KiB, MiB, assert_same, check_quiescent, digest, filled, host_holds, make_config, nvme_holds
 from ectier import testing
+from staged_threads import join, start
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,28 +54,6 @@ class Gate:
         assert self.entered.wait(10), "the staged call never reached the gate"
 
 
-def _thread(fn, *args, name=None):
-    box = {}
-
-    def run():
-        try:
-            box["value"] = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the test
-            box["error"] = exc
-
-    t = threading.Thread(target=run, name=name)
-    t.start()
-    return t, box
-
-
-def _join(t, box):
-    t.join(30)
-    assert not t.is_alive(), "staged thread stuck"
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
-
-
 # ============================================================================ get vs eviction
 
 
@@ -89,11 +68,11 @@ def test_get_racing_the_demotion_of_the_same_key(tmp_path, monkeypatch):
         k, x, y = filled(128 * KiB, 1), filled(128 * KiB, 2), filled(128 * KiB, 3)
         cache.put("K", k)
         cache.put("X", x)
-        p, pbox = _thread(cache.put, "Y", y)  # evicts K, the LRU: demotion held in NvmeTier.write
+        p, pbox = start(cache.put, "Y", y)  # evicts K, the LRU: demotion held in NvmeTier.write
         gate.wait()
         assert_same(cache.get("K"), k)  # still in host, pinned by the demoter: served from there
         gate.release.set()
-        _join(p, pbox)
+        join(p, pbox)
         assert nvme_holds(cache, "K")
         assert_same(cache.get("K"), k)
         assert_same(cache.get("X"), x) if cache.contains("X") else None
@@ -137,7 +116,7 @@ def test_get_racing_the_nvme_eviction_of_the_same_key(tmp_path, monkeypatch, ord
             proxy = _HeldReadEnv(testing.lmdb_of(nv).env)
             testing.set_lmdb_env(nv, proxy)
         try:
-            g, gbox = _thread(cache.get, "K", name="getter")
+            g, gbox = start(cache.get, "K", name="getter")
             (gate.wait() if order == "evicted-before-read" else proxy.begun.wait(10))
             for i in range(5):  # the get touched K: it is the LRU again after three more puts
                 cache.put(f"new{i}", filled(100 * KiB, 4 + i))
@@ -145,7 +124,7 @@ def test_get_racing_the_nvme_eviction_of_the_same_key(tmp_path, monkeypatch, ord
                     break
             assert not nvme_holds(cache, "K")
             (gate.release.set() if order == "evicted-before-read" else proxy.go.set())
-            got = _join(g, gbox)
+            got = join(g, gbox)
         finally:
             if order != "evicted-before-read":
                 nv._env = proxy._env
@@ -177,11 +156,11 @@ def test_delete_racing_a_promotion(tmp_path, monkeypatch, stage):
             gate = Gate(monkeypatch, HostTier, "write", lambda tier, slot, src: slot.digest == digest("K"))
         else:
             gate = Gate(monkeypatch, NvmeTier, "read", lambda tier, d, ns, key: key == "K")
-        g, gbox = _thread(cache.get, "K")
+        g, gbox = start(cache.get, "K")
         gate.wait()
         assert cache.delete("K")
         gate.release.set()
-        got = _join(g, gbox)
+        got = join(g, gbox)
         if stage == "during-host-copy":
             assert_same(got, k)  # read whole before the delete: ordered before it
         else:
@@ -214,15 +193,15 @@ def test_two_threads_put_one_key_with_different_sizes(tmp_path, monkeypatch, fir
         gate = Gate(monkeypatch, NvmeTier, "write", lambda tier, d, rec: d == kd)
     with TieredCache(cfg) as cache:
         cache.put("other", filled(32 * KiB, 9))
-        t1, b1 = _thread(cache.put, "K", v1)
+        t1, b1 = start(cache.put, "K", v1)
         gate.wait()  # thread 1 has its version and is mid-copy
         if finisher == "first-finishes-first":
             gate.release.set()
-            _join(t1, b1)
-        t2, b2 = _thread(cache.put, "K", v2)
-        _join(t2, b2)
+            join(t1, b1)
+        t2, b2 = start(cache.put, "K", v2)
+        join(t2, b2)
         gate.release.set()
-        _join(t1, b1)
+        join(t1, b1)
         assert_same(cache.get("K"), v2)
         assert_same(cache.get("other"), filled(32 * KiB, 9))
         assert len(cache) == 2
