@@ -50,6 +50,7 @@ from .config_checks import (
     KiB,
     MiB,
     Problems,
+    check_across,
     check_daemon,
     check_gpu,
     check_host,
@@ -58,7 +59,6 @@ from .config_checks import (
     check_remote,
     format_bytes,
     parse_bytes,
-    view_pin_bounds,
 )
 from .errors import ConfigError
 
@@ -429,15 +429,7 @@ class CacheConfig:
                 with p.check(name):
                     raise ConfigError(f"{name}: expected {cls.__name__}, got {type(getattr(self, name)).__name__}")
         p.raise_if_any()
-        view_pin_bounds(self)  # the daemon's view pins against the host arena
-        if self.gpu.enabled:
-            return  # a GPU-only cache is valid (victims are then dropped)
-        if self.host.capacity_bytes == 0 and not self.nvme.enabled:
-            raise ConfigError(
-                "host.capacity_bytes: is 0 and nvme.path is not set, so no tier could store anything"
-            )
-        if self.host.capacity_bytes == 0 and self.nvme.capacity_bytes == 0:
-            raise ConfigError("host.capacity_bytes and nvme.capacity_bytes: both 0, so no tier could store anything")
+        check_across(self)
 
     # ----------------------------------------------------------------------------------- loaders
     # (implemented in ectier.config_sources, which imports this module)

@@ -446,6 +446,22 @@ def check_remote_mooncake(cfg: Any, p: Problems) -> None:
         check_int("remote.mooncake_buffer_pool_bytes", cfg.mooncake_buffer_pool_bytes, minimum=0)
 
 
+def check_across(cfg: Any) -> None:
+    """The checks of a :class:`~ectier.config.CacheConfig` across its sections: the daemon's
+    view-pin bounds against the host arena (:func:`view_pin_bounds`), and some tier able to store.
+
+    Raises:
+        ConfigError: naming the fields at fault.
+    """
+    view_pin_bounds(cfg)
+    if cfg.gpu.enabled:
+        return  # a GPU-only cache is valid (victims are then dropped)
+    if cfg.host.capacity_bytes == 0 and not cfg.nvme.enabled:
+        raise ConfigError("host.capacity_bytes: is 0 and nvme.path is not set, so no tier could store anything")
+    if cfg.host.capacity_bytes == 0 and cfg.nvme.capacity_bytes == 0:
+        raise ConfigError("host.capacity_bytes and nvme.capacity_bytes: both 0, so no tier could store anything")
+
+
 def view_pin_bounds(config: Any) -> tuple[int, int]:
     """``(daemon.view_pin_bytes, daemon.view_pin_total_bytes)`` resolved against the arena
     (``host.capacity_bytes``): the per-process default is half the arena, the total's default
