@@ -31,6 +31,8 @@ import time
 import warnings
 from typing import Any
 
+from ..tiers.populate import MADV_POPULATE_READ, populate_mapping_later
+
 __all__ = ["ArenaView", "ViewCalls", "ViewReleaser", "releaser_for"]
 
 log = logging.getLogger(__name__)
@@ -43,8 +45,6 @@ RETRY_S = 1.0
 GATHER_S = 0.0
 #: most lease ids one ``release`` carries (the protocol's batch cap)
 BATCH = 1024
-#: MADV_POPULATE_READ (Linux 5.14): map a view's pages up front, instead of one fault per page
-_MADV_POPULATE_READ = 22
 
 
 class ArenaView:
@@ -67,37 +67,11 @@ class ArenaView:
         with warnings.catch_warnings():  # torch warns that numpy's array is not writable: it is not
             warnings.simplefilter("ignore")
             self.tensor = torch.from_numpy(np.frombuffer(self._mmap, dtype=np.uint8))
-        self._populated = bytearray(-(-nbytes // (1 << 21)))  # 2 MiB chunks already mapped here
-        self._populate_ok = hasattr(self._mmap, "madvise")
-        if self._populate_ok and nbytes:
+        if hasattr(self._mmap, "madvise"):
             # the whole mapping once, off the load path: populating a range when a view of it is
             # made cost more than its page faults (64 MiB of /dev/shm: 10.6 ms + 10.3 ms copy vs
             # 13.5 ms faulting; 10.5 ms once populated) — docs/benchmarks.md, daemon views
-            threading.Thread(target=self._populate_all, daemon=True, name="ectier-daemon-view-populate").start()
-
-    def _populate_all(self, chunk: int = 32 << 20) -> None:
-        for lo in range(0, len(self._mmap), chunk):
-            if not self._populate_ok:
-                return
-            self.populate(lo, min(chunk, len(self._mmap) - lo))
-
-    def populate(self, start: int, length: int) -> None:
-        """Map ``[start, start + length)`` into this process's page tables now (one
-        ``madvise``), so that reading a view there takes no page fault per 4 KiB page. Each 2 MiB
-        chunk is populated once per mapping (a background thread does the whole mapping once,
-        after it is made); failure (an older kernel) only costs the faults."""
-        if not self._populate_ok or length <= 0:
-            return
-        first, last = start >> 21, (start + length - 1) >> 21
-        if all(self._populated[first:last + 1]):
-            return
-        lo, hi = first << 21, min((last + 1) << 21, len(self._mmap))
-        try:
-            self._mmap.madvise(_MADV_POPULATE_READ, lo, hi - lo)
-        except (OSError, ValueError):
-            self._populate_ok = False
-            return
-        self._populated[first:last + 1] = b"\x01" * (last + 1 - first)
+            populate_mapping_later(self._mmap, chunk_bytes=32 << 20, advice=MADV_POPULATE_READ)
 
     def view(self, reply: dict[str, Any], release) -> Any:
         """A tensor of the reply's dtype and shape over its extents (one contiguous extent:

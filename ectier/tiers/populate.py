@@ -21,11 +21,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["populate_later", "populate_mapping_later"]
+__all__ = ["populate_later", "populate_mapping_later", "MADV_POPULATE_READ"]
 
 log = logging.getLogger(__name__)
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault every page in, writable, contents untouched
+#: Linux >= 5.14: map every page of a read-only mapping in (a daemon client's views)
+MADV_POPULATE_READ = 22
 _PAGE = mmap.PAGESIZE
 #: bytes per populating ``madvise``: each call holds the process's memory-map lock (read) while
 #: it faults its range in, and every ``mmap``/``munmap`` of the process (large tensors, Python's
@@ -98,10 +100,12 @@ def populate_later(buffer: torch.Tensor, *, chunk_bytes: int = _CHUNK) -> thread
     return thread
 
 
-def populate_mapping_later(mapping: mmap.mmap, *, chunk_bytes: int = _CHUNK) -> threading.Thread | None:
-    """Fault in a shared, writable mapping of an arena file in a background thread,
-    256 KiB per ``madvise(MADV_POPULATE_WRITE)``: page-table entries only (the file's pages exist
-    already, their contents are untouched), so a client's writes into it take no fault per 4 KiB
+def populate_mapping_later(mapping: mmap.mmap, *, chunk_bytes: int = _CHUNK,
+                           advice: int = _MADV_POPULATE_WRITE) -> threading.Thread | None:
+    """Fault in a shared mapping of an arena file in a background thread, ``chunk_bytes`` (256
+    KiB) per ``madvise(advice)`` (``MADV_POPULATE_WRITE`` for a writable mapping,
+    :data:`MADV_POPULATE_READ` for a read-only one): page-table entries only (the file's pages
+    exist already, their contents are untouched), so a client's accesses take no fault per 4 KiB
     page.
 
     Off the caller's path because it costs ~0.3-1.2 s per GiB of mapping (measured on the dev
@@ -114,7 +118,7 @@ def populate_mapping_later(mapping: mmap.mmap, *, chunk_bytes: int = _CHUNK) -> 
     def run() -> None:
         for lo in range(0, len(mapping), chunk_bytes):
             try:
-                mapping.madvise(_MADV_POPULATE_WRITE, lo, min(chunk_bytes, len(mapping) - lo))
+                mapping.madvise(advice, lo, min(chunk_bytes, len(mapping) - lo))
             except (OSError, ValueError):  # closed meanwhile, or not supported: the faults stay
                 return
 
