@@ -111,7 +111,7 @@ class Reads:
             return got
         meta, data, _ = got
         m.counters.count("cache", hits=1)
-        if (isinstance(out, torch.Tensor) and out.shape == meta.shape and out.is_cpu and out.numel()
+        if (out is not None and out.shape == meta.shape and out.is_cpu and out.numel()
                 and data.data_ptr() == out.data_ptr() and out.dtype is torch_dtype(meta.dtype)):
             return out  # read straight into the caller's out= (NvmeMoves._into): nothing to check or copy
         result = tensor_from_bytes(meta, data, out)
