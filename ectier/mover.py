@@ -307,9 +307,9 @@ class Mover:
         for d, v in stale:
             # the key's older record goes before put returns, so a restart never serves it
             self.nvme.delete_claimed(d, v)
-        if not promotion and self.write_behind is not None:
-            with self.cond:  # likewise an older version being written behind (moves/writeback.py)
-                self.write_behind.wait_not_writing_locked(digest, older_than=version)
+        if not promotion and self.nvme is not None:
+            with self.cond:  # likewise an older version being written to NVMe now (a demotion, a write-behind)
+                self.nvme.wait_not_writing_locked(digest, older_than=version)
         return Commit.COMMITTED
 
     def delete(self, digest: bytes) -> bool:
@@ -327,9 +327,9 @@ class Mover:
                 stale = self.nvme.claim_locked(digest)
         if stale is not None:
             self.nvme.delete_claimed(digest, stale)
-        if self.write_behind is not None:
-            with self.cond:  # a write-behind of the key in flight deletes its record before this returns
-                self.write_behind.wait_not_writing_locked(digest)
+        if self.nvme is not None:
+            with self.cond:  # an NVMe write of the key in flight deletes its record before this returns
+                self.nvme.wait_not_writing_locked(digest)
         if self.remote is not None:
             self.remote.delete(digest)
         return existed

@@ -2,8 +2,9 @@
 
 A background thread writes the dirty host entries nearest eviction to NVMe, so that an eviction
 drops a copy NVMe holds. The races: a new version or a delete while an entry is written behind,
-an eviction of the entry being written, close() with a write in flight, a failed write. Each write
-of the write-behind is held at a gate (``testing.hold_writes``) to make the interleaving exact.
+an eviction of the entry being written, close() with a write in flight, a failed write; and the
+same overwrite/delete ordering for a demotion by an eviction in another thread. Each NVMe write
+is held at a gate (``testing.hold_writes``) to make the interleaving exact.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def waits_for_the_write(call, gate) -> None:
     gate.release(1)
     t.join(10)
     assert not t.is_alive()
-    assert alive, "returned while a write-behind of the older version could still commit its record"
+    assert alive, "returned while an NVMe write of the older version could still commit its record"
 
 
 @contextlib.contextmanager
@@ -122,6 +123,58 @@ def test_a_delete_while_the_entry_is_written_behind(tmp_path, after):
     with k_written_behind(tmp_path, after) as (c, gate):
         waits_for_the_write(lambda: c.delete("k"), gate)
     with TieredCache(config(tmp_path)) as c:
+        assert record_of(c, "k") is None and c.get("k") is None
+
+
+EVICTOR = "evictor"
+
+
+@contextlib.contextmanager
+def k_demoted_by_an_eviction(tmp_path, after: bool):
+    """No write-behind: ``k`` (version 1) is the host's LRU entry, and a put of four other keys
+    in the thread ``evictor`` evicts it; that demotion's write is held (before its write, or
+    after its record). Yields ``(cache, gate)``; the evictor is joined, the cache checked and
+    closed afterwards."""
+    c = TieredCache(config(tmp_path, fraction=0.0))
+    try:
+        with hold_writes(c, "nvme", thread_name=EVICTOR, after=after) as gate:
+            c.put("k", filled(ENTRY, 1))
+            evictor = threading.Thread(name=EVICTOR, target=lambda: [c.put(f"o{i}", filled(ENTRY, 10 + i))
+                                                                      for i in range(4)])
+            evictor.start()
+            assert gate.wait_held(1)
+            try:
+                yield c, gate
+            finally:
+                gate.open()
+                evictor.join(10)
+        assert not evictor.is_alive()
+        testing.check_invariants(c)
+    finally:
+        c.close()
+
+
+@AFTER
+def test_a_new_version_put_while_the_old_is_demoted_by_an_eviction(tmp_path, after):
+    """The same ordering as the write-behind's, for an eviction-time demotion in another
+    thread's put: the overwrite returns only once the demotion's record is gone as stale."""
+    with k_demoted_by_an_eviction(tmp_path, after) as (c, gate):
+        waits_for_the_write(lambda: c.put("k", filled(ENTRY, 2)), gate)
+        new = version_of(c, "k")
+        rec = record_of(c, "k")
+        assert rec is None or rec.version == new, f"NVMe holds version {rec.version} of k, not {new}"
+        assert same(c.get("k"), 2)
+    with TieredCache(config(tmp_path, fraction=0.0)) as c:
+        got = c.get("k")
+        assert got is None or same(got, 2)
+
+
+@AFTER
+def test_a_delete_while_the_entry_is_demoted_by_an_eviction(tmp_path, after):
+    with k_demoted_by_an_eviction(tmp_path, after) as (c, gate):
+        waits_for_the_write(lambda: c.delete("k"), gate)
+        assert record_of(c, "k") is None
+    with TieredCache(config(tmp_path, fraction=0.0)) as c:
         assert record_of(c, "k") is None and c.get("k") is None
 
 

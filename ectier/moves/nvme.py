@@ -45,6 +45,8 @@ class NvmeMoves:
         self.m = m
         self.tier = tier
         self.index = tier.index
+        # digest -> versions being written by demote_slot now (any caller); guarded by m.cond
+        self._writing: dict[bytes, list[int]] = {}
 
     # ------------------------------------------------------------------------- open
     def adopt_records(self) -> None:
@@ -351,6 +353,9 @@ class NvmeMoves:
         view = self.m.arena.cpu_bytes(src_tier, slot)
         if view is None:
             return False
+        with self.m.cond:
+            self._writing.setdefault(slot.digest, []).append(slot.version)
+        ok = False
         try:
             ok = self.store(slot.digest, slot.meta, slot.version, view, register=False, protect=protect)
         except TierWriteError as exc:
@@ -361,11 +366,25 @@ class NvmeMoves:
                             "memory only (not durable)", exc)
             else:
                 log.warning("demotion of an entry to NVMe failed (%s); entry dropped", exc)
-            return False
-        if ok:
+        finally:
             with self.m.cond:
-                slot.lower_copy = True
+                versions = self._writing[slot.digest]
+                versions.remove(slot.version)
+                if not versions:
+                    del self._writing[slot.digest]
+                if ok:
+                    slot.lower_copy = True
+                self.m.cond.notify_all()  # an overwrite or a delete of the key may return now
         return ok
+
+    def wait_not_writing_locked(self, digest: bytes, older_than: int | None = None) -> None:
+        """Under ``m.cond``: wait until no :meth:`demote_slot` write of ``digest`` (of a version
+        older than ``older_than``, when given) is in flight — a demotion by an eviction in any
+        thread, a flush, a write-through, a write-behind. An overwrite or a delete of the key
+        returns only then: the older record such a write may commit is deleted as stale before,
+        so a restart never serves bytes older than the put or the delete (docs/reliability.md)."""
+        while any(older_than is None or v < older_than for v in self._writing.get(digest, ())):
+            self.m.cond.wait()
 
     def write_through(self, host, digest: bytes, version: int) -> None:
         """Write the host entry ``version`` of ``digest`` (just committed by a put) to NVMe.

@@ -156,14 +156,6 @@ class WriteBehind:
                     host.unpin(slot)
                     m.cond.notify_all()  # room freed, and an overwrite or delete of it may return
 
-    def wait_not_writing_locked(self, digest: bytes, older_than: int | None = None) -> None:
-        """Under ``m.cond``: wait until no write-behind of ``digest`` (of a version older than
-        ``older_than``, when given) is in flight. An overwrite or a delete of the key returns only
-        then: the older record that write may commit is deleted as stale before, so a restart never
-        serves bytes older than the put or the delete."""
-        while (w := self.writing) is not None and w[0] == digest and (older_than is None or w[1] < older_than):
-            self.m.cond.wait()
-
     def _pick_locked(self, done: set[tuple[bytes, int]]) -> Slot | None:
         """The least recently used dirty, writable entry inside the window, or ``None``."""
         m, host, nvme = self.m, self.host, self.m.nvme.tier
