@@ -1,12 +1,17 @@
 """Helpers of the daemon tests: daemon processes, raw protocol connections, spawn-safe child jobs.
 
-Every daemon runs as a real process (``ectier serve`` or ``python -m ectier.daemon``) on a socket
+Every daemon runs as a real process (``ectier serve``'s code) on a socket
 in a short temporary directory under ``/tmp`` (AF_UNIX paths are limited to 107 bytes), with its
 host arena (``daemon.shm_dir``) and NVMe store in the same directory, so nothing is left in
 ``/dev/shm``. :class:`DaemonProcess` objects are registered and killed at interpreter exit if a
 test forgot them; fixtures stop them in ``finally`` blocks. The daemons that several test modules
 share are context managers here (:func:`main_daemon_process`, :func:`restricted_daemon_process`),
-each module wrapping them in its own module-scoped fixture. The exception to "a real process":
+each module wrapping them in its own module-scoped fixture. Most daemons are forked from one
+server process that has imported ectier and torch already (:data:`FORKSERVER`, multiprocessing's
+forkserver), so a daemon starts in a fraction of a second instead of an interpreter start and a torch
+import each (seconds on CI's 2 cores); ``via="exec"`` and ``via="script"`` start a fresh
+interpreter (``python -m ectier.daemon``, the ``ectier`` console script), as an operator does. The
+exception to "a real process":
 :func:`serve_in_thread`, a server in a thread of the test process, for tests that look inside it.
 
 The child jobs (:func:`producer`, :func:`consumer`, :func:`die_holding_reservation`,
@@ -94,32 +99,100 @@ def write_config(path: str, cfg: dict[str, Any]) -> str:
     return path
 
 
+#: the server that forks daemons (``via="module"``, ``"slow-nvme"``): started at the first such
+#: daemon, with ectier's daemon, its CLI and torch imported once; it ends with the test process
+FORKSERVER = multiprocessing.get_context("forkserver")
+FORKSERVER.set_forkserver_preload(["daemon_helpers", "slow_nvme_daemon", "ectier.cli", "ectier.daemon.server"])
+
+
+def _forked_daemon(argv: list[str], log_path: str, env: dict[str, str]) -> None:
+    """The body of a forked daemon: stdio as a launched one's (stdin ``/dev/null``, stdout and
+    stderr appended to ``log_path``, unbuffered), the environment ``env``, then ``ectier serve
+    ARGV`` (``argv[0] == "slow-nvme"``: :func:`slow_nvme_daemon.main` on ``argv[1:]``). Its exit
+    status is the command's, as a launched process's would be."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    if argv[0] == "slow-nvme":
+        import slow_nvme_daemon
+
+        sys.exit(slow_nvme_daemon.main(*argv[1:]))
+    from ectier.cli import main
+
+    main(["serve", *argv], prog_name="python -m ectier.daemon")
+
+
+class _ForkedProcess:
+    """The part of :class:`subprocess.Popen` that :class:`DaemonProcess` uses, over a process
+    forked by :data:`FORKSERVER` (``returncode``: the exit status, ``-signal`` when killed)."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
+        self._process = process
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"daemon pid {self.pid}", timeout)
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._process.exitcode is None:  # never a signal to a pid that may be reused
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 class DaemonProcess:
-    """One daemon process. ``via``: ``"module"`` (``python -m ectier.daemon``), ``"script"``
-    (the ``ectier serve`` console script) or ``"slow-nvme"`` (``tests/slow_nvme_daemon.py``: every
-    NVMe payload read ``nvme_read_delay_s`` late)."""
+    """One daemon process. ``via``: ``"module"`` (``python -m ectier.daemon``'s code, forked by
+    :data:`FORKSERVER`), ``"exec"`` (a fresh ``python -m ectier.daemon``), ``"script"`` (the
+    ``ectier serve`` console script) or ``"slow-nvme"`` (``tests/slow_nvme_daemon.py``, forked:
+    every NVMe payload read ``nvme_read_delay_s`` late)."""
 
     def __init__(self, config_path: str, socket_path: str, *, via: str = "module",
                  nvme_read_delay_s: float = 0.0) -> None:
+        if via not in ("module", "exec", "script", "slow-nvme"):
+            raise ValueError(f"via: {via!r} is not module, exec, script or slow-nvme")
         self.config_path = config_path
         self.socket_path = socket_path
         self.via = via
         self.nvme_read_delay_s = nvme_read_delay_s
         self.log_path = os.path.join(os.path.dirname(config_path), f"daemon-{len(_LIVE)}-{time.monotonic_ns()}.log")
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | _ForkedProcess | None = None
 
     def launch(self) -> "DaemonProcess":
         """Start the process (returns at once; see :meth:`wait_ready`)."""
-        if self.via == "script":
-            cmd = [ECTIER_SCRIPT, "serve", "--config", self.config_path]
-        elif self.via == "slow-nvme":
-            cmd = [PYTHON, str(Path(__file__).with_name("slow_nvme_daemon.py")), self.config_path,
-                   str(self.nvme_read_delay_s)]
-        else:
-            cmd = [PYTHON, "-m", "ectier.daemon", "--config", self.config_path]
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=clean_env(),
-                                     stdin=subprocess.DEVNULL)
+        if self.via in ("module", "slow-nvme"):
+            argv = (["slow-nvme", self.config_path, str(self.nvme_read_delay_s)] if self.via == "slow-nvme"
+                    else ["--config", self.config_path])
+            process = FORKSERVER.Process(target=_forked_daemon, args=(argv, self.log_path, clean_env()), daemon=True)
+            process.start()
+            self.proc = _ForkedProcess(process)
+        else:
+            cmd = ([ECTIER_SCRIPT, "serve", "--config", self.config_path] if self.via == "script"
+                   else [PYTHON, "-m", "ectier.daemon", "--config", self.config_path])
+            self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=clean_env(),
+                                         stdin=subprocess.DEVNULL)
         _LIVE.append(self)
         return self
 
