@@ -275,8 +275,10 @@ def remove_dir(path: str) -> None:
 
 # ----------------------------------------------------------- the daemons of the test modules
 
-#: a multiprocessing context for client processes (they receive seeds, never tensors)
-SPAWN = multiprocessing.get_context("spawn")
+#: the multiprocessing context of client processes (they receive seeds, never tensors): a fresh
+#: process as with "spawn" (no state of the test process), forked by :data:`FORKSERVER` so that it
+#: does not import torch again
+SPAWN = FORKSERVER
 IS_ROOT = os.geteuid() == 0
 
 
