@@ -162,6 +162,80 @@ class _ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
+def _forked_python(argv: list[str], stdout, stderr_path: str, env: dict[str, str] | None) -> None:
+    """The body of :func:`forked_python`: stdio set up as ``subprocess`` would, then ``python ARGV``."""
+    if stdout is not None:
+        os.dup2(stdout.fileno(), 1)
+        stdout.close()
+    else:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.close(null)
+    err = os.open(stderr_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(err, 2)
+    os.close(err)
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
+    sys.stdout.reconfigure(line_buffering=True)
+    if argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+    else:
+        import runpy
+
+        sys.argv = list(argv)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+class ForkedPython(_ForkedProcess):
+    """A ``python ARGV`` forked by :data:`FORKSERVER` (see :func:`forked_python`): ``stdout``, a
+    text stream of its standard output (or None), ``stderr_text()``, what it wrote to stderr."""
+
+    def __init__(self, process, stdout, stderr_path: str) -> None:
+        super().__init__(process)
+        self.stdout = stdout
+        self._stderr_path = stderr_path
+
+    def stderr_text(self) -> str:
+        try:
+            return Path(self._stderr_path).read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        """Kill it if it still runs, reap it, close its stdout and remove its stderr file."""
+        self.kill()
+        self.wait(30)
+        if self.stdout is not None:
+            self.stdout.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self._stderr_path)
+
+
+def forked_python(argv: list[str], *, stdout: bool = False, env: dict[str, str] | None = None) -> ForkedPython:
+    """``python ARGV`` (``ARGV``: a script and its arguments, or ``-c CODE ARGS...``) in a process
+    forked by :data:`FORKSERVER`, where ectier and torch are imported already, instead of a fresh
+    interpreter: the same code in a real process, without seconds of imports. ``stdout=True``: its
+    standard output is readable as ``.stdout`` (text, line by line), else it goes to /dev/null;
+    stdin is /dev/null; ``env``: its environment (default: the test process's). Stop it with
+    :meth:`ForkedPython.close`."""
+    fd, stderr_path = tempfile.mkstemp(prefix="ectier-forked-", suffix=".stderr")
+    os.close(fd)
+    reader = writer = None
+    if stdout:
+        reader, writer = FORKSERVER.Pipe(duplex=False)
+    process = FORKSERVER.Process(target=_forked_python, args=(argv, writer, stderr_path, env), daemon=True)
+    process.start()
+    out = None
+    if writer is not None:
+        writer.close()
+        out = os.fdopen(os.dup(reader.fileno()), "r")
+        reader.close()
+    return ForkedPython(process, out, stderr_path)
+
+
 class DaemonProcess:
     """One daemon process. ``via``: ``"module"`` (``python -m ectier.daemon``'s code, forked by
     :data:`FORKSERVER`), ``"exec"`` (a fresh ``python -m ectier.daemon``), ``"script"`` (the
