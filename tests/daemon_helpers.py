@@ -177,16 +177,20 @@ def _forked_python(argv: list[str], stdout, stderr_path: str, env: dict[str, str
     if env is not None:
         os.environ.clear()
         os.environ.update(env)
+        tempfile.tempdir = None  # TMPDIR as given, not the forkserver's cached temp dir
     sys.stdout.reconfigure(line_buffering=True)
-    if argv[0] == "-c":
-        sys.argv = ["-c", *argv[2:]]
-        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
-    else:
-        import runpy
+    try:
+        if argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+        else:
+            import runpy
 
-        sys.argv = list(argv)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-        runpy.run_path(argv[0], run_name="__main__")
+            sys.argv = list(argv)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()  # as an interpreter's exit would (a forked process ends in os._exit)
 
 
 class ForkedPython(_ForkedProcess):
