@@ -17,32 +17,42 @@ from ..sizing import ModelSpec, get_model, parse_size
 __all__ = ["ImageSize", "ModelName", "ByteSize", "console"]
 
 
-class ImageSize(click.ParamType):
+class _Parsed(click.ParamType):
+    """A value given as text, parsed by :meth:`parse`; one of :attr:`parsed_type` (a default, a
+    value parsed already) passes as it is."""
+
+    parsed_type: type = object
+
+    def parse(self, value: str) -> Any:
+        raise NotImplementedError
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> Any:
+        if isinstance(value, self.parsed_type):
+            return value
+        try:
+            return self.parse(value)
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class ImageSize(_Parsed):
     """``WIDTHxHEIGHT`` in pixels (``1920x1080``, ``1920×1080``, ``1920,1080``) -> ``(w, h)``."""
 
     name = "WxH"
+    parsed_type = tuple
 
-    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> tuple[int, int]:
-        if isinstance(value, tuple):
-            return value
-        try:
-            return parse_size(value)
-        except ConfigError as exc:
-            self.fail(str(exc), param, ctx)
+    def parse(self, value: str) -> tuple[int, int]:
+        return parse_size(value)
 
 
-class ModelName(click.ParamType):
+class ModelName(_Parsed):
     """A registered model name or alias (any case) -> :class:`~ectier.sizing.ModelSpec`."""
 
     name = "MODEL"
+    parsed_type = ModelSpec
 
-    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> ModelSpec:
-        if isinstance(value, ModelSpec):
-            return value
-        try:
-            return get_model(value)
-        except ConfigError as exc:
-            self.fail(str(exc), param, ctx)
+    def parse(self, value: str) -> ModelSpec:
+        return get_model(value)
 
 
 class ByteSize(click.ParamType):
