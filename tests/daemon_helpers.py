@@ -105,18 +105,27 @@ FORKSERVER = multiprocessing.get_context("forkserver")
 FORKSERVER.set_forkserver_preload(["daemon_helpers", "slow_nvme_daemon", "ectier.cli", "ectier.daemon.server"])
 
 
-def _forked_daemon(argv: list[str], log_path: str, env: dict[str, str]) -> None:
+def _as_launched(cwd: str, env: dict[str, str] | None) -> None:
+    """What a forked process takes from the test process at its launch, as ``subprocess`` would
+    give it: the working directory and (unless None) the environment, and the temp dir it names."""
+    os.chdir(cwd)
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
+        tempfile.tempdir = None  # TMPDIR as given, not the forkserver's cached temp dir
+    sys.stdout.reconfigure(line_buffering=True)
+
+
+def _forked_daemon(argv: list[str], log_path: str, cwd: str, env: dict[str, str]) -> None:
     """The body of a forked daemon: stdio as a launched one's (stdin ``/dev/null``, stdout and
-    stderr appended to ``log_path``, unbuffered), the environment ``env``, then ``ectier serve
-    ARGV`` (``argv[0] == "slow-nvme"``: :func:`slow_nvme_daemon.main` on ``argv[1:]``). Its exit
-    status is the command's, as a launched process's would be."""
+    stderr appended to ``log_path``, unbuffered), the working directory ``cwd`` and the environment
+    ``env``, then ``ectier serve ARGV`` (``argv[0] == "slow-nvme"``: :func:`slow_nvme_daemon.main` on
+    ``argv[1:]``). Its exit status is the command's, as a launched process's would be."""
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    os.environ.clear()
-    os.environ.update(env)
-    sys.stdout.reconfigure(line_buffering=True)
+    _as_launched(cwd, env)
     sys.stderr.reconfigure(line_buffering=True)
     if argv[0] == "slow-nvme":
         import slow_nvme_daemon
@@ -162,7 +171,7 @@ class _ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def _forked_python(argv: list[str], stdout, stderr_path: str, env: dict[str, str] | None) -> None:
+def _forked_python(argv: list[str], stdout, stderr_path: str, cwd: str, env: dict[str, str] | None) -> None:
     """The body of :func:`forked_python`: stdio set up as ``subprocess`` would, then ``python ARGV``."""
     if stdout is not None:
         os.dup2(stdout.fileno(), 1)
@@ -174,11 +183,7 @@ def _forked_python(argv: list[str], stdout, stderr_path: str, env: dict[str, str
     err = os.open(stderr_path, os.O_WRONLY | os.O_APPEND)
     os.dup2(err, 2)
     os.close(err)
-    if env is not None:
-        os.environ.clear()
-        os.environ.update(env)
-        tempfile.tempdir = None  # TMPDIR as given, not the forkserver's cached temp dir
-    sys.stdout.reconfigure(line_buffering=True)
+    _as_launched(cwd, env)
     try:
         if argv[0] == "-c":
             sys.argv = ["-c", *argv[2:]]
@@ -230,7 +235,8 @@ def forked_python(argv: list[str], *, stdout: bool = False, env: dict[str, str] 
     reader = writer = None
     if stdout:
         reader, writer = FORKSERVER.Pipe(duplex=False)
-    process = FORKSERVER.Process(target=_forked_python, args=(argv, writer, stderr_path, env), daemon=True)
+    process = FORKSERVER.Process(target=_forked_python, args=(argv, writer, stderr_path, os.getcwd(), env),
+                                 daemon=True)
     process.start()
     out = None
     if writer is not None:
@@ -263,7 +269,8 @@ class DaemonProcess:
         if self.via in ("module", "slow-nvme"):
             argv = (["slow-nvme", self.config_path, str(self.nvme_read_delay_s)] if self.via == "slow-nvme"
                     else ["--config", self.config_path])
-            process = FORKSERVER.Process(target=_forked_daemon, args=(argv, self.log_path, clean_env()), daemon=True)
+            process = FORKSERVER.Process(target=_forked_daemon, args=(argv, self.log_path, os.getcwd(), clean_env()),
+                                         daemon=True)
             process.start()
             self.proc = _ForkedProcess(process)
         else:
