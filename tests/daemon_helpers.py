@@ -7,12 +7,11 @@ host arena (``daemon.shm_dir``) and NVMe store in the same directory, so nothing
 test forgot them; fixtures stop them in ``finally`` blocks. The daemons that several test modules
 share are context managers here (:func:`main_daemon_process`, :func:`restricted_daemon_process`),
 each module wrapping them in its own module-scoped fixture. Most daemons are forked from one
-server process that has imported ectier and torch already (:data:`FORKSERVER`, multiprocessing's
-forkserver), so a daemon starts in a fraction of a second instead of an interpreter start and a torch
-import each (seconds on CI's 2 cores); ``via="exec"`` and ``via="script"`` start a fresh
-interpreter (``python -m ectier.daemon``, the ``ectier`` console script), as an operator does. The
-exception to "a real process":
-:func:`serve_in_thread`, a server in a thread of the test process, for tests that look inside it.
+server process that has imported ectier and torch already (``fork_helpers.FORKSERVER``), so a
+daemon starts in a fraction of a second instead of an interpreter start and a torch import each
+(seconds on CI's 2 cores); ``via="exec"`` and ``via="script"`` start a fresh interpreter (``python
+-m ectier.daemon``, the ``ectier`` console script), as an operator does. The exception to "a real
+process": :func:`serve_in_thread`, a server in a thread of the test process, for tests that look inside it.
 
 The child jobs (:func:`producer`, :func:`consumer`, :func:`die_holding_reservation`,
 :func:`die_holding_get_lease`) are module-level functions so that a ``spawn`` multiprocessing
@@ -28,7 +27,6 @@ import hashlib
 import json
 import math
 import mmap
-import multiprocessing
 import os
 import shutil
 import signal
@@ -43,6 +41,7 @@ from typing import Any, Iterator
 
 import msgpack
 
+from fork_helpers import FORKSERVER, ForkedProcess, forked_daemon
 from server_helpers import wait_stopped  # noqa: F401  (re-exported for the daemon tests)
 
 from ectier.daemon.protocol import PROTOCOL_VERSION, FrameDecoder, ProtocolError, encode_frame
@@ -99,153 +98,6 @@ def write_config(path: str, cfg: dict[str, Any]) -> str:
     return path
 
 
-#: the server that forks daemons (``via="module"``, ``"slow-nvme"``): started at the first such
-#: daemon, with ectier's daemon, its CLI and torch imported once; it ends with the test process
-FORKSERVER = multiprocessing.get_context("forkserver")
-FORKSERVER.set_forkserver_preload(["daemon_helpers", "slow_nvme_daemon", "ectier.cli", "ectier.daemon.server"])
-
-
-def _as_launched(cwd: str, env: dict[str, str] | None) -> None:
-    """What a forked process takes from the test process at its launch, as ``subprocess`` would
-    give it: the working directory and (unless None) the environment, and the temp dir it names."""
-    os.chdir(cwd)
-    if env is not None:
-        os.environ.clear()
-        os.environ.update(env)
-        tempfile.tempdir = None  # TMPDIR as given, not the forkserver's cached temp dir
-    sys.stdout.reconfigure(line_buffering=True)
-
-
-def _forked_daemon(argv: list[str], log_path: str, cwd: str, env: dict[str, str]) -> None:
-    """The body of a forked daemon: stdio as a launched one's (stdin ``/dev/null``, stdout and
-    stderr appended to ``log_path``, unbuffered), the working directory ``cwd`` and the environment
-    ``env``, then ``ectier serve ARGV`` (``argv[0] == "slow-nvme"``: :func:`slow_nvme_daemon.main` on
-    ``argv[1:]``). Its exit status is the command's, as a launched process's would be."""
-    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    _as_launched(cwd, env)
-    sys.stderr.reconfigure(line_buffering=True)
-    if argv[0] == "slow-nvme":
-        import slow_nvme_daemon
-
-        sys.exit(slow_nvme_daemon.main(*argv[1:]))
-    from ectier.cli import main
-
-    main(["serve", *argv], prog_name="python -m ectier.daemon")
-
-
-class _ForkedProcess:
-    """The part of :class:`subprocess.Popen` that :class:`DaemonProcess` uses, over a process
-    forked by :data:`FORKSERVER` (``returncode``: the exit status, ``-signal`` when killed)."""
-
-    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
-        self._process = process
-
-    @property
-    def pid(self) -> int:
-        return self._process.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self._process.exitcode
-
-    def poll(self) -> int | None:
-        return self._process.exitcode
-
-    def wait(self, timeout: float | None = None) -> int:
-        self._process.join(timeout)
-        if self._process.exitcode is None:
-            raise subprocess.TimeoutExpired(f"daemon pid {self.pid}", timeout)
-        return self._process.exitcode
-
-    def send_signal(self, sig: int) -> None:
-        if self._process.exitcode is None:  # never a signal to a pid that may be reused
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-
-def _forked_python(argv: list[str], stdout, stderr_path: str, cwd: str, env: dict[str, str] | None) -> None:
-    """The body of :func:`forked_python`: stdio set up as ``subprocess`` would, then ``python ARGV``."""
-    if stdout is not None:
-        os.dup2(stdout.fileno(), 1)
-        stdout.close()
-    else:
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, 1)
-        os.close(null)
-    err = os.open(stderr_path, os.O_WRONLY | os.O_APPEND)
-    os.dup2(err, 2)
-    os.close(err)
-    _as_launched(cwd, env)
-    try:
-        if argv[0] == "-c":
-            sys.argv = ["-c", *argv[2:]]
-            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
-        else:
-            import runpy
-
-            sys.argv = list(argv)
-            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-            runpy.run_path(argv[0], run_name="__main__")
-    finally:
-        atexit._run_exitfuncs()  # as an interpreter's exit would (a forked process ends in os._exit)
-
-
-class ForkedPython(_ForkedProcess):
-    """A ``python ARGV`` forked by :data:`FORKSERVER` (see :func:`forked_python`): ``stdout``, a
-    text stream of its standard output (or None), ``stderr_text()``, what it wrote to stderr."""
-
-    def __init__(self, process, stdout, stderr_path: str) -> None:
-        super().__init__(process)
-        self.stdout = stdout
-        self._stderr_path = stderr_path
-
-    def stderr_text(self) -> str:
-        try:
-            return Path(self._stderr_path).read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def close(self) -> None:
-        """Kill it if it still runs, reap it, close its stdout and remove its stderr file."""
-        self.kill()
-        self.wait(30)
-        if self.stdout is not None:
-            self.stdout.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self._stderr_path)
-
-
-def forked_python(argv: list[str], *, stdout: bool = False, env: dict[str, str] | None = None) -> ForkedPython:
-    """``python ARGV`` (``ARGV``: a script and its arguments, or ``-c CODE ARGS...``) in a process
-    forked by :data:`FORKSERVER`, where ectier and torch are imported already, instead of a fresh
-    interpreter: the same code in a real process, without seconds of imports. ``stdout=True``: its
-    standard output is readable as ``.stdout`` (text, line by line), else it goes to /dev/null;
-    stdin is /dev/null; ``env``: its environment (default: the test process's). Stop it with
-    :meth:`ForkedPython.close`."""
-    fd, stderr_path = tempfile.mkstemp(prefix="ectier-forked-", suffix=".stderr")
-    os.close(fd)
-    reader = writer = None
-    if stdout:
-        reader, writer = FORKSERVER.Pipe(duplex=False)
-    process = FORKSERVER.Process(target=_forked_python, args=(argv, writer, stderr_path, os.getcwd(), env),
-                                 daemon=True)
-    process.start()
-    out = None
-    if writer is not None:
-        writer.close()
-        out = os.fdopen(os.dup(reader.fileno()), "r")
-        reader.close()
-    return ForkedPython(process, out, stderr_path)
-
-
 class DaemonProcess:
     """One daemon process. ``via``: ``"module"`` (``python -m ectier.daemon``'s code, forked by
     :data:`FORKSERVER`), ``"exec"`` (a fresh ``python -m ectier.daemon``), ``"script"`` (the
@@ -261,7 +113,7 @@ class DaemonProcess:
         self.via = via
         self.nvme_read_delay_s = nvme_read_delay_s
         self.log_path = os.path.join(os.path.dirname(config_path), f"daemon-{len(_LIVE)}-{time.monotonic_ns()}.log")
-        self.proc: subprocess.Popen | _ForkedProcess | None = None
+        self.proc: subprocess.Popen | ForkedProcess | None = None
 
     def launch(self) -> "DaemonProcess":
         """Start the process (returns at once; see :meth:`wait_ready`)."""
@@ -269,10 +121,10 @@ class DaemonProcess:
         if self.via in ("module", "slow-nvme"):
             argv = (["slow-nvme", self.config_path, str(self.nvme_read_delay_s)] if self.via == "slow-nvme"
                     else ["--config", self.config_path])
-            process = FORKSERVER.Process(target=_forked_daemon, args=(argv, self.log_path, os.getcwd(), clean_env()),
+            process = FORKSERVER.Process(target=forked_daemon, args=(argv, self.log_path, os.getcwd(), clean_env()),
                                          daemon=True)
             process.start()
-            self.proc = _ForkedProcess(process)
+            self.proc = ForkedProcess(process)
         else:
             cmd = ([ECTIER_SCRIPT, "serve", "--config", self.config_path] if self.via == "script"
                    else [PYTHON, "-m", "ectier.daemon", "--config", self.config_path])

@@ -370,7 +370,7 @@ def test_fuzz_harness_smoke_without_atheris():
 
 
 def test_fuzz_harness_cli_without_atheris_is_a_clear_message(tmp_path):
-    from daemon_helpers import forked_python
+    from fork_helpers import forked_python
 
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     proc = forked_python([os.path.join(REPO, "tools", "fuzz_protocol.py"), "--random", "50"], stdout=True, env=env)
@@ -384,7 +384,7 @@ def test_fuzz_harness_cli_without_atheris_is_a_clear_message(tmp_path):
 
 
 def test_fuzz_harness_killed_by_sigterm_still_removes_its_store(tmp_path):
-    from daemon_helpers import forked_python
+    from fork_helpers import forked_python
 
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     proc = forked_python([os.path.join(REPO, "tools", "fuzz_protocol.py"), "--random", "10000000"], env=env)

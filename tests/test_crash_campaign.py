@@ -37,7 +37,7 @@ from tools import crash_campaign as cc  # noqa: E402
 
 
 def _run_to_point(point: str, store: str) -> None:
-    from daemon_helpers import forked_python
+    from fork_helpers import forked_python
 
     proc = forked_python([os.path.join(REPO, "tests", "crash_points.py"), point, store], stdout=True)
     try:
@@ -225,8 +225,9 @@ def test_daemon_killed_mid_commit_keeps_acknowledged_entries():
     write-through of v2 not done): after a restart every acknowledged entry is served, K is its old
     value (its commit was never acknowledged; the older NVMe record stays until the write-through
     replaces it), and the client got a clean DaemonUnavailableError, not a hang."""
-    from daemon_helpers import (DaemonProcess, daemon_config, forked_python, make_tensor, remove_dir,
-                                short_tmpdir, tensor_digest, wait_for, write_config)
+    from daemon_helpers import (DaemonProcess, daemon_config, make_tensor, remove_dir, short_tmpdir,
+                                tensor_digest, wait_for, write_config)
+    from fork_helpers import forked_python
     from ectier.daemon.client import DaemonClient, DaemonUnavailableError
 
     d = short_tmpdir()

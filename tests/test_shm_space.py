@@ -22,11 +22,11 @@ from daemon_helpers import (
     DaemonProcess,
     clean_env,
     daemon_config,
-    forked_python,
     remove_dir,
     short_tmpdir,
     write_config,
 )
+from fork_helpers import forked_python
 from ectier import CacheConfig
 from ectier.cache import TieredCache
 from ectier.errors import ConfigError
