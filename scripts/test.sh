@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh test
 set +e
-.venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest --durations=30 "$@"  # the 30 slowest tests, to keep CI time in view
 core=$?
 set -e
 if [ "$core" -eq 5 ]; then

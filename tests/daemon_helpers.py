@@ -1,13 +1,17 @@
 """Helpers of the daemon tests: daemon processes, raw protocol connections, spawn-safe child jobs.
 
-Every daemon runs as a real process (``ectier serve`` or ``python -m ectier.daemon``) on a socket
+Every daemon runs as a real process (``ectier serve``'s code) on a socket
 in a short temporary directory under ``/tmp`` (AF_UNIX paths are limited to 107 bytes), with its
 host arena (``daemon.shm_dir``) and NVMe store in the same directory, so nothing is left in
 ``/dev/shm``. :class:`DaemonProcess` objects are registered and killed at interpreter exit if a
 test forgot them; fixtures stop them in ``finally`` blocks. The daemons that several test modules
 share are context managers here (:func:`main_daemon_process`, :func:`restricted_daemon_process`),
-each module wrapping them in its own module-scoped fixture. The exception to "a real process":
-:func:`serve_in_thread`, a server in a thread of the test process, for tests that look inside it.
+each module wrapping them in its own module-scoped fixture. Most daemons are forked from one
+server process that has imported ectier and torch already (``fork_helpers.FORKSERVER``), so a
+daemon starts in a fraction of a second instead of an interpreter start and a torch import each
+(seconds on CI's 2 cores); ``via="exec"`` and ``via="script"`` start a fresh interpreter (``python
+-m ectier.daemon``, the ``ectier`` console script), as an operator does. The exception to "a real
+process": :func:`serve_in_thread`, a server in a thread of the test process, for tests that look inside it.
 
 The child jobs (:func:`producer`, :func:`consumer`, :func:`die_holding_reservation`,
 :func:`die_holding_get_lease`) are module-level functions so that a ``spawn`` multiprocessing
@@ -23,7 +27,6 @@ import hashlib
 import json
 import math
 import mmap
-import multiprocessing
 import os
 import shutil
 import signal
@@ -38,6 +41,7 @@ from typing import Any, Iterator
 
 import msgpack
 
+from fork_helpers import FORKSERVER, ForkedProcess, forked_daemon
 from server_helpers import wait_stopped  # noqa: F401  (re-exported for the daemon tests)
 
 from ectier.daemon.protocol import PROTOCOL_VERSION, FrameDecoder, ProtocolError, encode_frame
@@ -95,31 +99,37 @@ def write_config(path: str, cfg: dict[str, Any]) -> str:
 
 
 class DaemonProcess:
-    """One daemon process. ``via``: ``"module"`` (``python -m ectier.daemon``), ``"script"``
-    (the ``ectier serve`` console script) or ``"slow-nvme"`` (``tests/slow_nvme_daemon.py``: every
-    NVMe payload read ``nvme_read_delay_s`` late)."""
+    """One daemon process. ``via``: ``"module"`` (``python -m ectier.daemon``'s code, forked by
+    :data:`FORKSERVER`), ``"exec"`` (a fresh ``python -m ectier.daemon``), ``"script"`` (the
+    ``ectier serve`` console script) or ``"slow-nvme"`` (``tests/slow_nvme_daemon.py``, forked:
+    every NVMe payload read ``nvme_read_delay_s`` late)."""
 
     def __init__(self, config_path: str, socket_path: str, *, via: str = "module",
                  nvme_read_delay_s: float = 0.0) -> None:
+        if via not in ("module", "exec", "script", "slow-nvme"):
+            raise ValueError(f"via: {via!r} is not module, exec, script or slow-nvme")
         self.config_path = config_path
         self.socket_path = socket_path
         self.via = via
         self.nvme_read_delay_s = nvme_read_delay_s
         self.log_path = os.path.join(os.path.dirname(config_path), f"daemon-{len(_LIVE)}-{time.monotonic_ns()}.log")
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | ForkedProcess | None = None
 
     def launch(self) -> "DaemonProcess":
         """Start the process (returns at once; see :meth:`wait_ready`)."""
-        if self.via == "script":
-            cmd = [ECTIER_SCRIPT, "serve", "--config", self.config_path]
-        elif self.via == "slow-nvme":
-            cmd = [PYTHON, str(Path(__file__).with_name("slow_nvme_daemon.py")), self.config_path,
-                   str(self.nvme_read_delay_s)]
-        else:
-            cmd = [PYTHON, "-m", "ectier.daemon", "--config", self.config_path]
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=clean_env(),
-                                     stdin=subprocess.DEVNULL)
+        if self.via in ("module", "slow-nvme"):
+            argv = (["slow-nvme", self.config_path, str(self.nvme_read_delay_s)] if self.via == "slow-nvme"
+                    else ["--config", self.config_path])
+            process = FORKSERVER.Process(target=forked_daemon, args=(argv, self.log_path, os.getcwd(), clean_env()),
+                                         daemon=True)
+            process.start()
+            self.proc = ForkedProcess(process)
+        else:
+            cmd = ([ECTIER_SCRIPT, "serve", "--config", self.config_path] if self.via == "script"
+                   else [PYTHON, "-m", "ectier.daemon", "--config", self.config_path])
+            self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=clean_env(),
+                                         stdin=subprocess.DEVNULL)
         _LIVE.append(self)
         return self
 
@@ -202,8 +212,10 @@ def remove_dir(path: str) -> None:
 
 # ----------------------------------------------------------- the daemons of the test modules
 
-#: a multiprocessing context for client processes (they receive seeds, never tensors)
-SPAWN = multiprocessing.get_context("spawn")
+#: the multiprocessing context of client processes (they receive seeds, never tensors): a fresh
+#: process as with "spawn" (no state of the test process), forked by :data:`FORKSERVER` so that it
+#: does not import torch again
+SPAWN = FORKSERVER
 IS_ROOT = os.geteuid() == 0
 
 

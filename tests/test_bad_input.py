@@ -15,7 +15,6 @@ import hashlib
 import os
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -371,18 +370,24 @@ def test_fuzz_harness_smoke_without_atheris():
 
 
 def test_fuzz_harness_cli_without_atheris_is_a_clear_message(tmp_path):
+    from fork_helpers import forked_python
+
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "fuzz_protocol.py"), "--random", "50"],
-                       capture_output=True, text=True, timeout=120, env=env)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "50 inputs" in r.stdout
+    proc = forked_python([os.path.join(REPO, "tools", "fuzz_protocol.py"), "--random", "50"], stdout=True, env=env)
+    try:
+        out = proc.stdout.read()
+        assert proc.wait(120) == 0, proc.stderr_text()[-2000:]
+    finally:
+        proc.close()
+    assert "50 inputs" in out
     assert list(tmp_path.iterdir()) == [], "the harness left its temporary store behind"
 
 
 def test_fuzz_harness_killed_by_sigterm_still_removes_its_store(tmp_path):
+    from fork_helpers import forked_python
+
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tools", "fuzz_protocol.py"), "--random", "10000000"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    proc = forked_python([os.path.join(REPO, "tools", "fuzz_protocol.py"), "--random", "10000000"], env=env)
     try:
         deadline = time.monotonic() + 60
         while not list(tmp_path.iterdir()) and time.monotonic() < deadline and proc.poll() is None:
@@ -391,11 +396,9 @@ def test_fuzz_harness_killed_by_sigterm_still_removes_its_store(tmp_path):
         time.sleep(0.3)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+        assert proc.returncode == 128 + signal.SIGTERM, proc.stderr_text()[-2000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr.read()[-2000:]
+        proc.close()
     assert list(tmp_path.iterdir()) == [], "the harness left its temporary store behind"
 
 

@@ -89,6 +89,47 @@ def test_bench_replay_trace(tmp_path):
     assert r["hits"] == 25  # 5 distinct keys, every repeat hits at the default budgets
 
 
+def test_bench_replay_says_how_long_the_whole_command_took_plot_included(tmp_path, monkeypatch):
+    """The last line's seconds run to the last file written: a plot that takes 100 s (a clock
+    moved on by it) shows. Before, they stopped before the plot (and after the imports)."""
+    import time
+
+    from ectier.bench import report
+
+    real, skipped = time.perf_counter, [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: real() + skipped[0])
+
+    def slow_plot(points, path, subtitle=""):
+        skipped[0] += 100.0
+        open(path, "wb").close()
+
+    monkeypatch.setattr(report, "plot_curve", slow_plot)
+    out = _run(["replay", *SMALL, "--curve-scale", "64"], tmp_path)
+    (last,) = [line for line in out.splitlines() if line.startswith("wrote ")]
+    assert "replay_curve.png" in last
+    assert 100.0 <= float(last.rsplit(" in ", 1)[1].removesuffix(" s")) < 200.0, last
+    assert json.loads((tmp_path / "replay.json").read_text())["elapsed_s"] < 100.0  # the results, before the plot
+
+
+def test_bench_replay_no_curve_says_which_png_it_skips(tmp_path):
+    out = _run(["replay", *SMALL, "--no-curve"], tmp_path)
+    notes = [line for line in out.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "replay_curve.png" in notes[0] and "--no-curve" in notes[0], out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["replay.json", "replay.md"]
+
+
+def test_bench_replay_width_scale_divides_both_budgets_and_says_so(tmp_path):
+    out = _run(["replay", *SMALL, "--no-curve", "--width-scale", "8", "--host-bytes", "8MiB", "--nvme-bytes",
+                "16MiB"], tmp_path)
+    data = json.loads((tmp_path / "replay.json").read_text())
+    for r in data["runs"]:
+        _check_run(r)
+        assert (r["host_bytes"], r["nvme_bytes"]) == (8 << 20, 16 << 20)  # as given: full width
+        assert (r["held_host_bytes"], r["held_nvme_bytes"]) == (1 << 20, 2 << 20)  # what the cache had
+    assert data["width_scale"] == 8
+    assert "scaled 1/8 in width, budgets alike: the cache held host 1.0 MiB, NVMe 2.0 MiB" in " ".join(out.split())
+
+
 @pytest.mark.parametrize("source, smallest", [("trace", 128), ("generator", 70)])
 def test_bench_replay_refuses_a_max_tokens_that_leaves_no_image_up_front(tmp_path, source, smallest):
     if source == "trace":

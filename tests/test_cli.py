@@ -174,3 +174,87 @@ def test_help_mentions_every_command(runner):
     assert result.exit_code == 0
     for cmd in ("size", "models", "demo"):
         assert cmd in result.output
+
+
+# ========================================================================================= stats
+
+
+def _daemon_stats(cache) -> dict:
+    """What a daemon's ``stats`` request answers: the cache's stats plus a daemon section (no client)."""
+    return {**cache.stats(), "daemon": {"socket": "/nowhere/ectier.sock", "clients": [], "leases": {"put": 0, "get": 0},
+                                        "leases_expired": 0}}
+
+
+def _stats_table(monkeypatch, data) -> dict[str, list[str]]:
+    """``ectier stats`` printing ``data`` (the daemon client's answer): row label -> its cells."""
+    from ectier.daemon import client as client_mod
+
+    class Answering:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def stats(self):
+            return data
+
+    monkeypatch.setattr(client_mod, "DaemonClient", Answering)
+    r = CliRunner(env={"COLUMNS": "200"}).invoke(main, ["stats", "--socket", "/nowhere/ectier.sock"])
+    assert r.exit_code == 0, r.output
+    return {cells[0]: cells[1:] for line in r.output.splitlines() if line.count("│") >= 3
+            for cells in [[c.strip() for c in line.split("│")[1:-1]]]}
+
+
+def test_stats_table_shows_the_write_behind_counters_and_no_remote_rows_without_a_remote_tier(
+        monkeypatch, tmp_path):
+    import torch
+
+    from ectier import testing
+    from ectier.config import CacheConfig
+
+    cfg = CacheConfig.from_dict({"host": {"capacity_bytes": 1 << 20, "block_bytes": 16 << 10,
+                                          "write_behind_fraction": 0.25},
+                                 "nvme": {"path": str(tmp_path / "nvme"), "capacity_bytes": 16 << 20}})
+    with testing.make_cache(cfg) as cache:
+        for i in range(12):
+            cache.put(f"k{i}", torch.full((192 << 10,), i, dtype=torch.uint8))
+        assert testing.write_behind_idle(cache)
+        data = _daemon_stats(cache)
+    host = data["tiers"]["host"]
+    assert host["clean_evictions"] + host["dirty_evictions"] == host["evictions"] > 0
+    assert host["write_behind_writes"] > 0
+    table = _stats_table(monkeypatch, data)
+    # before: no write-behind rows; eight remote-only rows of dashes without a remote tier
+    assert table["clean evictions"] == [str(host["clean_evictions"]), "—"]
+    assert table["dirty evictions"] == [str(host["dirty_evictions"]), "—"]
+    assert table["write-behind writes"] == [str(host["write_behind_writes"]), "—"]
+    assert table["write-behind failures"] == ["0", "—"]
+    assert "write-behind bytes" in table and "eviction write s" in table
+    for remote_only in ("misses", "errors", "timeouts", "degraded (back-off)", "skipped in back-off",
+                        "skipped: node down"):
+        assert remote_only not in table, remote_only
+    assert table["checksum failures"] == ["—", "0"]  # the NVMe tier's
+
+
+def test_stats_table_shows_the_remote_rows_with_a_remote_tier(monkeypatch):
+    import torch
+
+    from ectier import testing
+    from ectier.config import CacheConfig
+
+    cfg = CacheConfig.from_dict({"host": {"capacity_bytes": 1 << 20, "block_bytes": 16 << 10},
+                                 "remote": {"backend": "redis", "addresses": "unused:1"}})
+    with testing.make_cache(cfg, remote_backend=testing.MemoryBackend()) as cache:
+        cache.put("a", torch.zeros(1000, dtype=torch.uint8))
+        assert cache.get("absent") is None
+        data = _daemon_stats(cache)
+    table = _stats_table(monkeypatch, data)
+    assert list(data["tiers"]) == ["host", "remote"]
+    assert table["misses"] == ["—", str(data["tiers"]["remote"]["misses"])]
+    assert table["degraded (back-off)"] == ["—", "no"]
+    assert table["timeouts"] == ["—", "0"] and table["errors"] == ["—", "0"]
+    assert table["clean evictions"][1] == "—"

@@ -37,8 +37,9 @@ from tools import crash_campaign as cc  # noqa: E402
 
 
 def _run_to_point(point: str, store: str) -> None:
-    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "crash_points.py"), point, store],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    from fork_helpers import forked_python
+
+    proc = forked_python([os.path.join(REPO, "tests", "crash_points.py"), point, store], stdout=True)
     try:
         lines = []
         deadline = time.monotonic() + 60
@@ -49,14 +50,12 @@ def _run_to_point(point: str, store: str) -> None:
             lines.append(line.strip())
             if line.startswith("AT "):
                 break
-        assert lines[-2:] == ["COMMITTED", f"AT {point}"], (lines, proc.stderr.read() if proc.poll() is not None else "")
+        assert lines[-2:] == ["COMMITTED", f"AT {point}"], (lines, proc.stderr_text())
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
         assert proc.returncode == -signal.SIGKILL
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+        proc.close()
 
 
 # point -> what a restart may serve for "k" ("v1": the committed old value, "v2": the new one,
@@ -228,6 +227,7 @@ def test_daemon_killed_mid_commit_keeps_acknowledged_entries():
     replaces it), and the client got a clean DaemonUnavailableError, not a hang."""
     from daemon_helpers import (DaemonProcess, daemon_config, make_tensor, remove_dir, short_tmpdir,
                                 tensor_digest, wait_for, write_config)
+    from fork_helpers import forked_python
     from ectier.daemon.client import DaemonClient, DaemonUnavailableError
 
     d = short_tmpdir()
@@ -237,9 +237,7 @@ def test_daemon_killed_mid_commit_keeps_acknowledged_entries():
         path = write_config(os.path.join(d, "cfg.json"), cfg)
         sock = cfg["daemon"]["socket_path"]
         marker = os.path.join(d, "in-commit")
-        env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        proc = subprocess.Popen([sys.executable, "-c", _STALLING_DAEMON, path, marker], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = forked_python(["-c", _STALLING_DAEMON, path, marker])
         c = DaemonClient(sock, connect_retry_s=30, timeout_s=60)
         v1, other = make_tensor(1, "uint8", (300000,)), make_tensor(2, "float16", (100, 77))
         c.put("K", v1)
@@ -272,9 +270,8 @@ def test_daemon_killed_mid_commit_keeps_acknowledged_entries():
             st = fresh.stats()["tiers"]["nvme"]
             assert st["quarantined"] == 0 and st["checksum_failures"] == 0
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        if proc is not None:
+            proc.close()
         if c is not None:
             c.close()
         if restarted is not None:

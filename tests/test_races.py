@@ -90,7 +90,8 @@ class _HeldReadEnv:
 
     def begin(self, *args, **kwargs):
         txn = self._env.begin(*args, **kwargs)
-        if threading.current_thread().name == "getter" and kwargs.get("buffers") and not self.go.is_set():
+        # the getter's first read-only transaction: its read's index lookup (the read asks for no buffers)
+        if threading.current_thread().name == "getter" and not kwargs.get("write") and not self.go.is_set():
             self.begun.set()
             assert self.go.wait(30)
         return txn
@@ -117,7 +118,10 @@ def test_get_racing_the_nvme_eviction_of_the_same_key(tmp_path, monkeypatch, ord
             testing.set_lmdb_env(nv, proxy)
         try:
             g, gbox = start(cache.get, "K", name="getter")
-            (gate.wait() if order == "evicted-before-read" else proxy.begun.wait(10))
+            if order == "evicted-before-read":
+                gate.wait()
+            else:
+                assert proxy.begun.wait(10), "the getter's read transaction never began"
             for i in range(5):  # the get touched K: it is the LRU again after three more puts
                 cache.put(f"new{i}", filled(100 * KiB, 4 + i))
                 if not nvme_holds(cache, "K"):

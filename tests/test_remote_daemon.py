@@ -30,14 +30,13 @@ SHAPE = (1024, 2048)  # 4 MiB of bfloat16: two chunks and a bit on the store
 
 @contextlib.contextmanager
 def remote_daemon(remote: dict[str, Any], *, host_bytes: int = 32 * MiB, metrics: bool = False) -> Iterator[DaemonProcess]:
-    """A daemon (``ectier serve --config <dir>/cfg.yaml``) with host, NVMe and ``remote`` (a
+    """A daemon (``ectier serve --config <dir>/cfg.yaml``'s code, forked: tests/daemon_helpers.py) with host, NVMe and ``remote`` (a
     ``remote:`` section) in a fresh directory; ``.dir``, ``.cfg``; stopped and removed after."""
     d = short_tmpdir()
     try:
         cfg = daemon_config(d, host_bytes=host_bytes, nvme_bytes=128 * MiB, **({"metrics_port": 0} if metrics else {}))
         cfg["remote"] = remote
-        proc = DaemonProcess(write_config(os.path.join(d, "cfg.yaml"), cfg), cfg["daemon"]["socket_path"],
-                             via="script")
+        proc = DaemonProcess(write_config(os.path.join(d, "cfg.yaml"), cfg), cfg["daemon"]["socket_path"])
         proc.dir, proc.cfg = d, cfg
         try:
             yield proc.start()

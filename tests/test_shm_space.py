@@ -18,7 +18,6 @@ import pytest
 from daemon_helpers import (
     KiB,
     MiB,
-    PYTHON,
     ECTIER_SCRIPT,
     DaemonProcess,
     clean_env,
@@ -27,6 +26,7 @@ from daemon_helpers import (
     short_tmpdir,
     write_config,
 )
+from fork_helpers import forked_python
 from ectier import CacheConfig
 from ectier.cache import TieredCache
 from ectier.errors import ConfigError
@@ -142,7 +142,7 @@ def test_an_arena_that_fits_serves_puts_filling_it_even_when_the_tmpfs_fills_up(
     host = 12 * MiB
     cfg = _cfg(mnt, work, host)
     path = write_config(os.path.join(work, "cfg.json"), cfg)
-    daemon = DaemonProcess(path, cfg["daemon"]["socket_path"], via="script").start()
+    daemon = DaemonProcess(path, cfg["daemon"]["socket_path"]).start()
     try:
         # another tenant of the tmpfs takes every byte left
         with open(os.path.join(mnt, "filler"), "wb") as f:
@@ -154,10 +154,15 @@ def test_an_arena_that_fits_serves_puts_filling_it_even_when_the_tmpfs_fills_up(
             except OSError:
                 pass
         n = host // MiB
-        r = subprocess.run([PYTHON, "-c", _FILL_CLIENT, cfg["daemon"]["socket_path"], str(n), str(MiB)],
-                           capture_output=True, text=True, env=clean_env(), timeout=120)
-        assert r.returncode == 0, f"client rc={r.returncode} (-7 = SIGBUS):\n{r.stdout}\n{r.stderr}\n{daemon.log()}"
-        assert "USED" in r.stdout
+        client = forked_python(["-c", _FILL_CLIENT, cfg["daemon"]["socket_path"], str(n), str(MiB)], stdout=True,
+                               env=clean_env())
+        try:
+            out = client.stdout.read()
+            rc = client.wait(120)
+            assert rc == 0, f"client rc={rc} (-7 = SIGBUS):\n{out}\n{client.stderr_text()}\n{daemon.log()}"
+        finally:
+            client.close()
+        assert "USED" in out
     finally:
         daemon.stop()
     assert "Traceback" not in daemon.log(), daemon.log()

@@ -3,7 +3,7 @@ markdown (``*.md``) and PNG plots; the main table is printed.
 
 ::
 
-    ectier bench replay   [--requests 300 --policy lru,gdsf --host-bytes .. --nvme-bytes .. --trace t.csv]
+    ectier bench replay   [--requests 300 --policy lru,gdsf --host-bytes .. --nvme-bytes .. --trace t.csv] (:mod:`.replay_cmd`)
     ectier bench tiers    [--max-tokens 16384 --no-sync]
     ectier bench baseline [workload options as replay]
     ectier bench crossover [--tiers-json DIR/tiers.json | --max-tokens 16384] [--remote-config F]
@@ -143,12 +143,31 @@ def _workload(f):
     return f
 
 
+#: ``click.Context.meta`` key: when the running bench command started (``time.perf_counter()``)
+_STARTED = "ectier.bench.started"
+
+
+def elapsed_s() -> float:
+    """Seconds since the running bench command started (its group's invoke, so the imports of
+    torch and the cache count); outside a bench command, 0."""
+    ctx = click.get_current_context(silent=True)
+    started = ctx.meta.get(_STARTED) if ctx is not None else None
+    return time.perf_counter() - started if started is not None else 0.0
+
+
+def print_written(console: Console, out: str, written: list[str]) -> None:
+    """The last line of a bench command: the files it wrote under ``out`` and the seconds the whole
+    command took (plots included)."""
+    console.print(f"wrote {out}/{', '.join(written)} in {elapsed_s():.1f} s")
+
+
 class _BenchGroup(click.Group):
     """Runs a bench command with SIGTERM turned into a normal exit (so temporary stores are removed)
     and ectier's own errors (e.g. budgets no tier can use) reported as clean CLI errors."""
 
     #: commands in modules of their own (they import this module's helpers): loaded when named
-    LAZY = {"crossover": ("ectier.bench.crossover_cmd", "crossover_cmd"),
+    LAZY = {"replay": ("ectier.bench.replay_cmd", "replay_cmd"),
+            "crossover": ("ectier.bench.crossover_cmd", "crossover_cmd"),
             "connectors": ("ectier.bench.connectors_cmd", "connectors_cmd")}
 
     def list_commands(self, ctx: click.Context) -> list[str]:
@@ -163,6 +182,7 @@ class _BenchGroup(click.Group):
         return super().get_command(ctx, name)
 
     def invoke(self, ctx: click.Context) -> Any:
+        ctx.meta[_STARTED] = time.perf_counter()  # before the command's lazy imports (torch: seconds)
         previous = signal.getsignal(signal.SIGTERM)
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -178,138 +198,6 @@ class _BenchGroup(click.Group):
 @click.group("bench", cls=_BenchGroup)
 def bench() -> None:
     """Benchmarks: per-tier throughput, trace replay (LRU vs GDSF), baselines, load-vs-recompute crossover."""
-
-
-# ==================================================================================== replay
-
-
-def _replay_rows(runs: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    headers = ["store", "host", "nvme", "hit %", "host hit %", "nvme hit %", "byte hit %", "enc. saved s",
-               "saved %", "moved GB", "get p50 ms", "get p99 ms", "put p50 ms"]
-    rows = []
-    for r in runs:
-        rows.append([r["policy"], format_bytes(r["host_bytes"]) if "host_bytes" in r else "-",
-                     format_bytes(r["nvme_bytes"]) if "nvme_bytes" in r else "-",
-                     fmt(r["hit_rate"], "pct"), fmt(r.get("host_hit_rate"), "pct"), fmt(r.get("nvme_hit_rate"), "pct"),
-                     fmt(r["byte_hit_rate"], "pct"), fmt(r["encoder_saved_s"], "s"), fmt(r["saved_fraction"], "pct"),
-                     fmt(r.get("bytes_moved", r.get("hit_bytes", 0) + r.get("put_bytes", 0)), "gb"),
-                     fmt(r.get("get_hit_p50_s"), "ms"), fmt(r.get("get_hit_p99_s"), "ms"), fmt(r.get("put_p50_s"), "ms")])
-    return headers, rows
-
-
-@bench.command("replay")
-@_common
-@_workload
-@click.option("--host-bytes", callback=_bytes, default=None, help="host budget (default: 5 % of the working set)")
-@click.option("--nvme-bytes", callback=_bytes, default=None, help="NVMe budget (default: 15 % of the working set)")
-@click.option("--policy", default="lru,gdsf", show_default=True, help="comma-separated: lru, gdsf")
-@click.option("--curve/--no-curve", default=True, show_default=True, help="hit rate vs capacity (5 budgets)")
-@click.option("--curve-scale", default=32, show_default=True, type=click.IntRange(1),
-              help="curve entries are (N, 8192/scale) with budgets / scale: same decisions, fewer bytes")
-@click.option("--width-scale", default=1, show_default=True, type=click.IntRange(1),
-              help="same for the main runs (1 = real (N, 8192) entries)")
-@click.option("--sync/--no-sync", default=False, show_default=True, help="nvme.sync (fsync per commit)")
-def replay_cmd(out, cost_model, workdir, quiet, trace, requests, items, zipf, seed, max_tokens, host_bytes,
-               nvme_bytes, policy, curve, curve_scale, width_scale, sync) -> None:
-    """Replay a request stream through TieredCache: hit rates by tier, encoder time saved, latency."""
-    from .replay import CURVE_FRACTIONS, default_budgets, replay_stream
-    from .report import plot_curve
-    from .workload import stream_summary
-
-    console = _console()
-    t_all = time.perf_counter()
-    policies = [p.strip() for p in policy.split(",") if p.strip()]
-    bad = [p for p in policies if p not in ("lru", "gdsf")]
-    if bad or not policies:
-        raise click.BadParameter(f"unknown policy {bad}; use lru, gdsf", param_hint="--policy")
-    if 8192 % width_scale or 8192 % curve_scale:
-        raise click.BadParameter("must divide 8192", param_hint="--width-scale/--curve-scale")
-    cost = _cost(cost_model)
-    stream, source = _stream(trace, requests, items, zipf, seed, max_tokens)
-    summ = stream_summary(stream)
-    dh, dn = default_budgets(summ["unique_bytes"])
-    host_bytes = dh if host_bytes is None else host_bytes
-    nvme_bytes = dn if nvme_bytes is None else nvme_bytes
-    runs, points = [], []
-    with _progress(console, quiet) as prog:
-        for p in policies:
-            task = prog.add_task(f"replay {p}", total=len(stream))
-            runs.append(replay_stream(stream, cost, policy=p, host_bytes=host_bytes, nvme_bytes=nvme_bytes,
-                                      width_scale=width_scale, sync=sync, workdir=workdir,
-                                      advance=lambda k, t=task: prog.advance(t, k)))
-        if curve:
-            for f in CURVE_FRACTIONS:
-                h, nv = default_budgets(summ["unique_bytes"], f)
-                for p in policies:
-                    task = prog.add_task(f"curve {p} {f:.0%}", total=len(stream))
-                    r = replay_stream(stream, cost, policy=p, host_bytes=h, nvme_bytes=nv, width_scale=curve_scale,
-                                      sync=sync, workdir=workdir, advance=lambda k, t=task: prog.advance(t, k))
-                    r["fraction_of_working_set"] = f
-                    points.append({k: r[k] for k in ("policy", "fraction_of_working_set", "host_bytes", "nvme_bytes",
-                                                     "hit_rate", "host_hit_rate", "nvme_hit_rate", "byte_hit_rate",
-                                                     "encoder_saved_s", "saved_fraction", "mismatches")})
-    comparison = _compare(runs, points)
-    result = {"command": "replay", "machine": _machine(), "cost_model": cost.to_dict(), "workload": {**source, **summ},
-              "runs": runs, "curve": points, "curve_scale": curve_scale, "comparison": comparison,
-              "elapsed_s": time.perf_counter() - t_all}
-    os.makedirs(out, exist_ok=True)
-    headers, rows = _replay_rows(runs)
-    title = (f"replay: {summ['requests']} requests, {summ['unique_items']} images, working set "
-             f"{format_bytes(summ['unique_bytes'])}; recompute cost: {cost.description}")
-    print_table(console, title, headers, rows)
-    md = [f"### replay\n\n{title}\n\n", markdown_table(headers, rows)]
-    if points:
-        ch = ["budget (% of working set)", "host", "nvme"] + [f"{p} hit %" for p in policies] + \
-             [f"{p} saved %" for p in policies]
-        crow = []
-        for f in CURVE_FRACTIONS:
-            sel = {q["policy"]: q for q in points if q["fraction_of_working_set"] == f}
-            any_q = next(iter(sel.values()))
-            crow.append([f"{f:.0%}", format_bytes(any_q["host_bytes"]), format_bytes(any_q["nvme_bytes"])]
-                        + [fmt(sel[p]["hit_rate"], "pct") for p in policies]
-                        + [fmt(sel[p]["saved_fraction"], "pct") for p in policies])
-        print_table(console, f"hit rate vs capacity (entries scaled 1/{curve_scale} in width, budgets alike)", ch, crow)
-        md += ["\n", markdown_table(ch, crow)]
-    if comparison.get("text"):
-        console.print(comparison["text"])
-        md.append("\n" + comparison["text"] + "\n")
-    if any(r["mismatches"] for r in runs) or any(q["mismatches"] for q in points):
-        console.print("[red]byte mismatches on hits: see replay.json[/red]")
-    result["elapsed_s"] = time.perf_counter() - t_all
-    write_json(result, os.path.join(out, "replay.json"))
-    with open(os.path.join(out, "replay.md"), "w") as f:
-        f.write("".join(md))
-    written = ["replay.json", "replay.md"]
-    if points:
-        png = os.path.join(out, "replay_curve.png")
-        _plot(console, written, png, lambda: plot_curve(points, png, f"({summ['requests']} requests)"))
-    console.print(f"wrote {out}/{', '.join(written)} in {result['elapsed_s']:.1f} s")
-
-
-def _compare(runs: list[dict[str, Any]], points: list[dict[str, Any]]) -> dict[str, Any]:
-    by = {r["policy"]: r for r in runs}
-    if "lru" not in by or "gdsf" not in by:
-        return {}
-    lru, gd = by["lru"]["encoder_saved_s"], by["gdsf"]["encoder_saved_s"]
-    gain = (gd - lru) / lru if lru > 0 else None
-    curve_gains = []
-    for f in sorted({q["fraction_of_working_set"] for q in points}):
-        sel = {q["policy"]: q for q in points if q["fraction_of_working_set"] == f}
-        if sel.get("lru", {}).get("encoder_saved_s"):
-            curve_gains.append([f, (sel["gdsf"]["encoder_saved_s"] - sel["lru"]["encoder_saved_s"])
-                                / sel["lru"]["encoder_saved_s"]])
-    if gain is None:
-        text = "LRU saved no encoder time; no ratio."
-    else:
-        text = (f"GDSF vs LRU at equal bytes: encoder time saved {gd:.2f} s vs {lru:.2f} s = {gain:+.1%} "
-                f"(goal >= +15 %: {'met' if gain >= 0.15 else 'NOT met'}).")
-        if curve_gains:
-            text += " Across the capacity curve: " + ", ".join(f"{f:.0%}: {g:+.1%}" for f, g in curve_gains) + "."
-        if gain < 0.15:
-            text += (" GDSF keeps the entries with the most recompute seconds per byte; its margin over LRU is"
-                     " small when the budget already holds most of the re-used images, or when the popular"
-                     " images are the large ones (cost per byte then differs little).")
-    return {"gdsf_saved_s": gd, "lru_saved_s": lru, "gdsf_gain": gain, "curve_gains": curve_gains, "text": text}
 
 
 # ================================================================================== baseline
@@ -332,7 +220,6 @@ def baseline_cmd(out, cost_model, workdir, quiet, trace, requests, items, zipf, 
     from .workload import stream_summary
 
     console = _console()
-    t_all = time.perf_counter()
     cost = _cost(cost_model, cpu_fallback="scaled")  # like with like: this machine's encoder seconds
     stream, source = _stream(trace, requests, items, zipf, seed, max_tokens)
     summ = stream_summary(stream)
@@ -354,7 +241,7 @@ def baseline_cmd(out, cost_model, workdir, quiet, trace, requests, items, zipf, 
     print_table(console, title, headers, rows)
     console.print(comparison["text"], style=None if comparison["like_with_like"] else "yellow", markup=False)
     result = {"command": "baseline", "machine": _machine(), "cost_model": cost.to_dict(), "comparison": comparison,
-              "workload": {**source, **summ}, "stores": rows_out, "elapsed_s": time.perf_counter() - t_all}
+              "workload": {**source, **summ}, "stores": rows_out, "elapsed_s": elapsed_s()}
     os.makedirs(out, exist_ok=True)
     write_json(result, os.path.join(out, "baseline.json"))
     with open(os.path.join(out, "baseline.md"), "w") as f:
@@ -362,7 +249,7 @@ def baseline_cmd(out, cost_model, workdir, quiet, trace, requests, items, zipf, 
     written = ["baseline.json", "baseline.md"]
     png = os.path.join(out, "baseline.png")
     _plot(console, written, png, lambda: plot_baseline(rows_out, png, comparison))
-    console.print(f"wrote {out}/{', '.join(written)} in {result['elapsed_s']:.1f} s")
+    print_written(console, out, written)
 
 
 # ===================================================================================== tiers
@@ -441,7 +328,6 @@ def tiers_cmd(out, workdir, quiet, max_tokens, tokens, sync, budget_bytes, retri
     from .report import plot_tiers
 
     console = _console()
-    t0 = time.perf_counter()
     data = _run_tiers(console, quiet, max_tokens, tokens, sync, workdir, budget_bytes, retries)
     headers, rows = _tiers_rows(data)
     print_table(console, f"tiers (sync={sync})", headers, rows)
@@ -449,7 +335,7 @@ def tiers_cmd(out, workdir, quiet, max_tokens, tokens, sync, budget_bytes, retri
         console.print(f"skipped {s['what']}: {s['reason']}")
     warning = _noise_warning(console, data)
     data["noise"]["warning"] = warning
-    data.update(command="tiers", machine=_machine(), elapsed_s=time.perf_counter() - t0)
+    data.update(command="tiers", machine=_machine(), elapsed_s=elapsed_s())
     os.makedirs(out, exist_ok=True)
     write_json(data, os.path.join(out, "tiers.json"))
     with open(os.path.join(out, "tiers.md"), "w") as f:
@@ -459,4 +345,4 @@ def tiers_cmd(out, workdir, quiet, max_tokens, tokens, sync, budget_bytes, retri
     written = ["tiers.json", "tiers.md"]
     png = os.path.join(out, "tiers.png")
     _plot(console, written, png, lambda: plot_tiers(data["rows"], png))
-    console.print(f"wrote {out}/{', '.join(written)} in {data['elapsed_s']:.1f} s")
+    print_written(console, out, written)

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from typing import Any
 
 import click
 
 from ..config import parse_bytes
 from ..errors import ConfigError
-from .cli import _console, _machine, _out_dir, _plot, _progress, _tokens_list
+from .cli import _console, _machine, _out_dir, _plot, _progress, _tokens_list, elapsed_s, print_written
 from .connectors import DEFAULT_SIZES, plot_connectors, reps_for, summarize, table, verdict
 from .report import markdown_table, print_table, write_json
 
@@ -111,7 +110,6 @@ def connectors_cmd(out, workdir, quiet, sizes, variants, budget_bytes, min_reps,
     host over NVMe, daemon), each driven through vLLM's connector calls on (N, 8192) bf16 items,
     every load checked bitwise: save, until loadable, lookup, load, whole consumer side (p50 / p90)."""
     console = _console()
-    t0 = time.perf_counter()
     if from_json:
         try:
             with open(from_json) as f:
@@ -132,7 +130,7 @@ def connectors_cmd(out, workdir, quiet, sizes, variants, budget_bytes, min_reps,
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     result["summary"] = rows
     result["verdict"] = lines
-    result.setdefault("elapsed_s", time.perf_counter() - t0)
+    result.setdefault("elapsed_s", elapsed_s())
     write_json(result, os.path.join(out, "connectors.json"))
     with open(os.path.join(out, "connectors.md"), "w") as f:
         f.write(f"### connectors\n\n{title}\n\n" + markdown_table(headers, cells) + "\n"
@@ -140,7 +138,7 @@ def connectors_cmd(out, workdir, quiet, sizes, variants, budget_bytes, min_reps,
     written = ["connectors.json", "connectors.md"]
     png = os.path.join(out, "connectors.png")
     _plot(console, written, png, lambda: plot_connectors(rows, png))
-    console.print(f"wrote {out}/{', '.join(written)} in {time.perf_counter() - t0:.1f} s")
+    print_written(console, out, written)
     if any(r.get("mismatches") for r in rows):
         raise click.ClickException("a load was not bitwise equal to what was saved (see connectors.json)")
 

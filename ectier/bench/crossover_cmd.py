@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import click
 
 from ..errors import ConfigError
-from .cli import _bytes, _common, _console, _cost, _machine, _noise_warning, _plot, _run_tiers, _tokens_list
+from .cli import _bytes, _common, _console, _cost, _machine, _noise_warning, _plot, _run_tiers, _tokens_list, \
+    elapsed_s, print_written
 from .report import fmt, markdown_table, print_table, write_json
 
 __all__ = ["crossover_cmd", "per_token_cost"]
@@ -89,7 +89,6 @@ def crossover_cmd(out, cost_model, workdir, quiet, tiers_json, max_tokens, token
     from .report import plot_crossover
 
     console = _console()
-    t0 = time.perf_counter()
     if encoder_seconds_per_token is not None:
         try:
             cost = per_token_cost(encoder_seconds_per_token)
@@ -118,7 +117,7 @@ def crossover_cmd(out, cost_model, workdir, quiet, tiers_json, max_tokens, token
     result = {"command": "crossover", "machine": _machine(), "cost_model": cost.to_dict(), "tiers": cross,
               "skipped": data.get("skipped", []) + ([{"what": "remote rows", "reason": remote_why}] if remote_why else []),
               "noise": {**(data.get("noise") or {}), "warning": warning},
-              "elapsed_s": time.perf_counter() - t0}
+              "elapsed_s": elapsed_s()}
     write_json(result, os.path.join(out, "crossover.json"))
     with open(os.path.join(out, "crossover.md"), "w") as f:
         f.write(f"### crossover\n\n{title}\n\n" + markdown_table(headers, rows)
@@ -128,4 +127,4 @@ def crossover_cmd(out, cost_model, workdir, quiet, tiers_json, max_tokens, token
     png = os.path.join(out, "crossover.png")
     _plot(console, written, png, lambda: plot_crossover(cross, [(n, cost.seconds(n)) for n in grid if n <= max_tokens],
                                                         png, cost.source))
-    console.print(f"wrote {out}/{', '.join(written)} in {result['elapsed_s']:.1f} s")
+    print_written(console, out, written)

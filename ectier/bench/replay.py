@@ -192,6 +192,8 @@ def _metrics(tally: _Tally, st: dict[str, Any], requests: int, wall: float, *, p
         "host_bytes": host_bytes,
         "nvme_bytes": nvme_bytes,
         "width_scale": width_scale,
+        "held_host_bytes": int(st.get("host", {}).get("capacity_bytes", 0)),
+        "held_nvme_bytes": int(st.get("nvme", {}).get("capacity_bytes", 0)),
         "requests": requests,
         **n,
         "requested_bytes": b["requested"],
@@ -258,7 +260,9 @@ def replay_stream(
         advance: called with 1 after each request (progress bars).
 
     Returns:
-        A dict: counts (``requests, hits, host_hits, nvme_hits, misses, mismatches,
+        A dict: the budgets (``host_bytes``, ``nvme_bytes`` as given, at full width;
+        ``held_host_bytes``, ``held_nvme_bytes``: the capacities the cache had, 1 / ``width_scale``
+        of them, the host's rounded down to its block), counts (``requests, hits, host_hits, nvme_hits, misses, mismatches,
         put_refused``), bytes (``requested_bytes, hit_bytes, host_hit_bytes, nvme_hit_bytes,
         put_bytes, demoted_bytes, promotions``, at full width), rates (``hit_rate,
         host_hit_rate, nvme_hit_rate, byte_hit_rate, host_byte_hit_rate, nvme_byte_hit_rate``

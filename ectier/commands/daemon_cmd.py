@@ -1,0 +1,186 @@
+"""``ectier serve`` (run the cache daemon) and ``ectier stats`` (print a running daemon's stats).
+
+The stats table shows a row only where some tier reports it (:data:`TIER_ROWS`): the remote
+tier's rows (timeouts, back-off, ...) only with a remote tier, the host's write-behind rows
+(clean / dirty evictions, write-behind writes) with a host tier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from typing import Any, Callable, Optional
+
+import click
+from rich.table import Table
+
+from ..config import CacheConfig, format_bytes
+from ..errors import ConfigError, EctierError
+from .params import console as _console
+
+__all__ = ["serve", "stats", "load_config", "TIER_ROWS", "tier_rows"]
+
+
+def load_config(path: Optional[str]) -> CacheConfig:
+    """``--config`` (if given) overlaid with ``ECTIER_*``; a bad value is a usage error naming
+    the input at fault: ``--config``, or the variables (``ECTIER_CONFIG`` for the file it names)."""
+    base = None
+    if path is not None:
+        try:
+            base = CacheConfig.load(path)
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc), param_hint="--config") from None
+    try:
+        return CacheConfig.from_env(base=base)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint=", ".join(exc.env_vars) or "ECTIER_* variables") from None
+
+
+# ========================================================================================= serve
+
+
+@click.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="YAML or JSON config (sections host, nvme, remote, daemon); ECTIER_* variables override it.")
+@click.option("--socket", "socket_path", type=click.Path(), default=None,
+              help="Unix socket to listen on (overrides daemon.socket_path).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True)
+def serve(config_path: Optional[str], socket_path: Optional[str], log_level: str) -> None:
+    """Run the cache daemon in the foreground (stop with SIGTERM or Ctrl-C).
+
+    It owns the host tier (an arena in daemon.shm_dir that clients map) and the NVMe tier, and
+    serves engines over a Unix socket (msgpack; see docs/protocol.md).
+    """
+    import logging
+
+    from ..daemon.server import run_daemon
+
+    config = load_config(config_path)
+    if socket_path is not None:
+        try:
+            config = config.replace(daemon=dataclasses.replace(config.daemon, socket_path=socket_path))
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc), param_hint="--socket") from None
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        rc = run_daemon(config)
+    except EctierError as exc:
+        raise click.ClickException(str(exc)) from None
+    if "ectier.tiers.remote.mooncake" in sys.modules:  # a client left open: skip Mooncake's teardown
+        sys.modules["ectier.tiers.remote.mooncake"].exit_now_if_abandoned(rc)
+    sys.exit(rc)
+
+
+# ========================================================================================= stats
+
+
+def _used_capacity(t: dict[str, Any]) -> str:
+    """The ``used / capacity`` cell; the remote tier's capacity is ``remote.max_entry_bytes`` (the
+    largest entry written there), not the store's size, which is not known without I/O."""
+    if "degraded" in t:
+        return f"— (max entry {format_bytes(t['capacity_bytes'])})"
+    return f"{format_bytes(t['used_bytes'])} / {format_bytes(t['capacity_bytes'])}"
+
+
+def _count(key: str) -> Callable[[dict[str, Any]], str]:
+    return lambda t: str(t[key])
+
+
+def _bytes_of(key: str) -> Callable[[dict[str, Any]], str]:
+    return lambda t: format_bytes(t[key])
+
+
+#: the rows of the stats table: (label, the key a tier's stats must have for the row, its cell);
+#: a row appears when some tier has its key, and a tier without it shows "—"
+TIER_ROWS: tuple[tuple[str, str, Callable[[dict[str, Any]], str]], ...] = (
+    ("used / capacity", "capacity_bytes", _used_capacity),
+    ("entries", "entries", _count("entries")),
+    ("hits", "hits", _count("hits")),
+    ("hit bytes", "hit_bytes", _bytes_of("hit_bytes")),
+    ("puts", "puts", _count("puts")),
+    ("evictions", "evictions", _count("evictions")),
+    ("clean evictions", "clean_evictions", _count("clean_evictions")),  # a copy below already: no write
+    ("dirty evictions", "dirty_evictions", _count("dirty_evictions")),  # written to NVMe inside the eviction
+    ("eviction write s", "eviction_write_s", lambda t: f"{t['eviction_write_s']:.3f}"),
+    ("write-behind writes", "write_behind_writes", _count("write_behind_writes")),
+    ("write-behind bytes", "write_behind_bytes", _bytes_of("write_behind_bytes")),
+    ("write-behind failures", "write_behind_failures", _count("write_behind_failures")),
+    ("misses", "misses", _count("misses")),  # the remote tier's
+    ("errors", "timeouts", _count("errors")),  # the remote tier's (the NVMe tier's are write/read failures)
+    ("timeouts", "timeouts", _count("timeouts")),
+    ("degraded (back-off)", "degraded", lambda t: "yes" if t["degraded"] else "no"),
+    ("skipped in back-off", "skipped_degraded", _count("skipped_degraded")),
+    ("skipped: node down", "skipped_node_down", _count("skipped_node_down")),
+    ("demotions", "demotions", _count("demotions")),
+    ("promotions", "promotions", _count("promotions")),
+    ("checksum failures", "checksum_failures", _count("checksum_failures")),
+)
+
+
+def tier_rows(tiers: dict[str, dict[str, Any]]) -> list[tuple[str, list[str]]]:
+    """The stats table of ``tiers`` (``stats()["tiers"]``: tier name -> its stats): ``(label,
+    [one cell per tier, in the order of tiers])`` for each row of :data:`TIER_ROWS` that some tier
+    reports; a tier without the row's key gets ``"—"``."""
+    rows = []
+    for label, key, cell in TIER_ROWS:
+        if any(key in t for t in tiers.values()):
+            rows.append((label, [cell(t) if key in t else "—" for t in tiers.values()]))
+    return rows
+
+
+def _print_stats(data: dict[str, Any]) -> None:
+    console = _console()
+    lookups = data["hits"] + data["misses"]
+    console.print(f"[bold]ectier daemon[/] {data['daemon']['socket']} — namespace {data['namespace']!r}, "
+                  f"{data['entries']} entries, {data['hits']} hits / {data['misses']} misses"
+                  + (f" ({data['hits'] / lookups:.1%} hit rate)" if lookups else ""))
+    table = Table(title="tiers")
+    table.add_column("")
+    for name in data["tiers"]:
+        table.add_column(name, justify="right")
+    for label, cells in tier_rows(data["tiers"]):
+        table.add_row(label, *cells)
+    console.print(table)
+    daemon = data["daemon"]
+    clients = Table(title=f"clients ({len(daemon['clients'])}); open leases: put {daemon['leases']['put']}, "
+                          f"get {daemon['leases']['get']}; expired {daemon['leases_expired']}")
+    for col in ("id", "name", "pid", "uid", "connected", "requests", "leases"):
+        clients.add_column(col, justify="right" if col not in ("name",) else "left")
+    for c in daemon["clients"]:
+        clients.add_row(str(c["id"]), c["name"], str(c["pid"]), str(c["uid"]), f"{c['connected_s']:.0f} s",
+                        str(c["requests"]), str(c["leases"]))
+    console.print(clients)
+    views = daemon.get("views")
+    if views is not None:  # a daemon with zero-copy views: the arena its clients pin under them
+        console.print(f"view pins: {views['leases']} lease(s), {format_bytes(views['bytes'])} of the arena, "
+                      f"{views['processes']} process(es); bounds {format_bytes(views['limit_bytes'])} per process"
+                      f"{', ' + format_bytes(views['total_limit_bytes']) + ' in all' if 'total_limit_bytes' in views else ''}"
+                      f"; granted {views['granted']}, refused {views['refused']}, released {views['released']}, "
+                      f"released at exit {views['released_dead']}")
+
+
+@click.command()
+@click.option("--socket", "socket_path", type=click.Path(), default=None,
+              help="The daemon's socket (default: daemon.socket_path of ECTIER_* / the per-user default).")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw stats as JSON.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=5.0,
+              show_default=True, metavar="SECONDS",
+              help="Give up (exit code 1) when the daemon does not answer within this many seconds.")
+def stats(socket_path: Optional[str], as_json: bool, timeout_s: float) -> None:
+    """Print a running daemon's tiers, bytes, hits/misses/evictions and clients."""
+    from ..daemon.client import DaemonClient
+
+    if socket_path is None:
+        socket_path = load_config(None).daemon.resolved_socket_path()
+    try:
+        with DaemonClient(socket_path, client_name="ectier-stats", timeout_s=timeout_s,
+                          connect_retry_s=min(0.5, timeout_s)) as client:
+            data = client.stats()
+    except EctierError as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(data, indent=2, sort_keys=True))
+        return
+    _print_stats(data)

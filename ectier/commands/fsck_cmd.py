@@ -1,0 +1,91 @@
+"""``ectier fsck``: check (or ``--repair``) an NVMe store that no process has open (:mod:`ectier.fsck`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+from rich.table import Table
+
+from ..config import format_bytes
+from ..errors import EctierError
+from .params import console as _console
+
+__all__ = ["fsck"]
+
+
+class _CannotCheck(click.ClickException):
+    exit_code = 2
+
+
+@click.command()
+@click.option("--path", "path", required=True, type=click.Path(file_okay=False),
+              help="The store directory (the nvme.path of the cache or daemon).")
+@click.option("--repair", "do_repair", is_flag=True,
+              help="Rebuild a damaged store from its intact records; the damaged one is moved to DIR/damaged-<time>/.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def fsck(path: str, do_repair: bool, as_json: bool) -> None:
+    """Check an NVMe store that no process has open: every record's header, payload and checksums.
+
+    \b
+    Exit code 0: healthy (or repaired by --repair); 1: damaged (a record fails
+    its checks, or LMDB cannot read the store); 2: could not check (not a store,
+    in use by another process, unreadable, repair failed).
+    """
+    from .. import fsck as fsck_mod  # lmdb, torch: only when needed
+
+    try:
+        if do_repair:
+            result = fsck_mod.repair(path)
+            report = result.report
+        else:
+            result, report = None, fsck_mod.check(path)
+    except EctierError as exc:
+        raise _CannotCheck(str(exc)) from None
+    except OSError as exc:
+        raise _CannotCheck(f"--path: {exc}") from None
+    if as_json:
+        click.echo(json.dumps(result.to_dict() if result is not None else report.to_dict(), indent=2))
+    else:
+        _print_fsck(report, result)
+    if report.damaged and (result is None or not result.repaired):
+        sys.exit(1)
+
+
+def _print_fsck(report: Any, result: Any) -> None:
+    console = _console()
+    state = "[bold red]damaged[/]" if report.damaged else "[bold green]healthy[/]"
+    console.print(f"store {report.path}: {state} (read {'through LMDB' if report.mode == 'lmdb' else 'page by page: LMDB cannot read it'})",
+                  soft_wrap=True)
+    if report.lmdb_error:
+        console.print(f"LMDB: {report.lmdb_error}", soft_wrap=True)
+    table = Table(show_header=False, show_edge=False, pad_edge=False)
+    table.add_column("")
+    table.add_column("", justify="right")
+    for label, value in (("entries", report.entries), ("intact", report.intact),
+                         ("checksum-failed", report.checksum_failed), ("unreadable", report.unreadable),
+                         ("orphan payloads", report.orphans), ("quarantined", report.quarantined)):
+        table.add_row(label, str(value))
+    if report.mode != "lmdb":
+        table.add_row("damaged pages", str(report.damaged_pages))
+    console.print(table)
+    for p in report.problems[:10]:
+        who = f"{p['namespace']}/{p['key']}" if p["key"] is not None else p["digest"][:16]
+        console.print(f"  {who}: {p['problem']}", soft_wrap=True)
+    if len(report.problems) > 10 or report.checksum_failed + report.unreadable > len(report.problems):
+        console.print(f"  ... {report.checksum_failed + report.unreadable - min(10, len(report.problems))} more (--json lists up to {len(report.problems)})")
+    if report.mode != "lmdb":
+        console.print("(a page scan may also find records deleted shortly before the damage)")
+    for d in report.damaged_copies:
+        console.print(f"earlier damaged copy: {d} (delete it when done)", soft_wrap=True)
+    if result is not None:
+        if result.repaired:
+            console.print(f"[bold]repaired[/]: {result.salvaged} records ({format_bytes(result.salvaged_bytes)}) in a fresh "
+                          f"store, {result.lost} lost; the damaged store is in {result.moved_to} (delete it when done)",
+                          soft_wrap=True)
+        else:
+            console.print("nothing to repair")
+    elif report.damaged:
+        console.print(f"repair: ectier fsck --path {report.path} --repair", soft_wrap=True)

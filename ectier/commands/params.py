@@ -1,0 +1,74 @@
+"""Option types shared by the ``ectier`` subcommands, and the console they print to.
+
+Each type turns a bad value into a usage error (exit code 2) naming the option, never a traceback.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import click
+from rich.console import Console
+
+from ..config import parse_bytes
+from ..errors import ConfigError
+from ..sizing import ModelSpec, get_model, parse_size
+
+__all__ = ["ImageSize", "ModelName", "ByteSize", "console"]
+
+
+class _Parsed(click.ParamType):
+    """A value given as text, parsed by :meth:`parse`; one of :attr:`parsed_type` (a default, a
+    value parsed already) passes as it is."""
+
+    parsed_type: type = object
+
+    def parse(self, value: str) -> Any:
+        raise NotImplementedError
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> Any:
+        if isinstance(value, self.parsed_type):
+            return value
+        try:
+            return self.parse(value)
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class ImageSize(_Parsed):
+    """``WIDTHxHEIGHT`` in pixels (``1920x1080``, ``1920×1080``, ``1920,1080``) -> ``(w, h)``."""
+
+    name = "WxH"
+    parsed_type = tuple
+
+    def parse(self, value: str) -> tuple[int, int]:
+        return parse_size(value)
+
+
+class ModelName(_Parsed):
+    """A registered model name or alias (any case) -> :class:`~ectier.sizing.ModelSpec`."""
+
+    name = "MODEL"
+    parsed_type = ModelSpec
+
+    def parse(self, value: str) -> ModelSpec:
+        return get_model(value)
+
+
+class ByteSize(click.ParamType):
+    """A byte count: ``1048576``, ``64MiB``, ``2GB`` (IEC = powers of 1024, SI = powers of 1000)."""
+
+    name = "BYTES"
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        try:
+            return parse_bytes(value, field_name=param.name if param is not None else "value")
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+def console() -> Console:
+    """The console a subcommand prints its tables to (no syntax highlighting of numbers)."""
+    return Console(highlight=False)
