@@ -153,5 +153,15 @@ class Catalog:
         with self.cond:
             self.set_cost(digest, cost_s)
 
+    def put_cost(self, digest: bytes, cost_s: float | None) -> float | None:
+        """:meth:`set_cost` for a put of ``digest`` (``None`` forgets an earlier cost), then the
+        cost its slot carries (seconds, ``None``: unknown). Under ``cond``."""
+        if cost_s is None:
+            if self._cost_s:
+                self._cost_s.pop(digest, None)
+            return None
+        self.set_cost(digest, cost_s)
+        return self._cost_s[digest]
+
     def cost(self, digest: bytes) -> float | None:
         return self._cost_s.get(digest)

@@ -147,6 +147,13 @@ class HostTier(ArenaTier):
     def describe(self) -> dict:
         return {**super().describe(), "pinned": self.pinned}
 
+    def reserve(self, digest: bytes, meta, version: int, cost_s: float | None = None) -> Slot | None:
+        """Reserve blocks for an entry that fits the budget (``fits``, checked by the caller) from the
+        free blocks alone: the reserved (invisible) slot, or ``None`` when they do not suffice now
+        (then :meth:`admit` names victims). The first step of a host put (``Mover.put_host``);
+        under the cache lock."""
+        return self.index.reserve(digest, meta, version, cost_s)
+
     def write(self, slot: Slot, src: torch.Tensor) -> None:
         """Copy an entry into the slot's blocks. Synchronous: on return the bytes are in the arena.
 
