@@ -37,6 +37,8 @@ __all__ = ["TieredCache", "WriteLease", "ReadLease", "PutHandle", "LoadHandle"]
 
 log = logging.getLogger(__name__)
 
+_CPU = torch.device("cpu")
+
 # bumped in every child of fork(): a cache opened before the fork refuses to run after it
 _FORK_GENERATION = [0]
 os.register_at_fork(after_in_child=lambda: _FORK_GENERATION.__setitem__(0, _FORK_GENERATION[0] + 1))
@@ -199,11 +201,13 @@ class TieredCache:
             InvalidTensorError (``out`` unsuitable); torch.cuda.OutOfMemoryError (no device memory
             for the result; a failed *promotion* is no error); EctierError: the cache is closed.
         """
-        ns, key = self._identity(key, namespace)
-        dev = parse_device(device)
+        ns = self._namespace if namespace is None else validate_namespace(namespace)
+        key = validate_key(key)
+        dev = _CPU if device is None else parse_device(device)
         if out is not None and not isinstance(out, torch.Tensor):  # (before any read: nothing changes)
             raise InvalidTensorError(f"out: expected a contiguous CPU tensor, got {type(out).__name__}")
-        self._check_open()
+        if self._closed or self._generation != _FORK_GENERATION[0]:
+            self._check_open()  # raises
         return self._reads.get(entry_digest(ns, key), ns, key, dev, out)
 
     def prefetch(self, keys: "list[str] | tuple[str, ...]", *, device: str | torch.device | None = None,

@@ -161,16 +161,18 @@ class ArenaIndex:
         self.reserved_bytes -= slot.alloc_bytes
         digest, slots = slot.digest, self._slots
         old = slots.get(digest)
-        if old is not None:  # remove(old), inlined (every overwrite): its entry in the map is replaced below
-            self.policy.remove(digest)
-            old.visible = False
-            old.state = EntryState.LEAVING  # (a visible slot is committed or leaving)
-            if old.pins == 0:
-                self._release(old)
         slot.state = EntryState.COMMITTED
         slot.visible = True
         slots[digest] = slot
-        self.policy.add(digest, slot.alloc_bytes, slot.cost_s)
+        if old is None:
+            self.policy.add(digest, slot.alloc_bytes, slot.cost_s)
+            return None
+        # remove(old), inlined (every overwrite): its place in the map and the policy is the new slot's
+        self.policy.replace(digest, slot.alloc_bytes, slot.cost_s)
+        old.visible = False
+        old.state = EntryState.LEAVING  # (a visible slot is committed or leaving)
+        if old.pins == 0:
+            self._release(old)
         return old
 
     def lookup(self, digest: bytes) -> Slot | None:

@@ -400,7 +400,7 @@ class Mover:
         Returns the finished :class:`~ectier.handles.PutHandle`, or ``None``: no room could be made
         (nothing stored; the caller tries the next tier).
         """
-        version = next_version()
+        version, handle = next_version(), PutHandle.stored(meta.key)  # (made before the copy: warm caches)
         with self.lock:
             slot = host.reserve(digest, meta, version, self.catalog.put_cost(digest, cost_s))
         if slot is None:
@@ -414,7 +414,7 @@ class Mover:
             raise
         self.commit(host, slot, promotion=False, keep_older_record=self.write_through)
         self.after_put(host, digest, version, meta.nbytes)
-        return PutHandle.stored(meta.key)
+        return handle
 
     def put_into(self, tier: Tier, digest: bytes, meta: EntryMeta, version: int, src: torch.Tensor,
                  handle: "PutHandle") -> bool:
