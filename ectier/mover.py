@@ -118,6 +118,8 @@ class Mover:
         self._demotions: dict[tuple[str, str], Callable[..., bool]] = {}
         self._register()
         self.write_behind = self._make_write_behind()
+        self._put_followups = self.remote is not None or (self.write_through and self.nvme is not None)
+        self._waiters = catalog.waiters
         self.promote = Promotions(self)  # the promotion sequence and the upward edges (moves/promote.py)
 
     # ------------------------------------------------------------------------- the edges
@@ -275,7 +277,8 @@ class Mover:
                 tier.abort(slot)
                 self.cond.notify_all()
                 return Commit.CANCELLED
-            current = self.catalog.version(digest)
+            versions = self.catalog.versions  # (version / set_current, without the calls)
+            current = versions.get(digest)
             newer_below = False
             for t in self._stores:
                 sv = t.stored_version(digest)
@@ -289,13 +292,13 @@ class Mover:
                 tier.abort(slot)
                 self.cond.notify_all()
                 return Commit.DROPPED if promotion else Commit.SUPERSEDED
-            if tier.commit(slot) is not None:
+            if tier.commit(slot) is not None and self._waiters:  # (notify_all, when someone waits)
                 self.cond.notify_all()
             if pin_after:
                 tier.pin(slot)
             if self._other_arenas:
                 self.drop_older_locked(digest, version, besides=tier)
-            self.catalog.set_current(digest, version)
+            versions[digest] = version
             if self.nvme is not None:
                 if self.nvme.tier.holds(digest, version):
                     slot.lower_copy = True
@@ -401,8 +404,10 @@ class Mover:
         (nothing stored; the caller tries the next tier).
         """
         version, handle = next_version(), PutHandle.stored(meta.key)  # (made before the copy: warm caches)
+        catalog = self.catalog
         with self.lock:
-            slot = host.reserve(digest, meta, version, self.catalog.put_cost(digest, cost_s))
+            cost = catalog.put_cost(digest, cost_s) if cost_s is not None or digest in catalog.costs else None
+            slot = host.reserve(digest, meta, version, cost)
         if slot is None:
             slot = self.admit(host, digest, meta, version, promotion=False)
             if slot is None:
@@ -413,7 +418,10 @@ class Mover:
             self.abort(host, slot)
             raise
         self.commit(host, slot, promotion=False, keep_older_record=self.write_through)
-        self.after_put(host, digest, version, meta.nbytes)
+        if self._put_followups:
+            self.after_put(host, digest, version, meta.nbytes)
+        else:
+            self.counters.count_put("host", meta.nbytes)  # after_put, when it has nothing else to do
         return handle
 
     def put_into(self, tier: Tier, digest: bytes, meta: EntryMeta, version: int, src: torch.Tensor,
