@@ -63,7 +63,9 @@ class Catalog:
         #: digest -> current version (what :meth:`version` / :meth:`set_current` read and write);
         #: a commit reads and sets it directly, under ``cond``
         self.versions: dict[bytes, int] = {}
-        self._inflight: dict[bytes, list[PendingWrite]] = {}
+        #: digest -> its writes in flight (a key is absent while it has none); read under the GIL
+        #: by a get before :meth:`wait_inflight`, changed under ``cond``
+        self.inflight: dict[bytes, list[PendingWrite]] = {}
         #: recompute seconds per digest (:meth:`set_cost`); read under ``cond``
         self.costs: dict[bytes, float] = {}
 
@@ -103,38 +105,38 @@ class Catalog:
 
     # ------------------------------------------------------------------------------ in flight
     def add_pending(self, pending: PendingWrite) -> None:
-        self._inflight.setdefault(pending.digest, []).append(pending)
+        self.inflight.setdefault(pending.digest, []).append(pending)
 
     def end_pending(self, pending: PendingWrite) -> None:
-        lst = self._inflight.get(pending.digest)
+        lst = self.inflight.get(pending.digest)
         if lst is not None and pending in lst:
             lst.remove(pending)
             if not lst:
-                del self._inflight[pending.digest]
+                del self.inflight[pending.digest]
         pending.finished = True
 
     def pending(self, digest: bytes) -> list[PendingWrite]:
         """Writes of ``digest`` in flight, oldest first (a copy)."""
-        return list(self._inflight.get(digest, ()))
+        return list(self.inflight.get(digest, ()))
 
     def has_pending(self, digest: bytes, version: int | None = None) -> bool:
         """Whether a write of ``digest`` (of ``version``, when given) is in flight and unfinished."""
         return any(version is None or (p.version == version and not p.finished)
-                   for p in self._inflight.get(digest, ()))
+                   for p in self.inflight.get(digest, ()))
 
     def pending_count(self) -> int:
-        return sum(len(v) for v in self._inflight.values())
+        return sum(len(v) for v in self.inflight.values())
 
     def cancel_pending(self, digest: bytes) -> bool:
         """Mark every write of ``digest`` in flight as cancelled; True if there was one."""
-        lst = self._inflight.get(digest, ())
+        lst = self.inflight.get(digest, ())
         for p in lst:
             p.cancelled = True
         return bool(lst)
 
     def wait_inflight(self, digest: bytes) -> None:
         """Wait (without the lock) for the writes of ``digest`` in flight now."""
-        if digest not in self._inflight:
+        if digest not in self.inflight:
             return  # none now (a write added under the lock from here on started after this call)
         with self.cond:
             pend = self.pending(digest)

@@ -52,7 +52,7 @@ class Reads:
         pinned and touched; ``None`` on a miss; ``RETRY`` if a write of the key is in flight."""
         m = self.m
         with m.lock:
-            v = m.catalog.version(digest)
+            v = m.catalog.versions.get(digest)
             if v is not None:
                 for t in (m.stack.from_(start) if start is not None else self._tiers):
                     if t.is_arena:
@@ -73,8 +73,10 @@ class Reads:
         m = self.m
         gpu = self._gpu
         target = gpu if gpu is not None and dev == gpu.device else None
+        inflight = m.catalog.inflight
         for _ in range(m.RETRIES):
-            m.catalog.wait_inflight(digest)
+            if digest in inflight:  # (wait_inflight's own first check, without the call)
+                m.catalog.wait_inflight(digest)
             loc = self.locate(digest)
             if loc is RETRY:
                 continue
