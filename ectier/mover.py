@@ -408,16 +408,8 @@ class Mover:
         with self.lock:
             cost = catalog.put_cost(digest, cost_s) if cost_s is not None or digest in catalog.costs else None
             slot = host.reserve(digest, meta, version, cost)
-        if slot is None:
-            slot = self.admit(host, digest, meta, version, promotion=False)
-            if slot is None:
-                return None
-        try:
-            host.write(slot, src)
-        except BaseException:
-            self.abort(host, slot)
-            raise
-        self.commit(host, slot, promotion=False, keep_older_record=self.write_through)
+        if self.arena.store(host, digest, meta, version, src, promotion=False, reserved=slot) is None:
+            return None
         if self._put_followups:
             self.after_put(host, digest, version, meta.nbytes)
         else:
