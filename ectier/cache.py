@@ -37,6 +37,8 @@ __all__ = ["TieredCache", "WriteLease", "ReadLease", "PutHandle", "LoadHandle"]
 
 log = logging.getLogger(__name__)
 
+_CPU = torch.device("cpu")
+
 # bumped in every child of fork(): a cache opened before the fork refuses to run after it
 _FORK_GENERATION = [0]
 os.register_at_fork(after_in_child=lambda: _FORK_GENERATION.__setitem__(0, _FORK_GENERATION[0] + 1))
@@ -84,6 +86,12 @@ class TieredCache:
         self._host = self._stack.get("host")
         self._gpu = self._stack.device_tier()
         self._cpu_entry = self._stack.entry_tier(torch.device("cpu"))  # where a CPU tensor's put starts
+        # a CPU tensor's put with synchronous copies into the host tier takes Mover.put_host
+        sync = self._host is not None and self._cpu_entry is self._host and self._mover.sync_cpu_copies and (
+            self._gpu is None or self._gpu.device.type == "cuda")
+        self._sync_host = self._host if sync else None
+        self._sync_host_bytes = self._host.capacity_bytes if sync else -1  # host.fits(n) is n <= this
+        self._namespace = self.config.namespace
         if self._mover.nvme is not None:
             self._mover.nvme.adopt_records()
 
@@ -119,17 +127,27 @@ class TieredCache:
                 tier's whole budget. TierWriteError: no tier could store it. EctierError: closed.
             In every error case nothing already stored is changed.
         """
-        ns, key = self._identity(key, namespace)
+        ns = self._namespace if namespace is None else validate_namespace(namespace)
+        key = validate_key(key)
         meta = meta_for(ns, key, tensor)
-        self._check_open()
+        if self._closed or self._generation != _FORK_GENERATION[0]:
+            self._check_open()  # raises
         if cost_s is not None and (isinstance(cost_s, bool) or not isinstance(cost_s, (int, float))
                                    or not 0 <= cost_s < math.inf):
             raise ValueError(f"cost_s: expected a finite number of seconds >= 0, got {cost_s!r}")
-        start = self._cpu_entry if self._gpu is None and not tensor.is_cuda else self._entry_tier(tensor.device)
-        if start is None:
-            start = self._entry_tier(tensor.device)  # raises: a CPU tensor to a GPU-only cache
         digest = entry_digest(ns, key)
         nbytes = meta.nbytes
+        host = self._sync_host
+        if nbytes <= self._sync_host_bytes and not tensor.is_cuda:  # the host put's short path
+            handle = self._mover.put_host(host, digest, meta, tensor, cost_s)
+            if handle is not None:
+                return handle
+            start = host  # no room in the host tier: on to the tiers under it
+        else:
+            start = self._cpu_entry if self._gpu is None and not tensor.is_cuda else self._entry_tier(tensor.device)
+            if start is None:
+                start = self._entry_tier(tensor.device)  # raises: a CPU tensor to a GPU-only cache
+            host = None
         tiers = self._stack.from_(start)
         fit = []
         for t in tiers:
@@ -139,6 +157,8 @@ class TieredCache:
         self._catalog.update_cost(digest, cost_s)
         version, handle = next_version(), PutHandle(key)
         for t, fits in zip(tiers, fit):
+            if t is host:
+                continue  # tried by the short path
             if not fits:
                 self._counters.count(t.name, skipped_too_large=1)
             elif self._mover.put_into(t, digest, meta, version, tensor, handle):
@@ -181,11 +201,13 @@ class TieredCache:
             InvalidTensorError (``out`` unsuitable); torch.cuda.OutOfMemoryError (no device memory
             for the result; a failed *promotion* is no error); EctierError: the cache is closed.
         """
-        ns, key = self._identity(key, namespace)
-        dev = parse_device(device)
+        ns = self._namespace if namespace is None else validate_namespace(namespace)
+        key = validate_key(key)
+        dev = _CPU if device is None else parse_device(device)
         if out is not None and not isinstance(out, torch.Tensor):  # (before any read: nothing changes)
             raise InvalidTensorError(f"out: expected a contiguous CPU tensor, got {type(out).__name__}")
-        self._check_open()
+        if self._closed or self._generation != _FORK_GENERATION[0]:
+            self._check_open()  # raises
         return self._reads.get(entry_digest(ns, key), ns, key, dev, out)
 
     def prefetch(self, keys: "list[str] | tuple[str, ...]", *, device: str | torch.device | None = None,

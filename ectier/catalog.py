@@ -57,78 +57,86 @@ class Catalog:
         #: without the Condition's Python-level ``__enter__``/``__exit__`` (hot paths use it)
         self.lock = threading.Lock()
         self.cond = _Condition(self.lock)
-        self._current: dict[bytes, int] = {}
-        self._inflight: dict[bytes, list[PendingWrite]] = {}
-        self._cost_s: dict[bytes, float] = {}
+        #: the Condition's waiters (a deque, empty while nobody waits): a hot path reads it to skip
+        #: ``cond.notify_all()`` altogether, under the lock (see :class:`_Condition`)
+        self.waiters = self.cond._waiters
+        #: digest -> current version (what :meth:`version` / :meth:`set_current` read and write);
+        #: a commit reads and sets it directly, under ``cond``
+        self.versions: dict[bytes, int] = {}
+        #: digest -> its writes in flight (a key is absent while it has none); read under the GIL
+        #: by a get before :meth:`wait_inflight`, changed under ``cond``
+        self.inflight: dict[bytes, list[PendingWrite]] = {}
+        #: recompute seconds per digest (:meth:`set_cost`); read under ``cond``
+        self.costs: dict[bytes, float] = {}
 
     # ------------------------------------------------------------------------------ versions
     def version(self, digest: bytes) -> int | None:
         """The current version of ``digest``, ``None`` if the key is stored nowhere."""
-        return self._current.get(digest)
+        return self.versions.get(digest)
 
     def is_current(self, digest: bytes, version: int) -> bool:
-        return self._current.get(digest) == version
+        return self.versions.get(digest) == version
 
     def set_current(self, digest: bytes, version: int) -> None:
-        self._current[digest] = version
+        self.versions[digest] = version
 
     def set_current_many(self, pairs: list[tuple[bytes, int]]) -> None:
         """:meth:`set_current` of every ``(digest, version)`` pair, in one call (opening a store)."""
-        self._current.update(pairs)
+        self.versions.update(pairs)
 
     def forget(self, digest: bytes, version: int | None = None) -> bool:
         """Drop ``digest`` (only if its current version is ``version``, when given). True if dropped."""
-        if version is not None and self._current.get(digest) != version:
+        if version is not None and self.versions.get(digest) != version:
             return False
-        return self._current.pop(digest, None) is not None
+        return self.versions.pop(digest, None) is not None
 
     def __len__(self) -> int:
-        return len(self._current)
+        return len(self.versions)
 
     def __contains__(self, digest: object) -> bool:
-        return digest in self._current
+        return digest in self.versions
 
     def items(self) -> list[tuple[bytes, int]]:
         """``(digest, current version)`` pairs (a copy)."""
-        return list(self._current.items())
+        return list(self.versions.items())
 
     def notify(self) -> None:
         self.cond.notify_all()
 
     # ------------------------------------------------------------------------------ in flight
     def add_pending(self, pending: PendingWrite) -> None:
-        self._inflight.setdefault(pending.digest, []).append(pending)
+        self.inflight.setdefault(pending.digest, []).append(pending)
 
     def end_pending(self, pending: PendingWrite) -> None:
-        lst = self._inflight.get(pending.digest)
+        lst = self.inflight.get(pending.digest)
         if lst is not None and pending in lst:
             lst.remove(pending)
             if not lst:
-                del self._inflight[pending.digest]
+                del self.inflight[pending.digest]
         pending.finished = True
 
     def pending(self, digest: bytes) -> list[PendingWrite]:
         """Writes of ``digest`` in flight, oldest first (a copy)."""
-        return list(self._inflight.get(digest, ()))
+        return list(self.inflight.get(digest, ()))
 
     def has_pending(self, digest: bytes, version: int | None = None) -> bool:
         """Whether a write of ``digest`` (of ``version``, when given) is in flight and unfinished."""
         return any(version is None or (p.version == version and not p.finished)
-                   for p in self._inflight.get(digest, ()))
+                   for p in self.inflight.get(digest, ()))
 
     def pending_count(self) -> int:
-        return sum(len(v) for v in self._inflight.values())
+        return sum(len(v) for v in self.inflight.values())
 
     def cancel_pending(self, digest: bytes) -> bool:
         """Mark every write of ``digest`` in flight as cancelled; True if there was one."""
-        lst = self._inflight.get(digest, ())
+        lst = self.inflight.get(digest, ())
         for p in lst:
             p.cancelled = True
         return bool(lst)
 
     def wait_inflight(self, digest: bytes) -> None:
         """Wait (without the lock) for the writes of ``digest`` in flight now."""
-        if digest not in self._inflight:
+        if digest not in self.inflight:
             return  # none now (a write added under the lock from here on started after this call)
         with self.cond:
             pend = self.pending(digest)
@@ -139,19 +147,29 @@ class Catalog:
     def set_cost(self, digest: bytes, cost_s: float | None) -> None:
         """Remember the recompute seconds of ``digest`` for the tiers' policies (``None``: unknown)."""
         if cost_s is None:
-            self._cost_s.pop(digest, None)
+            self.costs.pop(digest, None)
             return
-        self._cost_s[digest] = float(cost_s)
-        if len(self._cost_s) > 2 * len(self._current) + 1024:  # forget keys no longer stored
-            self._cost_s = {d: c for d, c in self._cost_s.items() if d in self._current or d == digest}
+        self.costs[digest] = float(cost_s)
+        if len(self.costs) > 2 * len(self.versions) + 1024:  # forget keys no longer stored
+            self.costs = {d: c for d, c in self.costs.items() if d in self.versions or d == digest}
 
     def update_cost(self, digest: bytes, cost_s: float | None) -> None:
         """:meth:`set_cost` under ``cond`` (takes it), skipped when there is nothing to change: no
         cost given for a key that has none (a put without ``cost_s``, the common case)."""
-        if cost_s is None and digest not in self._cost_s:
+        if cost_s is None and digest not in self.costs:
             return  # as if a concurrent put's set_cost came after this one
         with self.cond:
             self.set_cost(digest, cost_s)
 
+    def put_cost(self, digest: bytes, cost_s: float | None) -> float | None:
+        """:meth:`set_cost` for a put of ``digest`` (``None`` forgets an earlier cost), then the
+        cost its slot carries (seconds, ``None``: unknown). Under ``cond``."""
+        if cost_s is None:
+            if self.costs:
+                self.costs.pop(digest, None)
+            return None
+        self.set_cost(digest, cost_s)
+        return self.costs[digest]
+
     def cost(self, digest: bytes) -> float | None:
-        return self._cost_s.get(digest)
+        return self.costs.get(digest)

@@ -82,6 +82,13 @@ class PutHandle(_Handle):
 
     __slots__ = ()
 
+    @classmethod
+    def stored(cls, key: str) -> "PutHandle":
+        """A handle of a put already stored (done, successful): a synchronous put's, made in one call."""
+        h = object.__new__(cls)
+        h.key, h.error, h._ok, h._done, h._event = key, None, True, True, None
+        return h
+
     def __repr__(self) -> str:
         state = "pending" if not self.done() else ("stored" if self._ok else f"failed: {self.error!r}")
         return f"<PutHandle {self.key!r} {state}>"

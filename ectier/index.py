@@ -133,17 +133,18 @@ class ArenaIndex:
             yield first * block, done, length
             done += length
 
-    def reserve(self, digest: bytes, meta: EntryMeta, version: int) -> Slot | None:
-        """Allocate blocks for ``meta.nbytes``; ``None`` if the free blocks do not suffice now."""
+    def reserve(self, digest: bytes, meta: EntryMeta, version: int, cost_s: float | None = None) -> Slot | None:
+        """Allocate blocks for ``meta.nbytes``; ``None`` if the free blocks do not suffice now.
+        ``cost_s``: the slot's recompute seconds (:attr:`Slot.cost_s`)."""
         nblocks = -(-meta.nbytes // self.block_bytes)
         if nblocks > self.allocator.free_blocks:
             return None
         extents = self.allocator.alloc(nblocks)
         if extents is None:
             return None
-        slot = Slot(digest, meta, version, extents, nblocks * self.block_bytes)
-        self.reserved_bytes += slot.alloc_bytes
-        return slot
+        alloc_bytes = nblocks * self.block_bytes
+        self.reserved_bytes += alloc_bytes
+        return Slot(digest, meta, version, extents, alloc_bytes, cost_s=cost_s)
 
     def abort(self, slot: Slot) -> None:
         """Give a reserved slot's blocks back."""
@@ -158,13 +159,20 @@ class ArenaIndex:
             # an aborted slot keeps state RESERVED but its blocks may already hold another entry
             raise ValueError(f"commit: slot is {'aborted' if slot.freed else slot.state.value}, not reserved")
         self.reserved_bytes -= slot.alloc_bytes
-        old = self._slots.get(slot.digest)
-        if old is not None:
-            self.remove(old)
+        digest, slots = slot.digest, self._slots
+        old = slots.get(digest)
         slot.state = EntryState.COMMITTED
         slot.visible = True
-        self._slots[slot.digest] = slot
-        self.policy.add(slot.digest, slot.alloc_bytes, slot.cost_s)
+        slots[digest] = slot
+        if old is None:
+            self.policy.add(digest, slot.alloc_bytes, slot.cost_s)
+            return None
+        # remove(old), inlined (every overwrite): its place in the map and the policy is the new slot's
+        self.policy.replace(digest, slot.alloc_bytes, slot.cost_s)
+        old.visible = False
+        old.state = EntryState.LEAVING  # (a visible slot is committed or leaving)
+        if old.pins == 0:
+            self._release(old)
         return old
 
     def lookup(self, digest: bytes) -> Slot | None:

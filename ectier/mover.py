@@ -26,15 +26,16 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
 from .catalog import Catalog, PendingWrite
 from .config import CacheConfig
 from .copy import Completer, CopyEngine, CopyHandle
-from .entry import EntryMeta
+from .entry import EntryMeta, next_version
 from .errors import EctierError
+from .handles import PutHandle
 from .index import Slot
 from .moves.arena import ArenaMoves
 from .moves.nvme import RETRY, NvmeMoves
@@ -48,9 +49,6 @@ from .tiers.arena import ArenaTier
 from .tiers.base import Tier
 
 __all__ = ["Mover", "Commit", "RETRIES"]
-
-if TYPE_CHECKING:
-    from .handles import PutHandle
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +104,8 @@ class Mover:
         self.counters = counters
         self.engine_for = engine_for
         self._cpu_engine = engine_for(torch.device("cpu"))  # the same for every device but CUDA
+        #: True when copies of CPU tensors are plain synchronous ones (no copy engine for the CPU)
+        self.sync_cpu_copies = self._cpu_engine is None
         self.completer = Completer()
         self.write_through = config.nvme.write_through
         self.arena = ArenaMoves(self)
@@ -114,9 +114,12 @@ class Mover:
         remote = stack.remote()
         self.remote = RemoteMoves(self, remote) if remote is not None else None
         self._arenas, self._stores = stack.arenas(), stack.stores()  # fixed once open (hot loops)
+        self._other_arenas = len(self._arenas) > 1  # a commit may have older copies to drop elsewhere
         self._demotions: dict[tuple[str, str], Callable[..., bool]] = {}
         self._register()
         self.write_behind = self._make_write_behind()
+        self._put_followups = self.remote is not None or (self.write_through and self.nvme is not None)
+        self._waiters = catalog.waiters
         self.promote = Promotions(self)  # the promotion sequence and the upward edges (moves/promote.py)
 
     # ------------------------------------------------------------------------- the edges
@@ -274,11 +277,13 @@ class Mover:
                 tier.abort(slot)
                 self.cond.notify_all()
                 return Commit.CANCELLED
-            current = self.catalog.version(digest)
+            versions = self.catalog.versions  # (version / set_current, without the calls)
+            current = versions.get(digest)
             newer_below = False
             for t in self._stores:
                 sv = t.stored_version(digest)
-                newer_below = newer_below or (sv is not None and sv > version)
+                if sv is not None and sv > version:
+                    newer_below = True
             if promotion:
                 superseded = current != version or tier.lookup(digest) is not None or newer_below
             else:
@@ -287,12 +292,13 @@ class Mover:
                 tier.abort(slot)
                 self.cond.notify_all()
                 return Commit.DROPPED if promotion else Commit.SUPERSEDED
-            if tier.commit(slot) is not None:
+            if tier.commit(slot) is not None and self._waiters:  # (notify_all, when someone waits)
                 self.cond.notify_all()
             if pin_after:
                 tier.pin(slot)
-            self.drop_older_locked(digest, version, besides=tier)
-            self.catalog.set_current(digest, version)
+            if self._other_arenas:
+                self.drop_older_locked(digest, version, besides=tier)
+            versions[digest] = version
             if self.nvme is not None:
                 if self.nvme.tier.holds(digest, version):
                     slot.lower_copy = True
@@ -386,6 +392,30 @@ class Mover:
         pending.handle.finish(ok and error is None, error)
 
     # ------------------------------------------------------------------------- puts
+    def put_host(self, host: ArenaTier, digest: bytes, meta: EntryMeta, src: torch.Tensor,
+                 cost_s: float | None) -> PutHandle | None:
+        """A put of the CPU tensor ``src`` into the host tier with synchronous copies (no copy
+        engine): the short path of :meth:`put_into` (``host.fits(meta.nbytes)`` checked by the
+        caller). Versioned here; the key's recompute cost ``cost_s`` (seconds, ``None``: unknown)
+        is recorded under the same lock as the blocks are reserved from the free ones; only when
+        they do not suffice does :meth:`admit` evict. Then one copy, and :meth:`commit`.
+
+        Returns the finished :class:`~ectier.handles.PutHandle`, or ``None``: no room could be made
+        (nothing stored; the caller tries the next tier).
+        """
+        version, handle = next_version(), PutHandle.stored(meta.key)  # (made before the copy: warm caches)
+        catalog = self.catalog
+        with self.lock:
+            cost = catalog.put_cost(digest, cost_s) if cost_s is not None or digest in catalog.costs else None
+            slot = host.reserve(digest, meta, version, cost)
+        if self.arena.store(host, digest, meta, version, src, promotion=False, reserved=slot) is None:
+            return None
+        if self._put_followups:
+            self.after_put(host, digest, version, meta.nbytes)
+        else:
+            self.counters.count_put("host", meta.nbytes)  # after_put, when it has nothing else to do
+        return handle
+
     def put_into(self, tier: Tier, digest: bytes, meta: EntryMeta, version: int, src: torch.Tensor,
                  handle: "PutHandle") -> bool:
         """Store a put's tensor ``src`` (the caller's: any strides, any device) in ``tier``; False

@@ -48,6 +48,12 @@ class EvictionPolicy(abc.ABC):
         for key, nbytes in items:
             self.add(key, nbytes)
 
+    def replace(self, key: Hashable, nbytes: int, cost: float | None = None) -> None:
+        """:meth:`remove` then :meth:`add` of ``key`` in one call: a newer version of a tracked
+        entry was committed (every overwrite). Raises as :meth:`add` does (``key`` then untracked)."""
+        self.remove(key)
+        self.add(key, nbytes, cost)
+
     @abc.abstractmethod
     def touch(self, key: Hashable) -> None:
         """Record a hit on ``key`` (no-op for an unknown key)."""
@@ -93,6 +99,9 @@ class LRUPolicy(EvictionPolicy):
             raise ValueError(f"nbytes: must be >= 0, got {nbytes}")
         self._order[key] = nbytes
         self._order.move_to_end(key)
+
+    #: an add of a tracked key already moves it to the most recently used end with its new size
+    replace = add
 
     def add_many(self, items: Iterable[tuple[Hashable, int]]) -> None:
         items = list(items)

@@ -58,3 +58,19 @@ def test_zero_byte_entries_and_negative_sizes(policy):
     assert "z" in policy
     with pytest.raises(ValueError):
         policy.add("neg", -1)
+
+
+def test_replace_is_remove_then_add(policy):
+    """``replace`` (a tracked entry overwritten by a newer version) leaves the policy as ``remove``
+    then ``add`` would: the same size, order and victims."""
+    other = make_policy("lru" if isinstance(policy, LRUPolicy) else "gdsf")
+    for p in (policy, other):
+        for k, n in (("a", 10), ("b", 20), ("c", 30)):
+            p.add(k, n, 1.0)
+    policy.replace("a", 25, 2.0)
+    other.remove("a")
+    other.add("a", 25, 2.0)
+    assert list(policy) == list(other) and len(policy) == 3
+    for need in (10, 30, 55, 85):
+        assert policy.victims(need) == other.victims(need)
+    assert policy.victims(86) is None  # the new size counts, the old one is gone

@@ -47,14 +47,16 @@ class ArenaMoves:
 
     # ------------------------------------------------------------------------- host puts
     def store(self, tier: ArenaTier, digest: bytes, meta: EntryMeta, version: int, src: torch.Tensor, *,
-              promotion: bool, protect: bytes | None = None) -> "Commit | None":
+              promotion: bool, protect: bytes | None = None, reserved: Slot | None = None) -> "Commit | None":
         """Admit an entry into a host-like tier synchronously: reserve (evicting), copy, commit.
 
         For a promotion nothing happens unless ``version`` is still current and the tier does not
-        hold the key. Returns the :class:`~ectier.mover.Commit` outcome, ``None`` if no room.
+        hold the key. ``reserved``: a slot the caller reserved already (``Mover.put_host``), or
+        ``None``: admitted here. Returns the :class:`~ectier.mover.Commit` outcome, ``None`` if no room.
         """
         m = self.m
-        slot = m.admit(tier, digest, meta, version, promotion=promotion, protect=protect if promotion else None)
+        slot = reserved if reserved is not None else m.admit(
+            tier, digest, meta, version, promotion=promotion, protect=protect if promotion else None)
         if slot is None:
             return None
         try:

@@ -45,15 +45,16 @@ class Reads:
     def __init__(self, m: "Mover") -> None:
         self.m = m
         self._prefetch_pool: ThreadPoolExecutor | None = None
+        self._tiers, self._gpu = tuple(m.stack), m.stack.device_tier()  # fixed once open (every get)
 
     def locate(self, digest: bytes, *, start: Tier | None = None):
         """The highest tier (from ``start`` down) holding ``digest``'s current version, its slot
         pinned and touched; ``None`` on a miss; ``RETRY`` if a write of the key is in flight."""
         m = self.m
         with m.lock:
-            v = m.catalog.version(digest)
+            v = m.catalog.versions.get(digest)
             if v is not None:
-                for t in (m.stack.from_(start) if start is not None else m.stack):
+                for t in (m.stack.from_(start) if start is not None else self._tiers):
                     if t.is_arena:
                         s = t.current(digest, v)
                         if s is not None:
@@ -70,10 +71,12 @@ class Reads:
     def get(self, digest: bytes, ns: str, key: str, dev: torch.device, out: torch.Tensor | None):
         """A copy of the entry on ``dev`` (or in ``out``), or ``None`` on a miss."""
         m = self.m
-        gpu = m.stack.device_tier()
+        gpu = self._gpu
         target = gpu if gpu is not None and dev == gpu.device else None
+        inflight = m.catalog.inflight
         for _ in range(m.RETRIES):
-            m.catalog.wait_inflight(digest)
+            if digest in inflight:  # (wait_inflight's own first check, without the call)
+                m.catalog.wait_inflight(digest)
             loc = self.locate(digest)
             if loc is RETRY:
                 continue
