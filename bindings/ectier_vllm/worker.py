@@ -37,6 +37,12 @@ class WorkerSide:
         self._loaded: list[str] = []
         self._failed: dict[str, list[str]] = {}
         self._placeholders: list[tuple[dict, str]] = []
+        #: something may be due in this step's report (a save submitted or in flight, a load, a
+        #: counter, a placeholder, an encoder timing); with it False and :attr:`_saves_done`
+        #: empty, the completion calls return after two attribute reads
+        self._report = False
+        #: the save queue's deque of finished saves (the put thread appends to it)
+        self._saves_done = self.saves.done
         # the producer's encoder time per step, for the scheduler's load-or-recompute choice
         settings = self.settings
         self._encoder_timer = EncoderStepTimer() if (
@@ -52,6 +58,7 @@ class WorkerSide:
         tensor = encoder_cache.get(mm_hash)
         if tensor is None:
             return
+        self._report = True
         timer = self._encoder_timer
         if timer is not None:
             timer.item(tensor.shape[0], _mark(tensor))
@@ -71,8 +78,7 @@ class WorkerSide:
                            mm_hash, type(exc).__name__, exc)
 
     def start_save_caches(self, **kwargs: Any) -> None:
-        saves = self.saves
-        if saves.done or saves.in_flight:  # else nothing can have finished: no call at all
+        if self._saves_done or self._report:  # else nothing can have finished: no call at all
             self._poll_saves()
 
     def _poll_saves(self) -> None:
@@ -88,6 +94,7 @@ class WorkerSide:
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
         self._load_caches(encoder_cache)
         if self._encoder_timer is not None:  # the step's encoder runs next
+            self._report = True
             self._encoder_timer.begin(_mark(None if self.worker_device() == "cpu" else torch.device(self.worker_device())))
 
     def _load_caches(self, encoder_cache: dict[str, torch.Tensor]) -> None:
@@ -95,6 +102,8 @@ class WorkerSide:
         if not isinstance(meta, ECTierConnectorMetadata):
             return
         device = self.worker_device()
+        if meta.loads:
+            self._report = True
         for item in meta.loads:
             if item.mm_hash in encoder_cache:
                 self._loaded.append(item.mm_hash)
@@ -137,6 +146,8 @@ class WorkerSide:
                 self._stats.setdefault("load_seconds", []).append(seconds)
 
     def build_connector_worker_meta(self) -> ECTierWorkerMetadata | None:
+        if not (self._report or self._saves_done):
+            return None  # the common step: nothing saved, loaded or counted since the last report
         if self._placeholders:
             for cache, mm_hash in self._placeholders:
                 cache.pop(mm_hash, None)
@@ -148,6 +159,8 @@ class WorkerSide:
         if timer is not None:
             for tokens, seconds in timer.take():
                 self._count(encoder_tokens=tokens, encoder_seconds=seconds)
+        # due next time: CUDA puts still in flight (the put thread's saves land in _saves_done)
+        self._report = bool(saves.in_flight)
         if not (self._loaded or self._failed or self._saved or self._save_failed or self._stats):
             return None  # nothing to report this step (the common case of a step with no item)
         meta = ECTierWorkerMetadata(
