@@ -43,10 +43,14 @@ class WorkerSide:
         self._report = False
         #: the save queue's deque of finished saves (the put thread appends to it)
         self._saves_done = self.saves.done
-        # the producer's encoder time per step, for the scheduler's load-or-recompute choice
+        # the producer's encoder time per step, for the scheduler's load-or-recompute choice: an
+        # ec_both engine only, since a step opens in start_load_caches, which vLLM's model runners
+        # call on consumers only (a pure producer's timer never timed a step, yet cost every
+        # save_caches a mark and two clock reads)
         settings = self.settings
         self._encoder_timer = EncoderStepTimer() if (
-            role == ECConnectorRole.WORKER and self.is_producer and self._lead and settings.recompute and settings.encoder_seconds_per_token is None) else None
+            role == ECConnectorRole.WORKER and self.is_producer and self.is_consumer and self._lead
+            and settings.recompute and settings.encoder_seconds_per_token is None) else None
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         """Hand ``encoder_cache[mm_hash]`` to the :class:`~ectier_vllm.saves.SaveQueue`: never
@@ -84,12 +88,15 @@ class WorkerSide:
     def _poll_saves(self) -> None:
         """Report the saves the queue finished since the last poll (never blocks; with nothing
         finished, one call that returns at once)."""
+        saved, stats = self._saved, self._stats
         for result in self.saves.finished():
             if result.error is not None:
                 self._save_failure(result.mm_hash, result.error)
-            else:
-                self._count(saves=1, save_bytes=result.nbytes)
-                self._saved.append(result.mm_hash)
+            else:  # _count(saves=1, save_bytes=...), without its loop (once per save, cold)
+                stats["saves"] = stats.get("saves", 0) + 1
+                stats["save_bytes"] = stats.get("save_bytes", 0) + result.nbytes
+                saved.append(result.mm_hash)
+                self._report = True
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
         self._load_caches(encoder_cache)
