@@ -55,8 +55,8 @@ class WorkerSide:
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         """Hand ``encoder_cache[mm_hash]`` to the :class:`~ectier_vllm.saves.SaveQueue`: never
         waits for a copy or the store (a full queue or a failing store drops the save, counted).
-        The finished saves are reported by the step's completion calls (``start_save_caches``,
-        ``build_connector_worker_meta``), not here: this runs once per item on the model step."""
+        The finished saves are reported by a later completion call (``build_connector_worker_meta``,
+        at the end of each step), not here: this runs once per item on the model step."""
         if not self._saving:
             return  # not a producer, shut down, or another rank of this TP group (PP stage, PCP group) saves
         tensor = encoder_cache.get(mm_hash)
@@ -82,8 +82,10 @@ class WorkerSide:
                            mm_hash, type(exc).__name__, exc)
 
     def start_save_caches(self, **kwargs: Any) -> None:
-        if self._saves_done or self._report:  # else nothing can have finished: no call at all
-            self._poll_saves()
+        """Nothing: vLLM calls this at the start of each step, and the saves finished by then are
+        taken by the same step's ``build_connector_worker_meta`` (the only call that reports
+        them), so a look here would only cost the model step a cold call's time."""
+        return None
 
     def _poll_saves(self) -> None:
         """Report the saves the queue finished since the last poll (never blocks; with nothing
