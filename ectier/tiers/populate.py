@@ -113,7 +113,8 @@ def populate_mapping_later(mapping: mmap.mmap, *, chunk_bytes: int = _CHUNK,
     does: ``mmap.madvise`` holds it for the whole system call (CPython's ``mmap_madvise_method``
     has no ``Py_BEGIN_ALLOW_THREADS``), so every other thread of the process, the model runner's
     included, waited for each call (measured: a thread sleeping 0.5 ms in a loop beside a 512 MiB
-    mapping populated 256 KiB per ``mmap.madvise`` overshot by 15 ms p50; by 0.07 ms with ctypes).
+    mapping populated 256 KiB per ``mmap.madvise`` overshot by 0.15-15 ms p50 in two runs; by
+    0.07 ms with ctypes).
 
     Off the caller's path because it costs ~0.3-1.2 s per GiB of mapping (measured on the dev
     VM); writes racing it are safe (as :func:`populate_later`). The thread keeps the mapping
