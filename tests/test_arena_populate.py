@@ -15,10 +15,11 @@ import time
 import weakref
 
 import pytest
+import numpy as np
 import torch
 
 from ectier.config import HostTierConfig
-from ectier.tiers.populate import populate_later, populate_mapping_later
+from ectier.tiers.populate import MADV_POPULATE_READ, populate_later, populate_mapping_later
 from ectier.tiers.host import HostTier
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps is Linux's")
@@ -106,6 +107,33 @@ def test_a_shared_mapping_is_populated_in_the_background_without_changing_it(tmp
         assert _rss_bytes(address, ARENA) >= ARENA
         assert mapping[:4] == b"abcd" and mapping[ARENA - 4:] == b"wxyz"
         writer.close()
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def test_populating_a_mapping_lets_other_threads_run_during_each_call(tmp_path):
+    """One ``madvise`` over the whole mapping: the main thread keeps running Python while it
+    is in the kernel (``mmap.madvise`` held the GIL for the call: the main thread got no turn
+    until the population was over)."""
+    nbytes = 256 * MiB
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else str(tmp_path)
+    path = os.path.join(shm, f"ectier-test-populate-gil-{os.getpid()}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+        address = int(np.frombuffer(mapping, dtype=np.uint8, count=1).ctypes.data)
+        turns = 0
+        thread = populate_mapping_later(mapping, chunk_bytes=nbytes, advice=MADV_POPULATE_READ)
+        assert thread is not None
+        while thread.is_alive():
+            turns += 1  # Python on this thread while the populating call runs
+            time.sleep(0)
+        if _rss_bytes(address, nbytes) < nbytes // 2:
+            pytest.skip("MADV_POPULATE_READ refused here (Linux < 5.14)")
+        assert turns >= 20, f"the main thread ran {turns} times while the mapping was populated"
+        del mapping
     finally:
         os.close(fd)
         os.unlink(path)

@@ -243,3 +243,43 @@ def test_shutdown_with_saves_in_flight_stores_every_one(engine, daemon, gated_pu
             assert client.contains(k, namespace=NS), f"{k[:4]}... lost across shutdown"
             got = client.get(k, namespace=NS)
             assert torch.equal(got.view(torch.int16), cache[k].view(torch.int16))
+
+
+class _Tripwire:
+    """Stands in for the connector's save queue: any look into it fails the test."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"a completion call with nothing due looked into the save queue ({name})")
+
+
+def test_a_completion_call_with_nothing_due_does_not_look_into_the_save_queue(engine):
+    """Once a save is reported, the next steps' completion calls (``start_save_caches``,
+    ``build_connector_worker_meta``) return after the connector's own flag (on the worker's
+    thread every step, each look costs cold-cache time); a later save is reported as before."""
+    extra = {"namespace": NS, "host": {"capacity_bytes": "4MiB", "block_bytes": "64KiB", "pin_memory": False}}
+    _, worker = engine("ec_producer", extra)
+    conn = worker.connector
+    keys = ["d" * 64, "e" * 64]
+    cache = {k: H.encoder_output(k, 8) for k in keys}
+
+    def reported(key) -> bool:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            conn.start_save_caches()
+            meta = conn.build_connector_worker_meta()
+            if meta is not None and key in meta.saved:
+                return True
+            time.sleep(0.001)
+        return False
+
+    conn.save_caches(cache, keys[0])
+    assert reported(keys[0])
+    queue, conn.saves = conn.saves, _Tripwire()
+    try:
+        for _ in range(3):
+            conn.start_save_caches()
+            assert conn.build_connector_worker_meta() is None
+    finally:
+        conn.saves = queue
+    conn.save_caches(cache, keys[1])
+    assert reported(keys[1])

@@ -133,6 +133,7 @@ class ECTierConnector(SchedulerSide, WorkerSide, ECConnectorBase):
 
     # ================================================================== helpers
     def _count(self, **kw: float) -> None:
+        self._report = True  # the worker side reports its counters in the next worker metadata
         for k, v in kw.items():
             self._stats[k] = self._stats.get(k, 0) + v
 

@@ -85,6 +85,7 @@ class InProcessStore:
         config = self.cache.config
         #: only a host tier: whatever ``contains`` finds is in the host arena, nothing to promote
         self._host_only = not (self.remote or config.nvme.enabled or config.gpu.enabled)
+        self._gpu = config.gpu.enabled
 
     # --------------------------------------------------------------------- index / pins
     def contains(self, key: str) -> bool:
@@ -120,7 +121,7 @@ class InProcessStore:
         budget), the host copy is read onto ``device``. Without one: a host-arena lease, loaded by
         the worker straight onto its device on the copy engine (:meth:`get`).
         """
-        if not self.cache.config.gpu.enabled:
+        if not self._gpu:
             lease = self.cache.acquire(key)
             return None if lease is None else Pin(tuple(lease.meta.shape), str(lease.meta.dtype), lease)
         tensor = self.cache.get(key, device=device)
@@ -165,8 +166,9 @@ class InProcessStore:
             return pin.tensor  # read from the GPU tier by the scheduler onto this device
         if pin is not None:
             # straight from the pinned host arena to the destination, on the copy engine (the
-            # scheduler releases the pin once the worker has reported the load)
-            return self.cache.load(pin.lease, device=device, view=True)
+            # scheduler releases the pin once the worker has reported the load); None is the CPU
+            # without parsing a device string
+            return self.cache.load(pin.lease, device=None if device == "cpu" else device, view=True)
         return self.cache.get(key, device=device)
 
     def flush(self) -> None:

@@ -37,21 +37,32 @@ class WorkerSide:
         self._loaded: list[str] = []
         self._failed: dict[str, list[str]] = {}
         self._placeholders: list[tuple[dict, str]] = []
-        # the producer's encoder time per step, for the scheduler's load-or-recompute choice
+        #: something may be due in this step's report (a save submitted or in flight, a load, a
+        #: counter, a placeholder, an encoder timing); with it False and :attr:`_saves_done`
+        #: empty, the completion calls return after two attribute reads
+        self._report = False
+        #: the save queue's deque of finished saves (the put thread appends to it)
+        self._saves_done = self.saves.done
+        # the producer's encoder time per step, for the scheduler's load-or-recompute choice: an
+        # ec_both engine only, since a step opens in start_load_caches, which vLLM's model runners
+        # call on consumers only (a pure producer's timer never timed a step, yet cost every
+        # save_caches a mark and two clock reads)
         settings = self.settings
         self._encoder_timer = EncoderStepTimer() if (
-            role == ECConnectorRole.WORKER and self.is_producer and self._lead and settings.recompute and settings.encoder_seconds_per_token is None) else None
+            role == ECConnectorRole.WORKER and self.is_producer and self.is_consumer and self._lead
+            and settings.recompute and settings.encoder_seconds_per_token is None) else None
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         """Hand ``encoder_cache[mm_hash]`` to the :class:`~ectier_vllm.saves.SaveQueue`: never
         waits for a copy or the store (a full queue or a failing store drops the save, counted).
-        The finished saves are reported by the step's completion calls (``start_save_caches``,
-        ``build_connector_worker_meta``), not here: this runs once per item on the model step."""
+        The finished saves are reported by a later completion call (``build_connector_worker_meta``,
+        at the end of each step), not here: this runs once per item on the model step."""
         if not self._saving:
             return  # not a producer, shut down, or another rank of this TP group (PP stage, PCP group) saves
         tensor = encoder_cache.get(mm_hash)
         if tensor is None:
             return
+        self._report = True
         timer = self._encoder_timer
         if timer is not None:
             timer.item(tensor.shape[0], _mark(tensor))
@@ -71,23 +82,28 @@ class WorkerSide:
                            mm_hash, type(exc).__name__, exc)
 
     def start_save_caches(self, **kwargs: Any) -> None:
-        saves = self.saves
-        if saves.done or saves.in_flight:  # else nothing can have finished: no call at all
-            self._poll_saves()
+        """Nothing: vLLM calls this at the start of each step, and the saves finished by then are
+        taken by the same step's ``build_connector_worker_meta`` (the only call that reports
+        them), so a look here would only cost the model step a cold call's time."""
+        return None
 
     def _poll_saves(self) -> None:
         """Report the saves the queue finished since the last poll (never blocks; with nothing
         finished, one call that returns at once)."""
+        saved, stats = self._saved, self._stats
         for result in self.saves.finished():
             if result.error is not None:
                 self._save_failure(result.mm_hash, result.error)
-            else:
-                self._count(saves=1, save_bytes=result.nbytes)
-                self._saved.append(result.mm_hash)
+            else:  # _count(saves=1, save_bytes=...), without its loop (once per save, cold)
+                stats["saves"] = stats.get("saves", 0) + 1
+                stats["save_bytes"] = stats.get("save_bytes", 0) + result.nbytes
+                saved.append(result.mm_hash)
+                self._report = True
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
         self._load_caches(encoder_cache)
         if self._encoder_timer is not None:  # the step's encoder runs next
+            self._report = True
             self._encoder_timer.begin(_mark(None if self.worker_device() == "cpu" else torch.device(self.worker_device())))
 
     def _load_caches(self, encoder_cache: dict[str, torch.Tensor]) -> None:
@@ -95,6 +111,8 @@ class WorkerSide:
         if not isinstance(meta, ECTierConnectorMetadata):
             return
         device = self.worker_device()
+        if meta.loads:
+            self._report = True
         for item in meta.loads:
             if item.mm_hash in encoder_cache:
                 self._loaded.append(item.mm_hash)
@@ -137,6 +155,8 @@ class WorkerSide:
                 self._stats.setdefault("load_seconds", []).append(seconds)
 
     def build_connector_worker_meta(self) -> ECTierWorkerMetadata | None:
+        if not (self._report or self._saves_done):
+            return None  # the common step: nothing saved, loaded or counted since the last report
         if self._placeholders:
             for cache, mm_hash in self._placeholders:
                 cache.pop(mm_hash, None)
@@ -148,6 +168,8 @@ class WorkerSide:
         if timer is not None:
             for tokens, seconds in timer.take():
                 self._count(encoder_tokens=tokens, encoder_seconds=seconds)
+        # due next time: CUDA puts still in flight (the put thread's saves land in _saves_done)
+        self._report = bool(saves.in_flight)
         if not (self._loaded or self._failed or self._saved or self._save_failed or self._stats):
             return None  # nothing to report this step (the common case of a step with no item)
         meta = ECTierWorkerMetadata(

@@ -8,8 +8,9 @@ temporary directory; nothing is downloaded), and driven with the calls vLLM's sc
 runner make, in their order:
 
 - producer (worker connector, ``ec_producer``): ``save_caches(encoder_cache, mm_hash)``, then the
-  completion calls a model runner makes every step (``start_save_caches``,
-  ``build_connector_worker_meta``) until the save is reported (ectier; vLLM's connectors report
+  completion calls a model runner makes: ``build_connector_worker_meta`` at the end of the saving
+  step, then ``start_save_caches`` + ``build_connector_worker_meta`` every later step, until the
+  save is reported (ectier; vLLM's connectors report
   no saves: they count as loadable when ``save_caches`` returns, which is exact for the example
   connector's synchronous file write);
 - consumer scheduler connector (``ec_consumer``): ``ensure_cache_available(request, 0)``, each
@@ -24,8 +25,8 @@ runner make, in their order:
 Each load is compared bitwise (``int16`` view) with the tensor the producer saved.
 
 Timings (seconds, one sample per item): ``save_block_s`` (inside ``save_caches``), ``save_calls_s``
-(``save_caches`` plus every completion call until the save was reported, called once per model
-step, one step every ``step_s`` — vLLM's worker calls them once per step; :data:`STEP_S` by
+(``save_caches`` plus every completion call until the save was reported, in vLLM's order, one
+model step every ``step_s`` — vLLM's worker calls them once per step; :data:`STEP_S` by
 default), ``loadable_s`` (wall time from the start of ``save_caches`` until reported),
 ``lookup_s`` (first ``ensure_cache_available`` until ``has_cache_item`` is True, steps polled
 every :data:`POLL_S`), ``load_s`` (bind + ``start_load_caches`` + touching every byte),
@@ -287,8 +288,14 @@ def _sync() -> None:
 
 
 def _produce(producer, mm_hash: str, tensor: torch.Tensor, synchronous: bool, step_s: float) -> dict[str, float]:
-    """Save one item, then one round of completion calls per model step (every ``step_s``) until
-    it is reported; returns save_block_s, save_calls_s, loadable_s, completion_calls."""
+    """Save one item as a model step does, then one model step every ``step_s`` until the save is
+    reported; returns save_block_s, save_calls_s, loadable_s, completion_calls.
+
+    vLLM's order within a step (``ec_connector_model_runner_mixin``): ``start_save_caches``
+    before the encoder, ``save_caches`` per item it encoded, ``build_connector_worker_meta``
+    after. So the step that saves the item calls ``build_connector_worker_meta`` right after
+    ``save_caches`` (its ``start_save_caches`` came before the save: not this item's), and each
+    later step calls ``start_save_caches`` + ``build_connector_worker_meta``."""
     cache = {mm_hash: tensor}
     t0 = time.perf_counter()
     producer.save_caches(cache, mm_hash)
@@ -298,7 +305,8 @@ def _produce(producer, mm_hash: str, tensor: torch.Tensor, synchronous: bool, st
         return {"save_block_s": blocked, "save_calls_s": blocked, "loadable_s": t1 - t0, "completion_calls": 0}
     while True:
         c0 = time.perf_counter()
-        producer.start_save_caches()
+        if polls:  # a later step: its start comes first
+            producer.start_save_caches()
         meta = producer.build_connector_worker_meta()
         c1 = time.perf_counter()
         blocked += c1 - c0

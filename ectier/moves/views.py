@@ -65,7 +65,7 @@ def pinned_view(buffer: torch.Tensor, offset: int, nbytes: int, dtype: torch.dty
     count = 1
     for d in shape:
         count *= d
-    if count * torch.empty(0, dtype=dtype).element_size() != nbytes:
+    if count * dtype.itemsize != nbytes:
         raise ValueError(f"pinned_view: {nbytes} bytes are not {tuple(shape)} x {dtype}")
     if nbytes == 0:
         release()
