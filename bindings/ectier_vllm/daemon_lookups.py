@@ -8,8 +8,10 @@ How a step asks (issue 14: "the scheduler never waits on I/O"):
   every key the step expects (:meth:`StepLookups.expect`) and every promotion still in flight,
   with ``pin`` for the daemon to pin (process-held) those that are ready, and returns without
   waiting for the reply (:meth:`~ectier.daemon.client_conn.Transport.submit`).
-- The reply is read when it has arrived: at the next question, or within the step's wait budget
-  (``daemon_answer_wait_s``, shared by all questions of the step). A key whose answer is not in
+- The reply is read when it has arrived: the socket is read (one non-blocking read, no poll) at
+  the step's first question it cannot answer and when the step ends, and waited on within the
+  step's wait budget (``daemon_answer_wait_s``, shared by all questions of the step); the other
+  questions of the step cost no system call. A key whose answer is not in
   yet is ``"promoting"`` for now: the request waits for a later step (vLLM asks again).
 - An answer, a miss included, holds for the rest of the step it is used in (a miss is asked once
   per step); an answer that arrives after its question holds for the next step, then goes (its
@@ -70,6 +72,7 @@ class StepLookups:
         self.tracked: dict[str, int] = {}  # key of a handle in flight -> step it was last polled
         self._ask: _Ask | None = None
         self._wait_left = wait_s
+        self._read = False  # the socket was read this step without waiting (once per step)
         self._releases: dict[str, list[int]] = {}  # daemon instance -> lease ids to release
         self._release_asks: dict[int, tuple[str, list[int]]] = {}  # release request id -> its ids
         #: requests sent (``prefetch``, ``release``), for tests and diagnostics
@@ -82,6 +85,7 @@ class StepLookups:
         self._collect_quietly()
         self.step += 1
         self._wait_left = self.wait_s
+        self._read = False
         for key, (pin, step) in list(self._pinned.items()):
             if key in self._answers or step < self.step - 1:  # asked and not pinned, or stale
                 del self._pinned[key]
@@ -111,7 +115,8 @@ class StepLookups:
         state = self._answers.get(key)
         if state is not None:
             return state
-        if key not in self._fresh:
+        if key not in self._fresh and not self._read:
+            self._read = True  # the other questions of the step read nothing more without a wait
             self._collect(0.0)
         if key not in self._fresh:
             if self._ask is None or key not in self._ask.keys:
@@ -133,6 +138,7 @@ class StepLookups:
     def forget(self, key: str) -> None:
         """Let the next question about ``key`` ask again (a wait, not a step)."""
         self._answers.pop(key, None)
+        self._read = False
 
     def take_pin(self, key: str) -> Pin | None:
         """The pin the daemon took for ``key`` in a reply (None: none), now the caller's."""
@@ -148,6 +154,8 @@ class StepLookups:
         batch = list(dict.fromkeys([*self._queued, *stale]))[:MAX_BATCH_KEYS]
         for key in batch:
             validate_key(key)
+        if not self.client.connect_in_background():  # a scheduler step never waits on a connect
+            raise self.unreachable_error()
         features = self.client.features
         args: dict[str, Any] = {"keys": batch, "namespace": self.namespace}
         if "direct" in features:
@@ -160,6 +168,14 @@ class StepLookups:
         self._ask = _Ask(rid, batch, frozenset(batch), pin, self.client.server_info.get("instance", ""))
         for key in batch:
             self._queued.pop(key, None)
+
+    def unreachable_error(self) -> Exception:
+        """The error of a question asked while the client is not connected (a miss this step)."""
+        from ectier.daemon.client import DaemonUnavailableError
+
+        state = "unreachable, retried in the background" if self.client.unreachable else "connecting"
+        return DaemonUnavailableError(f"the ectier daemon at {self.client.socket_path!r} is not connected "
+                                      f"({state}): a miss this step")
 
     def _collect(self, timeout: float) -> None:
         """Take the replies that arrived (waiting at most ``timeout`` for the step's request).
@@ -207,7 +223,11 @@ class StepLookups:
         from ectier.daemon.protocol import MAX_BATCH_KEYS
 
         queued, self._releases = self._releases, {}
+        connected = not queued or self.client.connect_in_background()
         for instance, ids in queued.items():
+            if not connected:  # never a connect in the step: the background releaser sends them
+                self._to_background(instance, ids)
+                continue
             for i in range(0, len(ids), MAX_BATCH_KEYS):
                 chunk = ids[i:i + MAX_BATCH_KEYS]
                 try:

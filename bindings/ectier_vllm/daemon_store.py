@@ -90,7 +90,8 @@ class DaemonStore:
     def _legacy(self) -> bool:
         """True for a daemon without the ``prefetch`` op (older than this binding)."""
         if self._batched is None:
-            self.client.connect()  # DaemonUnavailableError: asked again at the next call
+            if not self.client.connect_in_background():  # never a connect in a scheduler step
+                raise self.lookups.unreachable_error()
             self._batched = "prefetch" in self.client.features
         return not self._batched
 
