@@ -88,3 +88,16 @@ def test_an_error_reply_of_a_submitted_request_is_its_typed_error(proc):
         with pytest.raises(ProtocolError, match="exactly one of"):
             _poll_until(c, rid)
         assert c.ping() < 5.0
+
+
+def test_the_daemon_serves_each_connection_from_a_thread_under_sched_batch(proc):
+    """A connection's thread runs under SCHED_BATCH, so a request's arrival never preempts the
+    client that sent it (a vLLM scheduler step): the daemon has such a thread per connection."""
+    def batch_threads() -> int:
+        tids = os.listdir(f"/proc/{proc.pid}/task")
+        return sum(os.sched_getscheduler(int(t)) == os.SCHED_BATCH for t in tids)
+
+    with DaemonClient(proc.socket_path) as c, DaemonClient(proc.socket_path) as d:
+        c.ping()
+        d.ping()  # answered: both connection threads run
+        assert batch_threads() >= 2

@@ -4,6 +4,10 @@ for beyond a small bound (:class:`StepLookups`), and the handles the connector p
 
 How a step asks (issue 14: "the scheduler never waits on I/O"):
 
+- A step never connects: without a connection it starts one attempt in a background thread
+  (:meth:`~ectier.daemon.client_conn.Transport.connect_in_background`); its keys are
+  ``"promoting"`` while the attempt runs and a miss (``DaemonUnavailableError``) once it failed,
+  until a later attempt succeeds (one per back-off window).
 - The first question of a step about a key nobody asked yet sends **one** ``prefetch`` request for
   every key the step expects (:meth:`StepLookups.expect`) and every promotion still in flight,
   with ``pin`` for the daemon to pin (process-held) those that are ready, and returns without
@@ -135,6 +139,12 @@ class StepLookups:
         self._answers[key] = got[0]
         return got[0]
 
+    def answered(self, key: str) -> str | None:
+        """This step's answer about ``key`` if it was used already (``"absent"`` or ``"ready"``;
+        else None): no question, no I/O."""
+        state = self._answers.get(key)
+        return None if state == PROMOTING else state
+
     def forget(self, key: str) -> None:
         """Let the next question about ``key`` ask again (a wait, not a step)."""
         self._answers.pop(key, None)
@@ -155,6 +165,8 @@ class StepLookups:
         for key in batch:
             validate_key(key)
         if not self.client.connect_in_background():  # a scheduler step never waits on a connect
+            if self.client.connecting:
+                return  # asked again next step ("promoting" meanwhile)
             raise self.unreachable_error()
         features = self.client.features
         args: dict[str, Any] = {"keys": batch, "namespace": self.namespace}
@@ -170,12 +182,11 @@ class StepLookups:
             self._queued.pop(key, None)
 
     def unreachable_error(self) -> Exception:
-        """The error of a question asked while the client is not connected (a miss this step)."""
+        """The error of a question asked while the daemon is unreachable (a miss this step)."""
         from ectier.daemon.client import DaemonUnavailableError
 
-        state = "unreachable, retried in the background" if self.client.unreachable else "connecting"
         return DaemonUnavailableError(f"the ectier daemon at {self.client.socket_path!r} is not connected "
-                                      f"({state}): a miss this step")
+                                      "(unreachable: one attempt in the background per back-off window)")
 
     def _collect(self, timeout: float) -> None:
         """Take the replies that arrived (waiting at most ``timeout`` for the step's request).
@@ -287,8 +298,9 @@ class DaemonLoad:
         self.key = key
         self.error: BaseException | None = None
         self._lookups = lookups
-        self._state: str | None = None
-        lookups.tracked[key] = lookups.step
+        self._state = lookups.answered(key)  # answered this step already: done, nothing to track
+        if self._state is None:
+            lookups.tracked[key] = lookups.step
 
     def done(self) -> bool:
         if self.error is not None or self._state in (READY, ABSENT):

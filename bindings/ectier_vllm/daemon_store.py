@@ -91,6 +91,8 @@ class DaemonStore:
         """True for a daemon without the ``prefetch`` op (older than this binding)."""
         if self._batched is None:
             if not self.client.connect_in_background():  # never a connect in a scheduler step
+                if self.client.connecting:
+                    return False  # the lookups wait for the connection (StepLookups)
                 raise self.lookups.unreachable_error()
             self._batched = "prefetch" in self.client.features
         return not self._batched

@@ -52,6 +52,11 @@ class Transport:
         """True while the last connection attempt or request failed (calls then fail fast)."""
         return self._failed_at is not None
 
+    @property
+    def connecting(self) -> bool:
+        """True while a background connection attempt runs (:meth:`connect_in_background`)."""
+        return self._connecting
+
     def _fail(self, message: str) -> DaemonUnavailableError:
         """Start the back-off window: calls fail fast with ``message`` for ``backoff_s``."""
         self._failed_at = time.monotonic()
