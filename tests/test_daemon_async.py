@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-from daemon_helpers import (MiB, DaemonProcess, daemon_config, make_tensor, remove_dir, short_tmpdir, stop_process,
-                            write_config)
+from daemon_helpers import MiB, host_daemon_process, make_tensor, stop_process
 from ectier.daemon.client import DaemonClient, DaemonUnavailableError
 
 ITEM = (64, 8192)  # bfloat16: 1 MiB
@@ -19,13 +18,8 @@ ITEM = (64, 8192)  # bfloat16: 1 MiB
 
 @pytest.fixture
 def proc():
-    d = short_tmpdir()
-    cfg = daemon_config(d, host_bytes=8 * MiB, nvme=False)
-    p = DaemonProcess(write_config(os.path.join(d, "daemon.json"), cfg), cfg["daemon"]["socket_path"]).start()
-    yield p
-    os.kill(p.pid, signal.SIGCONT)
-    p.stop()
-    remove_dir(d)
+    with host_daemon_process(8 * MiB) as p:
+        yield p
 
 
 def _poll_until(client: DaemonClient, rid: int, timeout: float = 10.0) -> dict:

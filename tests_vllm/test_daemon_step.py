@@ -12,8 +12,7 @@ import time
 
 import pytest
 
-from daemon_helpers import MiB, DaemonProcess, daemon_config, make_tensor, remove_dir, short_tmpdir, stop_process
-from daemon_helpers import write_config
+from daemon_helpers import MiB, host_daemon_process, make_tensor, remove_dir, short_tmpdir, stop_process
 from ectier.daemon.client import DaemonClient, DaemonUnavailableError
 from ectier_vllm.daemon_lookups import PROMOTING, READY, StepLookups
 from ectier_vllm.daemon_store import HeldLease
@@ -28,13 +27,8 @@ def _held_pin(fields: dict, instance: str) -> Pin:
 
 @pytest.fixture
 def proc():
-    d = short_tmpdir()
-    cfg = daemon_config(d, host_bytes=16 * MiB, nvme=False)
-    p = DaemonProcess(write_config(os.path.join(d, "daemon.json"), cfg), cfg["daemon"]["socket_path"]).start()
-    yield p
-    os.kill(p.pid, signal.SIGCONT)
-    p.stop()
-    remove_dir(d)
+    with host_daemon_process(16 * MiB) as p:  # 8 pins of 1 MiB within daemon.view_pin_bytes (half)
+        yield p
 
 
 class CountingClient(DaemonClient):

@@ -12,6 +12,12 @@ holds, or waiting at most the ``timeout`` it is given). Synchronous calls made m
 same connection keep the replies of submitted requests they read for :meth:`poll`. A submitted
 request unanswered after ``timeout_s`` counts as a hung daemon (the connection is dropped and the
 back-off starts); one whose connection was lost is answered by ``DaemonUnavailableError``.
+Both read and write the socket's descriptor directly (it is non-blocking, the socket having a
+timeout): a request is one ``write``, reading what has arrived one ``read``, no poll first.
+
+Connecting without waiting: :meth:`Transport.connect_in_background` starts one attempt in a
+thread of its own (no lock held while it connects and handshakes) and returns at once — what a
+vLLM scheduler step does, so a daemon that is down or stopped never blocks it.
 """
 
 from __future__ import annotations
@@ -116,11 +122,7 @@ class Transport:
                 for msg in decoder.feed(data):
                     if isinstance(msg, ProtocolError):
                         raise msg
-                    if not msg.get("ok"):
-                        raise _error_from(msg.get("error") or {})
-                    msg.pop("id", None)
-                    msg.pop("ok", None)
-                    return sock, decoder, msg
+                    return sock, decoder, _results(msg)
         except socket.timeout:
             sock.close()
             raise self._fail(
@@ -265,11 +267,7 @@ class Transport:
                     if msg.get("id") not in (rid, None):
                         self._keep_reply(msg)  # a submitted request's (poll takes it), else stale
                         continue
-                    if not msg.get("ok"):
-                        raise _error_from(msg.get("error") or {})
-                    msg.pop("id", None)
-                    msg.pop("ok", None)
-                    return msg
+                    return _results(msg)
         except socket.timeout:
             self._drop()
             raise self._fail(
@@ -424,11 +422,7 @@ class Transport:
             self._submitted.pop(rid, None)
         if isinstance(msg, BaseException):
             raise msg
-        if not msg.get("ok"):
-            raise _error_from(msg.get("error") or {})
-        msg.pop("id", None)
-        msg.pop("ok", None)
-        return msg
+        return _results(msg)
 
     def answered(self, rid: int) -> bool:
         """True if :meth:`poll` of ``rid`` would return at once without reading the socket (its
@@ -457,3 +451,12 @@ class Transport:
             if rid not in self._arrived:
                 self._arrived[rid] = DaemonUnavailableError(
                     f"lost the ectier daemon at {self.socket_path!r} before its reply: {why}")
+
+
+def _results(msg: dict[str, Any]) -> dict[str, Any]:
+    """A reply's results (without ``id`` and ``ok``); an error reply raises its typed error."""
+    if not msg.get("ok"):
+        raise _error_from(msg.get("error") or {})
+    msg.pop("id", None)
+    msg.pop("ok", None)
+    return msg
