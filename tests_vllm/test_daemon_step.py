@@ -142,3 +142,47 @@ def test_a_step_connects_in_the_background_and_the_next_steps_are_answered(proc)
     finally:
         lookups.close()
         client.close()
+
+
+def test_a_promotion_in_flight_is_asked_again_when_the_step_ends():
+    """An NVMe-only entry behind a slow disk (0.3 s per read): a step that used the daemon's
+    "promoting" answer and sent nothing sends the next step's one request as it ends, so its
+    answer can come in during the model step (not a step later); the promotion ends ready."""
+    from daemon_helpers import DaemonProcess, daemon_config, write_config
+    from ectier_vllm.daemon_lookups import DaemonLoad
+
+    d = short_tmpdir()
+    cfg = daemon_config(d, host_bytes=16 * MiB)
+    path = write_config(os.path.join(d, "daemon.json"), cfg)
+    fast = DaemonProcess(path, cfg["daemon"]["socket_path"]).start()
+    slow = None
+    try:
+        with DaemonClient(fast.socket_path) as c:
+            c.put(KEYS[0], make_tensor(3, "bfloat16", (64, 8192)), namespace="test")
+        assert fast.terminate() == 0  # its host entries go to NVMe
+        slow = DaemonProcess(path, cfg["daemon"]["socket_path"], via="slow-nvme", nvme_read_delay_s=0.3).start()
+        client = DaemonClient(slow.socket_path, timeout_s=30)
+        client.connect()
+        lookups = StepLookups(client, "test", 0.0, _held_pin)
+        try:
+            lookups.new_step()
+            handle, early, deadline = DaemonLoad(lookups, KEYS[0]), 0, time.monotonic() + 20
+            while not handle.done():
+                assert time.monotonic() < deadline, "the promotion never finished"
+                answered = client.in_flight == 0  # this step used the daemon's answer: "promoting"
+                sent = lookups.sent["prefetch"]
+                lookups.new_step()
+                if answered:
+                    assert lookups.sent["prefetch"] == sent + 1, "asked again only a step later"
+                    early += 1
+                time.sleep(0.02)
+            assert early >= 1 and handle.wait(0)
+            lookups.release_later(lookups.take_pin(KEYS[0]).lease)
+        finally:
+            lookups.close()
+            client.close()
+    finally:
+        for p in (fast, slow):
+            if p is not None:
+                p.stop()
+        remove_dir(d)

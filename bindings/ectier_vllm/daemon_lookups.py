@@ -77,6 +77,7 @@ class StepLookups:
         self._ask: _Ask | None = None
         self._wait_left = wait_s
         self._read = False  # the socket was read this step without waiting (once per step)
+        self._sent_at = -1  # the last step whose questions sent a prefetch request
         self._releases: dict[str, list[int]] = {}  # daemon instance -> lease ids to release
         self._release_asks: dict[int, tuple[str, list[int]]] = {}  # release request id -> its ids
         #: requests sent (``prefetch``, ``release``), for tests and diagnostics
@@ -85,7 +86,8 @@ class StepLookups:
     # ------------------------------------------------------------------------ the step
     def new_step(self) -> None:
         """A scheduler step begins (never raises, never waits): answers used in the last step are
-        forgotten, pins nobody acquired are released, queued releases are sent."""
+        forgotten, pins nobody acquired are released, queued releases are sent; promotions still
+        in flight are asked again at once when the step that ends sent no request."""
         self._collect_quietly()
         self.step += 1
         self._wait_left = self.wait_s
@@ -99,6 +101,13 @@ class StepLookups:
         self._queued = {}  # a request still waiting says so again
         # handles nobody polled in the last step (promotion given up by the connector): not asked again
         self.tracked = {k: s for k, s in self.tracked.items() if s >= self.step - 1}
+        if self._ask is None and self._sent_at < self.step - 1 and self.tracked:
+            # promotions answered "promoting" in a step that sent nothing: the next step's one
+            # request goes now, so its answer can arrive during the model step
+            try:
+                self._send(early=True)
+            except Exception as exc:  # noqa: BLE001 - asked again by the next question (a miss there)
+                log.debug("ectier: asking the daemon about promotions in flight failed: %s", exc)
         self.send_releases()
 
     def expect(self, keys: list[str]) -> None:
@@ -156,7 +165,9 @@ class StepLookups:
         return None if got is None else got[0]
 
     # ------------------------------------------------------------------------ requests
-    def _send(self) -> None:
+    def _send(self, early: bool = False) -> None:
+        """Send the step's one ``prefetch`` request (``early``: the next step's, sent as this one
+        ends: it does not count as this step's)."""
         from ectier.daemon.protocol import MAX_BATCH_KEYS
         from ectier.entry import validate_key
 
@@ -177,6 +188,8 @@ class StepLookups:
             args["pin"] = pin
         rid = self.client.submit("prefetch", **args)
         self.sent["prefetch"] += 1
+        if not early:
+            self._sent_at = self.step
         self._ask = _Ask(rid, batch, frozenset(batch), pin, self.client.server_info.get("instance", ""))
         for key in batch:
             self._queued.pop(key, None)
