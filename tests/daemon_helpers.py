@@ -248,6 +248,21 @@ def main_daemon_process() -> Iterator[DaemonProcess]:
 
 
 @contextlib.contextmanager
+def host_daemon_process(host_bytes: int) -> Iterator[DaemonProcess]:
+    """A started daemon with a host tier of ``host_bytes`` and no NVMe; after the test it is
+    continued (a test may have stopped it with SIGSTOP), stopped and its directory removed."""
+    d = short_tmpdir()
+    cfg = daemon_config(d, host_bytes=host_bytes, nvme=False)
+    proc = DaemonProcess(write_config(os.path.join(d, "daemon.json"), cfg), cfg["daemon"]["socket_path"]).start()
+    try:
+        yield proc
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.stop()
+        remove_dir(d)
+
+
+@contextlib.contextmanager
 def restricted_daemon_process() -> Iterator[DaemonProcess]:
     """The ``restricted`` daemon: 8 MiB host, no NVMe, lease_s 0.5, max_clients 4, socket mode
     0660 (group :func:`nogroup` when run as root: ``.group``, else None). Its directory is 0711,

@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-from daemon_helpers import (MiB, DaemonProcess, daemon_config, make_tensor, remove_dir, short_tmpdir, stop_process,
-                            write_config)
+from daemon_helpers import MiB, host_daemon_process, make_tensor, stop_process
 from ectier.daemon.client import DaemonClient, DaemonUnavailableError
 
 ITEM = (64, 8192)  # bfloat16: 1 MiB
@@ -19,13 +18,8 @@ ITEM = (64, 8192)  # bfloat16: 1 MiB
 
 @pytest.fixture
 def proc():
-    d = short_tmpdir()
-    cfg = daemon_config(d, host_bytes=8 * MiB, nvme=False)
-    p = DaemonProcess(write_config(os.path.join(d, "daemon.json"), cfg), cfg["daemon"]["socket_path"]).start()
-    yield p
-    os.kill(p.pid, signal.SIGCONT)
-    p.stop()
-    remove_dir(d)
+    with host_daemon_process(8 * MiB) as p:
+        yield p
 
 
 def _poll_until(client: DaemonClient, rid: int, timeout: float = 10.0) -> dict:
@@ -88,3 +82,16 @@ def test_an_error_reply_of_a_submitted_request_is_its_typed_error(proc):
         with pytest.raises(ProtocolError, match="exactly one of"):
             _poll_until(c, rid)
         assert c.ping() < 5.0
+
+
+def test_the_daemon_serves_each_connection_from_a_thread_under_sched_batch(proc):
+    """A connection's thread runs under SCHED_BATCH, so a request's arrival never preempts the
+    client that sent it (a vLLM scheduler step): the daemon has such a thread per connection."""
+    def batch_threads() -> int:
+        tids = os.listdir(f"/proc/{proc.pid}/task")
+        return sum(os.sched_getscheduler(int(t)) == os.SCHED_BATCH for t in tids)
+
+    with DaemonClient(proc.socket_path) as c, DaemonClient(proc.socket_path) as d:
+        c.ping()
+        d.ping()  # answered: both connection threads run
+        assert batch_threads() >= 2

@@ -58,7 +58,7 @@ def test_daemon_mode():
                                     "daemon_timeout_s": 5}, default_ns=NS)
     assert s.mode == "daemon" and s.cache is None and s.socket_path == "/run/ectier/ectier.sock"
     assert s.daemon_timeout_s == 5.0
-    assert s.daemon_answer_wait_s == 0.0005  # the default (docs/vllm.md)
+    assert s.daemon_answer_wait_s == 0.0  # the default (docs/vllm.md)
 
 
 def test_config_path(tmp_path):

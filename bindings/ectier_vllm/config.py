@@ -56,7 +56,7 @@ KEYS = (
 )
 MODES = ("inprocess", "daemon")
 #: default of ``daemon_answer_wait_s``, seconds (docs/vllm.md: chosen by daemon_sched_step_bench)
-DEFAULT_ANSWER_WAIT_S = 0.0005
+DEFAULT_ANSWER_WAIT_S = 0.0
 TIER_KEYS = ("host", "nvme", "gpu", "remote")
 
 

@@ -4,12 +4,18 @@ for beyond a small bound (:class:`StepLookups`), and the handles the connector p
 
 How a step asks (issue 14: "the scheduler never waits on I/O"):
 
+- A step never connects: without a connection it starts one attempt in a background thread
+  (:meth:`~ectier.daemon.client_conn.Transport.connect_in_background`); its keys are
+  ``"promoting"`` while the attempt runs and a miss (``DaemonUnavailableError``) once it failed,
+  until a later attempt succeeds (one per back-off window).
 - The first question of a step about a key nobody asked yet sends **one** ``prefetch`` request for
   every key the step expects (:meth:`StepLookups.expect`) and every promotion still in flight,
   with ``pin`` for the daemon to pin (process-held) those that are ready, and returns without
   waiting for the reply (:meth:`~ectier.daemon.client_conn.Transport.submit`).
-- The reply is read when it has arrived: at the next question, or within the step's wait budget
-  (``daemon_answer_wait_s``, shared by all questions of the step). A key whose answer is not in
+- The reply is read when it has arrived: the socket is read (one non-blocking read, no poll) at
+  the step's first question it cannot answer and when the step ends, and waited on within the
+  step's wait budget (``daemon_answer_wait_s``, shared by all questions of the step); the other
+  questions of the step cost no system call. A key whose answer is not in
   yet is ``"promoting"`` for now: the request waits for a later step (vLLM asks again).
 - An answer, a miss included, holds for the rest of the step it is used in (a miss is asked once
   per step); an answer that arrives after its question holds for the next step, then goes (its
@@ -70,6 +76,8 @@ class StepLookups:
         self.tracked: dict[str, int] = {}  # key of a handle in flight -> step it was last polled
         self._ask: _Ask | None = None
         self._wait_left = wait_s
+        self._read = False  # the socket was read this step without waiting (once per step)
+        self._sent_at = -1  # the last step whose questions sent a prefetch request
         self._releases: dict[str, list[int]] = {}  # daemon instance -> lease ids to release
         self._release_asks: dict[int, tuple[str, list[int]]] = {}  # release request id -> its ids
         #: requests sent (``prefetch``, ``release``), for tests and diagnostics
@@ -78,10 +86,12 @@ class StepLookups:
     # ------------------------------------------------------------------------ the step
     def new_step(self) -> None:
         """A scheduler step begins (never raises, never waits): answers used in the last step are
-        forgotten, pins nobody acquired are released, queued releases are sent."""
+        forgotten, pins nobody acquired are released, queued releases are sent; promotions still
+        in flight are asked again at once when the step that ends sent no request."""
         self._collect_quietly()
         self.step += 1
         self._wait_left = self.wait_s
+        self._read = False
         for key, (pin, step) in list(self._pinned.items()):
             if key in self._answers or step < self.step - 1:  # asked and not pinned, or stale
                 del self._pinned[key]
@@ -91,6 +101,13 @@ class StepLookups:
         self._queued = {}  # a request still waiting says so again
         # handles nobody polled in the last step (promotion given up by the connector): not asked again
         self.tracked = {k: s for k, s in self.tracked.items() if s >= self.step - 1}
+        if self._ask is None and self._sent_at < self.step - 1 and self.tracked:
+            # promotions answered "promoting" in a step that sent nothing: the next step's one
+            # request goes now, so its answer can arrive during the model step
+            try:
+                self._send(early=True)
+            except Exception as exc:  # noqa: BLE001 - asked again by the next question (a miss there)
+                log.debug("ectier: asking the daemon about promotions in flight failed: %s", exc)
         self.send_releases()
 
     def expect(self, keys: list[str]) -> None:
@@ -111,7 +128,8 @@ class StepLookups:
         state = self._answers.get(key)
         if state is not None:
             return state
-        if key not in self._fresh:
+        if key not in self._fresh and not self._read:
+            self._read = True  # the other questions of the step read nothing more without a wait
             self._collect(0.0)
         if key not in self._fresh:
             if self._ask is None or key not in self._ask.keys:
@@ -130,9 +148,16 @@ class StepLookups:
         self._answers[key] = got[0]
         return got[0]
 
+    def answered(self, key: str) -> str | None:
+        """This step's answer about ``key`` if it was used already (``"absent"`` or ``"ready"``;
+        else None): no question, no I/O."""
+        state = self._answers.get(key)
+        return None if state == PROMOTING else state
+
     def forget(self, key: str) -> None:
         """Let the next question about ``key`` ask again (a wait, not a step)."""
         self._answers.pop(key, None)
+        self._read = False
 
     def take_pin(self, key: str) -> Pin | None:
         """The pin the daemon took for ``key`` in a reply (None: none), now the caller's."""
@@ -140,7 +165,9 @@ class StepLookups:
         return None if got is None else got[0]
 
     # ------------------------------------------------------------------------ requests
-    def _send(self) -> None:
+    def _send(self, early: bool = False) -> None:
+        """Send the step's one ``prefetch`` request (``early``: the next step's, sent as this one
+        ends: it does not count as this step's)."""
         from ectier.daemon.protocol import MAX_BATCH_KEYS
         from ectier.entry import validate_key
 
@@ -148,6 +175,10 @@ class StepLookups:
         batch = list(dict.fromkeys([*self._queued, *stale]))[:MAX_BATCH_KEYS]
         for key in batch:
             validate_key(key)
+        if not self.client.connect_in_background():  # a scheduler step never waits on a connect
+            if self.client.connecting:
+                return  # asked again next step ("promoting" meanwhile)
+            raise self.unreachable_error()
         features = self.client.features
         args: dict[str, Any] = {"keys": batch, "namespace": self.namespace}
         if "direct" in features:
@@ -157,9 +188,18 @@ class StepLookups:
             args["pin"] = pin
         rid = self.client.submit("prefetch", **args)
         self.sent["prefetch"] += 1
+        if not early:
+            self._sent_at = self.step
         self._ask = _Ask(rid, batch, frozenset(batch), pin, self.client.server_info.get("instance", ""))
         for key in batch:
             self._queued.pop(key, None)
+
+    def unreachable_error(self) -> Exception:
+        """The error of a question asked while the daemon is unreachable (a miss this step)."""
+        from ectier.daemon.client import DaemonUnavailableError
+
+        return DaemonUnavailableError(f"the ectier daemon at {self.client.socket_path!r} is not connected "
+                                      "(unreachable: one attempt in the background per back-off window)")
 
     def _collect(self, timeout: float) -> None:
         """Take the replies that arrived (waiting at most ``timeout`` for the step's request).
@@ -207,7 +247,11 @@ class StepLookups:
         from ectier.daemon.protocol import MAX_BATCH_KEYS
 
         queued, self._releases = self._releases, {}
+        connected = not queued or self.client.connect_in_background()
         for instance, ids in queued.items():
+            if not connected:  # never a connect in the step: the background releaser sends them
+                self._to_background(instance, ids)
+                continue
             for i in range(0, len(ids), MAX_BATCH_KEYS):
                 chunk = ids[i:i + MAX_BATCH_KEYS]
                 try:
@@ -267,8 +311,9 @@ class DaemonLoad:
         self.key = key
         self.error: BaseException | None = None
         self._lookups = lookups
-        self._state: str | None = None
-        lookups.tracked[key] = lookups.step
+        self._state = lookups.answered(key)  # answered this step already: done, nothing to track
+        if self._state is None:
+            lookups.tracked[key] = lookups.step
 
     def done(self) -> bool:
         if self.error is not None or self._state in (READY, ABSENT):

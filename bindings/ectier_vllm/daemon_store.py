@@ -90,7 +90,10 @@ class DaemonStore:
     def _legacy(self) -> bool:
         """True for a daemon without the ``prefetch`` op (older than this binding)."""
         if self._batched is None:
-            self.client.connect()  # DaemonUnavailableError: asked again at the next call
+            if not self.client.connect_in_background():  # never a connect in a scheduler step
+                if self.client.connecting:
+                    return False  # the lookups wait for the connection (StepLookups)
+                raise self.lookups.unreachable_error()
             self._batched = "prefetch" in self.client.features
         return not self._batched
 

@@ -106,6 +106,7 @@ class DaemonClient(Transport, ViewCalls):
         self._sock: socket.socket | None = None
         self._decoder = FrameDecoder(1 << 30)
         self._lock = threading.RLock()
+        self._connecting = False  # a background connection attempt runs (connect_in_background)
         self._next_id = 1
         self._submitted: dict[int, tuple[str, float]] = {}  # id -> (op, monotonic send time): see submit()
         self._arrived: dict[int, Any] = {}  # id of a submitted request -> its reply (or the error)

@@ -12,6 +12,12 @@ holds, or waiting at most the ``timeout`` it is given). Synchronous calls made m
 same connection keep the replies of submitted requests they read for :meth:`poll`. A submitted
 request unanswered after ``timeout_s`` counts as a hung daemon (the connection is dropped and the
 back-off starts); one whose connection was lost is answered by ``DaemonUnavailableError``.
+Both read and write the socket's descriptor directly (it is non-blocking, the socket having a
+timeout): a request is one ``write``, reading what has arrived one ``read``, no poll first.
+
+Connecting without waiting: :meth:`Transport.connect_in_background` starts one attempt in a
+thread of its own (no lock held while it connects and handshakes) and returns at once — what a
+vLLM scheduler step does, so a daemon that is down or stopped never blocks it.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import logging
 import os
 import select
 import socket
+import threading
 import time
 from typing import Any
 
@@ -51,6 +58,11 @@ class Transport:
         """True while the last connection attempt or request failed (calls then fail fast)."""
         return self._failed_at is not None
 
+    @property
+    def connecting(self) -> bool:
+        """True while a background connection attempt runs (:meth:`connect_in_background`)."""
+        return self._connecting
+
     def _fail(self, message: str) -> DaemonUnavailableError:
         """Start the back-off window: calls fail fast with ``message`` for ``backoff_s``."""
         self._failed_at = time.monotonic()
@@ -66,33 +78,63 @@ class Transport:
                     f"{self._failure} ({now - self._failed_at:.2f} s ago; next attempt after {self.backoff_s:g} s)"
                 )
             probe = True  # known down: one short attempt per back-off window, never a retry wait
+        try:
+            opened = self._open(probe)
+        except DaemonUnavailableError:
+            # the daemon whose arena we map is gone: let go of its (unlinked) file now, or its
+            # pages stay allocated in daemon.shm_dir and a restarted daemon may find no room for
+            # its own arena
+            self._unmap()
+            raise
+        self._install(*opened)
+
+    def _open(self, probe: bool) -> tuple[socket.socket, FrameDecoder, dict[str, Any]]:
+        """Connect and handshake a new socket, touching no state of the connection but the
+        back-off (a failure starts it): ``(socket, decoder, hello reply)``. ``probe``: one attempt
+        bounded by ``probe_timeout_s``; else retried for ``connect_retry_s``. Raises
+        DaemonUnavailableError (unreachable, or no ``hello`` in time), the daemon's typed error
+        (a refusal), OSError (lost during the handshake)."""
         timeout = min(self.timeout_s, self.probe_timeout_s) if probe else self.timeout_s
-        deadline = now + (0.0 if probe else self.connect_retry_s)
+        deadline = time.monotonic() + (0.0 if probe else self.connect_retry_s)
         while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(timeout)
+            sock.settimeout(timeout)  # from here on the descriptor is non-blocking (see _send_nowait)
             try:
                 sock.connect(self.socket_path)
                 break
             except OSError as exc:
                 sock.close()
                 if time.monotonic() >= deadline:
-                    # the daemon whose arena we map is gone: let go of its (unlinked) file now, or
-                    # its pages stay allocated in daemon.shm_dir and a restarted daemon may find
-                    # no room for its own arena
-                    self._unmap()
                     raise self._fail(
                         f"cannot reach the ectier daemon at {self.socket_path!r}: {exc.strerror or exc}; "
                         "is `ectier serve` running (daemon.socket_path)?"
                     ) from None
                 time.sleep(0.05)
-        self._sock = sock
-        self._decoder = FrameDecoder(1 << 30)
+        decoder = FrameDecoder(1 << 30)
         try:
-            info = self._roundtrip({"op": "hello", "version": PROTOCOL_VERSION, "client": self.client_name}, timeout)
+            sock.sendall(encode_frame({"id": 0, "op": "hello", "version": PROTOCOL_VERSION, "client": self.client_name}))
+            end = time.monotonic() + timeout
+            while True:
+                sock.settimeout(max(end - time.monotonic(), 1e-3))
+                data = sock.recv(65536)
+                if not data:
+                    raise ConnectionResetError("daemon closed the connection")
+                for msg in decoder.feed(data):
+                    if isinstance(msg, ProtocolError):
+                        raise msg
+                    return sock, decoder, _results(msg)
+        except socket.timeout:
+            sock.close()
+            raise self._fail(
+                f"the ectier daemon at {self.socket_path!r} did not answer 'hello' within {timeout:g} s "
+                "(hung, stopped or overloaded?)") from None
         except BaseException:
-            self._drop()
+            sock.close()
             raise
+
+    def _install(self, sock: socket.socket, decoder: FrameDecoder, info: dict[str, Any]) -> None:
+        """Make an opened socket the connection (under the lock)."""
+        self._sock, self._decoder = sock, decoder
         self._failed_at = None
         self.server_info = info
         # map the arena afresh unless it is the very file already mapped: a restarted daemon may
@@ -100,6 +142,39 @@ class Transport:
         # mapping would then be an unlinked file the daemon no longer reads
         if not self._maps_arena_of(info):
             self._unmap()
+
+    def connect_in_background(self) -> bool:
+        """True if connected now. Else starts one connection attempt (a probe, bounded by
+        ``probe_timeout_s``) in a background thread — none while one runs or during the back-off
+        window — and returns False at once: the caller never waits on a daemon that is down,
+        hung or stopped (a scheduler step). Never raises."""
+        with self._lock:
+            if self._sock is not None:
+                return True
+            if self._connecting or (self._failed_at is not None
+                                    and time.monotonic() - self._failed_at < self.backoff_s):
+                return False
+            self._connecting = True
+        threading.Thread(target=self._connect_quietly, name="ectier-daemon-connect", daemon=True).start()
+        return False
+
+    def _connect_quietly(self) -> None:
+        try:
+            opened = self._open(probe=True)  # no lock held: calls meanwhile fail fast
+            with self._lock:
+                if self._sock is None:
+                    self._install(*opened)
+                else:
+                    opened[0].close()
+        except Exception as exc:  # noqa: BLE001 - the back-off started; calls report it
+            log.debug("connecting to the ectier daemon in the background failed: %s", exc)
+            if not isinstance(exc, DaemonUnavailableError):
+                self._fail(f"connecting to the ectier daemon at {self.socket_path!r} failed: {exc}")
+            with self._lock:
+                if self._sock is None:
+                    self._unmap()
+        finally:
+            self._connecting = False
 
     def _maps_arena_of(self, info: dict[str, Any]) -> bool:
         """True if the current mapping is of the arena ``info`` names (same live file, same size)."""
@@ -192,11 +267,7 @@ class Transport:
                     if msg.get("id") not in (rid, None):
                         self._keep_reply(msg)  # a submitted request's (poll takes it), else stale
                         continue
-                    if not msg.get("ok"):
-                        raise _error_from(msg.get("error") or {})
-                    msg.pop("id", None)
-                    msg.pop("ok", None)
-                    return msg
+                    return _results(msg)
         except socket.timeout:
             self._drop()
             raise self._fail(
@@ -253,8 +324,8 @@ class Transport:
             InvalidKeyError: a string of the request is not valid UTF-8.
         """
         with self._lock:
-            if self._sock is not None and self._peer_closed():
-                self._drop()
+            if self._sock is not None and not self._read_arrived():
+                self._drop()  # the daemon closed it (idle timeout, restart): a new one
             if self._sock is None:
                 self._connect(wait=False)
             rid = self._next_id
@@ -264,13 +335,48 @@ class Transport:
             except UnicodeEncodeError as exc:
                 raise errors.InvalidKeyError(f"{op}: strings must be valid UTF-8: {exc}") from None
             try:
-                self._sock.settimeout(self.timeout_s)
-                self._sock.sendall(frame)
+                self._send_nowait(frame)
             except OSError as exc:
                 self._drop()
                 raise DaemonUnavailableError(f"lost the ectier daemon at {self.socket_path!r}: {exc}") from None
             self._submitted[rid] = (op, time.monotonic())
             return rid
+
+    def _send_nowait(self, frame: bytes) -> None:
+        """Send ``frame``: one ``write`` of the descriptor, non-blocking since the socket has a
+        timeout (a socket's own ``sendall`` polls before every send); what the socket buffer did
+        not take is sent with ``sendall`` within ``timeout_s``."""
+        try:
+            sent = os.write(self._sock.fileno(), frame)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(frame):
+            self._sock.settimeout(self.timeout_s)
+            self._sock.sendall(frame[sent:])
+
+    def _read_arrived(self) -> bool:
+        """Read what the socket holds now (non-blocking reads of the descriptor, no poll) and keep
+        the replies of submitted requests; False if the connection is gone (the daemon closed it,
+        an error, or lost framing: the submitted requests are then answered by an error)."""
+        fd = self._sock.fileno()
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                return True
+            except OSError as exc:
+                self._lose_submitted(str(exc))
+                return False
+            if not data:
+                self._lose_submitted("the daemon closed the connection")
+                return False
+            for msg in self._decoder.feed(data):
+                if isinstance(msg, ProtocolError):
+                    self._lose_submitted(f"lost the framing: {msg}")
+                    return False
+                self._keep_reply(msg)
+            if len(data) < 65536:
+                return True
 
     def poll(self, rid: int, timeout: float = 0.0) -> dict[str, Any] | None:
         """The reply to submitted request ``rid`` (as :meth:`call` returns it) once it has arrived,
@@ -291,22 +397,18 @@ class Transport:
                 if self._sock is None:
                     self._lose_submitted("the connection was closed")
                     break
-                wait = max(0.0, deadline - time.monotonic())
+                if not self._read_arrived():
+                    self._drop()
+                    break
+                wait = deadline - time.monotonic()
+                if rid in self._arrived or wait <= 0:
+                    break
                 try:
-                    if not select.select([self._sock], [], [], wait)[0]:
-                        break
-                    data = self._sock.recv(65536)
-                    if not data:
-                        raise ConnectionResetError("daemon closed the connection")
-                except OSError as exc:
+                    select.select([self._sock], [], [], wait)
+                except (OSError, ValueError) as exc:
                     self._drop()
                     self._lose_submitted(str(exc))
                     break
-                for msg in self._decoder.feed(data):
-                    if isinstance(msg, ProtocolError):
-                        self._drop()
-                        raise msg
-                    self._keep_reply(msg)
             if rid not in self._arrived:
                 op, sent = self._submitted[rid]
                 if time.monotonic() - sent > self.timeout_s:
@@ -320,11 +422,7 @@ class Transport:
             self._submitted.pop(rid, None)
         if isinstance(msg, BaseException):
             raise msg
-        if not msg.get("ok"):
-            raise _error_from(msg.get("error") or {})
-        msg.pop("id", None)
-        msg.pop("ok", None)
-        return msg
+        return _results(msg)
 
     def answered(self, rid: int) -> bool:
         """True if :meth:`poll` of ``rid`` would return at once without reading the socket (its
@@ -353,3 +451,12 @@ class Transport:
             if rid not in self._arrived:
                 self._arrived[rid] = DaemonUnavailableError(
                     f"lost the ectier daemon at {self.socket_path!r} before its reply: {why}")
+
+
+def _results(msg: dict[str, Any]) -> dict[str, Any]:
+    """A reply's results (without ``id`` and ``ok``); an error reply raises its typed error."""
+    if not msg.get("ok"):
+        raise _error_from(msg.get("error") or {})
+    msg.pop("id", None)
+    msg.pop("ok", None)
+    return msg

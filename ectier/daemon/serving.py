@@ -7,7 +7,8 @@ lock (an idle connection may be closed to make room). Each admitted connection i
 thread of its own (:meth:`ConnectionServing._serve_connection`): frames are decoded and each
 request is answered by :func:`ectier.daemon.handlers.handle`; a reply that cannot be sent revokes
 the process-held leases its request granted; a connection idle for ``daemon.idle_timeout_s``
-without a lease is closed; a disconnect ends every lease of the connection.
+without a lease is closed; a disconnect ends every lease of the connection. Connection threads
+run under ``SCHED_BATCH`` (:func:`batch_scheduling`): no wake-up preemption of their clients.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .handlers import handle
 from .leases import end_lease
 from .protocol import FrameDecoder, ProtocolError, encode_frame, error_reply
 
-__all__ = ["ConnectionServing", "shutdown_socket"]
+__all__ = ["ConnectionServing", "batch_scheduling", "shutdown_socket"]
 
 log = logging.getLogger("ectier.daemon")
 
@@ -96,6 +97,7 @@ class ConnectionServing:
         decoder = FrameDecoder(self.config.daemon.max_frame_bytes)
         sock = conn.sock
         idle_timeout = self.config.daemon.idle_timeout_s
+        batch_scheduling()
         try:
             sock.settimeout(idle_timeout if idle_timeout > 0 else None)
             while not self._stop.is_set():
@@ -181,6 +183,17 @@ class ConnectionServing:
             pass
         if leases:
             log.info("client %s (pid %d) disconnected holding %d lease(s); reclaimed", conn.name, conn.pid, len(leases))
+
+
+def batch_scheduling() -> None:
+    """Run the calling thread under ``SCHED_BATCH`` (Linux; elsewhere nothing): a request's
+    arrival then wakes it without preempting the client that sent it (a vLLM scheduler step
+    goes on while the daemon answers; measured in docs/benchmarks.md, daemon mode). Same
+    priority otherwise; a refusal is ignored."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
 
 
 def shutdown_socket(sock: socket.socket) -> None:
