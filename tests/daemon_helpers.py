@@ -1,4 +1,4 @@
-"""Helpers of the daemon tests: daemon processes, raw protocol connections, spawn-safe child jobs.
+"""Helpers of the daemon tests: daemon processes, spawn-safe child jobs (raw protocol connections: daemon_rawconn.py).
 
 Every daemon runs as a real process (``ectier serve``'s code) on a socket
 in a short temporary directory under ``/tmp`` (AF_UNIX paths are limited to 107 bytes), with its
@@ -30,7 +30,6 @@ import mmap
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,12 +38,11 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-import msgpack
-
 from fork_helpers import FORKSERVER, ForkedProcess, forked_daemon
+from daemon_rawconn import RawConn  # noqa: F401  (re-exported for the daemon tests)
 from server_helpers import wait_stopped  # noqa: F401  (re-exported for the daemon tests)
 
-from ectier.daemon.protocol import PROTOCOL_VERSION, FrameDecoder, ProtocolError, encode_frame
+from ectier.daemon.protocol import ProtocolError
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -295,90 +293,6 @@ def serve_in_thread(cfg):
     t = threading.Thread(target=server.serve_forever, daemon=True)
     t.start()
     return server, t
-
-
-# ------------------------------------------------------------------------------ raw protocol
-
-
-class RawConn:
-    """A bare protocol connection: send any bytes, read replies (no retries).
-
-    ``hello=True`` (default): say ``hello`` first, as the daemon requires before any other
-    request; its reply is ``hello_reply`` (an error reply, e.g. a refused connection's, stays
-    queued for :meth:`reply` instead). ``hello=False``: nothing is sent.
-    """
-
-    def __init__(self, path: str, *, timeout: float = 5.0, hello: bool = True, name: str = "raw") -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
-        try:
-            self.sock.connect(path)
-        except BaseException:
-            self.sock.close()
-            raise
-        self.decoder = FrameDecoder(1 << 30)
-        self.pending: list[dict[str, Any]] = []
-        self.eof = False
-        self.hello_reply: dict[str, Any] | None = None
-        if hello:
-            try:
-                self.send(encode_frame({"id": 0, "op": "hello", "version": PROTOCOL_VERSION, "client": name}))
-            except OSError:
-                pass  # refused and closed already: its error reply is still readable
-            r = self.reply()
-            if r is not None and r.get("ok"):
-                self.hello_reply = r
-            elif r is not None:
-                self.pending.insert(0, r)
-
-    def __enter__(self) -> "RawConn":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
-
-    def send_msg(self, msg: Any) -> None:
-        body = msgpack.packb(msg, use_bin_type=True)
-        self.send(len(body).to_bytes(4, "big") + body)
-
-    def reply(self) -> dict[str, Any] | None:
-        """The next reply, or ``None`` when the daemon closed the connection."""
-        while not self.pending:
-            if self.eof:
-                return None
-            try:
-                data = self.sock.recv(65536)
-            except ConnectionResetError:
-                data = b""
-            if not data:
-                self.eof = True
-                return None
-            for m in self.decoder.feed(data):
-                assert not isinstance(m, ProtocolError), f"daemon sent an undecodable reply: {m}"
-                self.pending.append(m)
-        return self.pending.pop(0)
-
-    def request(self, msg: dict[str, Any]) -> dict[str, Any]:
-        self.send(encode_frame(msg))
-        r = self.reply()
-        if r is None:
-            raise ConnectionResetError("daemon closed the connection")
-        return r
-
-    def replies_until_eof(self) -> list[dict[str, Any]]:
-        """Every reply until the daemon closes the connection (socket timeout -> raises)."""
-        out = []
-        while True:
-            r = self.reply()
-            if r is None:
-                return out
-            out.append(r)
 
 
 def daemon_stats(socket_path: str) -> dict[str, Any]:
