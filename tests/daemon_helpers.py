@@ -255,7 +255,8 @@ def host_daemon_process(host_bytes: int) -> Iterator[DaemonProcess]:
     try:
         yield proc
     finally:
-        os.kill(proc.pid, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):  # a test may have killed it
+            os.kill(proc.pid, signal.SIGCONT)
         proc.stop()
         remove_dir(d)
 

@@ -14,7 +14,7 @@ import pytest
 
 from daemon_helpers import MiB, host_daemon_process, make_tensor, remove_dir, short_tmpdir, stop_process
 from ectier.daemon.client import DaemonClient, DaemonUnavailableError
-from ectier_vllm.daemon_lookups import PROMOTING, READY, StepLookups
+from ectier_vllm.daemon_lookups import PENDING, READY, StepLookups
 from ectier_vllm.daemon_store import HeldLease
 from ectier_vllm.store import Pin
 
@@ -48,7 +48,7 @@ def _ask_all(lookups: StepLookups) -> list[str]:
 
 def test_a_step_reads_the_socket_once_while_its_answer_is_not_in(proc):
     """The daemon is stopped once the step's request is sent: the eight questions of the step
-    read the socket at most once between them (not once per question), return "promoting" at
+    read the socket at most once between them (not once per question), return "pending" at
     once, and the answers (pinned) arrive a later step once the daemon runs again."""
     with DaemonClient(proc.socket_path) as c:
         for i, k in enumerate(KEYS):
@@ -59,7 +59,7 @@ def test_a_step_reads_the_socket_once_while_its_answer_is_not_in(proc):
         client.connect()
         stop_process(proc.pid)
         lookups.new_step()
-        assert _ask_all(lookups) == [PROMOTING] * 8
+        assert _ask_all(lookups) == [PENDING] * 8
         assert lookups.sent["prefetch"] == 1 and client.polls <= 1, client.polls
         os.kill(proc.pid, signal.SIGCONT)
         deadline = time.monotonic() + 10
@@ -87,7 +87,7 @@ def test_a_step_reads_the_socket_once_while_its_answer_is_not_in(proc):
 
 def test_a_step_never_connects_to_a_daemon_that_does_not_answer():
     """A socket that accepts connections but never answers ``hello`` (a stopped daemon): the
-    step's question returns at once ("promoting" while the attempt runs in the background,
+    step's question returns at once ("pending" while the attempt runs in the background,
     far below the 3 s probe bound), and once the attempt failed the next questions are misses
     at once (DaemonUnavailableError) without a new attempt until the back-off ends."""
     d = short_tmpdir()
@@ -100,7 +100,7 @@ def test_a_step_never_connects_to_a_daemon_that_does_not_answer():
     try:
         lookups.new_step()
         t0 = time.monotonic()
-        assert _ask_all(lookups) == [PROMOTING] * 8
+        assert _ask_all(lookups) == [PENDING] * 8
         assert time.monotonic() - t0 < 1.0, "the step waited on the connection attempt"
         assert client.connecting and lookups.sent["prefetch"] == 0
         deadline = time.monotonic() + 10
@@ -122,7 +122,7 @@ def test_a_step_never_connects_to_a_daemon_that_does_not_answer():
 
 def test_a_step_connects_in_the_background_and_the_next_steps_are_answered(proc):
     """A client not connected yet (the daemon restarted, or came up after the engine): the first
-    step's questions are "promoting" while the connection is made in the background, then a
+    step's questions are "pending" while the connection is made in the background, then a
     later step sends the one request and gets the answers."""
     with DaemonClient(proc.socket_path) as c:
         c.put(KEYS[0], make_tensor(1, "bfloat16", (64, 8192)), namespace="test")
@@ -137,7 +137,7 @@ def test_a_step_connects_in_the_background_and_the_next_steps_are_answered(proc)
             lookups.expect(KEYS[:1])
             states.append(lookups.answer(KEYS[0]))
             time.sleep(0.01)
-        assert states[0] == PROMOTING and lookups.sent["prefetch"] >= 1
+        assert states[0] == PENDING and lookups.sent["prefetch"] >= 1
         lookups.release_later(lookups.take_pin(KEYS[0]).lease)
     finally:
         lookups.close()
@@ -186,3 +186,38 @@ def test_a_promotion_in_flight_is_asked_again_when_the_step_ends():
             if p is not None:
                 p.stop()
         remove_dir(d)
+
+
+def test_a_connection_the_daemon_closed_is_remade_in_the_background():
+    """A connected client whose daemon went away (an idle timeout, a restart): the step notices
+    the closed connection and reconnects in the background — even when what now listens at the
+    socket never answers ``hello`` (a daemon restarting, or stopped), the step's questions
+    return at once ("pending"), never after the 3 s probe bound."""
+    with host_daemon_process(16 * MiB) as p:
+        client = DaemonClient(p.socket_path, timeout_s=30, probe_timeout_s=3.0, backoff_s=30.0)
+        lookups = StepLookups(client, "test", 0.0, _held_pin)
+        listener = None
+        try:
+            deadline, states = time.monotonic() + 10, [PENDING]
+            while PENDING in states:  # connected and answered ("absent": nothing is stored)
+                assert time.monotonic() < deadline, states
+                lookups.new_step()
+                states = _ask_all(lookups)
+                time.sleep(0.01)
+            p.kill9()
+            os.unlink(p.socket_path)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(p.socket_path)
+            listener.listen(8)
+            for _ in range(3):
+                lookups.new_step()
+                t0 = time.monotonic()
+                states = _ask_all(lookups)
+                assert time.monotonic() - t0 < 1.0, "the step connected in its own thread"
+                assert states == [PENDING] * 8
+            assert client.connecting
+        finally:
+            lookups.close()
+            client.close()
+            if listener is not None:
+                listener.close()

@@ -13,6 +13,7 @@ import torch
 import harness as H
 from conftest import run_step
 from daemon_helpers import DaemonProcess, daemon_config, short_tmpdir, write_config
+from ectier.daemon.client import DaemonClient
 
 DELAY_S = 0.3  # each NVMe read of the restarted daemon
 
@@ -80,3 +81,13 @@ def test_slow_nvme_items_are_recomputed_once_measured(engine, daemon):
     assert so.scheduled_encoder_inputs == {"c3": [0]}, f"recomputed once answered, not waited for (step {step})"
     assert items[3].mm_hash in worker.encoded
     assert stats["recompute_chosen"] == 1 and stats["misses"] == 1 and stats.get("hits", 0) == 0
+
+    # a host hit of the same daemon is loaded, never recomputed, though promotions were measured
+    # slow: its first step has no answer yet (daemon_answer_wait_s 0), and nothing is known of it
+    host_item, value = H.Item("e" * 64, 0, 64), produced[items[0].mm_hash]
+    with DaemonClient(slow.socket_path) as c:
+        c.put(host_item.mm_hash, value, namespace="qwen-test")
+    sched.add_request(H.make_request("c4", [host_item]))
+    so, _ = _until_scheduled(sched, worker, "c4", pause_s=0.01)
+    assert so.scheduled_encoder_inputs == {}, "a host hit was recomputed"
+    assert torch.equal(worker.encoder_cache[host_item.mm_hash].view(torch.int16), value.view(torch.int16))

@@ -6,7 +6,7 @@ How a step asks (issue 14: "the scheduler never waits on I/O"):
 
 - A step never connects: without a connection it starts one attempt in a background thread
   (:meth:`~ectier.daemon.client_conn.Transport.connect_in_background`); its keys are
-  ``"promoting"`` while the attempt runs and a miss (``DaemonUnavailableError``) once it failed,
+  ``"pending"`` while the attempt runs and a miss (``DaemonUnavailableError``) once it failed,
   until a later attempt succeeds (one per back-off window).
 - The first question of a step about a key nobody asked yet sends **one** ``prefetch`` request for
   every key the step expects (:meth:`StepLookups.expect`) and every promotion still in flight,
@@ -16,7 +16,7 @@ How a step asks (issue 14: "the scheduler never waits on I/O"):
   the step's first question it cannot answer and when the step ends, and waited on within the
   step's wait budget (``daemon_answer_wait_s``, shared by all questions of the step); the other
   questions of the step cost no system call. A key whose answer is not in
-  yet is ``"promoting"`` for now: the request waits for a later step (vLLM asks again).
+  yet is ``"pending"`` for now: the request waits for a later step (vLLM asks again).
 - An answer, a miss included, holds for the rest of the step it is used in (a miss is asked once
   per step); an answer that arrives after its question holds for the next step, then goes (its
   pin, never acquired, is released).
@@ -40,6 +40,8 @@ from .store import Pin
 log = logging.getLogger(__name__)
 
 ABSENT, READY, PROMOTING = "absent", "ready", "promoting"
+#: not answered yet (no reply in, or no connection yet): a wait, and nothing known of the key
+PENDING = "pending"
 
 
 @dataclass
@@ -118,8 +120,8 @@ class StepLookups:
 
     def answer(self, key: str) -> str:
         """This step's state of ``key``: ``"absent"``, ``"ready"`` (pinned when it was asked with
-        a pin), or ``"promoting"`` (the daemon promotes it, or its answer is not in yet). Waits at
-        most what is left of the step's wait budget.
+        a pin), ``"promoting"`` (the daemon promotes it) or ``"pending"`` (its answer is not in
+        yet). Waits at most what is left of the step's wait budget.
 
         Raises:
             EctierError (DaemonUnavailableError, ...): the request could not be sent, or was lost,
@@ -144,7 +146,7 @@ class StepLookups:
                     self._wait_left -= time.perf_counter() - t0
         got = self._fresh.pop(key, None)
         if got is None:
-            return PROMOTING  # not answered yet: not remembered, the next question may find it
+            return PENDING  # not answered yet: not remembered, the next question may find it
         self._answers[key] = got[0]
         return got[0]
 
@@ -186,7 +188,7 @@ class StepLookups:
         pin = [k for k in batch if k not in self._pinned] if "view" in features else None
         if pin is not None:
             args["pin"] = pin
-        rid = self.client.submit("prefetch", **args)
+        rid = self.client.submit("prefetch", connect=False, **args)
         self.sent["prefetch"] += 1
         if not early:
             self._sent_at = self.step
@@ -255,7 +257,7 @@ class StepLookups:
             for i in range(0, len(ids), MAX_BATCH_KEYS):
                 chunk = ids[i:i + MAX_BATCH_KEYS]
                 try:
-                    rid = self.client.submit("release", leases=chunk, instance=instance)
+                    rid = self.client.submit("release", connect=False, leases=chunk, instance=instance)
                 except Exception:  # noqa: BLE001 - unreachable: the background releaser retries
                     self._to_background(instance, chunk)
                     continue
@@ -323,10 +325,16 @@ class DaemonLoad:
             self._state = self._lookups.answer(self.key)
         except Exception as exc:  # noqa: BLE001 - a handle reports, never raises (the item is a miss)
             self.error = exc
-        finished = self.error is not None or self._state != PROMOTING
+        finished = self.error is not None or self._state in (READY, ABSENT)
         if finished:
             self._lookups.tracked.pop(self.key, None)
         return finished
+
+    @property
+    def pending(self) -> bool:
+        """True while the daemon has not answered about the key (unasked, or no reply in yet):
+        nothing is known of where it lies, so no load-or-recompute estimate applies."""
+        return self.error is None and self._state in (None, PENDING)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

@@ -137,6 +137,9 @@ class SchedulerSide:
                 continue
             status = self._promotion(mm_hash)
             rows = request.get_num_encoder_embeds(index)
+            if status is Promotion.WAIT and self._unanswered(mm_hash):
+                ready = False  # daemon mode: no answer in yet, so nothing to estimate a load from
+                continue
             if self._recompute.check(mm_hash, status.value, self._item_nbytes(rows), rows):
                 # loading would take longer than encoding: a miss (vLLM encodes it); the promotion
                 # goes on, so a later request may find it in the host tier
@@ -189,6 +192,12 @@ class SchedulerSide:
             self._miss(f"promotion still running after load_timeout_s={self.settings.load_timeout_s}", mm_hash)
             return Promotion.TIMEOUT
         return Promotion.WAIT
+
+    def _unanswered(self, mm_hash: str) -> bool:
+        """True while every handle of the item's promotion still waits for the daemon's first
+        answer (``DaemonLoad.pending``; an in-process ``LoadHandle`` is never pending)."""
+        pf = self._prefetching.get(mm_hash)
+        return pf is not None and all(getattr(h, "pending", False) for h in pf.handles)
 
     def _repair(self, request: "Request", index: int, mm_hash: str) -> "Promotion":
         """Load a poisoned item for ``request`` from the store: READY (pinned), WAIT (promotion

@@ -150,7 +150,9 @@ class Transport:
         hung or stopped (a scheduler step). Never raises."""
         with self._lock:
             if self._sock is not None:
-                return True
+                if self._read_arrived():
+                    return True
+                self._drop()  # the daemon closed it (idle timeout, restart): a new one, in the background
             if self._connecting or (self._failed_at is not None
                                     and time.monotonic() - self._failed_at < self.backoff_s):
                 return False
@@ -173,6 +175,8 @@ class Transport:
             with self._lock:
                 if self._sock is None:
                     self._unmap()
+                else:
+                    self._failed_at = None  # another call connected meanwhile: no back-off
         finally:
             self._connecting = False
 
@@ -314,10 +318,11 @@ class Transport:
 
     # ----------------------------------------------------------------- requests without waiting
 
-    def submit(self, op: str, **args: Any) -> int:
+    def submit(self, op: str, *, connect: bool = True, **args: Any) -> int:
         """Send one request without waiting for its reply; returns its id for :meth:`poll`.
         Connects first when there is no connection (one probe: no ``connect_retry_s`` wait,
-        bounded by ``probe_timeout_s``; during the back-off it fails at once).
+        bounded by ``probe_timeout_s``; during the back-off it fails at once); with
+        ``connect=False`` (a scheduler step) it never connects: no connection raises at once.
 
         Raises:
             DaemonUnavailableError: unreachable, or the request could not be sent.
@@ -327,6 +332,8 @@ class Transport:
             if self._sock is not None and not self._read_arrived():
                 self._drop()  # the daemon closed it (idle timeout, restart): a new one
             if self._sock is None:
+                if not connect:
+                    raise DaemonUnavailableError(f"not connected to the ectier daemon at {self.socket_path!r}")
                 self._connect(wait=False)
             rid = self._next_id
             self._next_id += 1

@@ -45,7 +45,7 @@ class NvmeMoves:
         self.m = m
         self.tier = tier
         self.index = tier.index
-        # digest -> versions being written by demote_slot now (any caller); guarded by m.cond
+        # digest -> versions being copied to NVMe by store(register=False) now; guarded by m.cond
         self._writing: dict[bytes, list[int]] = {}
 
     # ------------------------------------------------------------------------- open
@@ -96,6 +96,22 @@ class NvmeMoves:
             TierWriteError: the write failed, or (``register``) the budget is held by writes in
                 flight; nothing changed.
         """
+        if register:  # a put's own write (concurrent with any overwrite): nobody waits for it
+            return self._store(digest, meta, version, src, register=register, protect=protect)
+        with self.m.cond:
+            self._writing.setdefault(digest, []).append(version)
+        try:
+            return self._store(digest, meta, version, src, register=register, protect=protect)
+        finally:
+            with self.m.cond:
+                versions = self._writing[digest]
+                versions.remove(version)
+                if not versions:
+                    del self._writing[digest]
+                self.m.cond.notify_all()  # an overwrite or a delete of the key may return now
+
+    def _store(self, digest: bytes, meta: EntryMeta, version: int, src: torch.Tensor, *, register: bool,
+               protect: bytes | None) -> bool:
         record = self.tier.encode(meta, src, version)
         size = self.tier.stored_bytes(record)
         doomed = self._reserve(digest, version, size, register=register, protect=protect)
@@ -353,9 +369,6 @@ class NvmeMoves:
         view = self.m.arena.cpu_bytes(src_tier, slot)
         if view is None:
             return False
-        with self.m.cond:
-            self._writing.setdefault(slot.digest, []).append(slot.version)
-        ok = False
         try:
             ok = self.store(slot.digest, slot.meta, slot.version, view, register=False, protect=protect)
         except TierWriteError as exc:
@@ -366,21 +379,18 @@ class NvmeMoves:
                             "memory only (not durable)", exc)
             else:
                 log.warning("demotion of an entry to NVMe failed (%s); entry dropped", exc)
-        finally:
+            return False
+        if ok:
             with self.m.cond:
-                versions = self._writing[slot.digest]
-                versions.remove(slot.version)
-                if not versions:
-                    del self._writing[slot.digest]
-                if ok:
-                    slot.lower_copy = True
-                self.m.cond.notify_all()  # an overwrite or a delete of the key may return now
+                slot.lower_copy = True
         return ok
 
     def wait_not_writing_locked(self, digest: bytes, older_than: int | None = None) -> None:
-        """Under ``m.cond``: wait until no :meth:`demote_slot` write of ``digest`` (of a version
-        older than ``older_than``, when given) is in flight — a demotion by an eviction in any
-        thread, a flush, a write-through, a write-behind. An overwrite or a delete of the key
+        """Under ``m.cond``: wait until no copy of ``digest`` to NVMe (``store(register=False)``,
+        of a version older than ``older_than``, when given) is in flight — a demotion by an
+        eviction in any thread, a flush, a write-through, a write-behind. (A put's or a remote
+        fetch's own write, ``register=True``, is concurrent with the overwrite: either order is
+        a valid outcome, and its stale record is deleted when it lands.) An overwrite or a delete of the key
         returns only then: the older record such a write may commit is deleted as stale before,
         so a restart never serves bytes older than the put or the delete (docs/reliability.md)."""
         while any(older_than is None or v < older_than for v in self._writing.get(digest, ())):
