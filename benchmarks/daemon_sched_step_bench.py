@@ -114,6 +114,7 @@ def main() -> None:
         if sched is not None:
             sched.shutdown()
         daemon.stop()
+        daemon.remove()
         shutil.rmtree(directory, ignore_errors=True)
 
 

@@ -78,6 +78,20 @@ def test_bench_replay_smoke(tmp_path):
     assert (tmp_path / "replay_curve.png").stat().st_size > 0 and (tmp_path / "replay.md").exists()
 
 
+def test_bench_replay_gives_the_same_decisions_for_the_same_seed(tmp_path):
+    """Two replays of one seed count the same hits per tier and refuse no put (no background
+    write-behind taking NVMe budget at moments that vary between runs)."""
+    runs = []
+    for i in range(2):
+        d = tmp_path / str(i)
+        d.mkdir()
+        _run(["replay", "--items", "20", "--requests", "100", "--no-curve", "--width-scale", "8", "-q"], d)
+        runs.append([(r["policy"], r["host_hits"], r["nvme_hits"], r["misses"], r["put_refused"])
+                     for r in json.loads((d / "replay.json").read_text())["runs"]])
+    assert runs[0] == runs[1]
+    assert all(r[-1] == 0 for r in runs[0]), runs[0]
+
+
 def test_bench_replay_trace(tmp_path):
     tr = tmp_path / "t.csv"
     tr.write_text("timestamp,mm_hash,tokens\n" + "".join(f"{i},k{i % 5},{64 * (1 + i % 5)}\n" for i in range(30)))

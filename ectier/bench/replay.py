@@ -117,7 +117,10 @@ def _scaled_config(policy: str, host_bytes: int, nvme_bytes: int, width_scale: i
                    codec: str) -> tuple[CacheConfig, int]:
     """The replay's cache config at ``1 / width_scale`` of the budgets, and the scaled NVMe budget.
 
-    The NVMe path is a placeholder (``"/nonexistent"``, or ``None`` when the scaled NVMe budget is
+    The host tier's write-behind is off (``write_behind_fraction=0``): its background writes
+    would take NVMe budget at moments that vary from run to run (and, with ``admit_wait_s=0``, a
+    put finding the budget held would be refused), so the same seed would not give the same
+    decisions. The NVMe path is a placeholder (``"/nonexistent"``, or ``None`` when the scaled NVMe budget is
     not positive) so that the budgets are validated before anything is created on disk.
 
     Raises:
@@ -127,7 +130,8 @@ def _scaled_config(policy: str, host_bytes: int, nvme_bytes: int, width_scale: i
     hb = (host_bytes // width_scale) // block * block
     nb = nvme_bytes // width_scale
     cfg = CacheConfig(
-        host=HostTierConfig(capacity_bytes=hb, block_bytes=block, policy=policy, admit_wait_s=0.0),
+        host=HostTierConfig(capacity_bytes=hb, block_bytes=block, policy=policy, admit_wait_s=0.0,
+                            write_behind_fraction=0.0),
         nvme=NvmeTierConfig(path="/nonexistent" if nb > 0 else None, capacity_bytes=max(nb, 0), codec=codec,
                             sync=sync, flush_on_close=False, policy=policy, map_initial_bytes=64 * MiB),
     )

@@ -73,7 +73,9 @@ def demo(ctx: click.Context, requests: int, zipf: float, seed: int, host_bytes: 
     if quiet:
         ect = summary["ectier"]
         sp = summary["speedup"] or {}
-        load = f", load {sp['load']:.1f}x vs safetensors" if sp.get("load") else ""
+        x = sp.get("load")
+        load = "" if not x else (f", load {x:.1f}x faster than safetensors" if x >= 1
+                                 else f", load {1 / x:.1f}x slower than safetensors")
         split = ""
         if summary["mismatches"]:  # which store disagreed with the recomputation tells a cache bug from an oracle bug
             base = summary["baseline"]
