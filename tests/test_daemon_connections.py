@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -176,6 +178,14 @@ def test_stats_against_a_hung_daemon_times_out(hung):
     assert elapsed < 5.0, elapsed
     r = CliRunner().invoke(cli_main, ["stats", "--socket", hung.socket_path, "--timeout", "10", "--json"])
     assert r.exit_code == 0, r.output
+
+
+def test_the_daemon_client_and_stats_import_without_torch():
+    """``ectier stats --timeout`` bounds the wait, not a torch import: the client (and the CLI's
+    stats command) load torch only when a view or a tensor is made."""
+    code = ("import sys, ectier.daemon.client, ectier.commands.daemon_cmd; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 @pytest.mark.parametrize("bad", ["0", "-1", "soon"])

@@ -17,10 +17,12 @@ import mmap
 import threading
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # a daemon client (``ectier stats``) imports this module without torch
+    import torch
 
 __all__ = ["populate_later", "populate_mapping_later", "MADV_POPULATE_READ"]
 
