@@ -164,12 +164,8 @@ class Catalog:
     def put_cost(self, digest: bytes, cost_s: float | None) -> float | None:
         """:meth:`set_cost` for a put of ``digest`` (``None`` forgets an earlier cost), then the
         cost its slot carries (seconds, ``None``: unknown). Under ``cond``."""
-        if cost_s is None:
-            if self.costs:
-                self.costs.pop(digest, None)
-            return None
         self.set_cost(digest, cost_s)
-        return self.costs[digest]
+        return None if cost_s is None else self.costs[digest]
 
     def cost(self, digest: bytes) -> float | None:
         return self.costs.get(digest)

@@ -179,7 +179,7 @@ class StepLookups:
             validate_key(key)
         if not self.client.connect_in_background():  # a scheduler step never waits on a connect
             if self.client.connecting:
-                return  # asked again next step ("promoting" meanwhile)
+                return  # asked again next step ("pending" meanwhile)
             raise self.unreachable_error()
         features = self.client.features
         args: dict[str, Any] = {"keys": batch, "namespace": self.namespace}

@@ -90,15 +90,12 @@ class WorkerSide:
     def _poll_saves(self) -> None:
         """Report the saves the queue finished since the last poll (never blocks; with nothing
         finished, one call that returns at once)."""
-        saved, stats = self._saved, self._stats
         for result in self.saves.finished():
             if result.error is not None:
                 self._save_failure(result.mm_hash, result.error)
-            else:  # _count(saves=1, save_bytes=...), without its loop (once per save, cold)
-                stats["saves"] = stats.get("saves", 0) + 1
-                stats["save_bytes"] = stats.get("save_bytes", 0) + result.nbytes
-                saved.append(result.mm_hash)
-                self._report = True
+            else:
+                self._count(saves=1, save_bytes=result.nbytes)  # (sets _report)
+                self._saved.append(result.mm_hash)
 
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
         self._load_caches(encoder_cache)

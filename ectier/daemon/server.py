@@ -45,6 +45,7 @@ from typing import Any
 from .. import __version__
 from ..cache import TieredCache
 from ..config import CacheConfig
+from ..config_checks import view_pin_bounds
 from ..errors import EctierError
 from .connections import Connection
 from .files import claim_socket_path, reclaim_stale_arenas
@@ -52,7 +53,7 @@ from .holders import Holders
 from .leases import LeaseBook, end_lease
 from .prefetch import Prefetcher
 from .serving import ConnectionServing
-from .upkeep import LeaseUpkeep, view_pin_bounds
+from .upkeep import LeaseUpkeep
 
 __all__ = ["DaemonServer", "run_daemon", "view_pin_bounds"]
 

@@ -1,6 +1,6 @@
 """The daemon's lease upkeep: the reaper thread that expires leases and ends the pins of client
 processes that exited, and the grant of process-held leases within the view bounds (a mixin of
-:class:`~ectier.daemon.server.DaemonServer`; :func:`view_pin_bounds` resolves the bounds).
+:class:`~ectier.daemon.server.DaemonServer`; ``config_checks.view_pin_bounds`` resolves the bounds).
 """
 
 from __future__ import annotations
@@ -9,12 +9,11 @@ import logging
 import time
 from typing import Any
 
-from ..config_checks import view_pin_bounds
 from .connections import Connection
 from .leases import end_lease, place_of
 from .serving import shutdown_socket
 
-__all__ = ["LeaseUpkeep", "view_pin_bounds"]
+__all__ = ["LeaseUpkeep"]
 
 log = logging.getLogger("ectier.daemon")
 
