@@ -153,12 +153,31 @@ class Transport:
                 if self._read_arrived():
                     return True
                 self._drop()  # the daemon closed it (idle timeout, restart): a new one, in the background
+                if not self._listening():
+                    self._fail(f"the ectier daemon at {self.socket_path!r} closed the connection and nothing "
+                               "listens there now")
+                    return False  # gone for good: a miss at once, the back-off starts
             if self._connecting or (self._failed_at is not None
                                     and time.monotonic() - self._failed_at < self.backoff_s):
                 return False
             self._connecting = True
         threading.Thread(target=self._connect_quietly, name="ectier-daemon-connect", daemon=True).start()
         return False
+
+    def _listening(self) -> bool:
+        """False if nothing listens at the socket path (refused or absent: known at once, no
+        wait); True otherwise (a listener, perhaps hung: the handshake goes to the background)."""
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.setblocking(False)
+        try:
+            probe.connect(self.socket_path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError:
+            return True  # e.g. a full backlog: not known to be gone
+        finally:
+            probe.close()
+        return True
 
     def _connect_quietly(self) -> None:
         try:
