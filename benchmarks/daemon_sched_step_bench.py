@@ -121,12 +121,12 @@ def main() -> None:
             tiers = c.stats().get("tiers", {})
         print("daemon hits by tier: " + ", ".join(f"{name} {t.get('hits', 0)}" for name, t in tiers.items()))
         samples.sort()
-        q = lambda p: samples[min(len(samples) - 1, int(p * len(samples)))] * 1e3  # noqa: E731
+        q = lambda p, xs=samples: xs[min(len(xs) - 1, int(p * len(xs)))] * 1e3  # noqa: E731
         print(f"scheduler-side cost per step, {n} items, {len(samples)} steps: p50 {q(0.5):.3f} ms, "
               f"p90 {q(0.9):.3f} ms, p99 {q(0.99):.3f} ms, max {samples[-1] * 1e3:.3f} ms")
         cpu.sort()  # the same steps in CPU time of this thread: wall >> CPU is waiting or being descheduled
-        print(f"  in CPU time of the scheduler's thread: p50 {cpu[len(cpu) // 2] * 1e3:.3f} ms, "
-              f"p99 {cpu[min(len(cpu) - 1, int(0.99 * len(cpu)))] * 1e3:.3f} ms, max {cpu[-1] * 1e3:.3f} ms")
+        print(f"  in CPU time of the scheduler's thread: p50 {q(0.5, cpu):.3f} ms, "
+              f"p99 {q(0.99, cpu):.3f} ms, max {cpu[-1] * 1e3:.3f} ms")
     finally:
         if sched is not None:
             sched.shutdown()
