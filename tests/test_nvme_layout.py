@@ -11,6 +11,7 @@ import importlib.util
 import pathlib
 import shutil
 import threading
+import time
 import traceback
 
 import pytest
@@ -196,13 +197,22 @@ def test_a_write_failing_after_its_commit_leaves_the_newest_record_registered(ma
         assert_same(again.get("k"), filled(100 * KiB, 2))
 
 
-def test_concurrent_writes_share_group_commits(make_cache):
+def test_concurrent_writes_share_group_commits(make_cache, monkeypatch):
     """Writers in several threads: fewer commits than entries (one fdatasync and one LMDB commit
-    serve several puts), every put durable and served after a restart."""
-    cache, cfg = make_cache(host_bytes=0, nvme_bytes=64 * MiB, group_commit_s=0.05)
+    serve several puts), every put durable and served after a restart.
+
+    Each payload copy is slowed (10 ms) and the writers start together: on a fast filesystem one
+    thread could otherwise finish all its puts before the next one starts (CI saw 48 groups of one)."""
+    import ectier.tiers.nvme_segment as seg
+
+    real_write = seg.SegmentFile.write
+    monkeypatch.setattr(seg.SegmentFile, "write", lambda self, *a: time.sleep(0.01) or real_write(self, *a))
+    cache, cfg = make_cache(host_bytes=0, nvme_bytes=64 * MiB, group_commit_s=0.5)
     vals = {f"t{t}-{i}": filled(64 * KiB, 100 * t + i) for t in range(4) for i in range(12)}
+    start = threading.Barrier(4)
 
     def put_all(t):
+        start.wait(30)
         for i in range(12):
             cache.put(f"t{t}-{i}", vals[f"t{t}-{i}"])
 
