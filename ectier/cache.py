@@ -216,7 +216,8 @@ class TieredCache:
 
         NVMe hits go up to the host tier; with ``device`` equal to ``gpu.device`` on into the GPU
         tier. Keys already there, and keys stored nowhere, give handles done at once. Runs in a
-        pool of two threads started at the first call.
+        pool of ``prefetch_threads`` threads (default: 1 on 4 CPUs or fewer, else 2) started at the
+        first call; each promotion reads on its own thread (no ``nvme.read_threads`` helper).
 
         Raises:
             InvalidKeyError, InvalidDeviceError: bad key/namespace/device (nothing started).

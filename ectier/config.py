@@ -54,6 +54,7 @@ from .config_checks import (
     check_daemon,
     check_gpu,
     check_host,
+    check_int,
     check_namespace,
     check_nvme,
     check_remote,
@@ -410,6 +411,11 @@ class CacheConfig:
         gpu: :class:`GpuTierConfig` (disabled by default).
         remote: :class:`RemoteTierConfig` (disabled by default).
         daemon: :class:`DaemonConfig` (used only by ``ectier serve`` and its clients).
+        prefetch_threads: background promotions (``TieredCache.prefetch``, the daemon's
+            ``prefetch``) that run at once, at most, each on one core (no read helper). ``None``:
+            1 where the process may run on 4 CPUs or fewer (the rest are the engine's), else 2.
+            Two at once on a 2-vCPU machine raised a co-located vLLM scheduler's step p99 from
+            ~0.6 to 3-6 ms (docs/benchmarks.md, "Daemon mode").
     """
 
     namespace: str = "default"
@@ -418,11 +424,15 @@ class CacheConfig:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     gpu: GpuTierConfig = field(default_factory=GpuTierConfig)
     remote: RemoteTierConfig = field(default_factory=RemoteTierConfig)
+    prefetch_threads: int | None = None
 
     def __post_init__(self) -> None:
         p = Problems()
         with p.check("namespace"):
             check_namespace(self.namespace)
+        with p.check("prefetch_threads"):
+            if self.prefetch_threads is not None:
+                check_int("prefetch_threads", self.prefetch_threads, minimum=1)
         for name, cls in (("host", HostTierConfig), ("nvme", NvmeTierConfig), ("daemon", DaemonConfig),
                           ("gpu", GpuTierConfig), ("remote", RemoteTierConfig)):
             if not isinstance(getattr(self, name), cls):

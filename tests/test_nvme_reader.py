@@ -4,7 +4,10 @@ checks of every read with a helper thread copying part of the payload."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -12,9 +15,9 @@ import torch
 import xxhash
 
 import nvme_helpers as nh
-from conftest import MiB
-from ectier import testing
-from ectier.config import NvmeTierConfig
+from conftest import MiB, make_config
+from ectier import TieredCache, testing
+from ectier.config import CacheConfig, NvmeTierConfig
 from ectier.errors import ConfigError, CorruptRecordError
 from ectier.tiers.nvme_reader import PARALLEL_MIN_BYTES, ByteViews, ReadHelper, plan_chunks, read_hashed
 
@@ -117,3 +120,56 @@ def test_reads_with_a_helper_thread_round_trip_and_catch_a_flipped_byte(make_cac
     assert cache.get("a") is None and cache.get("d") is None
     assert cache.stats()["tiers"]["nvme"]["checksum_failures"] == 2
     assert torch.equal(cache.get("b"), vals["b"]) and torch.equal(cache.get("c"), vals["c"])
+
+
+def test_prefetch_threads_is_checked():
+    assert CacheConfig(prefetch_threads=3).prefetch_threads == 3
+    assert CacheConfig.from_dict({"prefetch_threads": None}).prefetch_threads is None
+    for bad in (0, -1, "2", 1.5, True):
+        with pytest.raises(ConfigError, match="prefetch_threads"):
+            CacheConfig(prefetch_threads=bad)
+
+
+@pytest.mark.parametrize("configured", [1, 2])
+def test_background_promotions_keep_to_prefetch_threads_cores(tmp_path, monkeypatch, configured):
+    """At most ``prefetch_threads`` promotions read at once, each on its own thread (no helper even
+    with ``nvme.read_threads=2``), so a co-located engine keeps the other cores; a caller's own
+    get of a large NVMe entry still reads with the helper."""
+    import ectier.tiers.nvme_segment as seg
+
+    lock, running, seen = threading.Lock(), [0], []  # seen: (thread name, helper given, reads at once)
+    real = seg.read_hashed
+
+    def watched(fd, chunks, helper=None):
+        with lock:
+            running[0] += 1
+            seen.append((threading.current_thread().name, helper is not None, running[0]))
+        try:
+            time.sleep(0.05)  # long enough that a second pool thread would start its read meanwhile
+            return real(fd, chunks, helper)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    cfg = dataclasses.replace(make_config(tmp_path / "nvme", host_bytes=64 * MiB, nvme_bytes=64 * MiB, read_threads=2,
+                                          write_through=True),
+                              prefetch_threads=configured)
+    vals = {f"k{i}": torch.randint(0, 256, (PARALLEL_MIN_BYTES,), dtype=torch.uint8) for i in range(4)}
+    with TieredCache(cfg) as cache:
+        for k, t in vals.items():
+            cache.put(k, t)
+        assert testing.drain(cache)
+        for k in vals:
+            assert testing.drop_copy(cache, "host", k) and testing.where(cache, k) == {"nvme"}
+        monkeypatch.setattr(seg, "read_hashed", watched)
+        for h in cache.prefetch(list(vals)):
+            assert h.wait(30)
+        background = [s for s in seen if s[0].startswith("ectier-prefetch")]
+        assert len(background) == 4 and not any(helper for _, helper, _ in background)
+        assert max(n for _, _, n in background) <= configured
+        assert len({name for name, _, _ in background}) <= configured
+        assert testing.drop_copy(cache, "host", "k0")
+        seen.clear()
+        assert torch.equal(cache.get("k0"), vals["k0"])
+        assert [s[0] for s in seen] == [threading.current_thread().name]
+        assert seen[0][1] == (len(os.sched_getaffinity(0)) >= 2)

@@ -9,6 +9,7 @@ promotion sequence of the mover for store-tier hits.
 from __future__ import annotations
 
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,15 +20,25 @@ from ..index import Slot
 from ..tensors import tensor_from_bytes, torch_dtype
 from ..tiers.arena import ArenaTier
 from ..tiers.base import Tier
+from ..tiers.nvme_reader import mark_background
 from .nvme import RETRY
 
 if TYPE_CHECKING:
     from ..handles import LoadHandle
     from ..mover import Mover
 
-__all__ = ["Reads", "Located"]
+__all__ = ["Reads", "Located", "prefetch_threads"]
 
 log = logging.getLogger(__name__)
+
+
+def prefetch_threads(configured: int | None) -> int:
+    """The prefetch pool's size: ``configured`` (``prefetch_threads``), or for ``None`` 1 where the
+    process may run on 4 CPUs or fewer, else 2. On a 2-vCPU machine two promotions at once took
+    both cores from a co-located engine's scheduler (docs/benchmarks.md, "Daemon mode")."""
+    if configured is not None:
+        return configured
+    return 1 if len(os.sched_getaffinity(0)) <= 4 else 2
 
 
 @dataclass
@@ -208,11 +219,14 @@ class Reads:
             return digest in m.catalog
 
     def prefetch_later(self, handle: "LoadHandle", digest: bytes, ns: str, key: str, target: Tier | None) -> None:
-        """Run :meth:`promote` in the prefetch pool (two threads, started at the first call) and
-        finish ``handle`` with its result (an unexpected error: False, in ``handle.error``)."""
+        """Run :meth:`promote` in the prefetch pool (:func:`prefetch_threads` threads, started at
+        the first call) and finish ``handle`` with its result (an unexpected error: False, in
+        ``handle.error``)."""
         with self.m.cond:
             if self._prefetch_pool is None:
-                self._prefetch_pool = ThreadPoolExecutor(2, thread_name_prefix="ectier-prefetch")
+                self._prefetch_pool = ThreadPoolExecutor(prefetch_threads(self.m.config.prefetch_threads),
+                                                         thread_name_prefix="ectier-prefetch",
+                                                         initializer=mark_background)
             pool = self._prefetch_pool
         pool.submit(self._prefetch_one, handle, digest, ns, key, target)
 

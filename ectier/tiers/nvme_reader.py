@@ -13,6 +13,8 @@ A helper that is busy with another read, or not scheduled (a loaded machine), ta
 caller reads every chunk itself, the serial path. The caller returns only after every chunk the
 helper took is read, so no write into the destination outlives the call. :class:`ByteViews` gives
 the destination's bytes of a caller's ``out=`` tensor without a ``Tensor.numpy()`` per read.
+A thread marked with :func:`mark_background` (the cache's prefetch pool) never uses the helper:
+a background promotion keeps to one core, so that ``prefetch_threads`` bounds the cores they use.
 Measured in docs/benchmarks.md ("NVMe tier").
 """
 
@@ -31,13 +33,27 @@ from ..errors import CorruptRecordError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ByteViews", "flat_cpu_bytes", "Chunk", "plan_chunks", "read_hashed", "ReadHelper", "CHUNK_BYTES", "PARALLEL_MIN_BYTES"]
+__all__ = ["ByteViews", "flat_cpu_bytes", "Chunk", "plan_chunks", "read_hashed", "ReadHelper", "CHUNK_BYTES",
+           "PARALLEL_MIN_BYTES", "mark_background", "in_background"]
 
 #: Chunk of a read, bytes: 1 MiB measured fastest at 1-64 MiB (docs/benchmarks.md, "NVMe tier").
 CHUNK_BYTES = 1 << 20
 #: Payloads of at least this many bytes are read on two threads when a helper is given (below it
 #: the helper's wake-up, ~10-25 µs on this VM, is not paid back; measured slower at 1 MiB).
 PARALLEL_MIN_BYTES = 4 << 20
+
+_THREAD = threading.local()
+
+
+def mark_background() -> None:
+    """Mark the calling thread a background reader (a ``ThreadPoolExecutor`` initializer): its
+    reads never use a :class:`ReadHelper`."""
+    _THREAD.background = True
+
+
+def in_background() -> bool:
+    """Whether the calling thread was marked with :func:`mark_background`."""
+    return getattr(_THREAD, "background", False)
 
 Chunk = tuple[int, memoryview]  # (file offset in bytes, destination bytes)
 

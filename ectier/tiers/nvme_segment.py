@@ -33,7 +33,7 @@ import xxhash
 
 from ..arena import BlockAllocator
 from ..errors import CorruptRecordError
-from .nvme_reader import CHUNK_BYTES, PARALLEL_MIN_BYTES, ReadHelper, plan_chunks, read_hashed
+from .nvme_reader import CHUNK_BYTES, PARALLEL_MIN_BYTES, ReadHelper, in_background, plan_chunks, read_hashed
 
 __all__ = ["BLOCK_BYTES", "SEGMENT_NAME", "LOCATION_MAGIC", "Location", "pack_location", "unpack_location",
            "ExtentSpace", "SegmentFile", "blocks_for"]
@@ -394,7 +394,7 @@ class SegmentFile:
         bufs = [dst] if isinstance(dst, memoryview) else dst
         total = sum(len(b) for b in bufs)
         chunks = plan_chunks(extents, bufs, BLOCK_BYTES, CHUNK_BYTES)
-        return read_hashed(fd, chunks, helper if total >= PARALLEL_MIN_BYTES else None)
+        return read_hashed(fd, chunks, helper if total >= PARALLEL_MIN_BYTES and not in_background() else None)
 
     def truncate_blocks(self, nblocks: int) -> None:
         """Cut the file to ``nblocks`` blocks (nothing past them is in use)."""
