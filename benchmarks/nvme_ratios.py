@@ -3,12 +3,15 @@
 ::
 
     python benchmarks/nvme_ratios.py --dir /var/tmp/ectier-ratios --rounds 7 [--sizes 1,16,64] [--reopen 100000]
-        [--read-threads 2] [--cpu 40]
+        [--read-threads 2] [--cpu 40] [--warmup 2]
 
 An NVMe-only ``TieredCache`` (``host.capacity_bytes=0``: every put goes to the NVMe tier, every get
 reads it) against, per size (MiB):
 
-- ``put`` (``nvme.sync``) vs ``write+fsync``: ``pwrite`` into an existing file + ``fdatasync``;
+- ``put`` (``nvme.sync``) vs ``write+fsync``: ``pwrite`` into an existing file + ``fdatasync``,
+  after ``--warmup`` untimed rounds (default 2: a put's blocks are then reused segment space, as
+  the raw write's are an existing file's); ``fresh put/raw``: the store's first put (never-written
+  segment space) vs a write into a new file + ``fdatasync``, one sample each;
 - ``get(out=)`` warm vs ``readinto`` warm: ``preadv`` of the file just written into one buffer;
 - ``get(out=)`` cold vs a cold buffered read: both files' pages dropped first
   (``POSIX_FADV_DONTNEED`` after a sync: clean pages go) — what the disk gives to buffered reads.
@@ -80,7 +83,19 @@ def _cpu_batches(cache: TieredCache, out: torch.Tensor, raw_path: str, batches: 
             "cpu get/raw paired": statistics.median([r / g for r, g in zip(raw_s, get_s)])}
 
 
-def measure(d: Path, mib: int, rounds: int, read_threads: int = 1, cpu_batches: int = 0) -> dict:
+def _fresh_write(path: str, buf: memoryview) -> float:
+    """Seconds to write ``buf`` into a new file + ``fdatasync`` (blocks never written before)."""
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.pwrite(fd, buf, 0)
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0
+
+
+def measure(d: Path, mib: int, rounds: int, read_threads: int = 1, cpu_batches: int = 0, warmup: int = 2) -> dict:
     nbytes = mib * MiB
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     buf = memoryview(src.numpy())
@@ -95,7 +110,16 @@ def measure(d: Path, mib: int, rounds: int, read_threads: int = 1, cpu_batches: 
     seg = str(store / "segment.0")
     t: dict[str, list[float]] = {k: [] for k in ("put", "raw_w", "get", "raw_r", "get_cold", "raw_cold")}
     try:
-        for r in range(rounds):
+        # the first put writes never-written segment space: against a write into a new file, apart
+        fresh_path = str(d / f"raw-fresh-{mib}.bin")
+        raw_fresh = _fresh_write(fresh_path, buf)
+        os.unlink(fresh_path)
+        t0 = time.perf_counter()
+        cache.put("k", src)
+        put_fresh = time.perf_counter() - t0
+        for r in range(warmup + rounds):  # the first ``warmup`` rounds are not timed (steady state)
+            if r == warmup:
+                t = {k: [] for k in t}
             t0 = time.perf_counter()
             fd = os.open(raw_path, os.O_WRONLY)
             os.pwrite(fd, buf, 0)
@@ -137,7 +161,7 @@ def measure(d: Path, mib: int, rounds: int, read_threads: int = 1, cpu_batches: 
     paired = [r / g for r, g in zip(t["raw_r"], t["get"])]
     return {"mib": mib, "GB/s": gbs, "put/raw": med["raw_w"] / med["put"], "get/raw": med["raw_r"] / med["get"],
             "cold get/raw": med["raw_cold"] / med["get_cold"], "get/raw paired": statistics.median(paired),
-            "get/raw paired spread": (min(paired), max(paired)), **cpu}
+            "get/raw paired spread": (min(paired), max(paired)), "fresh put/raw": raw_fresh / put_fresh, **cpu}
 
 
 def reopen(d: Path, n: int) -> float:
@@ -162,6 +186,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/var/tmp/ectier-ratios")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first (steady state: reused segment space)")
     ap.add_argument("--sizes", default="1,16,64")
     ap.add_argument("--reopen", type=int, default=0, help="also time reopening a store of this many entries")
     ap.add_argument("--read-threads", type=int, default=1, help="nvme.read_threads of the cache (1 or 2)")
@@ -171,14 +196,14 @@ def main() -> int:
     args = ap.parse_args()
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)
-    rows = [measure(d, int(s), args.rounds, args.read_threads, args.cpu) for s in args.sizes.split(",")]
+    rows = [measure(d, int(s), args.rounds, args.read_threads, args.cpu, args.warmup) for s in args.sizes.split(",")]
     print(f"{'MiB':>4} {'put/raw':>8} {'get/raw':>8} {'cold/raw':>9}   GB/s: put raw_w get raw_r get_cold raw_cold"
-          "   get/raw paired (min-max)")
+          "   get/raw paired (min-max)   fresh put/raw")
     for r in rows:
         g, (lo, hi) = r["GB/s"], r["get/raw paired spread"]
         print(f"{r['mib']:>4} {r['put/raw']:8.2f} {r['get/raw']:8.2f} {r['cold get/raw']:9.2f}   "
               f"{g['put']:.2f} {g['raw_w']:.2f} {g['get']:.2f} {g['raw_r']:.2f} {g['get_cold']:.2f} {g['raw_cold']:.2f}"
-              f"   {r['get/raw paired']:.2f} ({lo:.2f}-{hi:.2f})")
+              f"   {r['get/raw paired']:.2f} ({lo:.2f}-{hi:.2f})   {r['fresh put/raw']:.2f}")
     for r in rows:
         if "cpu get/raw" in r:
             print(f"{r['mib']:>4} MiB steady loop, CPU per call: get {r['cpu get_us']:.0f} us, read {r['cpu raw_us']:.0f} us, "
