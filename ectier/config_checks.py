@@ -61,6 +61,8 @@ def parse_bytes(value: int | str, *, field_name: str = "value") -> int:
         return value
     if isinstance(value, str):
         m = _BYTES_RE.match(value)
+        if m is None and value.strip().startswith("-") and _BYTES_RE.match(value.strip()[1:]) is not None:
+            raise ConfigError(f"{field_name}: must be >= 0 bytes, got {value!r}")
         if m is None or m.group(2).lower() not in _UNITS:
             raise ConfigError(
                 f"{field_name}: cannot read {value!r} as bytes; use an int or e.g. '512MiB', '4GiB', '2GB'"

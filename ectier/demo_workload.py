@@ -148,7 +148,8 @@ def load_images(
 
     Args:
         limit: keep only the first ``limit`` images (photographs first, then the seed sizes).
-        warn: called with a one-line message for each image skipped and for the fallback.
+        warn: called with a one-line message for each image skipped, for the fallback, and for a
+            ``limit`` above the images there are (all of them are used).
 
     Returns:
         ``(images, origin)``: the images (distinct ``mm_hash`` each) and ``"scikit-image"`` or
@@ -204,6 +205,8 @@ def load_images(
         if img.mm_hash not in seen:  # identical pixels are one entry, as in vLLM
             seen.add(img.mm_hash)
             unique.append(img)
+    if limit is not None and limit > len(unique):
+        warn(f"images: {limit} asked for, the working set has {len(unique)}; using all {len(unique)}")
     return (unique[:limit] if limit is not None else unique), origin
 
 

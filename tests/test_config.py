@@ -500,6 +500,18 @@ def test_byte_strings_accepted_by_the_constructors_too():
         HostTierConfig(capacity_bytes="8 gigs")
 
 
+@pytest.mark.parametrize("text", ["-1", "-4GiB", " -2 MiB"])
+def test_a_negative_byte_string_says_it_is_negative(text):
+    """A negative count as text (a file, an ECTIER_* variable) was 'cannot read ... as bytes'."""
+    with pytest.raises(ConfigError, match=r"^host\.capacity_bytes: must be >= 0 bytes, got '"):
+        HostTierConfig(capacity_bytes=text)
+    with pytest.raises(ConfigError, match="must be >= 0 bytes") as err:
+        CacheConfig.from_env({"ECTIER_HOST__CAPACITY_BYTES": text})
+    assert err.value.env_vars == ("ECTIER_HOST__CAPACITY_BYTES",)
+    with pytest.raises(ConfigError, match="cannot read"):
+        HostTierConfig(capacity_bytes="--1")
+
+
 def test_host_budget_below_one_block_is_refused():
     with pytest.raises(ConfigError, match="^host.capacity_bytes: 100 is less than one block"):
         HostTierConfig(capacity_bytes=100)

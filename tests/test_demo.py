@@ -221,6 +221,29 @@ def test_working_set_has_the_seed_sizes_and_distinct_keys():
         assert im.pixels.dtype == np.uint8
 
 
+def test_an_images_limit_above_the_working_set_says_so():
+    notes: list[str] = []
+    images, _ = demo.load_images()
+    more, _ = demo.load_images(len(images) + 79, warn=notes.append)
+    assert [im.mm_hash for im in more] == [im.mm_hash for im in images]
+    assert any(f"images: {len(images) + 79} asked for" in n and f"has {len(images)}" in n for n in notes), notes
+    notes.clear()
+    demo.load_images(len(images), warn=notes.append)
+    assert not any("asked for" in n for n in notes)
+
+
+def test_demo_by_size_rows_that_round_alike_get_more_digits(runner, tmp_path):
+    """Two entry sizes both shown as "1.1 MiB" were two rows that looked the same."""
+    result, s = _run(runner, tmp_path, *SMALL)
+    assert result.exit_code == 0, result.output
+    row = dict(s["ectier"]["by_size"][0], speedup=1.0)
+    s["ectier"]["by_size"] = [dict(row, nbytes=1_110_000), dict(row, nbytes=1_170_000), dict(row, nbytes=4 << 20)]
+    out = Console(width=120, record=True, file=io.StringIO())
+    demo.print_summary(s, out)
+    text = out.export_text()
+    assert "1.059 MiB" in text and "1.116 MiB" in text and "4.0 MiB" in text
+
+
 def test_mm_hash_is_a_content_hash():
     a = np.arange(12, dtype=np.uint8).reshape(3, 4)
     assert demo.mm_hash(a) == demo.mm_hash(a.copy())
