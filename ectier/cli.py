@@ -35,8 +35,8 @@ __all__ = ["main"]
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, "--version", "-V", prog_name="ectier", message="%(prog)s %(version)s")
 def main() -> None:
-    """ectier: a tiered encoder cache (host memory -> NVMe/LMDB) for vision-language-model encoder
-    outputs, keyed by vLLM's mm_hash."""
+    """ectier: a tiered encoder cache (GPU memory -> pinned host memory -> NVMe -> remote store) for
+    vision-language-model encoder outputs, keyed by vLLM's mm_hash."""
 
 
 def _register() -> None:

@@ -412,7 +412,7 @@ class CacheConfig:
         remote: :class:`RemoteTierConfig` (disabled by default).
         daemon: :class:`DaemonConfig` (used only by ``ectier serve`` and its clients).
         prefetch_threads: background promotions (``TieredCache.prefetch``, the daemon's
-            ``prefetch``) that run at once, at most, each on one core (no read helper). ``None``:
+            ``prefetch``) that run at once, at most (1-64), each on one core (no read helper). ``None``:
             1 where the process may run on 4 CPUs or fewer (the rest are the engine's), else 2.
             Two at once on a 2-vCPU machine raised a co-located vLLM scheduler's step p99 from
             ~0.6 to 3-6 ms (docs/benchmarks.md, "Daemon mode").
@@ -433,6 +433,8 @@ class CacheConfig:
         with p.check("prefetch_threads"):
             if self.prefetch_threads is not None:
                 check_int("prefetch_threads", self.prefetch_threads, minimum=1)
+                if self.prefetch_threads > 64:
+                    raise ConfigError(f"prefetch_threads: at most 64, got {self.prefetch_threads}")
         for name, cls in (("host", HostTierConfig), ("nvme", NvmeTierConfig), ("daemon", DaemonConfig),
                           ("gpu", GpuTierConfig), ("remote", RemoteTierConfig)):
             if not isinstance(getattr(self, name), cls):

@@ -194,7 +194,7 @@ def _by_size_table(rows: list[dict[str, Any]]) -> Table:
         if labels.count(label) > 1:  # two sizes that round alike: more digits for them
             label = f"{r['nbytes'] / (1 << 20):.3f} MiB"
         t.add_row(label, str(r["ectier_loads"]), _fmt_gbps(r["ectier_gbps"]),
-                  _fmt_gbps(r["baseline_gbps"]), f"{r['speedup']:.1f}x")
+                  _fmt_gbps(r["baseline_gbps"]), f"{r['speedup']:.2f}x")
     return t
 
 

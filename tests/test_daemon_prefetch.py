@@ -23,7 +23,7 @@ from ectier import CacheConfig, TieredCache
 from ectier.daemon.client import DaemonClient
 from ectier.errors import TierWriteError
 from daemon_helpers import (MiB, DaemonProcess, RawConn, assert_same, daemon_config, daemon_stats, make_tensor,
-                            remove_dir, short_tmpdir, wait_for, write_config)
+                            remove_dir, serve_in_thread, short_tmpdir, wait_for, write_config)
 
 DELAY_S = 3.0  # every NVMe payload read of the slowed daemon takes at least this long
 FAST_S = DELAY_S / 2  # a call that waits on no NVMe read returns well within this (it takes ~ms)
@@ -285,3 +285,53 @@ def test_the_hello_reply_lists_the_features():
         with RawConn(proc.socket_path) as raw:
             assert set(raw.hello_reply["features"]) == {"prefetch", "direct", "view"}
         assert daemon_stats(proc.socket_path)["daemon"]["prefetch"]["held"] == 0
+
+
+def test_direct_reads_of_a_prefetch_keep_to_prefetch_threads(tmp_path, monkeypatch):
+    """Entries larger than the arena are read from NVMe into scratch files by the daemon's own
+    prefetch workers: at most ``prefetch_threads`` such reads at once, each without the read
+    helper (they ran four at once, with the helper, whatever the knob said)."""
+    import threading
+
+    import ectier.tiers.nvme_segment as seg
+    from ectier.config import DaemonConfig, HostTierConfig, NvmeTierConfig
+
+    values = {f"big-{i}": make_tensor(i, "bfloat16", (1024, 8192)) for i in range(5)}  # 16 MiB each
+    nvme = NvmeTierConfig(path=str(tmp_path / "nvme"), capacity_bytes=256 * MiB, sync=False, read_threads=2)
+    with TieredCache(CacheConfig(namespace="test", host=HostTierConfig(capacity_bytes=0), nvme=nvme)) as c:
+        for k, v in values.items():
+            c.put(k, v)
+    lock, running, seen = threading.Lock(), [0], []  # seen: (helper given, reads running at once)
+    real = seg.read_hashed
+
+    def watched(fd, chunks, helper=None):
+        with lock:
+            running[0] += 1
+            seen.append((helper is not None, running[0]))
+        try:
+            time.sleep(0.05)  # a second worker would start its read meanwhile
+            return real(fd, chunks, helper)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    cfg = CacheConfig(namespace="test", host=HostTierConfig(capacity_bytes=8 * MiB, pin_memory=False), nvme=nvme,
+                      daemon=DaemonConfig(socket_path=os.path.join(sock_dir := short_tmpdir(), "d.sock"),
+                                          shm_dir=str(tmp_path)),
+                      prefetch_threads=1)
+    server, thread = serve_in_thread(cfg)
+    try:
+        monkeypatch.setattr(seg, "read_hashed", watched)
+        with DaemonClient(cfg.daemon.socket_path) as client:
+            deadline = time.monotonic() + 30
+            while "promoting" in (states := client.prefetch(list(values))) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert states == ["ready"] * len(values)
+            assert len(seen) == len(values) and not any(helper for helper, _ in seen)
+            assert max(n for _, n in seen) == 1
+            for k, v in values.items():
+                assert_same(client.get(k), v)
+    finally:
+        server.stop()
+        thread.join(10)
+        remove_dir(sock_dir)

@@ -125,7 +125,7 @@ def test_reads_with_a_helper_thread_round_trip_and_catch_a_flipped_byte(make_cac
 def test_prefetch_threads_is_checked():
     assert CacheConfig(prefetch_threads=3).prefetch_threads == 3
     assert CacheConfig.from_dict({"prefetch_threads": None}).prefetch_threads is None
-    for bad in (0, -1, "2", 1.5, True):
+    for bad in (0, -1, "2", 1.5, True, 65, 10**9):
         with pytest.raises(ConfigError, match="prefetch_threads"):
             CacheConfig(prefetch_threads=bad)
 

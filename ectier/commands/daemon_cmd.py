@@ -42,7 +42,8 @@ def load_config(path: Optional[str]) -> CacheConfig:
 
 @click.command()
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True), default=None,
-              help="YAML or JSON config (sections host, nvme, remote, daemon); ECTIER_* variables override it.")
+              help="YAML or JSON config (namespace, prefetch_threads; sections host, gpu, nvme, remote, daemon; "
+                   "docs/operations.md); ECTIER_* variables override it.")
 @click.option("--socket", "socket_path", type=click.Path(), default=None,
               help="Unix socket to listen on (overrides daemon.socket_path).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",

@@ -34,6 +34,8 @@ from typing import Any
 
 from ..cache import ReadLease, TieredCache
 from ..errors import EctierError
+from ..moves.serve import prefetch_threads
+from ..tiers.nvme_reader import mark_background
 from .scratch import DirectRead
 
 __all__ = ["Prefetcher", "Held", "ABSENT", "READY", "PROMOTING"]
@@ -79,6 +81,9 @@ class Prefetcher:
         self._failed: set[tuple[str, str]] = set()
         self._held: dict[tuple[str, str], Held] = {}
         self._pool: ThreadPoolExecutor | None = None
+        # the pins' reads (a direct read from NVMe, an entry evicted since its promotion): as many
+        # at once as the cache's own prefetch pool runs, each on one thread (no read helper)
+        self._reads = threading.BoundedSemaphore(prefetch_threads(cache.config.prefetch_threads))
         self._closed = False
         self._warned: set[tuple[str, str]] = set()
         self.counters = {"started": 0, "promoted": 0, "failed": 0, "direct_reads": 0, "expired": 0, "taken": 0}
@@ -134,7 +139,8 @@ class Prefetcher:
             self._running[ident] = direct
             self.counters["started"] += 1
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="ectier-daemon-prefetch")
+                self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="ectier-daemon-prefetch",
+                                                initializer=mark_background)
             self._pool.submit(self._finish, ident, handle)
         return PROMOTING
 
@@ -182,6 +188,10 @@ class Prefetcher:
         return UNPINNED
 
     def _pin(self, ns: str, key: str, direct: bool) -> Held | None:
+        with self._reads:
+            return self._pin_now(ns, key, direct)
+
+    def _pin_now(self, ns: str, key: str, direct: bool) -> Held | None:
         held = self._hold(self.cache.acquire(key, namespace=ns), ns, key)
         if held is not None or not self.cache.contains(key, namespace=ns):
             return held
