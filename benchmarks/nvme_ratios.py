@@ -186,7 +186,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/var/tmp/ectier-ratios")
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first (steady state: reused segment space)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first (steady state: reused segment space; 0 times the store's second "
+                         "put, into never-written space, too)")
     ap.add_argument("--sizes", default="1,16,64")
     ap.add_argument("--reopen", type=int, default=0, help="also time reopening a store of this many entries")
     ap.add_argument("--read-threads", type=int, default=1, help="nvme.read_threads of the cache (1 or 2)")

@@ -13,6 +13,8 @@ move is :class:`~ectier.mover.Mover`'s, versions and writes in flight are
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import math
 import os
@@ -295,6 +297,13 @@ class TieredCache:
         """
         _end(lease, WriteLease, "abort")
         self._mover.abort(self._host, lease.slot)
+
+    def background_read(self) -> "contextlib.AbstractContextManager[None]":
+        """Hold one of the ``prefetch_threads`` slots that this cache's background reads share,
+        around a read done in the background outside :meth:`prefetch` (the daemon's direct reads
+        of entries larger than the arena): with the prefetch pool's promotions, at most
+        ``prefetch_threads`` run at once. Blocks until a slot is free."""
+        return self._reads.background.slot()
 
     def acquire(self, key: str, *, namespace: str | None = None, promote: bool = True) -> ReadLease | None:
         """Pin an entry in the host arena for another party to copy out; ``None`` on a miss.

@@ -413,9 +413,11 @@ class CacheConfig:
         daemon: :class:`DaemonConfig` (used only by ``ectier serve`` and its clients).
         prefetch_threads: background promotions (``TieredCache.prefetch``, the daemon's
             ``prefetch``) that run at once, at most (1-64), each on one core (no read helper). ``None``:
-            1 where the process may run on 4 CPUs or fewer (the rest are the engine's), else 2.
+            1 where the process may use 4 CPUs or fewer (affinity and cgroup quota; the rest are
+            the engine's), else 2.
             Two at once on a 2-vCPU machine raised a co-located vLLM scheduler's step p99 from
-            ~0.6 to 3-6 ms (docs/benchmarks.md, "Daemon mode").
+            ~0.6 to 2.6-5.7 ms in most runs (docs/benchmarks.md, "Daemon mode: background
+            promotions keep to one core on a small machine").
     """
 
     namespace: str = "default"

@@ -61,7 +61,8 @@ def parse_bytes(value: int | str, *, field_name: str = "value") -> int:
         return value
     if isinstance(value, str):
         m = _BYTES_RE.match(value)
-        if m is None and value.strip().startswith("-") and _BYTES_RE.match(value.strip()[1:]) is not None:
+        neg = _BYTES_RE.match(value.strip()[1:]) if m is None and value.strip().startswith("-") else None
+        if neg is not None and neg.group(2).lower() in _UNITS and Fraction(neg.group(1)) > 0:
             raise ConfigError(f"{field_name}: must be >= 0 bytes, got {value!r}")
         if m is None or m.group(2).lower() not in _UNITS:
             raise ConfigError(

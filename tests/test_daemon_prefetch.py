@@ -289,14 +289,16 @@ def test_the_hello_reply_lists_the_features():
 
 def test_direct_reads_of_a_prefetch_keep_to_prefetch_threads(tmp_path, monkeypatch):
     """Entries larger than the arena are read from NVMe into scratch files by the daemon's own
-    prefetch workers: at most ``prefetch_threads`` such reads at once, each without the read
-    helper (they ran four at once, with the helper, whatever the knob said)."""
+    prefetch workers, the others promoted by the cache's prefetch pool: together at most
+    ``prefetch_threads`` reads at once, each without the read helper (the direct reads ran four
+    at once, with the helper, and beside the pool's, whatever the knob said)."""
     import threading
 
     import ectier.tiers.nvme_segment as seg
     from ectier.config import DaemonConfig, HostTierConfig, NvmeTierConfig
 
     values = {f"big-{i}": make_tensor(i, "bfloat16", (1024, 8192)) for i in range(5)}  # 16 MiB each
+    values.update({f"small-{i}": make_tensor(10 + i, "bfloat16", (128, 8192)) for i in range(3)})  # 2 MiB
     nvme = NvmeTierConfig(path=str(tmp_path / "nvme"), capacity_bytes=256 * MiB, sync=False, read_threads=2)
     with TieredCache(CacheConfig(namespace="test", host=HostTierConfig(capacity_bytes=0), nvme=nvme)) as c:
         for k, v in values.items():

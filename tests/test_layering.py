@@ -59,6 +59,7 @@ LAYERS: tuple[Layer, ...] = (
             "ectier.codec",
             "ectier.record",
             "ectier.sizing",
+            "ectier.cpus",
             "ectier.stats",
             "ectier.handles",
             "ectier.catalog",

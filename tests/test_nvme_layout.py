@@ -206,7 +206,7 @@ def test_concurrent_writes_share_group_commits(make_cache, monkeypatch):
     import ectier.tiers.nvme_segment as seg
 
     real_write = seg.SegmentFile.write
-    monkeypatch.setattr(seg.SegmentFile, "write", lambda self, *a: time.sleep(0.01) or real_write(self, *a))
+    monkeypatch.setattr(seg.SegmentFile, "write", lambda self, *a, **kw: time.sleep(0.01) or real_write(self, *a, **kw))
     cache, cfg = make_cache(host_bytes=0, nvme_bytes=64 * MiB, group_commit_s=0.5)
     vals = {f"t{t}-{i}": filled(64 * KiB, 100 * t + i) for t in range(4) for i in range(12)}
     start = threading.Barrier(4)

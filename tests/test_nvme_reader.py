@@ -173,3 +173,17 @@ def test_background_promotions_keep_to_prefetch_threads_cores(tmp_path, monkeypa
         assert torch.equal(cache.get("k0"), vals["k0"])
         assert [s[0] for s in seen] == [threading.current_thread().name]
         assert seen[0][1] == (len(os.sched_getaffinity(0)) >= 2)
+
+
+@pytest.mark.parametrize("cpu_max,cap", [("200000 100000\n", 2), ("50000 100000\n", 1), ("150000 100000\n", 2),
+                                         ("max 100000\n", None), ("garbage\n", None), (None, None)])
+def test_usable_cpus_is_the_affinity_capped_by_a_cgroup_quota(tmp_path, cpu_max, cap):
+    """A container limited to 2 CPUs on a larger machine gets the background threads of 2 CPUs."""
+    from ectier.cpus import background_threads, usable_cpus
+
+    path = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        path.write_text(cpu_max)
+    affinity = len(os.sched_getaffinity(0))
+    assert usable_cpus(str(path)) == (affinity if cap is None else min(affinity, cap))
+    assert background_threads(3) == 3 and background_threads(None) in (1, 2)

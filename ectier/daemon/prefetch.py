@@ -34,7 +34,6 @@ from typing import Any
 
 from ..cache import ReadLease, TieredCache
 from ..errors import EctierError
-from ..moves.serve import prefetch_threads
 from ..tiers.nvme_reader import mark_background
 from .scratch import DirectRead
 
@@ -81,9 +80,6 @@ class Prefetcher:
         self._failed: set[tuple[str, str]] = set()
         self._held: dict[tuple[str, str], Held] = {}
         self._pool: ThreadPoolExecutor | None = None
-        # the pins' reads (a direct read from NVMe, an entry evicted since its promotion): as many
-        # at once as the cache's own prefetch pool runs, each on one thread (no read helper)
-        self._reads = threading.BoundedSemaphore(prefetch_threads(cache.config.prefetch_threads))
         self._closed = False
         self._warned: set[tuple[str, str]] = set()
         self.counters = {"started": 0, "promoted": 0, "failed": 0, "direct_reads": 0, "expired": 0, "taken": 0}
@@ -188,10 +184,15 @@ class Prefetcher:
         return UNPINNED
 
     def _pin(self, ns: str, key: str, direct: bool) -> Held | None:
-        with self._reads:
-            return self._pin_now(ns, key, direct)
+        held = self._hold(self.cache.acquire(key, namespace=ns, promote=False), ns, key)  # a host hit: no I/O
+        if held is not None or self._closed:
+            return held
+        # the reads (an entry evicted since its promotion, a direct read from NVMe) share the
+        # cache's prefetch_threads slots with its promotions, each on one thread (no read helper)
+        with self.cache.background_read():
+            return None if self._closed else self._pin_read(ns, key, direct)
 
-    def _pin_now(self, ns: str, key: str, direct: bool) -> Held | None:
+    def _pin_read(self, ns: str, key: str, direct: bool) -> Held | None:
         held = self._hold(self.cache.acquire(key, namespace=ns), ns, key)
         if held is not None or not self.cache.contains(key, namespace=ns):
             return held
@@ -263,7 +264,7 @@ class Prefetcher:
             self._closed = True
             pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=True)
+            pool.shutdown(wait=True, cancel_futures=True)  # (the queued ones' keys stay in _running)
         with self._lock:
             held, self._held = list(self._held.values()), {}
         for h in held:

@@ -17,6 +17,7 @@ import torch
 from ..entry import EntryMeta
 from ..errors import TierWriteError
 from ..tiers.nvme import RAW_CODEC_ID
+from ..tiers.nvme_reader import mark_background
 from ..tiers.remote.tier import RemoteTier
 from .nvme import RETRY
 
@@ -60,7 +61,8 @@ class RemoteMoves:
                 return
             self._queued += 1
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(2, thread_name_prefix="ectier-remote")
+                self._pool = ThreadPoolExecutor(2, thread_name_prefix="ectier-remote",
+                                                initializer=mark_background)
             pool = self._pool
         pool.submit(self._write, src, digest, version)
 

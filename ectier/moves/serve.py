@@ -9,13 +9,13 @@ promotion sequence of the mover for store-tier hits.
 from __future__ import annotations
 
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..cpus import BackgroundSlots, background_threads
 from ..index import Slot
 from ..tensors import tensor_from_bytes, torch_dtype
 from ..tiers.arena import ArenaTier
@@ -27,18 +27,9 @@ if TYPE_CHECKING:
     from ..handles import LoadHandle
     from ..mover import Mover
 
-__all__ = ["Reads", "Located", "prefetch_threads"]
+__all__ = ["Reads", "Located"]
 
 log = logging.getLogger(__name__)
-
-
-def prefetch_threads(configured: int | None) -> int:
-    """The prefetch pool's size: ``configured`` (``prefetch_threads``), or for ``None`` 1 where the
-    process may run on 4 CPUs or fewer, else 2. On a 2-vCPU machine two promotions at once took
-    both cores from a co-located engine's scheduler (docs/benchmarks.md, "Daemon mode")."""
-    if configured is not None:
-        return configured
-    return 1 if len(os.sched_getaffinity(0)) <= 4 else 2
 
 
 @dataclass
@@ -56,6 +47,8 @@ class Reads:
     def __init__(self, m: "Mover") -> None:
         self.m = m
         self._prefetch_pool: ThreadPoolExecutor | None = None
+        #: shared by every background read of this cache (``prefetch_threads``)
+        self.background = BackgroundSlots(background_threads(m.config.prefetch_threads))
         self._tiers, self._gpu = tuple(m.stack), m.stack.device_tier()  # fixed once open (every get)
 
     def locate(self, digest: bytes, *, start: Tier | None = None):
@@ -224,7 +217,7 @@ class Reads:
         ``handle.error``)."""
         with self.m.cond:
             if self._prefetch_pool is None:
-                self._prefetch_pool = ThreadPoolExecutor(prefetch_threads(self.m.config.prefetch_threads),
+                self._prefetch_pool = ThreadPoolExecutor(self.background.n,
                                                          thread_name_prefix="ectier-prefetch",
                                                          initializer=mark_background)
             pool = self._prefetch_pool
@@ -233,7 +226,9 @@ class Reads:
     def _prefetch_one(self, handle: "LoadHandle", digest: bytes, ns: str, key: str, target: Tier | None) -> None:
         try:
             self.m.catalog.wait_inflight(digest)
-            handle.finish(self.promote(digest, ns, key, target))
+            with self.background.slot():
+                done = self.promote(digest, ns, key, target)
+            handle.finish(done)
         except Exception as exc:  # noqa: BLE001 - reported through the handle, and logged
             log.warning("prefetch of a key failed: %s", exc)
             handle.finish(False, exc)

@@ -32,6 +32,7 @@ import numpy as np
 import xxhash
 
 from ..arena import BlockAllocator
+from ..cpus import usable_cpus
 from ..errors import CorruptRecordError
 from .nvme_reader import CHUNK_BYTES, PARALLEL_MIN_BYTES, ReadHelper, in_background, plan_chunks, read_hashed
 
@@ -329,7 +330,7 @@ class SegmentFile:
     def __init__(self, path: str, *, sync: bool, read_threads: int = 1) -> None:
         self.path = path
         self.sync = sync
-        self._helper = ReadHelper() if read_threads >= 2 and len(os.sched_getaffinity(0)) >= 2 else None
+        self._helper = ReadHelper() if read_threads >= 2 and usable_cpus() >= 2 else None
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
