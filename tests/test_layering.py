@@ -50,6 +50,7 @@ LAYERS: tuple[Layer, ...] = (
         (
             "ectier.config",
             "ectier.config_checks",
+            "ectier.config_daemon",
             "ectier.config_sources",
             "ectier.configdoc",
             "ectier.entry",
