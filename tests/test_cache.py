@@ -174,6 +174,7 @@ def test_get_returns_a_new_tensor_each_time(make_cache, host_bytes):
     cache.put("k", src)
     if host_bytes == 128 * KiB:  # push k to NVMe so the first get is a promotion
         cache.put("f1", filled(64 * KiB, 1))
+        assert testing.write_behind_idle(cache)  # else its pin on k (a write in flight) turns f2's eviction to f1
         cache.put("f2", filled(64 * KiB, 2))
         assert not host_holds(cache, "k") and nvme_holds(cache, "k")
     a = cache.get("k")
@@ -340,6 +341,7 @@ def test_overwrite_then_demote_serves_new_and_nvme_holds_new(make_cache):
     cache.put("k", old)
     cache.put("k", new)
     cache.put("f1", filled(64 * KiB, 1))
+    assert testing.write_behind_idle(cache)  # else its pin on k (a write in flight) turns f2's eviction to f1
     cache.put("f2", filled(64 * KiB, 2))  # k (LRU) is demoted
     assert not host_holds(cache, "k") and nvme_holds(cache, "k")
     hdr = testing.tier(cache, "nvme").record(digest("k")).header
@@ -362,6 +364,7 @@ def test_overwrite_of_nvme_entry_removes_old_record(make_cache, flush_on_close):
     old, new = filled(64 * KiB, 1), random_tensor((5, 7), torch.float16, 3)
     cache.put("k", old)
     cache.put("f1", filled(64 * KiB, 2))
+    assert testing.write_behind_idle(cache)  # else its pin on k (a write in flight) turns f2's eviction to f1
     cache.put("f2", filled(64 * KiB, 3))
     assert nvme_holds(cache, "k") and not host_holds(cache, "k")
     cache.put("k", new)
@@ -567,6 +570,8 @@ def test_demotion_chain_drops_when_nvme_full(make_cache):
     for i in range(20):
         cache.put(f"k{i}", filled(BLK, i))
         check_budgets(cache)
+        # the write-behind's pin on an old entry (a write in flight) would keep it past the next puts
+        assert testing.write_behind_idle(cache)
     assert all(cache.contains(f"k{i}") for i in range(16, 20))  # host holds the last 4
     assert not any(cache.contains(f"k{i}") for i in range(8))
     for i in range(20):

@@ -200,6 +200,8 @@ def test_pinned_lru_slot_is_skipped_by_eviction(tmp_path, monkeypatch):
         vals = {k: filled(128 * KiB, i) for i, k in enumerate("ABCD")}
         for k in "ABC":
             cache.put(k, vals[k])
+        # the write-behind (of A, then B) pins each entry it writes: one on B would turn D's eviction to C
+        assert testing.write_behind_idle(cache)
         g, box = blocks.start_get(cache, "A", "getter-A")  # A pinned mid-get
         assert cache.get("B") is not None and cache.get("C") is not None  # A is now the LRU
         t0 = time.monotonic()

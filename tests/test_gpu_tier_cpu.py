@@ -240,6 +240,9 @@ def test_nvme_hit_promotes_through_host_to_gpu(open_cache, tmp_path):
     a, b, d = filled(BLOCK, 1), filled(BLOCK, 2), filled(BLOCK, 3)
     c.put("a", a)
     c.put("b", b)  # a -> host
+    # the host's write-behind of a, if still in flight, pins it: b's demotion would wait for it
+    # only host.admit_wait_s (0.2 s), then give up on the host
+    assert testing.write_behind_idle(c)
     c.put("d", d)  # b -> host, a -> nvme
     assert where(c, "a") == {"nvme"}
     assert raw_bytes(c.get("a")) == raw_bytes(a)
@@ -280,6 +283,8 @@ def test_prefetch_promotes_nvme_entries_into_the_gpu_tier(open_cache, tmp_path):
     ts = {f"k{i}": filled(BLOCK, i) for i in range(6)}
     for k, t in ts.items():
         c.put(k, t)
+        # the host's write-behind pins the entry it writes: an eviction meanwhile would pass k0 over
+        assert testing.write_behind_idle(c)
     assert where(c, "k0") == {"nvme"}
     hs = c.prefetch(["k0", "missing", "k5"], device="cpu")
     assert all(isinstance(h, LoadHandle) for h in hs) and [h.key for h in hs] == ["k0", "missing", "k5"]
