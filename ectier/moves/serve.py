@@ -212,9 +212,10 @@ class Reads:
             return digest in m.catalog
 
     def prefetch_later(self, handle: "LoadHandle", digest: bytes, ns: str, key: str, target: Tier | None) -> None:
-        """Run :meth:`promote` in the prefetch pool (:func:`prefetch_threads` threads, started at
-        the first call) and finish ``handle`` with its result (an unexpected error: False, in
-        ``handle.error``)."""
+        """Run :meth:`promote` in the prefetch pool (``prefetch_threads`` threads,
+        :func:`ectier.cpus.background_threads`; started at the first call), each promotion in one
+        of the cache's background slots, and finish ``handle`` with its result (an unexpected
+        error: False, in ``handle.error``)."""
         with self.m.cond:
             if self._prefetch_pool is None:
                 self._prefetch_pool = ThreadPoolExecutor(self.background.n,
