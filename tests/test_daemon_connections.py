@@ -224,8 +224,8 @@ def test_every_request_before_hello_is_refused(capped):
 
 def test_an_idle_connection_is_closed_and_the_client_reconnects(idler):
     sock = idler.socket_path
+    t0 = time.monotonic()  # before the connection and its hello: the daemon's idle clock cannot start earlier
     with RawConn(sock, timeout=15) as raw:
-        t0 = time.monotonic()
         assert raw.reply() is None  # the daemon closed it: no request for idle_timeout_s
         assert 0.8 <= time.monotonic() - t0 < 10
     c = DaemonClient(sock, client_name="idle-client")

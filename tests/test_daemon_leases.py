@@ -160,9 +160,11 @@ def test_overrun_put_lease_closes_the_connection(restricted):
     sock = restricted.socket_path
     before = idle(sock)
     with RawConn(sock, timeout=5) as raw:
+        # timed from before the request: the lease starts once the daemon has it, so a correct daemon
+        # cannot close the connection within lease_s of t0 however late the reply is read here
+        t0 = time.monotonic()
         r = raw.request({"id": 1, "op": "reserve", "key": "slow-put", "dtype": "uint8", "shape": [256 * KiB]})
         assert r["ok"]
-        t0 = time.monotonic()
         assert raw.reply() is None  # the daemon closed the connection when the lease expired
         elapsed = time.monotonic() - t0
     assert 0.4 <= elapsed <= 3.0, elapsed
@@ -225,9 +227,9 @@ def test_contains_does_not_renew_a_lease(restricted):
         c.close()
     expired = idle(sock)["daemon"]["leases_expired"]
     with RawConn(sock, timeout=5) as raw:
+        t0 = time.monotonic()  # before the request: the lease cannot start earlier (as above)
         g = raw.request({"id": 1, "op": "get", "key": "renew?"})
         assert g["ok"] and g["hit"]
-        t0 = time.monotonic()
         n, closed = 0, False
         while time.monotonic() - t0 < 5:
             try:
