@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -37,6 +38,15 @@ def open_cache():
 
 
 # ------------------------------------------------------------------------------ copy engines
+
+
+def _until_queued(e: DeferredCopyEngine, n: int, timeout_s: float = 10.0) -> None:
+    """Wait until ``n`` batches are pending on ``e`` (a reader thread has queued its copy): a
+    fixed join(0.1) let ``e.complete()`` run before a late-scheduled reader queued it."""
+    deadline = time.monotonic() + timeout_s
+    while e.pending < n:
+        assert time.monotonic() < deadline, f"{e.pending} copies queued after {timeout_s} s, expected {n}"
+        time.sleep(0.002)
 
 
 def test_inline_engine_copies_at_once_and_reports_errors_in_the_handle():
@@ -185,8 +195,9 @@ def test_gpu_put_in_flight_is_served_after_its_write_and_a_failed_write_is_a_mis
     got = []
     reader = threading.Thread(target=lambda: got.append(c.get("k")))
     reader.start()
+    _until_queued(e, 2)  # its read is queued behind the write on the arena lane
     reader.join(0.1)
-    assert reader.is_alive()  # its read is queued behind the write on the arena lane
+    assert reader.is_alive()
     e.complete()
     reader.join(5)
     assert h.wait(5) and raw_bytes(got[0]) == raw_bytes(t)
@@ -241,8 +252,9 @@ def test_a_read_queued_behind_a_failing_gpu_write_is_a_miss_not_garbage(open_cac
     got = []
     reader = threading.Thread(target=lambda: got.append(c.get("k")))
     reader.start()
+    _until_queued(e, 2)  # the write, then the read behind it
     reader.join(0.1)
-    assert reader.is_alive() and e.pending == 2  # the write, then the read behind it
+    assert reader.is_alive() and e.pending == 2
     e.fail_with = RuntimeError("injected")  # the write fails and poisons its destination
     e.complete()
     reader.join(5)
