@@ -303,7 +303,7 @@ class TieredCache:
         around a read done in the background outside :meth:`prefetch` (the daemon's direct reads
         of entries larger than the arena): with the prefetch pool's promotions, at most
         ``prefetch_threads`` run at once. Blocks until a slot is free."""
-        return self._reads.background.slot()
+        return self._reads.background
 
     def acquire(self, key: str, *, namespace: str | None = None, promote: bool = True) -> ReadLease | None:
         """Pin an entry in the host arena for another party to copy out; ``None`` on a miss.

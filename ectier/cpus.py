@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import math
 import os
-import threading
-from contextlib import contextmanager
-from typing import Iterator
 
-__all__ = ["usable_cpus", "background_threads", "BackgroundSlots"]
+__all__ = ["usable_cpus", "background_threads"]
 
 CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"
 
@@ -42,16 +39,3 @@ def background_threads(configured: int | None) -> int:
         return configured
     return 1 if usable_cpus() <= 4 else 2
 
-
-class BackgroundSlots:
-    """The ``prefetch_threads`` slots that every background read of one cache shares: the
-    prefetch pool's promotions and the daemon's direct reads each hold one while they read."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self._sem = threading.BoundedSemaphore(n)
-
-    @contextmanager
-    def slot(self) -> Iterator[None]:
-        with self._sem:
-            yield

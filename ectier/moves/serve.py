@@ -9,13 +9,14 @@ promotion sequence of the mover for store-tier hits.
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..cpus import BackgroundSlots, background_threads
+from ..cpus import background_threads
 from ..index import Slot
 from ..tensors import tensor_from_bytes, torch_dtype
 from ..tiers.arena import ArenaTier
@@ -47,8 +48,9 @@ class Reads:
     def __init__(self, m: "Mover") -> None:
         self.m = m
         self._prefetch_pool: ThreadPoolExecutor | None = None
-        #: shared by every background read of this cache (``prefetch_threads``)
-        self.background = BackgroundSlots(background_threads(m.config.prefetch_threads))
+        #: the ``prefetch_threads`` slots every background read of this cache holds one of
+        self.background_n = background_threads(m.config.prefetch_threads)
+        self.background = threading.BoundedSemaphore(self.background_n)
         self._tiers, self._gpu = tuple(m.stack), m.stack.device_tier()  # fixed once open (every get)
 
     def locate(self, digest: bytes, *, start: Tier | None = None):
@@ -218,7 +220,7 @@ class Reads:
         error: False, in ``handle.error``)."""
         with self.m.cond:
             if self._prefetch_pool is None:
-                self._prefetch_pool = ThreadPoolExecutor(self.background.n,
+                self._prefetch_pool = ThreadPoolExecutor(self.background_n,
                                                          thread_name_prefix="ectier-prefetch",
                                                          initializer=mark_background)
             pool = self._prefetch_pool
@@ -227,7 +229,7 @@ class Reads:
     def _prefetch_one(self, handle: "LoadHandle", digest: bytes, ns: str, key: str, target: Tier | None) -> None:
         try:
             self.m.catalog.wait_inflight(digest)
-            with self.background.slot():
+            with self.background:
                 done = self.promote(digest, ns, key, target)
             handle.finish(done)
         except Exception as exc:  # noqa: BLE001 - reported through the handle, and logged
