@@ -299,11 +299,13 @@ def test_idle_connections_make_room_for_a_new_client(capped):
     """max_clients idle connections of one uid used to lock every new client out: now the least
     recently used idle one is closed for the newcomer, and its own client reconnects by itself."""
     sock = capped.socket_path
-    _wait_alone(sock)
     first = DaemonClient(sock, client_name="first")
     raws: list[RawConn] = []
     newcomer = None
     try:
+        # asked on first's own connection: once it is alone, no closed connection the daemon has
+        # not noticed yet (an idle one, older than first) is left to be closed in first's place
+        wait_for(lambda: len(first.stats()["daemon"]["clients"]) == 1, timeout=10, what="other clients to go")
         assert not first.contains("x")
         raws = [RawConn(sock, name=f"idle-{i}") for i in range(3)]  # 4 connections = max_clients
         newcomer = DaemonClient(sock, client_name="newcomer", connect_retry_s=0.2)

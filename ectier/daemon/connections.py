@@ -40,7 +40,7 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 class Connection:
     """One client connection. Fields other than ``sock`` and the credentials are guarded by the
     server's lock: ``greeted`` (a ``hello`` succeeded), ``busy`` (a request is being handled),
-    ``last_active`` (monotonic seconds of its last request, or of the connect), ``closed``."""
+    ``last_active`` (monotonic seconds when its last request arrived, or of the connect), ``closed``."""
 
     id: int
     sock: socket.socket

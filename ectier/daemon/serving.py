@@ -113,12 +113,14 @@ class ConnectionServing:
                     if conn.closed or not data:
                         break
                     conn.busy = True
+                    # stamped before the reply goes out, so a client's next move (another
+                    # connection, say) is always later than this one's last request
+                    conn.last_active = time.monotonic()
                 try:
                     self._serve_data(conn, decoder, data)
                 finally:
                     with self._lock:
                         conn.busy = False
-                        conn.last_active = time.monotonic()
                 if conn.closed:
                     break
         finally:
