@@ -164,6 +164,30 @@ def test_prefetch_brings_a_remote_entry_into_the_host_tier(nodes):
     assert not consumer.prefetch(["nowhere"])[0].wait(5)
 
 
+def test_a_hung_remote_fetch_never_holds_up_a_promotion_from_nvme(nodes, tmp_path):
+    """With one background slot (prefetch_threads=1), a prefetch whose remote fetch hangs used to
+    take the pool's one thread: an NVMe hit's promotion waited behind it for the whole fetch."""
+    be, make = nodes
+    producer = make()
+    producer.put("far", _t(20))
+    testing.drain(producer)
+    cfg = _cfg(tmp_path, timeout_s=10.0)
+    cfg = dataclasses.replace(cfg, prefetch_threads=1, nvme=dataclasses.replace(cfg.nvme, write_through=True))
+    consumer = make(cfg)
+    consumer.put("near", _t(21))
+    testing.drain(consumer)
+    assert testing.drop_copy(consumer, "host", "near") and testing.where(consumer, "near") >= {"nvme"}
+    be.delay_s = 2.0  # every remote call from now on: 2 s (no timeout: remote.timeout_s=10)
+    (far,) = consumer.prefetch(["far"])
+    time.sleep(0.05)  # the fetch has started
+    t0 = time.monotonic()
+    (near,) = consumer.prefetch(["near"])
+    assert near.wait(1.5), "the NVMe promotion waited for the remote fetch"
+    assert time.monotonic() - t0 < 1.5 and testing.holds(consumer, "host", "near")
+    assert not far.done()  # still fetching: the promotion did not wait for it, nor it for the promotion
+    assert far.wait(10) and _same(consumer.get("far"), _t(20))
+
+
 def test_acquire_leases_a_remote_entry_through_the_host_arena(nodes):
     be, make = nodes
     producer, consumer = make(), make()

@@ -8,6 +8,7 @@ promotion sequence of the mover for store-tier hits.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +49,10 @@ class Reads:
     def __init__(self, m: "Mover") -> None:
         self.m = m
         self._prefetch_pool: ThreadPoolExecutor | None = None
+        # prefetches of keys stored nowhere here (a remote fetch: network-bound, maybe hung until
+        # remote.timeout_s): threads of their own, so they never hold a background slot or the
+        # pool's threads that NVMe promotions need
+        self._fetch_pool: ThreadPoolExecutor | None = None
         #: the ``prefetch_threads`` slots every background read of this cache holds one of
         self.background_n = background_threads(m.config.prefetch_threads)
         self.background = threading.BoundedSemaphore(self.background_n)
@@ -214,22 +219,29 @@ class Reads:
             return digest in m.catalog
 
     def prefetch_later(self, handle: "LoadHandle", digest: bytes, ns: str, key: str, target: Tier | None) -> None:
-        """Run :meth:`promote` in the prefetch pool (``prefetch_threads`` threads,
-        :func:`ectier.cpus.background_threads`; started at the first call), each promotion in one
-        of the cache's background slots, and finish ``handle`` with its result (an unexpected
-        error: False, in ``handle.error``)."""
-        with self.m.cond:
-            if self._prefetch_pool is None:
-                self._prefetch_pool = ThreadPoolExecutor(self.background_n,
-                                                         thread_name_prefix="ectier-prefetch",
-                                                         initializer=mark_background)
-            pool = self._prefetch_pool
+        """Run :meth:`promote` in the background and finish ``handle`` with its result (an
+        unexpected error: False, in ``handle.error``). A key stored here is promoted in the
+        prefetch pool (``prefetch_threads`` threads, :func:`ectier.cpus.background_threads`),
+        holding one of the cache's background slots; a key stored nowhere here (a remote
+        fetch) in a pool of as many threads of its own, without a slot, so that a slow or hung
+        remote store never holds up promotions from NVMe. Pools start at their first call."""
+        m = self.m
+        with m.cond:
+            remote = m.remote is not None and m.catalog.version(digest) is None
+            name = "_fetch_pool" if remote else "_prefetch_pool"
+            pool = getattr(self, name)
+            if pool is None:
+                pool = ThreadPoolExecutor(self.background_n, thread_name_prefix="ectier-fetch" if remote else
+                                          "ectier-prefetch", initializer=mark_background)
+                setattr(self, name, pool)
         pool.submit(self._prefetch_one, handle, digest, ns, key, target)
 
     def _prefetch_one(self, handle: "LoadHandle", digest: bytes, ns: str, key: str, target: Tier | None) -> None:
         try:
             self.m.catalog.wait_inflight(digest)
-            with self.background:
+            with self.m.cond:
+                local = self.m.catalog.version(digest) is not None  # (stored here since it was asked)
+            with self.background if local else contextlib.nullcontext():
                 done = self.promote(digest, ns, key, target)
             handle.finish(done)
         except Exception as exc:  # noqa: BLE001 - reported through the handle, and logged
@@ -240,7 +252,9 @@ class Reads:
         """Wait for prefetches and copy completions in flight (the pool restarts on the next
         prefetch). False if the completions did not all run within ``timeout_s``."""
         with self.m.cond:
-            pool, self._prefetch_pool = self._prefetch_pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+            pools = (self._prefetch_pool, self._fetch_pool)
+            self._prefetch_pool = self._fetch_pool = None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True)
         return self.m.completer.drain(timeout_s)
