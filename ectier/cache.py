@@ -217,7 +217,8 @@ class TieredCache:
         """Start promoting ``keys`` towards ``device`` in the background; one :class:`LoadHandle` each.
 
         NVMe hits go up to the host tier; with ``device`` equal to ``gpu.device`` on into the GPU
-        tier. Keys already there, and keys stored nowhere, give handles done at once. Runs in a
+        tier. Keys already there (or on NVMe and larger than the host arena, with no ``device``),
+        and keys stored nowhere, give handles done at once. Runs in a
         pool of ``prefetch_threads`` threads (default: 1 on 4 CPUs or fewer, else 2) started at the
         first call; each promotion reads on its own thread (no ``nvme.read_threads`` helper).
 
@@ -236,9 +237,7 @@ class TieredCache:
             digest, handle = entry_digest(ns, key), LoadHandle(key)
             with self._cond:
                 v = self._catalog.version(digest)
-                done = not self._catalog.has_pending(digest) and (
-                    (v is None and self._mover.remote is None) or (target is not None and v is not None
-                                                                   and target.holds(digest, v)))
+                done = self._reads.settled(digest, v, target)
             if done:
                 handle.finish(v is not None)
             else:

@@ -10,6 +10,7 @@ test_gpu_tier_copies.py. Helpers (``cfg``, ``where``, the caches): tests/gpu_tie
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import KiB, MiB, check_quiescent, filled, random_tensor, raw_bytes
+from conftest import KiB, MiB, check_quiescent, make_config, filled, random_tensor, raw_bytes
 from gpu_tier_helpers import BLOCK, cache_opener, cfg, where
 from ectier import (
     CacheConfig,
@@ -307,12 +308,15 @@ def test_prefetch_without_gpu_device_stops_at_the_host(make_cache):
     assert h.done() and h.wait(0)  # already there: done at once
 
 
-def test_prefetch_of_an_entry_too_large_for_the_host_reads_nothing(make_cache):
-    cache, _ = make_cache(host_bytes=2 * 64 * KiB, nvme_bytes=2 * MiB)
-    cache.put("big", filled(3 * 64 * KiB, 1))
-    (h,) = cache.prefetch(["big"])
-    assert h.wait(5)
-    assert cache.stats()["tiers"]["nvme"]["hits"] == 0  # nothing to promote into: not read
+def test_prefetch_of_an_entry_too_large_for_the_host_reads_nothing(tmp_path):
+    config = dataclasses.replace(make_config(tmp_path, host_bytes=2 * 64 * KiB, nvme_bytes=2 * MiB),
+                                 prefetch_threads=1)
+    with TieredCache(config) as cache:
+        cache.put("big", filled(3 * 64 * KiB, 1))
+        with cache.background_read():  # the one slot is busy: a promotion would have to wait
+            (h,) = cache.prefetch(["big"])
+            assert h.done() and h.wait(0)  # NVMe is the highest tier it fits: done at once, found
+        assert cache.stats()["tiers"]["nvme"]["hits"] == 0  # nothing to promote into: not read
 
 
 # --------------------------------------------------------------------- randomized vs a model

@@ -113,16 +113,19 @@ class Prefetcher:
         if handle.done():
             if not handle.wait(0):
                 return ABSENT
-            # in the arena a moment ago: pinning it is a host hit (an entry on NVMe that does not
-            # fit the arena is refused without I/O, and read into a scratch file by a worker)
-            held = self._hold(self.cache.acquire(key, namespace=ns), ns, key)
+            # in the arena a moment ago: pin it if it is still there (a host hit, never I/O here);
+            # else (evicted since, or on NVMe and larger than the arena) a worker reads it
+            held = self._hold(self.cache.acquire(key, namespace=ns, promote=False), ns, key)
             if held is not None:
                 self._keep(ident, held)
                 return READY
             if not self.cache.contains(key, namespace=ns):
                 return ABSENT
-            if not direct:
-                self.unleasable(ns, key)
+            # evicted since: promoted again; done at once: gone, or on NVMe and larger than the arena
+            handle = self.cache.prefetch([key], namespace=ns)[0]
+            if handle.done() and not (handle.wait(0) and direct):
+                if handle.wait(0):  # no lease through the arena: a protocol-1 client misses it
+                    self.unleasable(ns, key)
                 return ABSENT
         return self._start(ident, handle, direct)
 

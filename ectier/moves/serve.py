@@ -218,6 +218,24 @@ class Reads:
         with m.cond:
             return digest in m.catalog
 
+    def settled(self, digest: bytes, v: int | None, target: Tier | None) -> bool:
+        """Under ``m.cond``: nothing for a prefetch of ``digest`` (version ``v``) towards ``target``
+        to do: stored nowhere and no remote tier, already in ``target``, or on NVMe and larger
+        than the host arena when ``target`` is the host tier (NVMe is the highest tier it fits)."""
+        m = self.m
+        if m.catalog.has_pending(digest):
+            return False
+        if v is None:
+            return m.remote is None
+        if target is None:
+            return False
+        if target.holds(digest, v):
+            return True
+        if target is not m.stack.get("host") or m.nvme is None or not m.nvme.tier.holds(digest, v):
+            return False
+        rec = m.nvme.tier.record(digest)
+        return rec is not None and not target.fits(rec.header.raw_nbytes)
+
     def prefetch_later(self, handle: "LoadHandle", digest: bytes, ns: str, key: str, target: Tier | None) -> None:
         """Run :meth:`promote` in the background and finish ``handle`` with its result (an
         unexpected error: False, in ``handle.error``). A key stored here is promoted in the
