@@ -217,10 +217,11 @@ class TieredCache:
         """Start promoting ``keys`` towards ``device`` in the background; one :class:`LoadHandle` each.
 
         NVMe hits go up to the host tier; with ``device`` equal to ``gpu.device`` on into the GPU
-        tier. Keys already there (or on NVMe and larger than the host arena, with no ``device``),
-        and keys stored nowhere, give handles done at once. Runs in a
+        tier. Keys already there (or, unless ``device`` is ``gpu.device``, on NVMe and larger than
+        the host arena), and keys stored nowhere, give handles done at once. Promotions run in a
         pool of ``prefetch_threads`` threads (default: 1 on 4 CPUs or fewer, else 2) started at the
-        first call; each promotion reads on its own thread (no ``nvme.read_threads`` helper).
+        first call, each reading on its own thread (no ``nvme.read_threads`` helper); fetches of
+        keys stored only remotely in a pool of as many threads of their own.
 
         Raises:
             InvalidKeyError, InvalidDeviceError: bad key/namespace/device (nothing started).

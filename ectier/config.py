@@ -344,8 +344,9 @@ class CacheConfig:
             Two at once on a 2-vCPU machine raised a co-located vLLM scheduler's step p99 from
             ~0.6 to 2.6-5.7 ms in most runs (docs/benchmarks.md, "Daemon mode: background
             promotions keep to one core on a small machine"). Prefetches of keys stored only
-            in the remote tier run apart, as many at once, in threads of their own: a slow
-            remote store never holds up promotions from NVMe.
+            in the remote tier run apart, up to ``prefetch_threads`` more, in threads of their own
+            that take no slot (a slow remote store never holds up promotions from NVMe); their
+            checksum, decode and copy into the arena run there too, beside the promotions.
     """
 
     namespace: str = "default"

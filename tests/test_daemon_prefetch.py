@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 
 import pytest
 
-from ectier import CacheConfig, TieredCache
+from conftest import make_config
+from ectier import CacheConfig, LoadHandle, TieredCache, testing
+from ectier.daemon.prefetch import Prefetcher
 from ectier.daemon.client import DaemonClient
 from ectier.errors import TierWriteError
 from daemon_helpers import (MiB, DaemonProcess, RawConn, assert_same, daemon_config, daemon_stats, make_tensor,
@@ -337,3 +340,52 @@ def test_direct_reads_of_a_prefetch_keep_to_prefetch_threads(tmp_path, monkeypat
         server.stop()
         thread.join(10)
         remove_dir(sock_dir)
+
+
+# ------------------------------------------------------------ the request's thread never reads
+
+
+class _EvictedInBetween:
+    """A cache whose first ``prefetch`` answers "done, found" (as for an entry in the arena) while
+    the entry lies on NVMe only: evicted between that answer and the pin. Records the acquires
+    that could promote (I/O) and the thread that made them."""
+
+    def __init__(self, cache: TieredCache) -> None:
+        self._cache, self._first = cache, True
+        self.promoting_acquires: list[str] = []
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+    def prefetch(self, keys, **kw):
+        if self._first:
+            self._first = False
+            handle = LoadHandle(keys[0])
+            handle.finish(True)
+            return [handle]
+        return self._cache.prefetch(keys, **kw)
+
+    def acquire(self, key, *, namespace=None, promote=True):
+        if promote:
+            self.promoting_acquires.append(threading.current_thread().name)
+        return self._cache.acquire(key, namespace=namespace, promote=promote)
+
+
+def test_an_entry_evicted_between_answer_and_pin_is_read_by_a_worker(tmp_path):
+    with TieredCache(make_config(tmp_path, host_bytes=2 * MiB, nvme_bytes=8 * MiB, block_bytes=64 * 1024)) as real:
+        t = make_tensor(3, "bfloat16", (64, 8192))  # 1 MiB
+        real.put("k", t)
+        real.flush()
+        assert testing.drop_copy(real, "host", "k") and testing.where(real, "k") == {"nvme"}
+        cache = _EvictedInBetween(real)
+        pf = Prefetcher(cache, hold_s=30.0, scratch_dir=str(tmp_path), gid=None)
+        try:
+            assert pf.states(["k"], None, direct=False) == ["promoting"]  # not "ready", not read here
+            me = threading.current_thread().name
+            assert me not in cache.promoting_acquires
+            wait_for(lambda: pf.states(["k"], None, direct=False) == ["ready"], what="the worker's promotion")
+            held = pf.take(None, "k", direct=False)
+            assert held is not None and testing.holds(real, "host", "k")
+            real.release(held.handle)
+        finally:
+            pf.close()

@@ -164,7 +164,7 @@ def test_prefetch_brings_a_remote_entry_into_the_host_tier(nodes):
     assert not consumer.prefetch(["nowhere"])[0].wait(5)
 
 
-def test_a_hung_remote_fetch_never_holds_up_a_promotion_from_nvme(nodes, tmp_path):
+def test_a_hung_remote_fetch_never_holds_up_a_promotion_from_nvme(nodes, tmp_path, monkeypatch):
     """With one background slot (prefetch_threads=1), a prefetch whose remote fetch hangs used to
     take the pool's one thread: an NVMe hit's promotion waited behind it for the whole fetch."""
     be, make = nodes
@@ -177,15 +177,58 @@ def test_a_hung_remote_fetch_never_holds_up_a_promotion_from_nvme(nodes, tmp_pat
     consumer.put("near", _t(21))
     testing.drain(consumer)
     assert testing.drop_copy(consumer, "host", "near") and testing.where(consumer, "near") >= {"nvme"}
+    started = _signal_gets(be, monkeypatch)
     be.delay_s = 2.0  # every remote call from now on: 2 s (no timeout: remote.timeout_s=10)
     (far,) = consumer.prefetch(["far"])
-    time.sleep(0.05)  # the fetch has started
+    assert started.wait(5)  # the fetch has started
     t0 = time.monotonic()
     (near,) = consumer.prefetch(["near"])
     assert near.wait(1.5), "the NVMe promotion waited for the remote fetch"
     assert time.monotonic() - t0 < 1.5 and testing.holds(consumer, "host", "near")
     assert not far.done()  # still fetching: the promotion did not wait for it, nor it for the promotion
     assert far.wait(10) and _same(consumer.get("far"), _t(20))
+
+
+def test_a_prefetch_that_turns_into_a_remote_fetch_leaves_the_slot_to_promotions(nodes, tmp_path, monkeypatch):
+    """A key stored here when it was asked, gone here (still on the store) before its turn in the
+    prefetch pool: its fetch moves to the fetch pool, and never holds the one background slot."""
+    be, make = nodes
+    producer = make()
+    producer.put("x", _t(30))
+    testing.drain(producer)
+    cfg = _cfg(tmp_path, timeout_s=10.0)
+    cfg = dataclasses.replace(cfg, prefetch_threads=1, nvme=dataclasses.replace(cfg.nvme, write_through=True))
+    consumer = make(cfg)
+    for i, k in enumerate(("x", "y", "z")):
+        consumer.put(k, _t(30 + i))
+    testing.drain(consumer)
+    for k in ("x", "y", "z"):
+        assert testing.drop_copy(consumer, "host", k) and testing.where(consumer, k) >= {"nvme"}
+    monkeypatch.setattr(be, "delete", lambda *a, **kw: None)  # the store keeps x (gone here only)
+    started = _signal_gets(be, monkeypatch)
+    be.delay_s = 2.0  # every remote call from now on: 2 s
+    with consumer.background_read():  # the one slot is taken: both prefetches queue
+        (y,) = consumer.prefetch(["y"])
+        (x,) = consumer.prefetch(["x"])
+        assert consumer.delete("x")
+    assert y.wait(5) and started.wait(5)  # y promoted; x's remote fetch has started
+    t0 = time.monotonic()
+    (z,) = consumer.prefetch(["z"])
+    assert z.wait(1.5), "the NVMe promotion waited for a remote fetch holding the slot"
+    assert time.monotonic() - t0 < 1.5 and not x.done()
+    assert x.wait(10) and _same(consumer.get("x"), _t(30))
+
+
+def _signal_gets(be, monkeypatch) -> threading.Event:
+    """An event set when the fake store's ``get`` is first called."""
+    started, get = threading.Event(), be.get
+
+    def signalling_get(*a, **kw):
+        started.set()
+        return get(*a, **kw)
+
+    monkeypatch.setattr(be, "get", signalling_get)
+    return started
 
 
 def test_acquire_leases_a_remote_entry_through_the_host_arena(nodes):

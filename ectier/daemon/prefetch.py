@@ -6,7 +6,7 @@ For each key, :meth:`Prefetcher.states` answers from memory (no I/O in the reque
 - ``"absent"``: stored nowhere, or its promotion failed (answered once; the next ``prefetch``
   tries again), or (a client without ``direct``) it cannot be leased through the arena;
   with a remote tier, a key stored nowhere locally is first ``"promoting"`` while the cache's
-  prefetch pool asks the store (then ``"ready"``, fetched into the arena, or ``"absent"``);
+  fetch pool asks the store (then ``"ready"``, fetched into the arena, or ``"absent"``);
 - ``"ready"``: a ``get`` pins it now without I/O: it is in the host arena, or a finished promotion
   holds it for the next ``get``;
 - ``"promoting"``: a promotion runs in a worker thread; ask again later.
@@ -107,27 +107,31 @@ class Prefetcher:
         if not self.cache.contains(key, namespace=ns):
             if not self.remote:
                 return ABSENT
-            # maybe on the remote store: the cache's prefetch pool asks it (no I/O here)
+            # maybe on the remote store: the cache's fetch pool asks it (no I/O here)
             return self._start(ident, self.cache.prefetch([key], namespace=ns)[0], direct)
-        handle = self.cache.prefetch([key], namespace=ns)[0]  # done at once: in the arena, or gone
-        if handle.done():
+        return self._local(ident, direct)
+
+    def _local(self, ident: tuple[str, str], direct: bool) -> str:
+        """The state of a key stored here. A prefetch handle done at once means: in the arena, gone,
+        or on NVMe and larger than the arena; else a worker waits for the promotion."""
+        ns, key = ident
+        for _ in range(2):  # twice: an entry evicted and promoted again in between is pinned then
+            handle = self.cache.prefetch([key], namespace=ns)[0]
+            if not handle.done():
+                return self._start(ident, handle, direct)
             if not handle.wait(0):
                 return ABSENT
-            # in the arena a moment ago: pin it if it is still there (a host hit, never I/O here);
-            # else (evicted since, or on NVMe and larger than the arena) a worker reads it
+            # pinned only if in the arena now (a host hit: never I/O on the request's thread)
             held = self._hold(self.cache.acquire(key, namespace=ns, promote=False), ns, key)
             if held is not None:
                 self._keep(ident, held)
                 return READY
             if not self.cache.contains(key, namespace=ns):
                 return ABSENT
-            # evicted since: promoted again; done at once: gone, or on NVMe and larger than the arena
-            handle = self.cache.prefetch([key], namespace=ns)[0]
-            if handle.done() and not (handle.wait(0) and direct):
-                if handle.wait(0):  # no lease through the arena: a protocol-1 client misses it
-                    self.unleasable(ns, key)
-                return ABSENT
-        return self._start(ident, handle, direct)
+        if direct:  # on NVMe and larger than the arena: a worker reads it into a scratch file
+            return self._start(ident, handle, direct)
+        self.unleasable(ns, key)  # no lease through the arena: a protocol-1 client misses it
+        return ABSENT
 
     def _start(self, ident: tuple[str, str], handle: Any, direct: bool) -> str:
         with self._lock:

@@ -234,7 +234,10 @@ class Reads:
         if target is not m.stack.get("host") or m.nvme is None or not m.nvme.tier.holds(digest, v):
             return False
         rec = m.nvme.tier.record(digest)
-        return rec is not None and not target.fits(rec.header.raw_nbytes)
+        if rec is None or target.fits(rec.header.raw_nbytes):
+            return False
+        m.nvme.index.touch(digest)  # asked for: recently used, as promote() counts it
+        return True
 
     def prefetch_later(self, handle: "LoadHandle", digest: bytes, ns: str, key: str, target: Tier | None) -> None:
         """Run :meth:`promote` in the background and finish ``handle`` with its result (an
@@ -246,19 +249,29 @@ class Reads:
         m = self.m
         with m.cond:
             remote = m.remote is not None and m.catalog.version(digest) is None
+        self._submit(remote, handle, digest, ns, key, target)
+
+    def _submit(self, remote: bool, handle: "LoadHandle", digest: bytes, ns: str, key: str, target: Tier | None) -> None:
+        with self.m.cond:
             name = "_fetch_pool" if remote else "_prefetch_pool"
             pool = getattr(self, name)
             if pool is None:
                 pool = ThreadPoolExecutor(self.background_n, thread_name_prefix="ectier-fetch" if remote else
                                           "ectier-prefetch", initializer=mark_background)
                 setattr(self, name, pool)
-        pool.submit(self._prefetch_one, handle, digest, ns, key, target)
+            # (submitted under the lock: a quiesce that took the pool runs it before it returns)
+            pool.submit(self._prefetch_one, remote, handle, digest, ns, key, target)
 
-    def _prefetch_one(self, handle: "LoadHandle", digest: bytes, ns: str, key: str, target: Tier | None) -> None:
+    def _prefetch_one(self, fetching: bool, handle: "LoadHandle", digest: bytes, ns: str, key: str,
+                      target: Tier | None) -> None:
         try:
             self.m.catalog.wait_inflight(digest)
             with self.m.cond:
                 local = self.m.catalog.version(digest) is not None  # (stored here since it was asked)
+            if not local and not fetching and self.m.remote is not None:
+                # evicted or deleted here since it was asked: a remote fetch, in the fetch pool
+                self._submit(True, handle, digest, ns, key, target)
+                return
             with self.background if local else contextlib.nullcontext():
                 done = self.promote(digest, ns, key, target)
             handle.finish(done)
@@ -269,10 +282,12 @@ class Reads:
     def quiesce(self, timeout_s: float | None = None) -> bool:
         """Wait for prefetches and copy completions in flight (the pool restarts on the next
         prefetch). False if the completions did not all run within ``timeout_s``."""
-        with self.m.cond:
-            pools = (self._prefetch_pool, self._fetch_pool)
-            self._prefetch_pool = self._fetch_pool = None
-        for pool in pools:
-            if pool is not None:
+        while True:  # a promotion handed from one pool to the other starts that pool again
+            with self.m.cond:
+                pools = [p for p in (self._prefetch_pool, self._fetch_pool) if p is not None]
+                self._prefetch_pool = self._fetch_pool = None
+            if not pools:
+                break
+            for pool in pools:
                 pool.shutdown(wait=True)
         return self.m.completer.drain(timeout_s)
