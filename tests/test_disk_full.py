@@ -103,6 +103,47 @@ def test_disk_full_evicts_old_entries_for_new_ones(small_fs, sync, entry_bytes):
         check_quiescent(again)
 
 
+def test_a_disk_filled_by_another_program_after_a_reopen_still_makes_room(small_fs):
+    """The store filled the disk, some of it was deleted, the cache restarted, and another program
+    took the free space: an eviction is itself an LMDB commit, which may need new pages at the end
+    of data.mdb. On the old code those commits failed too (``delete failed: mdb_txn_commit``) and
+    some puts were refused while older records held the space; the tier keeps disk
+    space for LMDB (nvme_reserve.py), so every put succeeds by evicting."""
+    cfg = make_config(small_fs / "store", host_bytes=0, nvme_bytes=64 * MiB, map_initial_bytes=1 * MiB,
+                      thin_provisioning=True)
+    with TieredCache(cfg) as cache:
+        for i in range(120):  # 15 MiB into the 8 MiB filesystem: it fills, evictions start
+            cache.put(f"a{i}", filled(128 * KiB, i))
+        assert cache.stats()["tiers"]["nvme"]["disk_full_evictions"] > 0
+        held = [f"a{i}" for i in range(120) if cache.contains(f"a{i}")]
+        for k in held[:40:2]:
+            assert cache.delete(k)
+    try:
+        with open(small_fs / "filler", "wb") as f:  # another program takes what is free
+            while True:
+                f.write(b"\0" * (64 * KiB))
+                f.flush()
+    except OSError:
+        pass
+    stored = {}
+    with TieredCache(cfg) as cache:
+        for i in range(60):
+            t = filled(128 * KiB, 200 + i)
+            cache.put(f"b{i}", t)  # TierWriteError("disk full ... still full after evicting") on the old code
+            stored[f"b{i}"] = t
+        st = cache.stats()["tiers"]["nvme"]
+        assert st["write_failures"] == 0 and st["disk_full_evictions"] > 0
+        held = [k for k in stored if cache.contains(k)]
+        assert len(held) >= 10 and held == list(stored)[-len(held):]  # the newest b's, in order
+        for k in held:
+            assert_same(cache.get(k), stored[k])
+        check_quiescent(cache)
+    with TieredCache(cfg) as again:  # a restart serves all of it, nothing quarantined
+        assert again.stats()["tiers"]["nvme"]["quarantined"] == 0
+        for k in held:
+            assert_same(again.get(k), stored[k])
+
+
 def test_disk_full_with_nothing_to_evict_fails_that_put_clearly(small_fs):
     """Someone else filled the disk and the tier holds nothing to evict: that one put fails with
     TierWriteError naming the directory, the cause and the knob; nothing stored changes; once space
@@ -222,23 +263,19 @@ def test_map_ceiling_a_put_after_a_delete_of_the_same_size_succeeds(make_cache, 
         assert again.stats()["tiers"]["nvme"]["quarantined"] == 0
 
 
-def test_short_write_eio_is_named_disk_full_only_when_the_disk_is_full(tmp_path, monkeypatch):
+def test_short_write_eio_is_named_disk_full_only_when_the_disk_is_full(tmp_path):
     """LMDB turns a short page write (a file system filling up mid-commit) into EIO: the tier tells
     a full disk from another I/O error by the free space (regression: it said 'write failed ...
     Input/output error' on a full disk, naming neither the cause nor a knob)."""
     import lmdb
 
-    from ectier.config import NvmeTierConfig
-    from ectier.tiers.nvme import NvmeTier
+    from ectier.tiers.nvme_env import NvmeDiskFullError, lmdb_write_error
 
-    tier = NvmeTier(NvmeTierConfig(path=str(tmp_path / "t"), capacity_bytes=1 * MiB, sync=False))
-    try:
-        exc = lmdb.Error("mdb_txn_commit: Input/output error")
-        monkeypatch.setattr(tier, "_free_disk_bytes", lambda: 4096)
-        text = tier._write_error_text(exc, 100 * KiB)
-        assert "disk full" in text and "nvme.capacity_bytes" in text and "4096 bytes free" in text
-        monkeypatch.setattr(tier, "_free_disk_bytes", lambda: 10 * 1 << 30)
-        text = tier._write_error_text(exc, 100 * KiB)
-        assert "disk full" not in text and "Input/output error" in text
-    finally:
-        tier.close()
+    exc = lmdb.Error("mdb_txn_commit: Input/output error")
+    err = lmdb_write_error(tmp_path, exc, 100 * KiB, 4096)
+    text = str(err)
+    assert isinstance(err, NvmeDiskFullError)  # the mover evicts and retries on this one
+    assert "disk full" in text and "nvme.capacity_bytes" in text and "4096 bytes free" in text
+    err = lmdb_write_error(tmp_path, exc, 100 * KiB, 10 * 1 << 30)
+    assert isinstance(err, TierWriteError) and not isinstance(err, NvmeDiskFullError)
+    assert "disk full" not in str(err) and "Input/output error" in str(err)

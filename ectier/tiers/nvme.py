@@ -65,7 +65,7 @@ from ..errors import CorruptRecordError, StoreOpenError, TierWriteError
 from ..policy import make_policy
 from .base import Tier
 from .nvme_env import (RELEASE_MARKER, STORE_FORMAT, NvmeDiskFullError, NvmeEnv, free_disk_bytes, write_error,
-                       write_error_text)
+                       lmdb_write_error)
 from .nvme_commit import GroupCommit, Pending
 from .nvme_index import NvmeIndex, NvmeRecord
 from .nvme_reader import ByteViews, flat_cpu_bytes
@@ -264,8 +264,9 @@ class NvmeTier(Tier):
                             continue  # retry once before growing: the freed pages may be enough
                 except lmdb.Error as exc:
                     self.counters["write_errors"] += 1
-                    raise TierWriteError(self._write_error_text(exc, need)) from None
+                    raise lmdb_write_error(self.path, exc, need, self._free_disk_bytes()) from None
                 else:
+                    self._store.reserve.keep()  # what LMDB grew into is held again, if there is room
                     for p, value, (done, old) in zip(batch, values, results):
                         digest, header, loc = p.item
                         if done:
@@ -290,9 +291,6 @@ class NvmeTier(Tier):
                 old = None  # replaced below; its blocks come back at the next open
         txn.put(digest, value, db=self._meta)
         return True, old
-
-    def _write_error_text(self, exc: lmdb.Error, need_bytes: int) -> str:
-        return write_error_text(self.path, exc, need_bytes, self._free_disk_bytes())
 
     def _free_disk_bytes(self) -> int | None:
         return free_disk_bytes(self.path)

@@ -28,12 +28,13 @@ from ..entry import entry_digest
 from ..errors import CorruptRecordError, StoreDamagedError, StoreLockedError, StoreOpenError, TierWriteError
 from .nvme_index import NvmeIndex, NvmeRecord
 from .nvme_migrate import migrate_v1
+from .nvme_reserve import LmdbReserve, reserve_bytes
 from .nvme_scan import gc_paused, scan_index
 from .nvme_segment import BLOCK_BYTES, SEGMENT_NAME, ExtentSpace, SegmentFile, blocks_for
 from .storedir import check_local_filesystem, check_space, missing_dirs, move_aside, remove_created
 from .storedir import free_bytes as free_disk_bytes
 
-__all__ = ["NvmeEnv", "RWLock", "STORE_FORMAT", "RELEASE_MARKER", "write_error_text", "free_disk_bytes",
+__all__ = ["NvmeEnv", "RWLock", "STORE_FORMAT", "RELEASE_MARKER", "write_error_text", "lmdb_write_error", "free_disk_bytes",
            "NvmeDiskFullError", "write_error"]
 
 log = logging.getLogger("ectier.tiers.nvme")  # the tier's logger: where these messages always came from
@@ -122,6 +123,13 @@ class _Shared:
         self._rw.release_shared()
 
 
+def lmdb_write_error(path: Path, exc: lmdb.Error, need_bytes: int, free: int | None) -> TierWriteError:
+    """The error of an LMDB write that failed with ``exc``: :class:`NvmeDiskFullError` when the
+    filesystem is (nearly) full (the mover then evicts and retries), else :class:`TierWriteError`."""
+    text = write_error_text(path, exc, need_bytes, free)
+    return NvmeDiskFullError(text) if text.startswith("nvme tier: disk full") else TierWriteError(text)
+
+
 def write_error_text(path: Path, exc: lmdb.Error, need_bytes: int, free: int | None) -> str:
     """The message of the :class:`TierWriteError` for a write of ``need_bytes`` under ``path`` that
     failed with ``exc`` while ``free`` bytes were free there: "disk full" with the knob to turn
@@ -173,6 +181,7 @@ class NvmeEnv:
         self.env: lmdb.Environment | None = None
         self.meta_db = self.quarantine_db = self.settings_db = None
         self.segment: SegmentFile | None = None
+        self.reserve: LmdbReserve | None = None  # disk space held for LMDB (nvme_reserve.py)
         self.space = ExtentSpace(blocks_for(config.capacity_bytes), self._cut_segment)
         self.rw = RWLock()
         self.write_lock = threading.Lock()
@@ -251,6 +260,8 @@ class NvmeEnv:
                 lock=True,
             )
             self._check_file_size()
+            self.reserve = LmdbReserve(self.path / "lmdb" / "data.mdb", reserve_bytes(self.config.capacity_bytes))
+            self.reserve.keep()
             self.meta_db = self.env.open_db(b"meta")
             self.quarantine_db = self.env.open_db(b"quarantine")
             self.settings_db = self.env.open_db(b"settings")
@@ -280,6 +291,9 @@ class NvmeEnv:
             with self.rw.exclusive():
                 self.env.close()
                 self.env = None
+                if self.reserve is not None:
+                    self.reserve.close()
+                    self.reserve = None
                 if self.segment is not None:
                     self.segment.close()
                     self.segment = None
