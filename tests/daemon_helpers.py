@@ -28,6 +28,7 @@ import json
 import math
 import mmap
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -100,12 +101,16 @@ class DaemonProcess:
     """One daemon process. ``via``: ``"module"`` (``python -m ectier.daemon``'s code, forked by
     :data:`FORKSERVER`), ``"exec"`` (a fresh ``python -m ectier.daemon``), ``"script"`` (the
     ``ectier serve`` console script) or ``"slow-nvme"`` (``tests/slow_nvme_daemon.py``, forked:
-    every NVMe payload read ``nvme_read_delay_s`` late)."""
+    every NVMe payload read ``nvme_read_delay_s`` late). ``nofile``: the process's ``(soft, hard)``
+    ``RLIMIT_NOFILE``, set before it starts (``exec`` and ``script`` only)."""
 
     def __init__(self, config_path: str, socket_path: str, *, via: str = "module",
-                 nvme_read_delay_s: float = 0.0) -> None:
+                 nvme_read_delay_s: float = 0.0, nofile: tuple[int, int] | None = None) -> None:
         if via not in ("module", "exec", "script", "slow-nvme"):
             raise ValueError(f"via: {via!r} is not module, exec, script or slow-nvme")
+        if nofile is not None and via not in ("exec", "script"):
+            raise ValueError(f"nofile: only a launched daemon (via exec or script) takes it, not via {via!r}")
+        self.nofile = nofile
         self.config_path = config_path
         self.socket_path = socket_path
         self.via = via
@@ -126,8 +131,10 @@ class DaemonProcess:
         else:
             cmd = ([ECTIER_SCRIPT, "serve", "--config", self.config_path] if self.via == "script"
                    else [PYTHON, "-m", "ectier.daemon", "--config", self.config_path])
+            nofile = self.nofile
+            limit = None if nofile is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, nofile))
             self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=clean_env(),
-                                         stdin=subprocess.DEVNULL)
+                                         stdin=subprocess.DEVNULL, preexec_fn=limit)
         _LIVE.append(self)
         return self
 

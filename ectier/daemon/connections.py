@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable
 
-__all__ = ["Connection", "admission", "peer_credentials"]
+__all__ = ["Connection", "admission", "least_recently_used_idle", "peer_credentials"]
 
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid (struct ucred)
 
@@ -65,7 +65,8 @@ class Connection:
         return not self.closed and not self.busy and not self.leases
 
 
-def _least_recently_used_idle(conns: Iterable[Connection]) -> Connection | None:
+def least_recently_used_idle(conns: Iterable[Connection]) -> Connection | None:
+    """The idle connection (:attr:`Connection.idle`) of ``conns`` whose last request is oldest, or None."""
     idle = [c for c in conns if c.idle]
     return min(idle, key=lambda c: c.last_active) if idle else None
 
@@ -80,14 +81,14 @@ def admission(conns: Iterable[Connection], uid: int, *, max_clients: int,
     live = [c for c in conns if not c.closed]
     mine = [c for c in live if c.uid == uid]
     if max_per_uid < max_clients and len(mine) >= max_per_uid:  # (equal caps: rule 2 says the same)
-        victim = _least_recently_used_idle(mine)
+        victim = least_recently_used_idle(mine)
         if victim is None:
             return None, (f"too many connections of uid {uid} (daemon.max_clients_per_uid={max_per_uid}), "
                           "none of them idle")
         return victim, None
     if len(live) >= max_clients:
         for owner, _ in Counter(c.uid for c in live).most_common():
-            victim = _least_recently_used_idle(c for c in live if c.uid == owner)
+            victim = least_recently_used_idle(c for c in live if c.uid == owner)
             if victim is not None:
                 return victim, None
         return None, f"too many clients (daemon.max_clients={max_clients}), none of them idle"

@@ -32,6 +32,7 @@ its connections; they end on release or when the process exits (:mod:`ectier.dae
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import grp
 import logging
@@ -47,7 +48,9 @@ from ..cache import TieredCache
 from ..config import CacheConfig
 from ..config_checks import view_pin_bounds
 from ..errors import EctierError
+from ..logutil import RateLimitedLogger
 from .connections import Connection
+from .fdlimit import ACCEPT_RESOURCE_ERRNOS, raise_nofile_limit
 from .files import claim_socket_path, reclaim_stale_arenas
 from .holders import Holders
 from .leases import LeaseBook, end_lease
@@ -97,6 +100,7 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
         #: names this daemon run in ``hello`` (a client drops releases of leases an earlier run granted)
         self.instance = os.urandom(8).hex()
         self._threads: list[threading.Thread] = []
+        self._accept_log = RateLimitedLogger(log, 10.0)  # accept() out of descriptors: one line per 10 s
         self.allowed_gid = self._resolve_group(config.daemon.allowed_group)
         self.prefetcher: Prefetcher | None = None
         self._metrics_server = None
@@ -124,7 +128,10 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
                                      scratch_dir=self.config.daemon.shm_dir, gid=self.allowed_gid)
 
     def start(self) -> None:
-        """Open the tiers, bind the socket, start the reaper (and metrics). Returns at once."""
+        """Open the tiers, bind the socket, start the reaper (and metrics). Returns at once.
+        Raises the soft ``RLIMIT_NOFILE`` first where ``daemon.max_clients`` needs it
+        (:mod:`ectier.daemon.fdlimit`)."""
+        raise_nofile_limit(self.config.daemon.max_clients)
         claim_socket_path(self.socket_path)
         self._open_arena()
         try:
@@ -210,19 +217,34 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
             os.close(dir_fd)
 
     def serve_forever(self) -> None:
-        """Accept connections until :meth:`stop` (or SIGTERM/SIGINT via :func:`run_daemon`)."""
+        """Accept connections until :meth:`stop` (or SIGTERM/SIGINT via :func:`run_daemon`), then
+        shut down (also when this raises: the cache is flushed and the socket file removed).
+
+        Out of descriptors or memory at ``accept`` (EMFILE, ENFILE, ENOBUFS, ENOMEM) the daemon
+        goes on serving: it logs (rate-limited), closes the least recently used idle connection,
+        if any, and backs off briefly (:meth:`_accept_failed`).
+
+        Raises:
+            OSError: ``accept`` failed otherwise (the listener is broken)."""
         assert self._listener is not None, "call start() first"
-        while not self._stop.is_set():
-            try:
-                sock, _ = self._listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                if self._stop.is_set():
-                    break
-                raise
-            self._admit(sock)
-        self._shutdown()
+        try:
+            while not self._stop.is_set():
+                try:
+                    sock, _ = self._listener.accept()
+                except socket.timeout:
+                    continue
+                except OSError as exc:
+                    if self._stop.is_set():
+                        break
+                    if exc.errno in ACCEPT_RESOURCE_ERRNOS:
+                        self._accept_failed(exc)
+                        continue
+                    if exc.errno in (errno.ECONNABORTED, errno.EPROTO):  # the peer left meanwhile
+                        continue
+                    raise
+                self._admit(sock)
+        finally:
+            self._shutdown()
 
     def stop(self) -> None:
         """Ask the accept loop to finish; in-flight requests complete, then the cache is closed."""

@@ -9,6 +9,8 @@ request is answered by :func:`ectier.daemon.handlers.handle`; a reply that canno
 the process-held leases its request granted; a connection idle for ``daemon.idle_timeout_s``
 without a lease is closed; a disconnect ends every lease of the connection. Connection threads
 run under ``SCHED_BATCH`` (:func:`batch_scheduling`): no wake-up preemption of their clients.
+Out of descriptors at ``accept`` (:meth:`ConnectionServing._accept_failed`), the least recently
+used idle connection is closed to make room, as at ``daemon.max_clients``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import threading
 import time
 from typing import Any
 
-from .connections import Connection, admission, peer_credentials
+from .connections import Connection, admission, least_recently_used_idle, peer_credentials
 from .handlers import handle
 from .leases import end_lease
 from .protocol import FrameDecoder, ProtocolError, encode_frame, error_reply
@@ -79,6 +81,27 @@ class ConnectionServing:
         self._threads = [x for x in self._threads if x.is_alive()]
         self._threads.append(t)
         t.start()
+
+    def _accept_failed(self, exc: OSError) -> None:
+        """``accept`` failed for want of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM):
+        log it (one line per 10 s), close the least recently used idle connection if there is
+        one (it loses nothing, see :mod:`ectier.daemon.connections`), and back off 20 ms so that
+        its descriptor is freed and the loop never spins. Never raises."""
+        with self._lock:
+            victim = least_recently_used_idle(self._conns.values())
+            if victim is not None:
+                victim.closed = True
+                self.counters["evicted"] += 1
+            open_conns = sum(not c.closed for c in self._conns.values())
+        self._accept_log.warning(
+            ("accept", exc.errno), "cannot accept a connection: %s (%d connections open, daemon.max_clients=%d, "
+            "RLIMIT_NOFILE %s); %s; see docs/operations.md, Under systemd (LimitNOFILE=)",
+            exc.strerror or exc, open_conns, self.config.daemon.max_clients, _nofile_limit(),
+            f"closed the idle connection of client {victim.name or '(no hello yet)'} (pid {victim.pid}) to make room"
+            if victim is not None else "no idle connection to close; retrying")
+        if victim is not None:
+            shutdown_socket(victim.sock)
+        self._stop.wait(0.02)
 
     def _peer_allowed(self, uid: int, gid: int) -> bool:
         if uid == os.getuid():
@@ -196,6 +219,16 @@ def batch_scheduling() -> None:
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     except (AttributeError, OSError):
         pass
+
+
+def _nofile_limit() -> str:
+    """The soft RLIMIT_NOFILE, for a log line ("?" where there is none)."""
+    try:
+        import resource
+
+        return str(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    except (ImportError, OSError, ValueError):
+        return "?"
 
 
 def shutdown_socket(sock: socket.socket) -> None:
