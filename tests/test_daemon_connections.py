@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -36,6 +38,7 @@ from daemon_helpers import (
 from ectier import CacheConfig
 from ectier.cli import main as cli_main
 from ectier.config import ConfigError
+from ectier.errors import EctierError
 from ectier.daemon.client import DaemonClient, DaemonUnavailableError
 from ectier.daemon.protocol import PROTOCOL_VERSION
 
@@ -192,6 +195,60 @@ def test_the_daemon_client_and_stats_import_without_torch():
 def test_stats_timeout_must_be_positive(hung, bad):
     r = CliRunner().invoke(cli_main, ["stats", "--socket", hung.socket_path, "--timeout", bad])
     assert r.exit_code == 2 and "--timeout" in r.output, r.output
+
+
+@pytest.fixture
+def resetting_server():
+    """A Unix-socket server (a thread, not a daemon) that accepts, waits 0.05 s and closes each
+    connection unread: every handshake is reset, as by a daemon killed and restarted. Yields
+    ``(socket path, list of accepted connections' numbers)``."""
+    d = short_tmpdir()
+    path = os.path.join(d, "reset.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(16)
+    accepted: list[int] = []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepted.append(len(accepted))
+            time.sleep(0.05)
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield path, accepted
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        thread.join(5)
+        remove_dir(d)
+
+
+@pytest.mark.parametrize("call", ["put", "get", "get_view", "prefetch", "contains", "connect", "submit"])
+def test_a_handshake_reset_is_retried_then_raises_daemon_unavailable(resetting_server, call):
+    """A connection reset during ``hello`` (put/get used to raise a raw ConnectionResetError from
+    the connect outside call()): every call retries once on a new connection, as call() does
+    (submit, a probe, tries once), then raises DaemonUnavailableError, an EctierError."""
+    import torch
+
+    path, accepted = resetting_server
+    c = DaemonClient(path, client_name="reset-test", connect_retry_s=0.5)
+    calls = {"put": lambda: c.put("k", torch.zeros(4)), "get": lambda: c.get("k"),
+             "get_view": lambda: c.get_view("k"), "prefetch": lambda: c.prefetch(["k"]),
+             "contains": lambda: c.contains("k"), "connect": c.connect, "submit": lambda: c.submit("ping")}
+    try:
+        with pytest.raises(DaemonUnavailableError, match="lost the ectier daemon") as info:
+            calls[call]()
+        assert isinstance(info.value, EctierError)
+        assert len(accepted) == (1 if call == "submit" else 2), accepted  # the first attempt and one retry
+    finally:
+        c.close()
 
 
 # ==================================================================================== hello

@@ -45,13 +45,25 @@ class Transport:
     attributes :class:`~ectier.daemon.client.DaemonClient` sets up in ``__init__``."""
 
     def connect(self, *, wait: bool = True) -> None:
-        """Connect and handshake now (calls do this lazily). Raises DaemonUnavailableError.
-
+        """Connect and handshake now (calls do this lazily). A connection lost during the
+        handshake (a daemon restarting) is retried once on a new one, as :meth:`call` does.
         ``wait=False``: a probe, as at start-up: one attempt, no ``connect_retry_s`` wait, bounded
-        by ``probe_timeout_s``; a failure starts the back-off window like any other."""
+        by ``probe_timeout_s``; a failure starts the back-off window like any other.
+
+        Raises:
+            DaemonUnavailableError: unreachable, no ``hello`` reply in time, or the connection
+            lost during the handshake (twice unless a probe). The daemon's typed error: a refusal."""
         with self._lock:
-            if self._sock is None:
-                self._connect(wait=wait)
+            for attempt in (0, 1) if wait else (1,):
+                if self._sock is not None:
+                    return
+                try:
+                    self._connect(wait=wait)
+                except OSError as exc:  # ConnectionResetError, BrokenPipeError, ...: lost in the handshake
+                    self._drop()
+                    if attempt == 1:
+                        raise DaemonUnavailableError(
+                            f"lost the ectier daemon at {self.socket_path!r} during the handshake: {exc}") from None
 
     @property
     def unreachable(self) -> bool:
@@ -353,7 +365,7 @@ class Transport:
             if self._sock is None:
                 if not connect:
                     raise DaemonUnavailableError(f"not connected to the ectier daemon at {self.socket_path!r}")
-                self._connect(wait=False)
+                self.connect(wait=False)
             rid = self._next_id
             self._next_id += 1
             try:
