@@ -30,6 +30,7 @@ __all__ = [
     "EntryMeta",
     "EntryState",
     "validate_key",
+    "validate_keys",
     "validate_namespace",
     "entry_digest",
     "dtype_itemsize",
@@ -100,6 +101,22 @@ def validate_key(key: object, *, arg: str = "key") -> str:
     if len(key) > MAX_KEY_BYTES // 4 and len(_utf8(key)) > MAX_KEY_BYTES:
         raise InvalidKeyError(f"{arg}: {len(_utf8(key))} bytes of UTF-8, longer than {MAX_KEY_BYTES}")
     return key
+
+
+def validate_keys(keys: object, *, arg: str = "keys") -> list[str]:
+    """Return ``keys`` (any iterable of keys but one ``str``) as a list, each checked by
+    :func:`validate_key`.
+
+    Raises:
+        InvalidKeyError: naming ``arg`` for one ``str`` or ``bytes`` given where a list of keys
+            is expected (its characters are not keys), or for an invalid key among them.
+    """
+    if isinstance(keys, (str, bytes)):
+        raise InvalidKeyError(f"{arg}: expected a list of keys, got one {type(keys).__name__}")
+    out = list(keys)
+    for key in out:
+        validate_key(key)
+    return out
 
 
 def validate_namespace(namespace: object, *, arg: str = "namespace") -> str:

@@ -290,6 +290,30 @@ def test_the_hello_reply_lists_the_features():
         assert daemon_stats(proc.socket_path)["daemon"]["prefetch"]["held"] == 0
 
 
+def test_a_str_where_a_list_of_keys_goes_is_refused_before_anything_is_sent(tmp_path):
+    """``prefetch("abc")`` used to prefetch "a", "b" and "c"; like TieredCache.prefetch it raises
+    InvalidKeyError, and so do prefetch_and_pin's ``keys`` and ``pin``, without connecting (no
+    daemon listens at the path: a connection attempt would raise DaemonUnavailableError)."""
+    from ectier.errors import InvalidKeyError
+
+    with TieredCache(make_config(tmp_path)) as cache, pytest.raises(InvalidKeyError) as local:
+        cache.prefetch("abc")
+    c = DaemonClient(os.path.join(short_tmpdir(), "nobody.sock"), connect_retry_s=0.1)
+    calls = [lambda: c.prefetch("abc"), lambda: c.prefetch(b"abc"), lambda: c.prefetch_and_pin("abc", []),
+             lambda: c.prefetch_and_pin(["abc"], "abc")]
+    try:
+        for call in calls:
+            with pytest.raises(InvalidKeyError, match="expected a list of keys, got one"):
+                call()
+        with pytest.raises(InvalidKeyError) as remote:
+            c.prefetch("abc")
+        assert str(remote.value) == str(local.value)
+        assert not c.unreachable  # no connection was tried
+    finally:
+        c.close()
+        remove_dir(os.path.dirname(c.socket_path))
+
+
 def test_direct_reads_of_a_prefetch_keep_to_prefetch_threads(tmp_path, monkeypatch):
     """Entries larger than the arena are read from NVMe into scratch files by the daemon's own
     prefetch workers, the others promoted by the cache's prefetch pool: together at most

@@ -38,7 +38,7 @@ from typing import Any
 
 from .. import errors
 from ..config import DaemonConfig
-from ..entry import validate_key
+from ..entry import validate_keys
 from .client_copy import copy_from_device as _copy_from_device, device_to_host as _device_to_host
 from .client_errors import DaemonFeatureError, DaemonUnavailableError
 from .client_conn import Transport
@@ -147,12 +147,11 @@ class DaemonClient(Transport, ViewCalls):
         :meth:`get` now pins it without I/O). One round trip for all of them.
 
         Raises:
-            InvalidKeyError: a bad key or namespace (nothing started). DaemonFeatureError: the
+            InvalidKeyError: a bad key or namespace, or ``keys`` one str (nothing sent; as
+            :meth:`ectier.TieredCache.prefetch`). DaemonFeatureError: the
             daemon has no ``prefetch`` (older than this client). DaemonUnavailableError: unreachable.
         """
-        keys = list(keys)
-        for key in keys:
-            validate_key(key)
+        keys = validate_keys(keys)
         with self._lock:
             if self._sock is None:
                 self.connect()

@@ -240,18 +240,18 @@ class ViewCalls:
         ``extents``) of ``pin[i]`` or ``None`` (not ready, or refused by ``daemon.view_pin_bytes``).
         Release a pin with :meth:`release_held` (``instance`` names the daemon run that granted it).
 
-        Raises: as :meth:`prefetch`; DaemonFeatureError for a daemon without views.
+        Raises: as :meth:`prefetch` (``keys`` or ``pin`` one str: InvalidKeyError, nothing sent);
+        DaemonFeatureError for a daemon without views.
         """
+        from ..entry import validate_keys
+
+        keys, pin = validate_keys(keys), validate_keys(pin, arg="pin")
         with self._lock:
             if self._sock is None:
                 self.connect()
             if "view" not in self.features:
                 raise _feature_error(f"the ectier daemon at {self.socket_path!r} has no views; upgrade it")
-            from ..entry import validate_key
-
-            for key in [*keys, *pin]:
-                validate_key(key)
-            reply = self.call("prefetch", keys=list(keys), pin=list(pin), **_ns(namespace), **self._direct())
+            reply = self.call("prefetch", keys=keys, pin=pin, **_ns(namespace), **self._direct())
             return list(reply["states"]), list(reply["pins"]), self.server_info.get("instance", "")
 
     def release_held(self, lease: int, instance: str) -> None:
