@@ -134,9 +134,11 @@ def coerce_bytes(obj: Any, section: str, problems: Problems) -> None:
                 object.__setattr__(obj, f.name, parse_bytes(value, field_name=f"{section}.{f.name}"))
 
 
-def check_seconds(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-        raise ConfigError(f"{name}: expected a finite number of seconds >= 0, got {value!r}")
+def check_seconds(name: str, value: Any, *, positive: bool = False) -> None:
+    """A finite number of seconds, >= 0 (``positive``: > 0)."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf")
+            or (positive and value == 0)):
+        raise ConfigError(f"{name}: expected a finite number of seconds {'>' if positive else '>='} 0, got {value!r}")
 
 
 def check_policy(name: str, value: Any) -> None:
@@ -308,6 +310,20 @@ def check_nvme(cfg: NvmeTierConfig) -> None:
     p.raise_if_any()
 
 
+def check_socket_mode(cfg: DaemonConfig) -> None:
+    """An int ``daemon.socket_mode`` (JSON's 384, YAML's unquoted ``0600``) made its octal string,
+    in place. One above 0o777 is refused: YAML reads an unquoted ``600`` as the decimal 600 (0o1130)."""
+    mode = cfg.socket_mode
+    if isinstance(mode, int) and not isinstance(mode, bool):
+        if mode < 0:
+            raise ConfigError(f"daemon.socket_mode: expected an octal string such as '0600', got {mode!r}")
+        if mode > 0o777:
+            quoted = f"0{mode}" if re.fullmatch(r"[0-7]{3}", str(mode)) else "0600"
+            raise ConfigError(f"daemon.socket_mode: {mode} is above 0o777 (511); YAML reads an unquoted "
+                              f"{mode} as a decimal number, not octal: write it quoted, e.g. \"{quoted}\"")
+        object.__setattr__(cfg, "socket_mode", format(mode, "04o"))
+
+
 def check_daemon(cfg: DaemonConfig) -> None:
     """The checks of :class:`~ectier.config.DaemonConfig` (path-like paths made ``str``, an int
     ``socket_mode`` made its octal string, ``*_bytes`` strings parsed, in place).
@@ -322,9 +338,8 @@ def check_daemon(cfg: DaemonConfig) -> None:
             check_text("daemon.socket_path", cfg.socket_path, "a path or null")
             if len(os.fsencode(cfg.socket_path)) > 107:
                 raise ConfigError("daemon.socket_path: longer than the 107 bytes a Unix socket path may have")
-    if isinstance(cfg.socket_mode, int) and not isinstance(cfg.socket_mode, bool):
-        object.__setattr__(cfg, "socket_mode", format(cfg.socket_mode, "04o"))
     with p.check("daemon.socket_mode"):
+        check_socket_mode(cfg)
         if not isinstance(cfg.socket_mode, str) or not re.fullmatch(r"0?o?[0-7]{3,4}", cfg.socket_mode):
             raise ConfigError(
                 f"daemon.socket_mode: expected an octal string such as '0600', got {cfg.socket_mode!r}"
@@ -341,9 +356,7 @@ def check_daemon(cfg: DaemonConfig) -> None:
         check_text("daemon.shm_dir", cfg.shm_dir, "a directory path")
     coerce_bytes(cfg, "daemon", p)
     with p.check("daemon.lease_s"):
-        check_seconds("daemon.lease_s", cfg.lease_s)
-        if not cfg.lease_s > 0:
-            raise ConfigError(f"daemon.lease_s: must be > 0, got {cfg.lease_s}")
+        check_seconds("daemon.lease_s", cfg.lease_s, positive=True)
     with p.check("daemon.max_frame_bytes"):
         check_int("daemon.max_frame_bytes", cfg.max_frame_bytes, minimum=4 * KiB)
     with p.check("daemon.max_clients"):
@@ -400,9 +413,7 @@ def check_remote(cfg: Any) -> None:
     for name in ("timeout_s", "backoff_s"):
         with p.check(f"remote.{name}"):
             v = getattr(cfg, name)
-            if name == "timeout_s" and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")):
-                raise ConfigError(f"remote.timeout_s: expected a finite number of seconds > 0, got {v!r}")
-            check_seconds(f"remote.{name}", v)
+            check_seconds(f"remote.{name}", v, positive=name == "timeout_s")
     for name in ("write_through", "tls"):
         with p.check(f"remote.{name}"):
             check_bool(f"remote.{name}", getattr(cfg, name))

@@ -19,8 +19,10 @@ class DaemonConfig:
         socket_path: Unix socket to listen on. ``None`` (default) = ``$XDG_RUNTIME_DIR/ectier.sock``
             when that directory exists, else ``/tmp/ectier-<uid>.sock``. A missing parent
             directory is created by ``ectier serve``.
-        socket_mode: permission bits of the socket file as an octal string, default ``"0600"``
-            (owner only); ``"0660"`` with ``allowed_group`` lets a group in.
+        socket_mode: permission bits of the socket file as an octal string (``"0600"``, ``"600"``,
+            ``"0o600"``), default ``"0600"`` (owner only); ``"0660"`` with ``allowed_group`` lets a
+            group in. Quote it in YAML: an unquoted ``600`` is the decimal number 600 and is refused
+            (an int is taken as the mode's value: YAML's unquoted ``0600``, JSON's 384).
         allowed_group: name of a group whose members may connect besides the daemon's own user
             (checked with SO_PEERCRED on every connection). Default ``None``.
         shm_dir: directory of the shared host arena file that clients map. Default ``/dev/shm``.

@@ -193,3 +193,39 @@ def test_serve_reports_all_problems_of_its_config_file(runner, tmp_path, monkeyp
     path.write_text("host:\n  capacity_bytes: lots\nnvme:\n  codec: brotli\ndaemon:\n  max_clients: 0\n")
     result = runner.invoke(main, ["serve", "--config", str(path)])
     _usage_error(result, "Invalid value for --config", "host.capacity_bytes", "nvme.codec", "daemon.max_clients")
+
+
+# ------------------------------------------------------------------------ daemon.socket_mode
+
+
+@pytest.mark.parametrize("text, quoted", [("600", "0600"), ("660", "0660"), ("1000", "0600")])
+def test_an_unquoted_decimal_socket_mode_in_yaml_is_refused_with_the_fix(tmp_path, text, quoted):
+    """Regression: YAML reads an unquoted 600 as the decimal 600, which became mode 0o1130 (the
+    owner could not write the socket), silently; 660 was reported as '1224 gives access to every user'."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"daemon:\n  socket_mode: {text}\n")
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.load(path)
+    message = str(info.value)
+    assert message.startswith(f"daemon.socket_mode: {text} is above 0o777"), message
+    assert "YAML" in message and "decimal" in message and f'"{quoted}"' in message, message
+    with pytest.raises(ConfigError, match="daemon.socket_mode: 600 is above 0o777"):
+        DaemonConfig(socket_mode=600)
+
+
+@pytest.mark.parametrize("yaml_value, bits", [("0600", 0o600), ("0660", 0o660), ('"0600"', 0o600), ('"600"', 0o600),
+                                              ('"0o600"', 0o600), ("384", 0o600), ("0", 0)])
+def test_socket_mode_takes_octal_strings_and_ints_of_the_mode(tmp_path, yaml_value, bits):
+    """An unquoted 0600 is YAML's octal 384; JSON users give 384; strings are octal."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"daemon:\n  socket_mode: {yaml_value}\n")
+    assert CacheConfig.load(path).daemon.socket_mode_bits == bits
+    assert CacheConfig.from_dict({"daemon": {"socket_mode": 0o660}}).daemon.socket_mode == "0660"
+
+
+@pytest.mark.parametrize("value", [0, -1, -0.5, float("inf"), "30"])
+def test_lease_s_has_one_rule_and_one_message(value):
+    """Regression: lease_s 0 said 'must be > 0' but -1 said '>= 0'."""
+    with pytest.raises(ConfigError, match=r"^daemon\.lease_s: expected a finite number of seconds > 0, got "):
+        DaemonConfig(lease_s=value)
+    assert DaemonConfig(lease_s=0.01).lease_s == 0.01
