@@ -195,12 +195,14 @@ class TieredCache:
         Args:
             key: the ``mm_hash``. device: ``None``/``"cpu"`` or an explicit ``"cuda:<index>"``.
             namespace: override of ``config.namespace``.
-            out: a contiguous CPU tensor to copy into; on a hit of the same shape and dtype ``out``
-                itself is returned; another shape or dtype raises and leaves ``out`` untouched.
+            out: a contiguous CPU tensor of the entry's shape and dtype to copy into; on a hit ``out``
+                itself is returned. Another shape (even with as many bytes) or dtype raises, before
+                any read: ``out`` is left untouched and nothing stored changes. A miss leaves it untouched.
 
         Raises:
             InvalidKeyError; InvalidDeviceError (bare ``"cuda"``, an index this machine lacks);
-            InvalidTensorError (``out`` unsuitable); torch.cuda.OutOfMemoryError (no device memory
+            InvalidTensorError (``out`` unsuitable: not a contiguous CPU tensor, or another shape or
+            dtype than the entry's; names ``out`` and both); torch.cuda.OutOfMemoryError (no device memory
             for the result; a failed *promotion* is no error); EctierError: the cache is closed.
         """
         ns = self._namespace if namespace is None else validate_namespace(namespace)

@@ -127,20 +127,21 @@ def output_for(meta: EntryMeta, out: torch.Tensor | None) -> torch.Tensor:
     """Where a CPU read of ``meta`` lands: a fresh tensor, or the caller's ``out`` (checked).
 
     Raises:
-        InvalidTensorError: ``out`` is not a contiguous CPU tensor, or its dtype or byte size is not
-            the entry's (the message names both).
+        InvalidTensorError: ``out`` is not a contiguous CPU tensor, or its dtype or shape is not
+            the entry's (the message names both; a shape of as many bytes is refused too: ``out``
+            is returned itself, never a view of it in another shape).
     """
     dtype = torch_dtype(meta.dtype)
     if out is None:
         return torch.empty(meta.shape, dtype=dtype)
     if not isinstance(out, torch.Tensor) or not out.is_cpu or not out.is_contiguous():
         raise InvalidTensorError("out: expected a contiguous CPU tensor")
-    if out.dtype != dtype or out.numel() * out.element_size() != meta.nbytes:
+    if out.dtype != dtype or tuple(out.shape) != meta.shape:
         raise InvalidTensorError(
             f"out: the entry is {meta.dtype} {meta.shape}, out is {str(out.dtype).removeprefix('torch.')} "
-            f"{tuple(out.shape)}"
+            f"{tuple(out.shape)}; pass an out of the entry's shape and dtype"
         )
-    return out.view(meta.shape) if tuple(out.shape) != meta.shape else out
+    return out
 
 
 def tensor_from_bytes(meta: EntryMeta, data: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import KiB, MiB, assert_same
-from ectier import TieredCache
+from ectier import InvalidTensorError, TieredCache
 from ectier.config import CacheConfig, HostTierConfig
 
 
@@ -77,14 +77,15 @@ def test_stored_bytes_are_the_caches_own():
         assert_same(cache.get("k"), keep)
 
 
-def test_get_out_of_another_shape_with_the_same_elements_is_filled_and_viewed():
+def test_get_out_of_another_shape_with_the_same_elements_is_refused_untouched():
+    """get's docstring: another shape raises (it used to be filled and viewed in the entry's shape)."""
     x = torch.arange(24, dtype=torch.int16).reshape(2, 12)
     with _host_cache() as cache:
         cache.put("k", x)
-        out = torch.empty(24, dtype=torch.int16)
-        got = cache.get("k", out=out)
-        assert tuple(got.shape) == (2, 12) and got.data_ptr() == out.data_ptr()
-        assert torch.equal(out, x.reshape(-1))
+        out = torch.zeros(24, dtype=torch.int16)
+        with pytest.raises(InvalidTensorError, match=r"out: .*\(2, 12\).*\(24,\)"):
+            cache.get("k", out=out)
+        assert not out.any()
 
 
 def test_an_entry_over_several_block_runs_round_trips():

@@ -347,8 +347,8 @@ class NvmeMoves:
             return None
         try:
             meta = rec.meta
-            if (meta.dtype == "uint8" and out.dtype is torch.uint8 and out.dim() == 1 and out.numel() == meta.nbytes
-                    and out.is_contiguous()):
+            if (meta.dtype == "uint8" and out.dtype is torch.uint8 and out.dim() == 1 and len(meta.shape) == 1
+                    and out.numel() == meta.nbytes and out.is_contiguous()):
                 return out  # an entry of flat bytes, and out= of its size: no views to make
             if (out.shape == meta.shape and out.dtype is torch_dtype(meta.dtype) and out.is_contiguous()
                     and not out.requires_grad and out.numel() > 1):

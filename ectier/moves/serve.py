@@ -19,7 +19,7 @@ import torch
 
 from ..cpus import background_threads
 from ..index import Slot
-from ..tensors import tensor_from_bytes, torch_dtype
+from ..tensors import output_for, tensor_from_bytes, torch_dtype
 from ..tiers.arena import ArenaTier
 from ..tiers.base import Tier
 from ..tiers.nvme_reader import mark_background
@@ -119,6 +119,10 @@ class Reads:
             result = m.arena.serve_host_hit(tier, loc.slot, dev, out, target)
             m.counters.count_hit(tier.name, loc.slot.meta.nbytes)
             return result
+        if out is not None:
+            rec = tier.record(digest)
+            if rec is not None and rec.version == loc.version:
+                output_for(rec.meta, out)  # an unsuitable out= raises before any read or promotion
         upto = target if (target is not None and out is None) else m.stack.get("host")
         got = m.promote.from_store(digest, ns, key, loc.version, upto, out)
         if got is None or got is RETRY:
