@@ -67,7 +67,8 @@ class TieredCache:
     Raises:
         ConfigError: an invalid config, a host or device arena that cannot be allocated, a GPU
             tier on a machine without CUDA or on a device index it lacks (names ``gpu.*``).
-        StoreOpenError, StoreLockedError: the NVMe directory cannot be opened / is in use.
+        StoreOpenError, StoreLockedError: the NVMe directory cannot be opened / is in use (by another
+            process or another TieredCache of this process).
     """
 
     def __init__(self, config: CacheConfig | Mapping[str, Any] | str | os.PathLike | None = None, *,

@@ -94,7 +94,8 @@ class EntryTooLargeError(EctierError, ValueError):
 
 
 class StoreLockedError(EctierError):
-    """The NVMe tier's directory is locked by another process (another cache or the daemon)."""
+    """The NVMe tier's directory is locked by another process (another cache or the daemon), or
+    by another :class:`~ectier.TieredCache` of this process."""
 
 
 class StoreOpenError(EctierError):

@@ -586,7 +586,7 @@ def test_map_ceiling_during_demotion_drops_the_victim_not_the_put(make_cache):
 def test_second_cache_on_same_directory_in_process_is_locked(make_cache, tmp_path):
     cache, cfg = make_cache()
     cache.put("k", torch.ones(3))
-    with pytest.raises(StoreLockedError, match="nvme.path"):
+    with pytest.raises(StoreLockedError, match="nvme.path: .* in use by another TieredCache in this process"):
         TieredCache(cfg)
     assert_same(cache.get("k"), torch.ones(3))  # the failed open did not disturb the owner
     cache.put("k2", torch.zeros(2))
@@ -613,7 +613,7 @@ def test_directory_held_by_another_process_is_locked(tmp_path):
     try:
         line = child.stdout.readline()
         assert line.strip() == "ready", child.stderr.read()
-        with pytest.raises(StoreLockedError, match="nvme.path"):
+        with pytest.raises(StoreLockedError, match="nvme.path: .* in use by another process;"):
             TieredCache(make_config(path))
     finally:
         child.stdin.close()

@@ -829,6 +829,6 @@ def test_nvme_path_in_use_names_the_key_and_the_config_file(model_dir, tmp_path)
         with pytest.raises(StoreLockedError) as info:
             ECTierConnector(cfg, ECConnectorRole.SCHEDULER)
         assert str(info.value).startswith(f"ec_connector_extra_config.config_path ({str(path)!r}): nvme.path: ")
-        assert "in use by another process" in str(info.value)
+        assert "in use by another TieredCache in this process" in str(info.value)
     finally:
         other.close()

@@ -92,7 +92,7 @@ class NvmeTier(Tier):
             an LMDB store of another format.
         StoreDamagedError: the LMDB environment is damaged and ``nvme.on_damaged`` is ``"fail"``
             (with ``"reset"`` it is moved aside, one warning is logged, and the tier starts empty).
-        StoreLockedError: another process has the store open.
+        StoreLockedError: another process, or another TieredCache of this process, has the store open.
         ConfigError: the path is on a network or FUSE filesystem and ``nvme.allow_network_fs`` is off.
     """
 

@@ -10,7 +10,6 @@ tier's index and of their extents into the free-space map), handles a damaged st
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -31,7 +30,8 @@ from .nvme_migrate import migrate_v1
 from .nvme_reserve import LmdbReserve, reserve_bytes
 from .nvme_scan import gc_paused, scan_index
 from .nvme_segment import BLOCK_BYTES, SEGMENT_NAME, ExtentSpace, SegmentFile, blocks_for
-from .storedir import check_local_filesystem, check_space, missing_dirs, move_aside, remove_created
+from .storedir import (check_local_filesystem, check_space, drop_store_lock, missing_dirs, move_aside, remove_created,
+                       take_store_lock)
 from .storedir import free_bytes as free_disk_bytes
 
 __all__ = ["NvmeEnv", "RWLock", "STORE_FORMAT", "RELEASE_MARKER", "write_error_text", "lmdb_write_error", "free_disk_bytes",
@@ -227,15 +227,13 @@ class NvmeEnv:
             self._lock_file = open(self.path / "ectier.lock", "a+")
         except OSError as exc:
             raise StoreOpenError(f"nvme.path: cannot write in {str(self.path)!r}: {exc.strerror}") from None
-        try:
-            fcntl.flock(self._lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        holder = take_store_lock(self._lock_file)
+        if holder is not None:
             self._lock_file.close()
             self._lock_file = None
             raise StoreLockedError(
-                f"nvme.path: {str(self.path)!r} is in use by another process; give each cache its own "
-                "directory, or share one store through the ectier daemon"
-            ) from None
+                f"nvme.path: {str(self.path)!r} is in use by {holder}; give each cache its own "
+                "directory, or share one store through the ectier daemon")
 
     def _open_env(self) -> None:
         """Open LMDB under the held lock and load the headers.
@@ -489,7 +487,7 @@ class NvmeEnv:
         self._close_env()
         if self._lock_file is not None:
             try:
-                fcntl.flock(self._lock_file.fileno(), fcntl.LOCK_UN)
+                drop_store_lock(self._lock_file)
             finally:
                 self._lock_file.close()
                 self._lock_file = None

@@ -36,7 +36,7 @@ from ..errors import ConfigError
 
 __all__ = ["Mount", "NETWORK_FS_TYPES", "parse_mountinfo", "mount_of", "is_network_fs",
            "check_local_filesystem", "move_aside", "damaged_copies", "MOUNTINFO_PATH", "free_bytes",
-           "check_space", "missing_dirs", "remove_created", "STORE_FILES"]
+           "check_space", "missing_dirs", "remove_created", "STORE_FILES", "take_store_lock", "drop_store_lock"]
 
 MOUNTINFO_PATH = "/proc/self/mountinfo"
 
@@ -270,6 +270,39 @@ def move_aside(store_dir: str | os.PathLike) -> Path:
         os.rename(d / "segment.0", target / "segment.0")
     _fsync_dir(d)
     return target
+
+
+#: the store lock files (``(st_dev, st_ino)``) whose flock this process took, with its pid then
+#: (a forked child inherits the parent's entries; the pid tells them apart). No lock: dict calls
+#: are atomic, and a lock held by another thread at a fork would stay held in the child.
+_HELD: dict[tuple[int, int], int] = {}
+
+
+def _file_id(lock_file) -> tuple[int, int]:
+    st = os.fstat(lock_file.fileno())
+    return st.st_dev, st.st_ino
+
+
+def take_store_lock(lock_file) -> str | None:
+    """Take the exclusive ``flock`` of a store's open ``ectier.lock`` without waiting: ``None``
+    when taken, else who holds it, ``"another TieredCache in this process"`` (this process took
+    it and holds it still) or ``"another process"``."""
+    key = _file_id(lock_file)
+    try:
+        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        here = _HELD.get(key) == os.getpid()
+        return "another TieredCache in this process" if here else "another process"
+    _HELD[key] = os.getpid()
+    return None
+
+
+def drop_store_lock(lock_file) -> None:
+    """Release a lock :func:`take_store_lock` took (the file stays open: the caller closes it)."""
+    key = _file_id(lock_file)
+    if _HELD.get(key) == os.getpid():
+        _HELD.pop(key, None)
+    fcntl.flock(lock_file.fileno(), fcntl.LOCK_UN)
 
 
 def _fsync_dir(d: Path) -> None:
