@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 
 import logging
-import math
 import os
 from typing import Any, Mapping
 
@@ -24,15 +23,16 @@ import torch
 
 from .catalog import Catalog
 from .config import CacheConfig
+from .config_sources import as_config
 from .copy import CopyEngine, Engines
-from .entry import entry_digest, next_version, validate_key, validate_namespace
-from .errors import (ConfigError, EctierError, EntryTooLargeError, InvalidDeviceError, InvalidKeyError,
+from .entry import entry_digest, next_version, validate_cost, validate_key, validate_namespace
+from .errors import (EctierError, EntryTooLargeError, InvalidArgumentError, InvalidDeviceError, InvalidKeyError,
                      InvalidTensorError, ProcessForkedError, TierWriteError)
-from .handles import LoadHandle, PutHandle, ReadLease, WriteLease
+from .handles import LoadHandle, PutHandle, ReadLease, WriteLease, end_lease
 from .moves.serve import Reads
 from .mover import Mover
 from .stack import TierStack
-from .stats import Counters
+from .stats import Counters, cache_stats
 from .tensors import meta_for, meta_from_spec, parse_device
 
 __all__ = ["TieredCache", "WriteLease", "ReadLease", "PutHandle", "LoadHandle"]
@@ -76,7 +76,7 @@ class TieredCache:
         self._open(config, host_shm_path, Engines())
 
     def _open(self, config: Any, host_shm_path: str | None, runtime: Engines, remote_backend: Any = None) -> None:
-        self.config = _as_config(config)
+        self.config = as_config(config)
         self._runtime = runtime
         self._closed = False
         self._generation = _FORK_GENERATION[0]
@@ -124,7 +124,7 @@ class TieredCache:
             a :class:`PutHandle` (done at once for synchronous puts).
 
         Raises:
-            ValueError: ``cost_s`` negative or not finite. InvalidKeyError, InvalidTensorError: bad
+            InvalidArgumentError: ``cost_s`` negative or not finite. InvalidKeyError, InvalidTensorError: bad
                 key/namespace/tensor (a CPU tensor to a GPU-only cache). InvalidDeviceError: a CUDA
                 tensor on another device than ``gpu.device``. EntryTooLargeError: larger than every
                 tier's whole budget. TierWriteError: no tier could store it. EctierError: closed.
@@ -135,9 +135,7 @@ class TieredCache:
         meta = meta_for(ns, key, tensor)
         if self._closed or self._generation != _FORK_GENERATION[0]:
             self._check_open()  # raises
-        if cost_s is not None and (isinstance(cost_s, bool) or not isinstance(cost_s, (int, float))
-                                   or not 0 <= cost_s < math.inf):
-            raise ValueError(f"cost_s: expected a finite number of seconds >= 0, got {cost_s!r}")
+        validate_cost(cost_s)
         digest = entry_digest(ns, key)
         nbytes = meta.nbytes
         host = self._sync_host
@@ -263,7 +261,7 @@ class TieredCache:
         Raises:
             InvalidKeyError, InvalidTensorError: bad key/namespace, unknown dtype, bad shape.
             EntryTooLargeError: larger than ``host.capacity_bytes`` (or there is no host tier).
-            TierWriteError: no room could be made within ``host.admit_wait_s``.
+            TierWriteError: no room could be made within ``host.admit_wait_s``. EctierError: closed.
         """
         ns, key = self._identity(key, namespace)
         meta = meta_from_spec(ns, key, dtype, shape)
@@ -284,9 +282,11 @@ class TieredCache:
         (written through to NVMe first when ``nvme.write_through``).
 
         Raises:
-            ValueError: the lease was already committed or aborted.
+            InvalidArgumentError: the lease was already committed or aborted. TypeError: not a
+                :class:`WriteLease`. EctierError: the cache is closed (the entry is not stored).
         """
-        _end(lease, WriteLease, "commit")
+        self._check_open()
+        end_lease(lease, WriteLease, "commit")
         result = self._mover.commit(self._host, lease.slot, promotion=False,
                                     keep_older_record=self._mover.write_through)
         if result.stands:
@@ -295,10 +295,13 @@ class TieredCache:
     def abort(self, lease: WriteLease) -> None:
         """Give up a reservation: its bytes return to the arena, nothing becomes visible.
 
+        After :meth:`close` it only ends the lease (the arena is gone).
+
         Raises:
-            ValueError: the lease was already committed or aborted.
+            InvalidArgumentError: the lease was already committed or aborted. TypeError: not a
+                :class:`WriteLease`.
         """
-        _end(lease, WriteLease, "abort")
+        end_lease(lease, WriteLease, "abort")
         self._mover.abort(self._host, lease.slot)
 
     def background_read(self) -> "contextlib.AbstractContextManager[None]":
@@ -315,6 +318,9 @@ class TieredCache:
         than the host budget, or no clean room), the result is ``None``. ``promote=False``: only
         an entry already in the host arena is pinned (no I/O; anything else is ``None``, not
         counted as a miss). The entry is neither evicted nor freed until :meth:`release`.
+
+        Raises:
+            InvalidKeyError: bad ``key``/``namespace``. EctierError: the cache is closed.
         """
         ns, key = self._identity(key, namespace)
         self._check_open()
@@ -325,7 +331,8 @@ class TieredCache:
 
     def release(self, lease: ReadLease) -> None:
         """End an :meth:`acquire`: the entry may be evicted again. A second release of the same
-        lease is a no-op (it never touches another reader's pin)."""
+        lease is a no-op (it never touches another reader's pin), and so is one after :meth:`close`
+        (the pin went with the arena)."""
         if lease.end():
             self._mover.unpin(self._host, lease.slot)
 
@@ -343,11 +350,13 @@ class TieredCache:
         freed with the last one). An entry whose bytes are not one run of the arena is copied.
 
         Raises:
-            ValueError: the lease was released. InvalidDeviceError: bad ``device``.
+            InvalidArgumentError: ``lease`` was released. InvalidDeviceError: bad ``device``.
+            EctierError: the cache is closed.
         """
         dev = parse_device(device)
+        self._check_open()
         if lease.ended:
-            raise ValueError("load: the lease was already released")
+            raise InvalidArgumentError("lease: already released; load a lease between acquire and release")
         if view and dev.type == "cpu":
             result = self._mover.arena.view_out(self._host, lease.slot)
             if result is not None:
@@ -362,7 +371,12 @@ class TieredCache:
     @property
     def host_arena(self) -> torch.Tensor | None:
         """The host arena as a flat ``uint8`` tensor (``None`` without a host tier); the daemon
-        maps it by file; in-process callers read a lease through :meth:`load`."""
+        maps it by file; in-process callers read a lease through :meth:`load`.
+
+        Raises:
+            EctierError: the cache is closed (its arena is freed).
+        """
+        self._check_open()
         return self._host.buffer if self._host is not None else None
 
     def contains(self, key: str, *, namespace: str | None = None) -> bool:
@@ -390,7 +404,9 @@ class TieredCache:
         return self._mover.delete(entry_digest(ns, key))
 
     def __len__(self) -> int:
-        """Number of entries stored (all tiers, counted once)."""
+        """Number of entries stored (all tiers, counted once; every namespace of the store, as
+        ``stats()["entries"]``). Raises EctierError once the cache is closed."""
+        self._check_open()
         with self._cond:
             return len(self._catalog)
 
@@ -399,21 +415,25 @@ class TieredCache:
 
         Returns ``{"namespace", "entries", "hits", "misses", "in_flight", "copy_failures",
         "tiers": {name: {capacity_bytes, used_bytes, entries, <tier facts>, <tier counters>}}}``;
-        a disabled tier is absent from ``tiers``.
+        a disabled tier is absent from ``tiers``. ``entries`` (and each tier's ``entries``) counts
+        the store's entries of **every namespace**, not only ``namespace`` (the cache's default):
+        a store shared by several namespaces counts them all, while :meth:`contains` and
+        :meth:`get` look in one. There is no per-namespace count.
+
+        Raises:
+            EctierError: the cache is closed.
         """
+        self._check_open()
         with self._cond:
-            cache = self._counters.snapshot("cache")
-            out: dict[str, Any] = {"namespace": self.config.namespace, "entries": len(self._catalog),
-                                   "hits": cache["hits"], "misses": cache["misses"],
-                                   "in_flight": self._catalog.pending_count(),
-                                   "copy_failures": cache["copy_failures"], "tiers": {}}
-            for t in self._stack:
-                out["tiers"][t.name] = {**self._counters.snapshot(t.name), **t.describe()}
-            return out
+            return cache_stats(self.config.namespace, self._counters, self._catalog, self._stack)
 
     def quarantined(self) -> dict[bytes, dict[str, Any]]:
         """NVMe records taken out of service after failing a check: digest -> ``{"reason", "time",
-        "header"}`` (kept across restarts for inspection). Empty without an NVMe tier."""
+        "header"}`` (kept across restarts for inspection). Empty without an NVMe tier.
+
+        Raises:
+            EctierError: the cache is closed.
+        """
         self._check_open()
         nvme = self._stack.get("nvme")
         return nvme.quarantined() if nvme is not None else {}
@@ -432,7 +452,9 @@ class TieredCache:
     def close(self) -> None:
         """Wait for copies and prefetches in flight, flush (if ``nvme.flush_on_close``), close the
         NVMe tier and free the arenas. Idempotent. In a forked child it only marks the cache closed
-        (the parent's files and memory are the parent's). Afterwards every call raises EctierError.
+        (the parent's files and memory are the parent's). Afterwards every call raises EctierError,
+        except ``close`` itself, :meth:`release` and :meth:`abort` (they end the lease, nothing
+        else), :meth:`background_read` and :attr:`host_arena_bytes` (the configured size).
         """
         if self._closed:
             return
@@ -475,22 +497,3 @@ class TieredCache:
             raise ProcessForkedError(
                 "this TieredCache was opened in process before a fork(); a cache (its LMDB environment, "
                 "host arena and lock) is not usable in a forked child: open a new TieredCache in the child")
-
-
-def _end(lease: Any, kind: type, op: str) -> None:
-    if not isinstance(lease, kind):
-        raise TypeError(f"lease: expected a {kind.__name__}, got {type(lease).__name__}")
-    if not lease.end():
-        raise ValueError(f"{op}: the lease was already committed, aborted or released")
-
-
-def _as_config(config: Any) -> CacheConfig:
-    if config is None:
-        return CacheConfig()
-    if isinstance(config, Mapping):
-        return CacheConfig.from_dict(config)
-    if isinstance(config, (str, os.PathLike)):
-        return CacheConfig.load(config)
-    if not isinstance(config, CacheConfig):
-        raise ConfigError(f"config: expected a CacheConfig, a mapping or a .json/.yaml path, got {type(config).__name__}")
-    return config

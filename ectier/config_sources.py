@@ -21,7 +21,26 @@ from .config import CacheConfig
 from .config_checks import Problems, parse_bytes
 from .errors import ConfigError
 
-__all__ = ["config_from_dict", "config_from_json", "config_from_yaml", "load_config", "config_from_env"]
+__all__ = ["config_from_dict", "config_from_json", "config_from_yaml", "load_config", "config_from_env",
+           "as_config"]
+
+
+def as_config(config: Any) -> CacheConfig:
+    """``TieredCache``'s ``config`` argument as a :class:`CacheConfig`: ``None`` (the defaults), a
+    mapping (:meth:`CacheConfig.from_dict`), a ``.json``/``.yaml`` path (:meth:`CacheConfig.load`).
+
+    Raises:
+        ConfigError: anything else, or a bad config.
+    """
+    if config is None:
+        return CacheConfig()
+    if isinstance(config, Mapping):
+        return CacheConfig.from_dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        return CacheConfig.load(config)
+    if not isinstance(config, CacheConfig):
+        raise ConfigError(f"config: expected a CacheConfig, a mapping or a .json/.yaml path, got {type(config).__name__}")
+    return config
 
 
 def config_from_dict(cls: type, data: Mapping[str, Any]) -> Any:

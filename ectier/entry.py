@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .errors import InvalidKeyError, InvalidTensorError
+from .errors import InvalidArgumentError, InvalidKeyError, InvalidTensorError
 
 __all__ = [
     "MAX_KEY_BYTES",
@@ -32,6 +32,7 @@ __all__ = [
     "validate_key",
     "validate_keys",
     "validate_namespace",
+    "validate_cost",
     "entry_digest",
     "dtype_itemsize",
     "next_version",
@@ -131,6 +132,18 @@ def validate_namespace(namespace: object, *, arg: str = "namespace") -> str:
     if len(_utf8(namespace)) > MAX_NAMESPACE_BYTES:
         raise InvalidKeyError(f"{arg}: longer than {MAX_NAMESPACE_BYTES} bytes of UTF-8")
     return namespace
+
+
+def validate_cost(cost_s: object) -> float | None:
+    """Return ``cost_s`` (a put's recompute seconds) if it is ``None`` or a finite number >= 0.
+
+    Raises:
+        InvalidArgumentError: naming ``cost_s`` otherwise.
+    """
+    if cost_s is not None and (isinstance(cost_s, bool) or not isinstance(cost_s, (int, float))
+                               or not 0 <= cost_s < math.inf):
+        raise InvalidArgumentError(f"cost_s: expected a finite number of seconds >= 0, got {cost_s!r}")
+    return cost_s
 
 
 def entry_digest(namespace: str, key: str) -> bytes:

@@ -13,7 +13,9 @@ standard class as well, so ordinary ``except ValueError`` code keeps working.
     ├── InvalidTensorError(TypeError)    put() got something that is not a storable tensor
     ├── InvalidDeviceError(ValueError)   a device string that does not exist on this machine
     ├── EntryTooLargeError(ValueError)   an entry larger than every tier's whole budget
-    ├── StoreLockedError                 the NVMe directory is held by another process
+    ├── InvalidArgumentError(ValueError) another argument out of range or in the wrong state
+    │                                    (a negative ``cost_s``, a lease already ended)
+    ├── StoreLockedError                 the NVMe directory is held by another process or cache
     ├── StoreOpenError                   the NVMe directory cannot be created, opened or read
     │   └── StoreDamagedError            its LMDB environment is damaged (``ectier fsck``)
     ├── TierWriteError                   a tier could not store an entry (disk full, map full)
@@ -35,6 +37,7 @@ __all__ = [
     "InvalidTensorError",
     "InvalidDeviceError",
     "EntryTooLargeError",
+    "InvalidArgumentError",
     "StoreLockedError",
     "StoreOpenError",
     "StoreDamagedError",
@@ -91,6 +94,12 @@ class EntryTooLargeError(EctierError, ValueError):
         listed = ", ".join(f"{name}.capacity_bytes={capacity}" for name, capacity in budgets)
         return cls(f"entry of {nbytes} bytes is larger than the whole budget of every tier a put can place it "
                    f"in ({listed}); raise one of them")
+
+
+class InvalidArgumentError(EctierError, ValueError):
+    """An argument that no more specific class covers is out of range or in the wrong state: a
+    negative or non-finite ``cost_s``, a lease committed, aborted or released already. The message
+    names the argument."""
 
 
 class StoreLockedError(EctierError):

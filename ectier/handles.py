@@ -6,7 +6,8 @@
 - :class:`ReadLease` — a pinned host-arena entry (the daemon's get, the connector's pin).
 
 A lease ends once: a second :meth:`TieredCache.release` / ``commit`` / ``abort`` of the same lease
-is a no-op (release) or a ``ValueError`` (commit, abort), never a change to another lease.
+is a no-op (release) or an :class:`~ectier.errors.InvalidArgumentError` (commit, abort; a
+``ValueError`` too), never a change to another lease.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import threading
 from typing import Any
 
 from .entry import EntryMeta
+from .errors import InvalidArgumentError
 
-__all__ = ["PutHandle", "LoadHandle", "WriteLease", "ReadLease"]
+__all__ = ["PutHandle", "LoadHandle", "WriteLease", "ReadLease", "end_lease"]
 
 
 #: guards the lazy creation of a handle's event by waiters (see :class:`_Handle`)
@@ -155,3 +157,16 @@ class ReadLease(_Lease):
     """A pinned host-arena entry from :meth:`TieredCache.acquire`; fields as :class:`WriteLease`."""
 
     __slots__ = ()
+
+
+def end_lease(lease: Any, kind: type, op: str) -> None:
+    """End ``lease`` (a ``kind``) for ``op`` (``"commit"``, ``"abort"``).
+
+    Raises:
+        TypeError: ``lease`` is not a ``kind``.
+        InvalidArgumentError: it was already committed, aborted or released.
+    """
+    if not isinstance(lease, kind):
+        raise TypeError(f"lease: expected a {kind.__name__}, got {type(lease).__name__}")
+    if not lease.end():
+        raise InvalidArgumentError(f"{op}: the lease was already committed, aborted or released")

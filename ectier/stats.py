@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Iterable
 
-__all__ = ["Counters", "COUNTER_NAMES", "LatencyHistogram", "LATENCY_BUCKETS_S"]
+__all__ = ["Counters", "COUNTER_NAMES", "LatencyHistogram", "LATENCY_BUCKETS_S", "cache_stats"]
 
 #: counter names per scope ("cache" and one per tier), as ``stats()`` reports them
 COUNTER_NAMES: dict[str, tuple[str, ...]] = {
@@ -71,6 +71,18 @@ class Counters:
         """Every counter of ``scope`` (zeros included), in the order of :data:`COUNTER_NAMES`."""
         with self._lock:
             return dict(self._by_scope[scope])
+
+
+def cache_stats(namespace: str, counters: Counters, catalog: Any, stack: Iterable[Any]) -> dict[str, Any]:
+    """``TieredCache.stats()``: the cache's counters and occupancy (``catalog``: its entries,
+    every namespace's) and one dict per tier of ``stack``; the caller holds the cache's lock."""
+    cache = counters.snapshot("cache")
+    out: dict[str, Any] = {"namespace": namespace, "entries": len(catalog), "hits": cache["hits"],
+                           "misses": cache["misses"], "in_flight": catalog.pending_count(),
+                           "copy_failures": cache["copy_failures"], "tiers": {}}
+    for t in stack:
+        out["tiers"][t.name] = {**counters.snapshot(t.name), **t.describe()}
+    return out
 
 
 #: upper bounds (seconds) of the buckets of :class:`LatencyHistogram` (a last, unbounded bucket follows)
