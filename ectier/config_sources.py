@@ -58,13 +58,36 @@ def config_from_json(cls: type, source: str | os.PathLike) -> Any:
     return config_from_dict(cls, _expect_mapping(data, source))
 
 
+_LOADER = None
+
+
+def _yaml_loader() -> type:
+    """PyYAML's SafeLoader, reading floats as YAML 1.2 does: ``1e9`` and ``5e-3`` are numbers
+    (YAML 1.1, PyYAML's default, wants a dot and a signed exponent: ``1.0e+9``; else a string)."""
+    global _LOADER
+    if _LOADER is None:
+        import re
+
+        import yaml
+
+        class Loader(yaml.SafeLoader):
+            pass
+
+        Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
+            r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
+            r"|[0-9][0-9_]*[eE][-+]?[0-9]+|\.(?:inf|Inf|INF)|[-+]\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+            list("-+0123456789."))
+        _LOADER = Loader
+    return _LOADER
+
+
 def config_from_yaml(cls: type, source: str | os.PathLike) -> Any:
     """Build from a YAML file path (or a YAML text containing a newline)."""
     import yaml
 
     text = _read_text(source, "YAML")
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         raise ConfigError(f"config: invalid YAML in {_describe(source)}: {exc}") from exc
     return config_from_dict(cls, _expect_mapping(data or {}, source))
