@@ -478,3 +478,44 @@ def test_admission_rule_across_users():
     assert admission(mine, 9, max_clients=10, max_per_uid=2) == (None, None)
     mine[1].closed = True  # closed connections no longer count
     assert admission(mine, 7, max_clients=10, max_per_uid=2) == (None, None)
+
+
+def test_a_connection_is_as_recent_as_its_last_request_not_its_last_reply():
+    """The idle victim is the connection whose last request arrived first. Its stamp used to be
+    taken at the reply: a client whose slow get (an NVMe read, 2 s late) was answered after
+    three other connections opened looked newer than they did, and one of them was closed for
+    a newcomer instead of it."""
+    d = short_tmpdir()
+    try:
+        cfg = daemon_config(d, host_bytes=8 * MiB, max_clients=4)
+        path = write_config(os.path.join(d, "cfg.json"), cfg)
+        sock = cfg["daemon"]["socket_path"]
+        seed = DaemonProcess(path, sock).start()
+        try:
+            with DaemonClient(sock, client_name="seed") as c:
+                c.put("k", make_tensor(4, "bfloat16", (64, 8192)))
+        finally:
+            assert seed.terminate() == 0, seed.log()  # flushed: "k" is on NVMe only after the restart
+        proc = DaemonProcess(path, sock, via="slow-nvme", nvme_read_delay_s=2.0).start()
+        raws: list[RawConn] = []
+        try:
+            first = RawConn(sock, name="first")
+            raws.append(first)
+            # arrives now, answered ~2 s later; a process-held lease (hold): the connection holds none
+            first.send_msg({"id": 1, "op": "get", "key": "k", "hold": True})
+            time.sleep(0.3)
+            raws += [RawConn(sock, name=f"idle-{i}") for i in range(3)]  # 4 = max_clients
+            got = first.reply()
+            assert got is not None and got.get("hit"), got
+            newcomer = RawConn(sock, name="newcomer")
+            raws.append(newcomer)
+            assert newcomer.request({"id": 2, "op": "ping"})["ok"]
+            assert first.reply() is None  # closed: its request came before the others connected
+            for r in raws[1:4]:  # idle-1 and idle-2 connected after first's get: kept
+                assert r.request({"id": 3, "op": "ping"})["ok"]
+        finally:
+            for r in raws:
+                r.close()
+            proc.stop()
+    finally:
+        remove_dir(d)
