@@ -168,12 +168,7 @@ def test_a_hung_remote_fetch_never_holds_up_a_promotion_from_nvme(nodes, tmp_pat
     """With one background slot (prefetch_threads=1), a prefetch whose remote fetch hangs used to
     take the pool's one thread: an NVMe hit's promotion waited behind it for the whole fetch."""
     be, make = nodes
-    producer = make()
-    producer.put("far", _t(20))
-    testing.drain(producer)
-    cfg = _cfg(tmp_path, timeout_s=10.0)
-    cfg = dataclasses.replace(cfg, prefetch_threads=1, nvme=dataclasses.replace(cfg.nvme, write_through=True))
-    consumer = make(cfg)
+    consumer = _one_slot_consumer(make, tmp_path, "far", _t(20))
     consumer.put("near", _t(21))
     testing.drain(consumer)
     assert testing.drop_copy(consumer, "host", "near") and testing.where(consumer, "near") >= {"nvme"}
@@ -193,12 +188,7 @@ def test_a_prefetch_that_turns_into_a_remote_fetch_leaves_the_slot_to_promotions
     """A key stored here when it was asked, gone here (still on the store) before its turn in the
     prefetch pool: its fetch moves to the fetch pool, and never holds the one background slot."""
     be, make = nodes
-    producer = make()
-    producer.put("x", _t(30))
-    testing.drain(producer)
-    cfg = _cfg(tmp_path, timeout_s=10.0)
-    cfg = dataclasses.replace(cfg, prefetch_threads=1, nvme=dataclasses.replace(cfg.nvme, write_through=True))
-    consumer = make(cfg)
+    consumer = _one_slot_consumer(make, tmp_path, "x", _t(30))
     for i, k in enumerate(("x", "y", "z")):
         consumer.put(k, _t(30 + i))
     testing.drain(consumer)
@@ -217,6 +207,16 @@ def test_a_prefetch_that_turns_into_a_remote_fetch_leaves_the_slot_to_promotions
     assert z.wait(1.5), "the NVMe promotion waited for a remote fetch holding the slot"
     assert time.monotonic() - t0 < 1.5 and not x.done()
     assert x.wait(10) and _same(consumer.get("x"), _t(30))
+
+
+def _one_slot_consumer(make, tmp_path, key, tensor):
+    """A producer stores ``key`` remotely; returns a consumer with NVMe (write-through), one
+    background slot (prefetch_threads=1) and a 10 s remote timeout (a 2 s delay never times out)."""
+    producer = make()
+    producer.put(key, tensor)
+    testing.drain(producer)
+    cfg = _cfg(tmp_path, timeout_s=10.0)
+    return make(dataclasses.replace(cfg, prefetch_threads=1, nvme=dataclasses.replace(cfg.nvme, write_through=True)))
 
 
 def _signal_gets(be, monkeypatch) -> threading.Event:
