@@ -182,7 +182,20 @@ def _safetensors_available(note: Callable[[str], None]) -> bool:
 
 
 def _cache_config(opts: DemoOptions, spec: ModelSpec, workdir: str, host_bytes: int, nvme_bytes: int) -> CacheConfig:
-    """The demo's cache: host ``host_bytes``, NVMe ``nvme_bytes`` (0: no NVMe tier) under ``workdir``."""
+    """The demo's cache: host ``host_bytes``, NVMe ``nvme_bytes`` (0: no NVMe tier) under ``workdir``.
+
+    Raises:
+        ConfigError: a budget the tiers refuse, named by its flag (``--host-bytes``, ``--nvme-bytes``).
+    """
+    try:
+        return _make_cache_config(opts, spec, workdir, host_bytes, nvme_bytes)
+    except ConfigError as exc:
+        text = str(exc).replace("host.capacity_bytes", "--host-bytes (host.capacity_bytes)")
+        raise ConfigError(text.replace("nvme.capacity_bytes", "--nvme-bytes (nvme.capacity_bytes)")) from None
+
+
+def _make_cache_config(opts: DemoOptions, spec: ModelSpec, workdir: str, host_bytes: int,
+                       nvme_bytes: int) -> CacheConfig:
     return CacheConfig(
         namespace=f"ectier-demo:{spec.name}:{spec.dtype}:stand-in-encoder-seed{opts.encoder_seed}",
         host=HostTierConfig(capacity_bytes=host_bytes),

@@ -400,3 +400,9 @@ def test_demo_loads_as_the_connector_does_and_both_sides_touch_every_byte(runner
     assert sum(r["baseline_loads"] for r in rows) == base["hits"]
     assert all(r["speedup"] is None or r["speedup"] > 0 for r in rows)
     assert {r["nbytes"] for r in rows} <= {im["nbytes"] for im in s["images"]}
+
+
+def test_a_budget_the_tiers_refuse_is_named_by_its_flag(runner, tmp_path):
+    result = runner.invoke(main, ["demo", "--images", "1", "--requests", "1", "--quiet", "--dir", str(tmp_path),
+                                  "--host-bytes", "1KiB"])
+    assert result.exit_code != 0 and "--host-bytes (host.capacity_bytes)" in result.output, result.output
