@@ -144,6 +144,44 @@ def test_a_disk_filled_by_another_program_after_a_reopen_still_makes_room(small_
             assert_same(again.get(k), stored[k])
 
 
+@pytest.mark.parametrize("thin", [True, False])
+def test_a_full_disk_takes_puts_of_mixed_sizes_into_the_evicted_blocks(small_fs, thin):
+    """After evicting at least what a put needs, its retry took the lowest free run that held the
+    whole payload: with the evicted blocks scattered, that run lay past the segment file's end,
+    which needs new disk space, and the put was refused ("still full after evicting 3 records";
+    a newcomer saw 15 of 400 puts refused). The retry writes into blocks the file already holds."""
+    import random
+
+    cap = 64 * MiB if thin else 6 * MiB
+    cfg = make_config(small_fs / "store", host_bytes=0, nvme_bytes=cap, map_initial_bytes=1 * MiB,
+                      thin_provisioning=thin)
+    rng = random.Random(1)
+    with TieredCache(cfg) as cache:
+        for i in range(20):
+            cache.put(f"a{i}", filled(256 * KiB, i))
+        for i in range(0, 20, 3):
+            cache.delete(f"a{i}")
+        try:
+            with open(small_fs / "filler", "wb") as f:  # another program takes what is free
+                while True:
+                    f.write(b"\0" * (16 * KiB))
+                    f.flush()
+        except OSError:
+            pass
+        stored = {}
+        for i in range(120):
+            t = filled(rng.choice([32, 64, 128, 256, 512]) * KiB + rng.randint(0, 1000), 50 + i)
+            cache.put(f"b{i}", t)  # NvmeDiskFullError("still full after evicting ...") on the old code
+            stored[f"b{i}"] = t
+        st = cache.stats()["tiers"]["nvme"]
+        assert st["write_failures"] == 0 and st["disk_full_evictions"] > 0
+        held = [k for k in stored if cache.contains(k)]
+        assert held and held == list(stored)[-len(held):]
+        for k in held:
+            assert_same(cache.get(k), stored[k])
+        check_quiescent(cache)
+
+
 def test_disk_full_with_nothing_to_evict_fails_that_put_clearly(small_fs):
     """Someone else filled the disk and the tier holds nothing to evict: that one put fails with
     TierWriteError naming the directory, the cause and the knob; nothing stored changes; once space

@@ -158,8 +158,8 @@ class NvmeMoves:
             self.m.counters.count("nvme", disk_full_evictions=len(doomed))
             log.warning("nvme tier: filesystem full; evicted %d records (least valuable first) and retrying "
                         "the write once", len(doomed))
-        try:
-            return self.tier.write(digest, record)
+        try:  # into the evicted records' blocks (already on disk), not past the file's end
+            return self.tier.write(digest, record, on_disk=True)
         except NvmeDiskFullError as exc:
             raise NvmeDiskFullError(f"{exc}; still full after evicting {len(doomed)} records of this tier") from None
 

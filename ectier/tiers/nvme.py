@@ -196,9 +196,10 @@ class NvmeTier(Tier):
         """What ``record`` will cost the budget: its header plus the whole segment blocks of its payload."""
         return len(record.header_bytes) + blocks_for(record.header.payload_nbytes) * BLOCK_BYTES
 
-    def write(self, digest: bytes, record: EncodedRecord) -> bool:
+    def write(self, digest: bytes, record: EncodedRecord, *, on_disk: bool = False) -> bool:
         """Store ``record`` under ``digest``, unless a record of an equal or newer write version is
-        already there (then nothing is written and ``False`` is returned).
+        already there (then nothing is written and ``False`` is returned). ``on_disk``: into free
+        blocks the segment file already holds first (a retry on a full filesystem).
 
         The payload goes to free blocks of the segment file (its checksum computed as it is
         copied) and is made durable (``fdatasync`` with ``nvme.sync``) before the index entry that
@@ -212,7 +213,7 @@ class NvmeTier(Tier):
         payload = memoryview(record.payload)
         if payload.ndim != 1 or payload.format != "B":
             payload = payload.cast("B")
-        loc = self._store.space.allocate(len(payload))
+        loc = self._store.space.allocate(len(payload), below=self._store.segment.size_blocks() if on_disk else None)
         try:
             with self._group.copying():
                 try:

@@ -132,6 +132,22 @@ class _Blocks(BlockAllocator):
             left -= take
         return got
 
+    def alloc_below(self, count: int, limit: int) -> list[tuple[int, int]] | None:
+        """``count`` blocks from the runs below block ``limit`` only, lowest first (scattered);
+        ``None`` if those do not hold them (nothing taken then)."""
+        plan, left = [], count
+        for start in self._starts:
+            if start >= limit or not left:
+                break
+            take = min(self._runs[start], limit - start, left)
+            plan.append((start, take))
+            left -= take
+        if left:
+            return None
+        for start, take in plan:
+            self._take(start, take)
+        return plan
+
     @classmethod
     def with_used(cls, nblocks: int, used: list[tuple[int, int]]) -> "_Blocks":
         """A region of ``nblocks`` with exactly ``used`` (non-overlapping) allocated, built in
@@ -240,11 +256,15 @@ class ExtentSpace:
             self._alloc = alloc
             self._limbo = []
 
-    def allocate(self, nbytes: int) -> Location:
-        """Blocks for a payload of ``nbytes`` bytes; grows the region when it is short."""
+    def allocate(self, nbytes: int, *, below: int | None = None) -> Location:
+        """Blocks for a payload of ``nbytes`` bytes; grows the region when it is short. ``below``:
+        from the free blocks under that block first (the file's size: blocks already on disk, which
+        a full filesystem can still write into), scattered if they must be."""
         count = blocks_for(nbytes)
         with self._lock:
-            got = self._alloc.alloc_low(count)
+            got = self._alloc.alloc_below(count, below) if below is not None else None
+            if got is None:
+                got = self._alloc.alloc_low(count)
             if got is None:
                 self._alloc.grow(count - self._alloc.free_blocks)
                 got = self._alloc.alloc_low(count)
