@@ -200,7 +200,8 @@ class NvmeTierConfig:
             an empty store (an engine always starts; the records are lost to it).
         thin_provisioning: accept a ``capacity_bytes`` above what the filesystem of ``path`` can
             hold (its free bytes plus what the store's records already take). Default ``False``:
-            such a budget is a ``ConfigError`` at open, naming the free bytes; with ``True`` writes
+            such a budget is a ``ConfigError`` at open, naming the free bytes (a WARNING only for a
+            budget this store was opened with before, the disk filled since); with ``True`` writes
             past the free space fail with disk full instead.
     """
 

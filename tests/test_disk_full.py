@@ -182,6 +182,28 @@ def test_a_full_disk_takes_puts_of_mixed_sizes_into_the_evicted_blocks(small_fs,
         check_quiescent(cache)
 
 
+def test_a_store_whose_disk_filled_up_since_still_opens_with_its_budget(small_fs, caplog):
+    """The budget fitted when the store was made; another program filled the disk since. The
+    open-time check refused the restart (a ConfigError: an engine that could not start, in the
+    state the full-disk handling is for); now the budget accepted before opens with a WARNING,
+    and only a larger one is refused."""
+    import logging
+
+    from ectier import ConfigError
+
+    cfg = make_config(small_fs / "store", host_bytes=0, nvme_bytes=6 * MiB, map_initial_bytes=1 * MiB)
+    with TieredCache(cfg) as cache:
+        cache.put("k", filled(256 * KiB, 7))
+    free = os.statvfs(small_fs).f_bavail * os.statvfs(small_fs).f_frsize
+    (small_fs / "filler").write_bytes(b"\0" * (free - 256 * KiB))
+    with caplog.at_level(logging.WARNING, logger="ectier"):
+        with TieredCache(cfg) as cache:  # ConfigError("nvme.capacity_bytes ... do not fit") on the old code
+            assert_same(cache.get("k"), filled(256 * KiB, 7))
+    assert any("accepted at an earlier open" in r.getMessage() for r in caplog.records), caplog.text
+    with pytest.raises(ConfigError, match="nvme.capacity_bytes"):
+        TieredCache(make_config(small_fs / "store", host_bytes=0, nvme_bytes=7 * MiB, map_initial_bytes=1 * MiB))
+
+
 def test_disk_full_with_nothing_to_evict_fails_that_put_clearly(small_fs):
     """Someone else filled the disk and the tier holds nothing to evict: that one put fails with
     TierWriteError naming the directory, the cause and the knob; nothing stored changes; once space

@@ -9,7 +9,6 @@ tier's index and of their extents into the free-space map), handles a damaged st
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -24,8 +23,9 @@ import numpy as np
 
 from ..config import NvmeTierConfig
 from ..entry import entry_digest
-from ..errors import CorruptRecordError, StoreDamagedError, StoreLockedError, StoreOpenError, TierWriteError
+from ..errors import ConfigError, CorruptRecordError, StoreDamagedError, StoreLockedError, StoreOpenError, TierWriteError
 from .nvme_index import NvmeIndex, NvmeRecord
+from .nvme_errors import NvmeDiskFullError, lmdb_write_error, write_error, write_error_text  # noqa: F401 (re-exported)
 from .nvme_migrate import migrate_v1
 from .nvme_reserve import LmdbReserve, reserve_bytes
 from .nvme_scan import gc_paused, scan_index
@@ -123,41 +123,6 @@ class _Shared:
         self._rw.release_shared()
 
 
-def lmdb_write_error(path: Path, exc: lmdb.Error, need_bytes: int, free: int | None) -> TierWriteError:
-    """The error of an LMDB write that failed with ``exc``: :class:`NvmeDiskFullError` when the
-    filesystem is (nearly) full (the mover then evicts and retries), else :class:`TierWriteError`."""
-    text = write_error_text(path, exc, need_bytes, free)
-    return NvmeDiskFullError(text) if text.startswith("nvme tier: disk full") else TierWriteError(text)
-
-
-def write_error_text(path: Path, exc: lmdb.Error, need_bytes: int, free: int | None) -> str:
-    """The message of the :class:`TierWriteError` for a write of ``need_bytes`` under ``path`` that
-    failed with ``exc`` while ``free`` bytes were free there: "disk full" with the knob to turn
-    when the disk is (nearly) full, else LMDB's error."""
-    text = str(exc)
-    # LMDB reports a short write of its pages (a file system filling up mid-commit, as tmpfs
-    # and most file systems do) as EIO, not ENOSPC: look at the free space to tell them apart
-    if ("No space" in text or getattr(exc, "errno", None) == errno.ENOSPC
-            or (free is not None and free < need_bytes + (1 << 20))):
-        return (f"nvme tier: disk full under {str(path)!r} ({text}; {free} bytes free, the record "
-                f"needs {need_bytes}); free space on that file system or lower nvme.capacity_bytes")
-    return f"nvme tier: write failed under {str(path)!r}: {text}"
-
-
-class NvmeDiskFullError(TierWriteError):
-    """A write found the filesystem of ``nvme.path`` full (``ENOSPC``); nothing stored changed."""
-
-
-def write_error(path: Path, exc: OSError, need_bytes: int, free: int | None) -> TierWriteError:
-    """The error of a payload write of ``need_bytes`` under ``path`` that failed with ``exc``:
-    :class:`NvmeDiskFullError` for ``ENOSPC``, else :class:`TierWriteError` (EIO, ...)."""
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return NvmeDiskFullError(
-            f"nvme tier: disk full under {str(path)!r} ({exc.strerror}; {free} bytes free, the payload "
-            f"needs {need_bytes}); free space on that file system or lower nvme.capacity_bytes")
-    return TierWriteError(f"nvme tier: payload write failed under {str(path)!r}: {exc}")
-
-
 class NvmeEnv:
     """The directory lock and the LMDB environment under ``config.path``, and their life cycle.
 
@@ -206,12 +171,29 @@ class NvmeEnv:
                 if self.config.on_damaged != "reset":
                     raise
                 self._reset_damaged(exc)
-            check_space(self.path, self.config.capacity_bytes, self.index.used_bytes,
-                        thin=self.config.thin_provisioning)
+            self._check_space()
         except BaseException:
             self.close()
             remove_created(created)  # a refused open leaves no directory it made
             raise
+
+    def _check_space(self) -> None:
+        """:func:`check_space`, except that a budget accepted at an earlier open of this store (then
+        the disk filled up: the tier evicts its own records on a full disk) is only a WARNING."""
+        cap = self.config.capacity_bytes
+        with self.env.begin(write=False) as txn:
+            accepted = int(txn.get(b"capacity_accepted", b"0", db=self.settings_db))
+        try:
+            check_space(self.path, cap, self.index.used_bytes, thin=self.config.thin_provisioning)
+        except ConfigError as exc:
+            if not (self.index.used_bytes and cap <= accepted):
+                raise
+            log.warning("%s; opened anyway: this budget was accepted at an earlier open of the store "
+                        "(on a full disk the tier evicts its own least valuable records)", exc)
+            return
+        if cap != accepted:
+            with self.env.begin(write=True) as txn:
+                txn.put(b"capacity_accepted", str(cap).encode(), db=self.settings_db)
 
     def _lock_directory(self) -> None:
         """Create ``nvme.path`` if needed and take its ``flock`` (StoreOpenError / StoreLockedError)."""
