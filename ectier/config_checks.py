@@ -18,6 +18,7 @@ import re
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Iterator
 
+from .config_modes import check_socket_mode
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -310,20 +311,6 @@ def check_nvme(cfg: NvmeTierConfig) -> None:
     p.raise_if_any()
 
 
-def check_socket_mode(cfg: DaemonConfig) -> None:
-    """An int ``daemon.socket_mode`` (JSON's 384, YAML's unquoted ``0600``) made its octal string,
-    in place. One above 0o777 is refused: YAML reads an unquoted ``600`` as the decimal 600 (0o1130)."""
-    mode = cfg.socket_mode
-    if isinstance(mode, int) and not isinstance(mode, bool):
-        if mode < 0:
-            raise ConfigError(f"daemon.socket_mode: expected an octal string such as '0600', got {mode!r}")
-        if mode > 0o777:
-            quoted = f"0{mode}" if re.fullmatch(r"[0-7]{3}", str(mode)) else "0600"
-            raise ConfigError(f"daemon.socket_mode: {mode} is above 0o777 (511); YAML reads an unquoted "
-                              f"{mode} as a decimal number, not octal: write it quoted, e.g. \"{quoted}\"")
-        object.__setattr__(cfg, "socket_mode", format(mode, "04o"))
-
-
 def check_daemon(cfg: DaemonConfig) -> None:
     """The checks of :class:`~ectier.config.DaemonConfig` (path-like paths made ``str``, an int
     ``socket_mode`` made its octal string, ``*_bytes`` strings parsed, in place).
@@ -340,14 +327,6 @@ def check_daemon(cfg: DaemonConfig) -> None:
                 raise ConfigError("daemon.socket_path: longer than the 107 bytes a Unix socket path may have")
     with p.check("daemon.socket_mode"):
         check_socket_mode(cfg)
-        if not isinstance(cfg.socket_mode, str) or not re.fullmatch(r"0?o?[0-7]{3,4}", cfg.socket_mode):
-            raise ConfigError(
-                f"daemon.socket_mode: expected an octal string such as '0600', got {cfg.socket_mode!r}"
-            )
-        if cfg.socket_mode_bits & 0o007:
-            raise ConfigError(
-                f"daemon.socket_mode: {cfg.socket_mode} gives access to every user; use 0600 or 0660"
-            )
     if cfg.allowed_group is not None:
         with p.check("daemon.allowed_group"):
             check_text("daemon.allowed_group", cfg.allowed_group, "a group name or null")

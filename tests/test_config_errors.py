@@ -214,13 +214,24 @@ def test_an_unquoted_decimal_socket_mode_in_yaml_is_refused_with_the_fix(tmp_pat
 
 
 @pytest.mark.parametrize("yaml_value, bits", [("0600", 0o600), ("0660", 0o660), ('"0600"', 0o600), ('"600"', 0o600),
-                                              ('"0o600"', 0o600), ("384", 0o600), ("0", 0)])
+                                              ('"0o600"', 0o600), ("384", 0o600)])
 def test_socket_mode_takes_octal_strings_and_ints_of_the_mode(tmp_path, yaml_value, bits):
     """An unquoted 0600 is YAML's octal 384; JSON users give 384; strings are octal."""
     path = tmp_path / "c.yaml"
     path.write_text(f"daemon:\n  socket_mode: {yaml_value}\n")
     assert CacheConfig.load(path).daemon.socket_mode_bits == bits
     assert CacheConfig.from_dict({"daemon": {"socket_mode": 0o660}}).daemon.socket_mode == "0660"
+
+
+@pytest.mark.parametrize("value, says", [(0, "leaves the socket's owner without read and write"),
+                                         ("0400", "leaves the socket's owner without read and write"),
+                                         (0o7777, "0o7777 sets setuid/setgid/sticky bits")])
+def test_a_socket_mode_its_owner_cannot_use_or_with_special_bits_is_refused(value, says):
+    """Regression: 0 was taken as 0000 (only root could connect), and YAML's octal 07777 was told
+    'YAML reads an unquoted 4095 as a decimal number'."""
+    with pytest.raises(ConfigError, match="^daemon.socket_mode: ") as info:
+        DaemonConfig(socket_mode=value)
+    assert says in str(info.value), str(info.value)
 
 
 @pytest.mark.parametrize("value", [0, -1, -0.5, float("inf"), "30"])

@@ -51,6 +51,7 @@ LAYERS: tuple[Layer, ...] = (
             "ectier.config",
             "ectier.config_checks",
             "ectier.config_daemon",
+            "ectier.config_modes",
             "ectier.config_sources",
             "ectier.configdoc",
             "ectier.entry",
