@@ -33,6 +33,8 @@ class DaemonConfig:
         max_clients: concurrent connections. Default 64. At the cap, a new connection takes the
             place of the least recently used idle one (no request in progress, no lease) of the
             user with the most connections; with none idle it is refused with an error reply.
+            The daemon admits fewer where its soft ``RLIMIT_NOFILE`` less the 64 descriptors it
+            keeps for itself is lower (logged at start; see ``LimitNOFILE``).
         max_clients_per_uid: concurrent connections of one user (uid); at the cap, a new one of
             that user takes the place of that user's least recently used idle connection, or is
             refused. ``None`` (default) = ``max_clients``; at most ``max_clients``.

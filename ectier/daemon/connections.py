@@ -6,7 +6,9 @@ user ``uid`` (peer credentials from ``SO_PEERCRED``):
 1. ``uid`` already holds ``daemon.max_clients_per_uid`` live connections: the least recently used
    *idle* one of them (no request in progress, no lease) is closed to make room; with none idle
    the new connection is refused.
-2. Otherwise, the daemon holds ``daemon.max_clients`` live connections: the least recently used
+2. Otherwise, the daemon holds ``daemon.max_clients`` live connections (fewer where
+   ``RLIMIT_NOFILE`` less the descriptors the daemon keeps for itself allows fewer:
+   :func:`ectier.daemon.fdlimit.client_cap`): the least recently used
    idle connection of the user with the most connections is closed (the next user's if that one
    has none idle, and so on); with none idle anywhere the new connection is refused.
 
@@ -72,8 +74,12 @@ def least_recently_used_idle(conns: Iterable[Connection]) -> Connection | None:
 
 
 def admission(conns: Iterable[Connection], uid: int, *, max_clients: int,
-              max_per_uid: int) -> tuple[Connection | None, str | None]:
+              max_per_uid: int, cap_note: str | None = None) -> tuple[Connection | None, str | None]:
     """Decide on a new connection of ``uid`` (the module docstring's rule).
+
+    ``max_clients`` is the number the daemon admits: ``daemon.max_clients``, or fewer where the
+    descriptor limit lowers it (:func:`ectier.daemon.fdlimit.client_cap`; ``cap_note`` then names
+    both for the refusal, default ``daemon.max_clients=<max_clients>``).
 
     Returns ``(victim, refusal)``: ``(None, None)`` = room, admit; ``(conn, None)`` = close
     ``conn`` (idle), then admit; ``(None, reason)`` = refuse, ``reason`` naming the knob.
@@ -91,5 +97,5 @@ def admission(conns: Iterable[Connection], uid: int, *, max_clients: int,
             victim = least_recently_used_idle(c for c in live if c.uid == owner)
             if victim is not None:
                 return victim, None
-        return None, f"too many clients (daemon.max_clients={max_clients}), none of them idle"
+        return None, f"too many clients ({cap_note or f'daemon.max_clients={max_clients}'}), none of them idle"
     return None, None

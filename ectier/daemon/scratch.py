@@ -22,6 +22,7 @@ from typing import Iterator
 import torch
 
 from ..errors import TierWriteError
+from .fdlimit import descriptor_shortage
 
 __all__ = ["Scratch", "DirectPut", "DirectRead", "mapped"]
 
@@ -39,7 +40,8 @@ class Scratch:
 
     Raises:
         TierWriteError: the file cannot be created or its space reserved (``daemon.shm_dir`` full),
-            naming ``daemon.shm_dir``.
+            naming ``daemon.shm_dir``; or the daemon is out of file descriptors (EMFILE, ENFILE),
+            naming ``RLIMIT_NOFILE`` and ``daemon.max_clients``. Nothing is left behind.
     """
 
     def __init__(self, directory: str, nbytes: int, *, gid: int | None = None) -> None:
@@ -48,20 +50,33 @@ class Scratch:
         self.path = os.path.join(os.path.abspath(directory), f"ectier-{os.getuid()}-{os.getpid()}.scratch-{n}")
         self.nbytes = nbytes
         self._mmap: mmap.mmap | None = None
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:  # nothing created (O_EXCL: the name is this process's own)
+            raise self._error(exc, directory) from None
         try:
             if gid is not None:
                 os.fchown(fd, -1, gid)
                 os.fchmod(fd, 0o660)
             if nbytes:
                 os.posix_fallocate(fd, 0, nbytes)  # never a SIGBUS on a full tmpfs later
+                # (mmap dups fd: out of descriptors here, too)
                 self._mmap = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
             os.close(fd)
             self._unlink()
-            raise TierWriteError(f"daemon.shm_dir: no room for a {nbytes}-byte scratch file in "
-                                 f"{directory!r} ({exc.strerror or exc})") from None
+            raise self._error(exc, directory) from None
         os.close(fd)
+
+    def _error(self, exc: OSError, directory: str) -> TierWriteError:
+        """The TierWriteError of a scratch file that could not be made: out of descriptors names
+        RLIMIT_NOFILE and daemon.max_clients; anything else is no room in ``daemon.shm_dir``."""
+        shortage = descriptor_shortage(exc, f"daemon.shm_dir: cannot create a {self.nbytes}-byte scratch file in "
+                                            f"{directory!r}")
+        if shortage is not None:
+            return TierWriteError(shortage)
+        return TierWriteError(f"daemon.shm_dir: no room for a {self.nbytes}-byte scratch file in "
+                              f"{directory!r} ({exc.strerror or exc})")
 
     def view(self) -> torch.Tensor:
         """The file's bytes as a flat ``uint8`` tensor (valid until :meth:`close`)."""

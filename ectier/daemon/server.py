@@ -50,7 +50,7 @@ from ..config_checks import view_pin_bounds
 from ..errors import EctierError
 from ..logutil import RateLimitedLogger
 from .connections import Connection
-from .fdlimit import ACCEPT_RESOURCE_ERRNOS, raise_nofile_limit
+from .fdlimit import ACCEPT_RESOURCE_ERRNOS, ClientCap, client_cap, raise_nofile_limit
 from .files import claim_socket_path, reclaim_stale_arenas
 from .holders import Holders
 from .leases import LeaseBook, end_lease
@@ -94,6 +94,8 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._conns: dict[int, Connection] = {}
+        #: the connections admitted: daemon.max_clients, or fewer by RLIMIT_NOFILE (set by start())
+        self.client_cap = ClientCap(config.daemon.max_clients, config.daemon.max_clients, None)
         self._next_id = 1  # of the next connection or lease
         self.leases = LeaseBook(self._lock, config.daemon.lease_s, self._new_id_locked)
         self.holders = Holders(*view_pin_bounds(config))
@@ -130,8 +132,10 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
     def start(self) -> None:
         """Open the tiers, bind the socket, start the reaper (and metrics). Returns at once.
         Raises the soft ``RLIMIT_NOFILE`` first where ``daemon.max_clients`` needs it
-        (:mod:`ectier.daemon.fdlimit`)."""
-        raise_nofile_limit(self.config.daemon.max_clients)
+        (:mod:`ectier.daemon.fdlimit`), and admits at most that limit less ``FD_MARGIN`` client
+        connections (:func:`~ectier.daemon.fdlimit.client_cap`)."""
+        max_clients = self.config.daemon.max_clients
+        self.client_cap = client_cap(max_clients, raise_nofile_limit(max_clients))
         claim_socket_path(self.socket_path)
         self._open_arena()
         try:

@@ -3,7 +3,9 @@ requests, and what a disconnect ends (a mixin of :class:`~ectier.daemon.server.D
 
 Admission (:meth:`ConnectionServing._admit`): the peer's credentials (``SO_PEERCRED``) against
 ``daemon.allowed_group``, then :func:`ectier.daemon.connections.admission` under the server's
-lock (an idle connection may be closed to make room). Each admitted connection is served by a
+lock (an idle connection may be closed to make room), at most ``daemon.max_clients`` connections
+or fewer where ``RLIMIT_NOFILE`` keeps descriptors back for the daemon
+(:func:`ectier.daemon.fdlimit.client_cap`). Each admitted connection is served by a
 thread of its own (:meth:`ConnectionServing._serve_connection`): frames are decoded and each
 request is answered by :func:`ectier.daemon.handlers.handle`; a reply that cannot be sent revokes
 the process-held leases its request granted; a connection idle for ``daemon.idle_timeout_s``
@@ -48,8 +50,9 @@ class ConnectionServing:
             # look again for up to ~0.1 s before refusing while some connection is busy
             for _ in range(6):
                 with self._lock:
-                    victim, reason = admission(self._conns.values(), uid, max_clients=self.config.daemon.max_clients,
-                                               max_per_uid=self.config.daemon.uid_connection_cap)
+                    victim, reason = admission(self._conns.values(), uid, max_clients=self.client_cap.limit,
+                                               max_per_uid=self.config.daemon.uid_connection_cap,
+                                               cap_note=self.client_cap.note)
                     if reason is None:
                         if victim is not None:  # idle: no request in progress, no lease; see admission()
                             victim.closed = True
@@ -73,8 +76,8 @@ class ConnectionServing:
             return
         if victim is not None:
             log.info("closed the idle connection of client %s (pid %d, uid %d; idle %.1f s) to make room for "
-                     "pid %d (daemon.max_clients=%d, daemon.max_clients_per_uid=%d)", victim.name, victim.pid,
-                     victim.uid, time.monotonic() - victim.last_active, pid, self.config.daemon.max_clients,
+                     "pid %d (%s, daemon.max_clients_per_uid=%d)", victim.name, victim.pid,
+                     victim.uid, time.monotonic() - victim.last_active, pid, self.client_cap.note,
                      self.config.daemon.uid_connection_cap)
             shutdown_socket(victim.sock)
         t = threading.Thread(target=self._serve_connection, args=(conn,), name=f"ectier-conn-{conn.id}", daemon=True)
@@ -94,9 +97,9 @@ class ConnectionServing:
                 self.counters["evicted"] += 1
             open_conns = sum(not c.closed for c in self._conns.values())
         self._accept_log.warning(
-            ("accept", exc.errno), "cannot accept a connection: %s (%d connections open, daemon.max_clients=%d, "
+            ("accept", exc.errno), "cannot accept a connection: %s (%d connections open, %s, "
             "RLIMIT_NOFILE %s); %s; see docs/operations.md, Under systemd (LimitNOFILE=)",
-            exc.strerror or exc, open_conns, self.config.daemon.max_clients, _nofile_limit(),
+            exc.strerror or exc, open_conns, self.client_cap.note, _nofile_limit(),
             f"closed the idle connection of client {victim.name or '(no hello yet)'} (pid {victim.pid}) to make room"
             if victim is not None else "no idle connection to close; retrying")
         if victim is not None:
