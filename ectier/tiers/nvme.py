@@ -41,8 +41,10 @@ policy, budget); :mod:`ectier.tiers.nvme_segment` the segment file and its free-
 
 Threads: the tier is safe to share between threads. Index commits are serialised (LMDB has one
 writer; concurrent writes share a group commit); reads run in parallel with each other and with
-writers. Map growth briefly excludes everyone. Fork: do not use a tier across ``fork()``; open it
-in the child (LMDB's rule).
+writers. Map growth and close briefly exclude everyone (every use of LMDB or the segment file holds
+the store's ``rw`` lock shared): close waits for the operations in flight; one that comes after it
+raises :class:`~ectier.errors.EctierError` ("cache is closed"). Fork: do not use a tier across
+``fork()``; open it in the child (LMDB's rule).
 """
 
 from __future__ import annotations
@@ -61,16 +63,17 @@ import numpy as np
 from ..codec import Codec, RecordHeader, checksum, get_codec
 from ..config import NvmeTierConfig
 from ..entry import DTYPE_ITEMSIZE, EntryMeta
-from ..errors import CorruptRecordError, StoreOpenError, TierWriteError
+from ..errors import CorruptRecordError, EctierError, StoreOpenError, TierWriteError
 from ..policy import make_policy
 from .base import Tier
 from .nvme_env import (RELEASE_MARKER, STORE_FORMAT, NvmeDiskFullError, NvmeEnv, free_disk_bytes, write_error,
                        lmdb_write_error)
-from .nvme_commit import GroupCommit, Pending
+from .nvme_commit import GroupCommit, Pending, put_entry
 from .nvme_index import NvmeIndex, NvmeRecord
 from .nvme_reader import ByteViews, flat_cpu_bytes
 from .nvme_record import (CheckedRecord, EncodedRecord, check_index_value, check_record, encode_record,
                           pack_index_value, parse_index_value)
+from .nvme_scan import placed_entries
 from .nvme_segment import BLOCK_BYTES, Location, blocks_for, pack_location
 
 __all__ = ["NvmeTier", "NvmeRecord", "EncodedRecord", "STORE_FORMAT", "RELEASE_MARKER", "check_record",
@@ -182,7 +185,8 @@ class NvmeTier(Tier):
     @property
     def map_size_bytes(self) -> int:
         """Current LMDB map size in bytes."""
-        return self._env.info()["map_size"] if self._env is not None else 0
+        with self._rw.shared():
+            return self._env.info()["map_size"] if self._env is not None else 0
 
     # ------------------------------------------------------------------------------- writing
 
@@ -216,11 +220,7 @@ class NvmeTier(Tier):
         loc = self._store.space.allocate(len(payload), below=self._store.segment.size_blocks() if on_disk else None)
         try:
             with self._group.copying():
-                try:
-                    csum = self._store.segment.write(loc, payload)
-                except OSError as exc:
-                    self.counters["write_errors"] += 1
-                    raise write_error(self.path, exc, len(payload), self._free_disk_bytes()) from None
+                csum = self._segment_io("write", loc, payload, need=len(payload))
             if record.header.payload_checksum and record.header.payload_checksum != csum:
                 raise TierWriteError("nvme tier: payload changed while it was written (checksum differs)")
             header = dataclasses.replace(record.header, payload_checksum=csum)
@@ -234,30 +234,44 @@ class NvmeTier(Tier):
             self._free(old)
         return done
 
+    def _check_open(self) -> None:
+        """With ``rw`` held shared (close takes it exclusively): raise once the store is closed."""
+        if self._store.env is None:
+            raise EctierError("cache is closed")
+
+    def _segment_io(self, op: str, *args: object, need: int = 0) -> int | None:
+        """``segment.<op>(*args)`` (``write``, ``flush``) with the store held open; an OSError is a write error."""
+        with self._rw.shared():
+            self._check_open()
+            try:
+                return getattr(self._store.segment, op)(*args)
+            except OSError as exc:
+                self.counters["write_errors"] += 1
+                raise write_error(self.path, exc, need, self._free_disk_bytes()) from None
+
     def _free(self, loc: Location) -> None:
-        """Return ``loc``'s blocks (the segment file is cut when a grown region shrinks back)."""
-        self._store.space.free(loc)
+        """Return ``loc``'s blocks (the segment file is cut when a grown region shrinks back). On a
+        closed store nothing: the next open rebuilds the free-space map from the index."""
+        with self._rw.shared():
+            if self._store.env is not None:
+                self._store.space.free(loc)
 
     def _commit_group(self, batch: list[Pending]) -> None:
         """Sync the payloads of ``batch`` (``fdatasync`` with ``nvme.sync``), then commit their
         index entries in one LMDB transaction, each conditional on its version: ``result`` is
         ``(written, location of the record it replaced)``."""
-        try:
-            self._store.segment.flush()
-        except OSError as exc:
-            self.counters["write_errors"] += 1
-            raise write_error(self.path, exc, 0, self._free_disk_bytes()) from None
+        self._segment_io("flush")
         values = [pack_index_value(h, loc) for _, h, loc in (p.item for p in batch)]
         need = sum(len(v) for v in values)
         released = False  # one commit may make pages freed by earlier deletes reusable
         for _ in range(64):
             with self._rw.shared(), self._write_lock:
-                assert self._env is not None
+                self._check_open()
                 results = []
                 try:
                     with self._env.begin(write=True) as txn:
                         for p, value in zip(batch, values):
-                            results.append(self._put_entry(txn, p.item, value))
+                            results.append(put_entry(txn, self._meta, p.item, value))
                 except lmdb.MapFullError:
                     if not released:
                         released = True
@@ -278,21 +292,6 @@ class NvmeTier(Tier):
             self._store.grow(need)
         raise TierWriteError("nvme tier: map still full after growing")  # pragma: no cover
 
-    def _put_entry(self, txn: lmdb.Transaction, item: tuple, value: bytes) -> tuple[bool, Location | None]:
-        """In ``txn``: put one index entry unless an equal or newer version is there."""
-        digest, header, _ = item
-        current = txn.get(digest, db=self._meta)
-        old = None
-        if current is not None:
-            try:
-                cur_header, old = parse_index_value(current)
-                if cur_header.version >= header.version:
-                    return False, None
-            except CorruptRecordError:
-                old = None  # replaced below; its blocks come back at the next open
-        txn.put(digest, value, db=self._meta)
-        return True, old
-
     def _free_disk_bytes(self) -> int | None:
         return free_disk_bytes(self.path)
 
@@ -307,7 +306,7 @@ class NvmeTier(Tier):
         removes it).
         """
         with self._rw.shared(), self._write_lock:
-            assert self._env is not None
+            self._check_open()
             loc = None
             try:
                 with self._env.begin(write=True) as txn:
@@ -356,7 +355,7 @@ class NvmeTier(Tier):
         rw.acquire_shared()
         epoch = space.begin_read()  # before the lookup: the blocks it finds stay unreused until the end
         try:
-            assert self._env is not None
+            self._check_open()
             txn = self._env.begin()  # read-only: begin, get (bytes: the header and location), abort
             try:
                 raw = txn.get(digest, db=self._meta)
@@ -431,7 +430,7 @@ class NvmeTier(Tier):
         the same digest stays in service.
         """
         with self._rw.shared(), self._write_lock:
-            assert self._env is not None
+            self._check_open()
             try:
                 with self._env.begin(write=True) as txn:
                     current = txn.get(digest, db=self._meta)
@@ -457,36 +456,27 @@ class NvmeTier(Tier):
         """The digests the index holds entries for, and those whose entry names a payload location
         inside the segment file, not overlapping another's (a consistency check: both equal the
         in-memory records when the tier is idle)."""
-        assert self._env is not None
-        seg_blocks = self._store.segment.size_blocks()
-        meta, placed, taken = set(), set(), set()
-        with self._env.begin() as txn:
-            for k, v in txn.cursor(db=self._meta):
-                meta.add(bytes(k))
-                try:
-                    header, loc = parse_index_value(v)
-                except CorruptRecordError:
-                    continue
-                blocks = {b for s, n in loc.extents for b in range(s, s + n)}
-                if (blocks_for(header.payload_nbytes) <= loc.blocks and not blocks & taken
-                        and max((s + n for s, n in loc.extents), default=0) <= seg_blocks):
-                    placed.add(bytes(k))
-                taken |= blocks
-        return meta, placed
+        with self._rw.shared():
+            self._check_open()
+            with self._env.begin() as txn:
+                return placed_entries(txn.cursor(db=self._meta), self._store.segment.size_blocks())
 
     def space(self) -> dict[str, int]:
         """Segment file figures, bytes: ``segment_bytes`` (its length), ``segment_used_bytes``
         (blocks held by records or reads), ``segment_disk_bytes`` (allocated on disk)."""
-        st = os.fstat(self._store.segment.fd)
+        with self._rw.shared():
+            self._check_open()
+            st = os.fstat(self._store.segment.fd)
         sp = self._store.space
         return {"segment_bytes": st.st_size, "segment_used_bytes": (sp.nblocks - sp.free_blocks) * BLOCK_BYTES,
                 "segment_disk_bytes": st.st_blocks * 512}
 
     def quarantined(self) -> dict[bytes, dict]:
         """Digest -> ``{"reason", "time", "header"}`` of every quarantined record."""
-        assert self._env is not None
-        with self._env.begin() as txn:
-            return {bytes(k): json.loads(v) for k, v in txn.cursor(db=self._store.quarantine_db)}
+        with self._rw.shared():
+            self._check_open()
+            with self._env.begin() as txn:
+                return {bytes(k): json.loads(v) for k, v in txn.cursor(db=self._store.quarantine_db)}
 
     # ------------------------------------------------------------------------------- closing
 

@@ -19,7 +19,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-__all__ = ["GroupCommit", "Pending"]
+from ..errors import CorruptRecordError
+from .nvme_record import parse_index_value
+
+__all__ = ["GroupCommit", "Pending", "put_entry"]
 
 
 @dataclass
@@ -100,3 +103,21 @@ class GroupCommit:
         if p.error is not None:
             raise p.error
         return p.result
+
+
+def put_entry(txn: Any, db: object, item: tuple, value: bytes) -> tuple[bool, Any]:
+    """In write transaction ``txn``: put the index entry ``value`` of ``item`` (``(digest, header,
+    location)``) into ``db`` unless an equal or newer version is there. ``(written, location of the
+    entry it replaced or None)``."""
+    digest, header, _ = item
+    current = txn.get(digest, db=db)
+    old = None
+    if current is not None:
+        try:
+            cur_header, old = parse_index_value(current)
+            if cur_header.version >= header.version:
+                return False, None
+        except CorruptRecordError:
+            old = None  # replaced below; its blocks come back at the next open
+    txn.put(digest, value, db=db)
+    return True, old

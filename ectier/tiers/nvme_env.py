@@ -23,7 +23,8 @@ import numpy as np
 
 from ..config import NvmeTierConfig
 from ..entry import entry_digest
-from ..errors import ConfigError, CorruptRecordError, StoreDamagedError, StoreLockedError, StoreOpenError, TierWriteError
+from ..errors import (ConfigError, CorruptRecordError, EctierError, StoreDamagedError, StoreLockedError,
+                      StoreOpenError, TierWriteError)
 from .nvme_index import NvmeIndex, NvmeRecord
 from .nvme_errors import NvmeDiskFullError, lmdb_write_error, write_error, write_error_text  # noqa: F401 (re-exported)
 from .nvme_migrate import migrate_v1
@@ -59,7 +60,8 @@ def _damaged_hint(path: Path) -> str:
 
 
 class RWLock:
-    """Many shared holders or one exclusive holder (used only around LMDB map resizes).
+    """Many shared holders or one exclusive holder: every transaction and every segment file read
+    or write holds it shared; a map resize and close hold it exclusively.
 
     ``with rw.shared():`` is on every read's path, so taking and releasing it shared is one
     :class:`threading.Lock` each (C level: no :class:`threading.Condition` method, no ``notify_all``
@@ -134,7 +136,7 @@ class NvmeEnv:
 
     Attributes ``env``, ``meta_db``, ``quarantine_db`` and ``settings_db`` are the
     environment and its four databases once open (``env`` is ``None`` when closed). ``rw`` is
-    held shared by every transaction and exclusively by a map resize or close; ``write_lock``
+    held shared by every transaction and segment file access, exclusively by a map resize or close; ``write_lock``
     serialises the writers.
     """
 
@@ -449,7 +451,8 @@ class NvmeEnv:
         """
         ceiling = self.config.map_ceiling_bytes
         with self.rw.exclusive():
-            assert self.env is not None
+            if self.env is None:
+                raise EctierError("cache is closed")
             current = self.env.info()["map_size"]
             if current >= ceiling:
                 self.counters["write_errors"] += 1

@@ -15,16 +15,17 @@ from __future__ import annotations
 import gc
 import struct
 from contextlib import contextmanager
-from typing import Iterator, NamedTuple
+from typing import Iterable, Iterator, NamedTuple
 
 import lmdb
 import xxhash
 
 from ..errors import CorruptRecordError
+from .nvme_record import parse_index_value
 from ..record import MAX_HEADER_NBYTES, RECORD_FORMAT_VERSION, RECORD_MAGIC, peek_header
-from .nvme_segment import BLOCK_BYTES, LOCATION_MAGIC, unpack_location
+from .nvme_segment import BLOCK_BYTES, LOCATION_MAGIC, blocks_for, unpack_location
 
-__all__ = ["ScanResult", "scan_index", "gc_paused"]
+__all__ = ["ScanResult", "scan_index", "gc_paused", "placed_entries"]
 
 # The header's fixed prefix up to its write version (layout in ectier.record's module docstring):
 # magic, format, codec id, header length H, raw_nbytes, payload_nbytes, payload checksum, version.
@@ -135,3 +136,23 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
+
+
+def placed_entries(entries: Iterable[tuple[bytes, bytes]], seg_blocks: int) -> tuple[set[bytes], set[bytes]]:
+    """:meth:`NvmeTier.stored_keys <ectier.tiers.nvme.NvmeTier.stored_keys>` over the index
+    entries ``(digest, value)`` and a segment file of ``seg_blocks`` blocks: every digest, and those
+    whose location holds the payload inside the file without overlapping an earlier entry's blocks."""
+    meta, placed, taken = set(), set(), set()
+    for k, v in entries:
+        k = bytes(k)
+        meta.add(k)
+        try:
+            header, loc = parse_index_value(v)
+        except CorruptRecordError:
+            continue
+        blocks = {b for s, n in loc.extents for b in range(s, s + n)}
+        if (blocks_for(header.payload_nbytes) <= loc.blocks and not blocks & taken
+                and max((s + n for s, n in loc.extents), default=0) <= seg_blocks):
+            placed.add(k)
+        taken |= blocks
+    return meta, placed
