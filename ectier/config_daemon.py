@@ -44,11 +44,14 @@ class DaemonConfig:
         metrics_host: address of the metrics endpoint. Default ``127.0.0.1``.
         view_pin_bytes: bytes of the host arena one client process may hold pinned under
             zero-copy views (process-held leases: no ``lease_s`` deadline, released when the view
-            is freed or the process exits); a read beyond it is copied instead (counted as
-            ``views.refused`` in ``ectier stats``). ``None`` (default) = half of
-            ``host.capacity_bytes``; 0 = no views (every read copies). At most ``host.capacity_bytes``.
+            is freed or the process exits), each entry counted as the whole ``host.block_bytes``
+            blocks it occupies (an 80 KB entry in 256 KiB blocks pins 256 KiB); a read beyond it is
+            copied instead (counted as ``views.refused`` in ``ectier stats``). ``None`` (default) =
+            half of ``host.capacity_bytes``; 0 = no views (every read copies). At most
+            ``host.capacity_bytes``.
         view_pin_total_bytes: bytes of the host arena all client processes together may hold
-            pinned under zero-copy views (summed over the processes); a read beyond it is copied.
+            pinned under zero-copy views (summed over the processes; whole blocks, as
+            ``view_pin_bytes``); a read beyond it is copied.
             ``None`` (default) = half of ``host.capacity_bytes``, or ``view_pin_bytes`` when that
             is larger. At least ``view_pin_bytes``, at most ``host.capacity_bytes``.
     """

@@ -16,7 +16,9 @@ keeps it. It ends when
   the reaper checks ``kill(pid, 0)`` instead.
 
 A process may hold at most ``daemon.view_pin_bytes`` of the arena so (default: half of
-``host.capacity_bytes``): one that leaks views cannot pin the whole arena for ever; and all
+``host.capacity_bytes``; each entry counted as the whole ``host.block_bytes`` blocks it occupies,
+:func:`~ectier.daemon.leases.arena_footprint`): one that leaks views cannot pin the whole arena
+for ever; and all
 processes together at most ``daemon.view_pin_total_bytes`` (default: half of the arena, or
 ``view_pin_bytes`` when that is larger), so two processes at the default cannot fill it between
 them. A ``get`` beyond either bound is answered with an ordinary connection lease and ``view_refused`` (the
@@ -41,8 +43,8 @@ class Holders:
     """The processes holding process-held leases (module docstring).
 
     Args:
-        limit_bytes: ``daemon.view_pin_bytes`` resolved: the most arena bytes one process may hold
-            pinned through views; 0 refuses every view.
+        limit_bytes: ``daemon.view_pin_bytes`` resolved: the most arena bytes (whole blocks) one
+            process may hold pinned through views; 0 refuses every view.
     """
 
     def __init__(self, limit_bytes: int, total_limit_bytes: int | None = None) -> None:

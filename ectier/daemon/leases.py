@@ -12,6 +12,11 @@ Locking: the book is guarded by the server's lock, which also guards the connect
 connection's lease set and the book change together. :meth:`LeaseBook.grant`,
 :meth:`LeaseBook.take` and :meth:`LeaseBook.take_all` take that lock; the methods named
 ``*_locked`` expect the caller to hold it.
+
+Arena bytes: an entry occupies whole ``host.block_bytes`` blocks of the arena however small it
+is, so what a lease pins (and what the caps on pins count: ``daemon.view_pin_bytes``,
+``daemon.view_pin_total_bytes``, the prefetcher's held pins) is :func:`arena_footprint` of its
+``nbytes``, ``ceil(nbytes / block_bytes) * block_bytes``, never ``nbytes`` itself.
 """
 
 from __future__ import annotations
@@ -27,9 +32,14 @@ from ..errors import EctierError
 from .connections import Connection
 from .scratch import DirectPut, DirectRead
 
-__all__ = ["Lease", "LeaseBook", "end_lease", "place_of"]
+__all__ = ["Lease", "LeaseBook", "arena_footprint", "end_lease", "place_of"]
 
 log = logging.getLogger("ectier.daemon")
+
+
+def arena_footprint(nbytes: int, block_bytes: int) -> int:
+    """Bytes of the host arena an entry of ``nbytes`` occupies: its whole blocks."""
+    return -(-nbytes // block_bytes) * block_bytes
 
 
 @dataclass(eq=False)
@@ -49,7 +59,8 @@ class Lease:
 
     @property
     def arena_nbytes(self) -> int:
-        """Bytes of the host arena this lease holds (0 for a scratch file)."""
+        """Entry bytes this lease holds in the host arena (0 for a scratch file); it occupies
+        :func:`arena_footprint` of them (whole blocks)."""
         return self.handle.meta.nbytes if isinstance(self.handle, (WriteLease, ReadLease)) else 0
 
 
@@ -61,19 +72,22 @@ class LeaseBook:
         lease_s: seconds from grant to deadline (``daemon.lease_s``).
         new_id_locked: returns a fresh id, called with ``lock`` held (the server's counter, shared
             with connection ids, so that an id names one thing).
+        block_bytes: ``host.block_bytes``: process-held leases are counted in whole blocks.
     """
 
-    def __init__(self, lock: threading.Lock, lease_s: float, new_id_locked: Callable[[], int]) -> None:
+    def __init__(self, lock: threading.Lock, lease_s: float, new_id_locked: Callable[[], int], *,
+                 block_bytes: int) -> None:
         self._lock = lock
+        self.block_bytes = block_bytes
         self._lease_s = lease_s
         self._new_id_locked = new_id_locked
         self._by_id: dict[int, Lease] = {}
-        # pid -> {arena place of an entry: [process-held leases on it, its bytes]}: what a
+        # pid -> {arena place of an entry: [process-held leases on it, its arena bytes]}: what a
         # process pins through views, each entry counted once (kept as leases come and go)
         self._held: dict[int, dict[tuple, list[int]]] = {}
-        self._held_bytes: dict[int, int] = {}  # pid -> the bytes of its places (kept with _held)
-        #: arena bytes pinned through views, summed over the processes (an entry that two
-        #: processes view counts twice)
+        self._held_bytes: dict[int, int] = {}  # pid -> the arena bytes of its places (kept with _held)
+        #: arena bytes (whole blocks) pinned through views, summed over the processes (an entry
+        #: that two processes view counts twice)
         self.held_total = 0
 
     def __len__(self) -> int:
@@ -96,9 +110,10 @@ class LeaseBook:
         places = self._held.setdefault(pid, {})
         slot = places.get(place)
         if slot is None:
-            places[place] = [1, handle.meta.nbytes]
-            self._held_bytes[pid] = self._held_bytes.get(pid, 0) + handle.meta.nbytes
-            self.held_total += handle.meta.nbytes
+            nbytes = arena_footprint(handle.meta.nbytes, self.block_bytes)
+            places[place] = [1, nbytes]
+            self._held_bytes[pid] = self._held_bytes.get(pid, 0) + nbytes
+            self.held_total += nbytes
         else:
             slot[0] += 1
         return lease.id
@@ -152,12 +167,13 @@ class LeaseBook:
         return mine
 
     def held_bytes_locked(self, pid: int, also: ReadLease | None = None, place: tuple | None = None) -> int:
-        """Host-arena bytes the process-held leases of ``pid`` pin (and ``also``, whose
-        :func:`place_of` is ``place``, would): each entry counted once, however many leases of
-        the process pin it (e.g. the scheduler's pin and the worker's view of one item)."""
+        """Host-arena bytes (whole blocks, :func:`arena_footprint`) the process-held leases of
+        ``pid`` pin (and ``also``, whose :func:`place_of` is ``place``, would): each entry counted
+        once, however many leases of the process pin it (e.g. the scheduler's pin and the
+        worker's view of one item)."""
         total = self._held_bytes.get(pid, 0)
         if also is not None and (place_of(also) if place is None else place) not in self._held.get(pid, {}):
-            total += also.meta.nbytes
+            total += arena_footprint(also.meta.nbytes, self.block_bytes)
         return total
 
     def held_pids_locked(self) -> set[int]:
@@ -189,10 +205,12 @@ class LeaseBook:
                 lease.conn.leases.discard(lease.id)
         return expired
 
-    def arena_blocks(self, block_bytes: int) -> int:
-        """Host-arena blocks (of ``block_bytes``) that the live leases hold."""
+    def arena_blocks(self, block_bytes: int | None = None) -> int:
+        """Host-arena blocks (of ``block_bytes``, default the book's) that the live leases hold
+        (each lease's entry in whole blocks; an entry two leases pin counts twice)."""
+        block = self.block_bytes if block_bytes is None else block_bytes
         with self._lock:
-            return sum(-(-l.arena_nbytes // block_bytes) for l in self._by_id.values())
+            return sum(-(-l.arena_nbytes // block) for l in self._by_id.values())
 
     def counts_locked(self) -> dict[str, int]:
         """``{"put": n, "get": n}``: live leases by kind (process-held read leases count as ``get``)."""
@@ -201,7 +219,7 @@ class LeaseBook:
 
     def held_counts_locked(self) -> dict[str, int]:
         """``{"leases": n, "bytes": b, "processes": p}``: the process-held leases, the arena bytes
-        they pin (each entry once per process), and the processes holding them."""
+        they pin (whole blocks, each entry once per process), and the processes holding them."""
         return {"leases": sum(1 for l in self._by_id.values() if l.conn is None),
                 "bytes": self.held_total,
                 "processes": len(self._held)}

@@ -97,7 +97,8 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
         #: the connections admitted: daemon.max_clients, or fewer by RLIMIT_NOFILE (set by start())
         self.client_cap = ClientCap(config.daemon.max_clients, config.daemon.max_clients, None)
         self._next_id = 1  # of the next connection or lease
-        self.leases = LeaseBook(self._lock, config.daemon.lease_s, self._new_id_locked)
+        self.leases = LeaseBook(self._lock, config.daemon.lease_s, self._new_id_locked,
+                                block_bytes=config.host.block_bytes)
         self.holders = Holders(*view_pin_bounds(config))
         #: names this daemon run in ``hello`` (a client drops releases of leases an earlier run granted)
         self.instance = os.urandom(8).hex()
