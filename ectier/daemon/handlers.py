@@ -23,7 +23,7 @@ from ..cache import ReadLease
 from ..errors import EctierError, EntryTooLargeError, TierWriteError
 from ..tensors import meta_from_spec
 from .connections import Connection
-from .leases import end_lease
+from .leases import arena_footprint, end_lease
 from .protocol import FEATURES, PROTOCOL_VERSION, ProtocolError, error_reply, ok_reply, parse_request
 from .scratch import DirectPut, DirectRead, Scratch
 
@@ -84,8 +84,11 @@ def _op_reserve(server: DaemonServer, conn: Connection, key: str, dtype: str, sh
                 namespace: str | None = None, direct: bool = False) -> dict[str, Any]:
     assert server.cache is not None
     to_nvme = direct and server.config.nvme.enabled
-    if to_nvme and not _arena_has_room(server, meta_from_spec("-", key, dtype, shape).nbytes):
-        return _direct_put(server, conn, key, dtype, shape, namespace)
+    nbytes = _spec_nbytes(dtype, shape)
+    if nbytes is not None and _arena_shortfall(server, nbytes) > 0:
+        _make_room(server, nbytes)
+        if to_nvme and _arena_shortfall(server, nbytes) > 0:
+            return _direct_put(server, conn, key, dtype, shape, namespace)
     try:
         handle = server.cache.reserve(key, dtype=dtype, shape=shape, namespace=namespace)
     except (EntryTooLargeError, TierWriteError) as exc:
@@ -104,13 +107,32 @@ def _op_reserve(server: DaemonServer, conn: Connection, key: str, dtype: str, sh
     return {"lease": lease_id, "nbytes": handle.meta.nbytes, "extents": [list(e) for e in handle.extents]}
 
 
-def _arena_has_room(server: DaemonServer, nbytes: int) -> bool:
-    """False when the clients' leases and the held prefetch pins leave the host arena too few
-    blocks for ``nbytes`` even after evicting everything else (a reserve would only wait
-    ``host.admit_wait_s`` and fail)."""
+def _spec_nbytes(dtype: str, shape: tuple) -> int | None:
+    """The bytes of an entry of ``dtype`` and ``shape``; None when they are invalid (the cache's
+    ``reserve`` then says why, in its own order of checks)."""
+    try:
+        return meta_from_spec("-", "-", dtype, shape).nbytes
+    except (EctierError, ValueError, TypeError):
+        return None
+
+
+def _arena_shortfall(server: DaemonServer, nbytes: int) -> int:
+    """Arena bytes (whole blocks) an entry of ``nbytes`` lacks even after evicting everything
+    unpinned: the blocks that the clients' leases (connection leases, zero-copy view pins) and
+    the held prefetch pins occupy, each entry counted in whole ``host.block_bytes`` blocks, leave
+    too few for it (0 or less: it fits; more: a reserve would only wait ``host.admit_wait_s``)."""
     block = server.config.host.block_bytes
     held = server.leases.arena_blocks(block) + -(-server.prefetcher.stats()["held_bytes"] // block)
-    return -(-nbytes // block) <= server.cache.host_arena_bytes // block - held
+    return (-(-nbytes // block) - (server.cache.host_arena_bytes // block - held)) * block
+
+
+def _make_room(server: DaemonServer, nbytes: int) -> None:
+    """Prefetch pins give way to a put: end held prefetch pins (their entries stay in the arena,
+    unpinned) until an entry of ``nbytes`` fits beside the other pins, when it can fit at all.
+    Views are never taken back; what they and the connection leases pin stays."""
+    short = _arena_shortfall(server, nbytes)
+    if short > 0 and arena_footprint(nbytes, server.config.host.block_bytes) <= server.cache.host_arena_bytes:
+        server.prefetcher.give_way(short)
 
 
 def _direct_put(server: DaemonServer, conn: Connection, key: str, dtype: str, shape: tuple,

@@ -32,8 +32,10 @@ metric                                      type       meaning
                                                        ``promoted`` (pinned for a get), ``failed``,
                                                        ``direct_read`` (into a scratch file),
                                                        ``expired`` (pin not taken in ``lease_s``),
-                                                       ``taken`` (by a get)
+                                                       ``taken`` (by a get), ``yielded`` (pin ended
+                                                       to make arena room for a put)
 ``ectier_prefetch_held_bytes``              gauge      arena bytes pinned by finished promotions
+                                                       (whole ``host.block_bytes`` blocks)
 ``ectier_view_pinned_bytes``                gauge      arena bytes clients' zero-copy views pin
 ``ectier_view_leases``                      gauge      process-held leases under views
 ``ectier_views_total{result}``              counter    view leases: ``granted``, ``refused`` (over
@@ -122,13 +124,14 @@ class StatsCollector:
             prefetch = daemon.get("prefetch") or {}
             fam = CounterMetricFamily("ectier_prefetches", "Promotions of the prefetch op", labels=["result"])
             for result, field in (("started", "started"), ("promoted", "promoted"), ("failed", "failed"),
-                                  ("direct_read", "direct_reads"), ("expired", "expired"), ("taken", "taken")):
+                                  ("direct_read", "direct_reads"), ("expired", "expired"), ("taken", "taken"),
+                                  ("yielded", "yielded")):
                 fam.add_metric([result], prefetch.get(field, 0))
             yield fam
-            yield GaugeMetricFamily("ectier_prefetch_held_bytes", "Arena bytes pinned by finished promotions",
+            yield GaugeMetricFamily("ectier_prefetch_held_bytes", "Arena bytes (whole blocks) pinned by finished promotions",
                                     value=prefetch.get("held_bytes", 0))
             views = daemon.get("views") or {}
-            yield GaugeMetricFamily("ectier_view_pinned_bytes", "Arena bytes pinned under clients' zero-copy views",
+            yield GaugeMetricFamily("ectier_view_pinned_bytes", "Arena bytes (whole blocks) pinned under clients' zero-copy views",
                                     value=views.get("bytes", 0))
             yield GaugeMetricFamily("ectier_view_leases", "Process-held leases under views", value=views.get("leases", 0))
             fam = CounterMetricFamily("ectier_views", "View leases by result", labels=["result"])

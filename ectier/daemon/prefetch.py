@@ -19,8 +19,17 @@ than ``host.capacity_bytes``, or no room) is read from NVMe into a scratch file 
 (:class:`~ectier.daemon.scratch.DirectRead`) when the asking client reads directly
 (``direct: true``). A held pin or scratch file lasts until a ``get`` takes it, a put or delete of
 its key, or ``daemon.lease_s`` (the reaper, :meth:`Prefetcher.expire`); pins are held for at most
-half of the host arena (beyond that a promoted entry is left unpinned in the arena: a ``get``
-still finds it there unless it was evicted meanwhile).
+half of the host arena's bytes (:attr:`Prefetcher.max_held_bytes`), each held entry counted as
+the whole ``host.block_bytes`` blocks it occupies (:func:`~ectier.daemon.leases.arena_footprint`:
+80 KB in 256 KiB blocks is 256 KiB), so many small entries cannot pin more than half the arena;
+beyond that a promoted entry is left unpinned in the arena: a ``get`` still finds it there unless
+it was evicted meanwhile. The stats' ``held_bytes`` are these arena bytes (blocks x block size).
+
+Held pins give way to puts: held pins and zero-copy view pins (``daemon.view_pin_total_bytes``,
+default half the arena too) may together pin the whole arena, so a ``reserve`` that finds too few
+unpinned blocks for its entry first ends held pins, oldest first (:meth:`Prefetcher.give_way`,
+counted as ``yielded``), instead of waiting ``host.admit_wait_s`` for room no reader would
+release. Their entries stay in the arena unpinned (a ``get`` still finds them unless evicted).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from typing import Any
 from ..cache import ReadLease, TieredCache
 from ..errors import EctierError
 from ..tiers.nvme_reader import mark_background
+from .leases import arena_footprint
 from .scratch import DirectRead
 
 __all__ = ["Prefetcher", "Held", "ABSENT", "READY", "PROMOTING"]
@@ -48,15 +58,12 @@ WORKERS = 4
 
 @dataclass
 class Held:
-    """A finished promotion waiting for its ``get``: a host-arena pin or a scratch file."""
+    """A finished promotion waiting for its ``get``: a host-arena pin or a scratch file.
+    ``arena_nbytes``: the host-arena bytes it pins, in whole blocks (0 for a scratch file)."""
 
     handle: ReadLease | DirectRead
     deadline: float  # time.monotonic() seconds
-
-    @property
-    def arena_nbytes(self) -> int:
-        """Host-arena bytes it pins (0 for a scratch file)."""
-        return self.handle.meta.nbytes if isinstance(self.handle, ReadLease) else 0
+    arena_nbytes: int = 0
 
 
 class Prefetcher:
@@ -73,7 +80,10 @@ class Prefetcher:
         self.hold_s = hold_s
         self.scratch_dir = scratch_dir
         self.gid = gid
+        self.block_bytes = cache.config.host.block_bytes
+        #: the most arena bytes (whole blocks of the held entries) the held pins may take
         self.max_held_bytes = cache.host_arena_bytes // 2
+        self._held_arena = 0  # arena bytes of _held plus of pins granted by _hold not yet kept
         self.remote = cache.config.remote.enabled  # a key stored nowhere here may be on the store
         self._lock = threading.Lock()
         self._running: dict[tuple[str, str], bool] = {}  # (ns, key) -> direct wanted
@@ -82,7 +92,8 @@ class Prefetcher:
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         self._warned: set[tuple[str, str]] = set()
-        self.counters = {"started": 0, "promoted": 0, "failed": 0, "direct_reads": 0, "expired": 0, "taken": 0}
+        self.counters = {"started": 0, "promoted": 0, "failed": 0, "direct_reads": 0, "expired": 0, "taken": 0,
+                         "yielded": 0}
 
     # ------------------------------------------------------------------------ the op
 
@@ -156,6 +167,8 @@ class Prefetcher:
             stale = held if self._closed else self._held.pop(ident, None)
             if not self._closed:
                 self._held[ident] = held
+            if stale is not None:
+                self._held_arena -= stale.arena_nbytes
         if stale is not None:
             _end(self.cache, stale)
 
@@ -179,14 +192,20 @@ class Prefetcher:
         self._keep(ident, held)
 
     def _hold(self, lease: ReadLease | None, ns: str, key: str) -> Held | None:
-        """A held pin of ``lease`` (None: no lease); over the held-bytes budget the lease is let go
-        at once (:data:`UNPINNED`): the entry, in the arena, is ready without a pin."""
+        """A held pin of ``lease`` (None: no lease); over the held-bytes budget (the arena blocks
+        of the held pins and this one past :attr:`max_held_bytes`) the lease is let go at once
+        (:data:`UNPINNED`): the entry, in the arena, is ready without a pin. A pin granted here
+        counts against the budget at once (so concurrent workers cannot overshoot it) and until
+        it is taken, forgotten, expired or closed."""
         if lease is None:
             return None
+        nbytes = arena_footprint(lease.meta.nbytes, self.block_bytes)
         with self._lock:
-            room = sum(h.arena_nbytes for h in self._held.values()) + lease.meta.nbytes <= self.max_held_bytes
+            room = self._held_arena + nbytes <= self.max_held_bytes
+            if room:
+                self._held_arena += nbytes
         if room:
-            return Held(lease, time.monotonic() + self.hold_s)
+            return Held(lease, time.monotonic() + self.hold_s, nbytes)
         self.cache.release(lease)  # in the arena, unpinned: a get finds it there
         return UNPINNED
 
@@ -236,6 +255,7 @@ class Prefetcher:
             if held is None or (not direct and not isinstance(held.handle, ReadLease)):
                 return None
             del self._held[ident]
+            self._held_arena -= held.arena_nbytes
             self.counters["taken"] += 1
         return held
 
@@ -244,6 +264,8 @@ class Prefetcher:
         ident = (self._ns(namespace), key)
         with self._lock:
             held = self._held.pop(ident, None)
+            if held is not None:
+                self._held_arena -= held.arena_nbytes
             self._failed.discard(ident)
             self._warned.discard(ident)
         if held is not None:
@@ -255,12 +277,36 @@ class Prefetcher:
         with self._lock:
             gone = [i for i, h in self._held.items() if h.deadline <= now]
             stale = [self._held.pop(i) for i in gone]
+            self._held_arena -= sum(h.arena_nbytes for h in stale)
             self.counters["expired"] += len(stale)
         for held in stale:
             _end(self.cache, held)
         return len(stale)
 
+    def give_way(self, nbytes: int) -> int:
+        """End held arena pins, those nearest their deadline first, until they free at least
+        ``nbytes`` of the arena (in whole blocks) or none is left: a put needs the room (module
+        docstring). Returns the arena bytes freed."""
+        with self._lock:
+            pins = sorted(((h.deadline, i) for i, h in self._held.items() if h.arena_nbytes), key=lambda p: p[0])
+            ended, freed = [], 0
+            for _, ident in pins:
+                if freed >= nbytes:
+                    break
+                held = self._held.pop(ident)
+                self._held_arena -= held.arena_nbytes
+                freed += held.arena_nbytes
+                ended.append(held)
+            self.counters["yielded"] += len(ended)
+        for held in ended:
+            _end(self.cache, held)
+        return freed
+
     def stats(self) -> dict[str, Any]:
+        """The counters, plus ``running`` (promotions in flight), ``held`` (finished ones holding
+        a pin or scratch file for a ``get``) and ``held_bytes``: the host-arena bytes those pins
+        occupy, in whole blocks (blocks x ``host.block_bytes``, not the entries' ``nbytes``; at
+        most :attr:`max_held_bytes`)."""
         with self._lock:
             return {**self.counters, "running": len(self._running), "held": len(self._held),
                     "held_bytes": sum(h.arena_nbytes for h in self._held.values())}
@@ -274,6 +320,7 @@ class Prefetcher:
             pool.shutdown(wait=True, cancel_futures=True)  # (the queued ones' keys stay in _running)
         with self._lock:
             held, self._held = list(self._held.values()), {}
+            self._held_arena -= sum(h.arena_nbytes for h in held)
         for h in held:
             _end(self.cache, h)
 
