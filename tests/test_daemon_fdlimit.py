@@ -63,15 +63,7 @@ def test_out_of_descriptors_at_accept_the_daemon_keeps_serving():
         resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (40, 4096))
         socks = []
         try:
-            for _ in range(150):
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                s.settimeout(2.0)
-                try:
-                    s.connect(proc.socket_path)
-                except OSError:  # a full backlog: the daemon is not accepting this fast
-                    s.close()
-                    continue
-                socks.append(s)
+            socks += _connect_many(proc.socket_path, 150)
             wait_for(lambda: proc.proc.poll() is not None or "cannot accept a connection" in proc.log(),
                      timeout=20, what="the daemon to run out of descriptors")
             assert proc.proc.poll() is None, f"the daemon exited:\n{proc.log()}"
@@ -95,6 +87,21 @@ def test_start_up_raises_the_soft_limit_to_what_max_clients_needs():
         assert "LimitNOFILE" not in proc.log(), proc.log()
 
 
+def _connect_many(path: str, n: int) -> list[socket.socket]:
+    """``n`` plain connects to ``path`` (no hello); those a full backlog refused are left out."""
+    socks = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(2.0)
+        try:
+            s.connect(path)
+        except OSError:  # a full backlog: the daemon is not accepting this fast
+            s.close()
+            continue
+        socks.append(s)
+    return socks
+
+
 def _open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
@@ -111,15 +118,7 @@ def test_connections_leave_the_daemon_descriptors_for_its_scratch_files():
     with _limited_daemon((soft, soft), nvme=True, max_clients=5000) as proc:
         socks = []
         try:
-            for _ in range(150):
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                s.settimeout(2.0)
-                try:
-                    s.connect(proc.socket_path)
-                except OSError:  # a full backlog: the daemon is not accepting this fast
-                    s.close()
-                    continue
-                socks.append(s)
+            socks += _connect_many(proc.socket_path, 150)
             assert len(socks) > soft, len(socks)
             t = make_tensor(11, "uint8", (12_000_000,))  # larger than the 8 MiB arena: a scratch file
             # accepted after every raw connection (the listen queue is in order): stats then see them all

@@ -60,6 +60,17 @@ def _fill_until_full(cache, prefix, nbytes, limit=200, key_bytes=0):
     raise AssertionError(f"the file system never filled up after {limit} puts")
 
 
+def _take_the_free_space(path, chunk_bytes: int) -> None:
+    """Write ``path`` in ``chunk_bytes`` pieces until the filesystem is full (what fits stays)."""
+    try:
+        with open(path, "wb") as f:
+            while True:
+                f.write(b"\0" * chunk_bytes)
+                f.flush()
+    except OSError:
+        pass
+
+
 def _snapshot(cache):
     st = cache.stats()["tiers"]
     return len(cache), st["nvme"]["used_bytes"], st["nvme"]["entries"]
@@ -118,13 +129,7 @@ def test_a_disk_filled_by_another_program_after_a_reopen_still_makes_room(small_
         held = [f"a{i}" for i in range(120) if cache.contains(f"a{i}")]
         for k in held[:40:2]:
             assert cache.delete(k)
-    try:
-        with open(small_fs / "filler", "wb") as f:  # another program takes what is free
-            while True:
-                f.write(b"\0" * (64 * KiB))
-                f.flush()
-    except OSError:
-        pass
+    _take_the_free_space(small_fs / "filler", 64 * KiB)  # another program takes what is free
     stored = {}
     with TieredCache(cfg) as cache:
         for i in range(60):
@@ -161,13 +166,7 @@ def test_a_full_disk_takes_puts_of_mixed_sizes_into_the_evicted_blocks(small_fs,
             cache.put(f"a{i}", filled(256 * KiB, i))
         for i in range(0, 20, 3):
             cache.delete(f"a{i}")
-        try:
-            with open(small_fs / "filler", "wb") as f:  # another program takes what is free
-                while True:
-                    f.write(b"\0" * (16 * KiB))
-                    f.flush()
-        except OSError:
-            pass
+        _take_the_free_space(small_fs / "filler", 16 * KiB)  # another program takes what is free
         stored = {}
         for i in range(120):
             t = filled(rng.choice([32, 64, 128, 256, 512]) * KiB + rng.randint(0, 1000), 50 + i)
