@@ -62,6 +62,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECCo
 
 from ectier.errors import ConfigError, StoreLockedError, StoreOpenError
 from ectier.logutil import RateLimitedLogger
+from ectier.tensors import dtype_name
 
 from .common import STORE_ERRORS, WARN_INTERVAL_S, encoder_output_widths, logger
 from .config import PREFIX, ConnectorSettings, default_namespace, operator_key, settings_from_extra_config
@@ -85,6 +86,7 @@ class ECTierConnector(SchedulerSide, WorkerSide, ECConnectorBase):
         super().__init__(vllm_config=vllm_config, role=role)
         model_config = vllm_config.model_config
         self._model_dtype: torch.dtype = model_config.dtype
+        self._model_dtype_name = dtype_name(self._model_dtype)
         #: widths an encoder output of this model may have (None: unknown; rows and dtype checked)
         self._widths: frozenset[int] | None = encoder_output_widths(model_config)
         ec_config = vllm_config.ec_transfer_config

@@ -337,6 +337,8 @@ class DaemonLoad:
         return self.error is None and self._state in (None, PENDING)
 
     def wait(self, timeout_s: float | None = None) -> bool:
+        if self.done():
+            return self.error is None and self._state == READY
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self.done():
             if deadline is not None and time.monotonic() >= deadline:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
 from .config import DEFAULT_ANSWER_WAIT_S
@@ -135,13 +134,17 @@ class DaemonStore:
             return _held_pin(reply, self.client.server_info.get("instance", ""))
         return Pin(tuple(reply["shape"]), str(reply["dtype"]), reply["lease"])
 
-    def release(self, pin: Pin) -> None:
-        """End ``pin``: a process-held lease is queued for :meth:`send_releases` (no round trip here;
-        once no view of this process's worker still reads it, see :meth:`stage`), an older
-        daemon's connection lease with a ``release`` call."""
+    def release(self, pin: Pin, staged_as: str | None = None) -> None:
+        """End ``pin`` (``staged_as``: the key it was :meth:`stage` d under, unstaged with it): a
+        process-held lease is queued for :meth:`send_releases` (no round trip here; once no view
+        of this process's worker still reads it, see :meth:`stage`), an older daemon's
+        connection lease with a ``release`` call."""
         if isinstance(pin.lease, HeldLease):
-            _SHARED.drop(pin.lease, self.lookups)  # queued: sent by send_releases
+            ident = None if staged_as is None else (self.client.socket_path, self.namespace, staged_as)
+            _SHARED.drop(pin.lease, self.lookups, unstage=ident)  # queued: sent by send_releases
         else:
+            if staged_as is not None:
+                self.unstage(staged_as)
             self.client.call("release", retry=False, lease=pin.lease)
 
     def stage(self, key: str, pin: Pin) -> None:
@@ -188,15 +191,30 @@ class DaemonStore:
         self.client.close()
 
 
-@dataclass(frozen=True)
 class HeldLease:
     """A daemon lease held by this process (no deadline; released from a background thread):
-    its ``id`` and the daemon run (``instance``) that granted it."""
+    its ``id`` and the daemon run (``instance``) that granted it; ``fields``: the ``get``-reply
+    fields of the pinned bytes (``dtype``, ``shape``, ``nbytes``, ``extents``). Equal and hashed
+    by ``(id, instance)``; read-only by convention (a plain class with its hash kept: one is
+    made for every pin of every scheduler step, and hashed at each staging and release)."""
 
-    id: int
-    instance: str
-    #: the ``get``-reply fields of the pinned bytes (``dtype``, ``shape``, ``nbytes``, ``extents``)
-    fields: dict = field(default_factory=dict, compare=False, hash=False)
+    __slots__ = ("id", "instance", "fields", "_hash")
+
+    def __init__(self, id: int, instance: str, fields: dict | None = None) -> None:  # noqa: A002 - the lease's id
+        self.id, self.instance = id, instance
+        self.fields = {} if fields is None else fields
+        self._hash = hash((id, instance))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, HeldLease):
+            return NotImplemented
+        return self.id == other.id and self.instance == other.instance
+
+    def __repr__(self) -> str:
+        return f"HeldLease(id={self.id!r}, instance={self.instance!r})"
 
 
 def _held_pin(reply: dict[str, Any], instance: str) -> Pin:
@@ -227,9 +245,12 @@ class _SharedPins:
         with self._lock:
             self._staged.pop(ident, None)
 
-    def drop(self, lease: HeldLease, client: Any) -> None:
-        """The scheduler's release of ``lease`` (not staged: released at once)."""
+    def drop(self, lease: HeldLease, client: Any, unstage: tuple | None = None) -> None:
+        """The scheduler's release of ``lease`` (released at once unless a view holds it), and
+        the end of its staging as ``unstage`` (an ident of :meth:`stage`; None: none)."""
         with self._lock:
+            if unstage is not None:
+                self._staged.pop(unstage, None)
             self._drop_locked(lease, client)
 
     def _drop_locked(self, lease: HeldLease, client: Any) -> None:

@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ectier.tensors import dtype_name
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata, ECConnectorRole
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ECConnectorOutput
@@ -32,8 +31,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class Promotion(enum.Enum):
-    """Where an item stands for the scheduler (``ECTierConnector._promotion``)."""
+class Promotion(str, enum.Enum):
+    """Where an item stands for the scheduler (``ECTierConnector._promotion``); each member equals
+    its value (``Promotion.WAIT == "wait"``), what :class:`~ectier_vllm.recompute.LoadOrRecompute`
+    is given."""
 
     MISS = "miss"  #: not stored: vLLM encodes it
     WAIT = "wait"  #: a promotion towards the worker is in flight: the request waits this step
@@ -59,6 +60,7 @@ class SchedulerSide:
 
     def _init_scheduler_side(self, vllm_config: "VllmConfig", role: ECConnectorRole) -> None:
         self._pins: dict[str, _PinState] = {}
+        self._row_bytes: int | None = None  # bytes per encoder-output row (_item_nbytes)
         self._prefetching: dict[str, _Prefetch] = {}
         self._to_load: dict[str, LoadItem] = {}
         self._unavailable: set[str] = set()
@@ -85,9 +87,8 @@ class SchedulerSide:
         state = self._pins.pop(mm_hash, None)
         if state is None:
             return
-        self._store.unstage(mm_hash)
         try:
-            self._store.release(state.pin)
+            self._store.release(state.pin, staged_as=mm_hash)
         except STORE_ERRORS as exc:
             self._warn.warning(("release-pin", type(exc).__name__), "ectier: releasing the pin of %s failed (%s: %s)",
                                mm_hash, type(exc).__name__, exc)
@@ -95,12 +96,12 @@ class SchedulerSide:
 
     def has_cache_item(self, identifier: str) -> bool:
         """True iff the item is pinned in ectier for a load (see module docstring, step 2)."""
-        self._count(lookups=1)
-        if identifier in self._pins:
-            self._count(hits=1)
-            return True
-        self._count(misses=1)
-        return False
+        stats, hit = self._stats, identifier in self._pins
+        self._report = True  # as _count(lookups=1, hits or misses=1), once per item of every step
+        stats["lookups"] = stats.get("lookups", 0) + 1
+        outcome = "hits" if hit else "misses"
+        stats[outcome] = stats.get(outcome, 0) + 1
+        return hit
 
     def ensure_cache_available(self, request: "Request", num_computed_tokens: int) -> bool:
         if not self.is_consumer or self._closed:
@@ -110,52 +111,65 @@ class SchedulerSide:
             # update_connector_output in update_from_output, so the request is failed at the end of
             # this step; it must not run again meanwhile
             return False
-        settled = self._settled.get(request.request_id, ())
+        req_id = request.request_id
+        settled = self._settled.get(req_id, ())
+        pins, poisoned = self._pins, self._poisoned
         # daemon mode: every item of the request is asked about in one request (store.expect)
         self._store.expect([f.identifier for f in request.mm_features
                             if f.mm_position.offset + f.mm_position.length > num_computed_tokens
-                            and f.identifier not in settled and f.identifier not in self._pins])
+                            and f.identifier not in settled and f.identifier not in pins])
         ready = True
         for index, feature in enumerate(request.mm_features):
             pos = feature.mm_position
             if pos.offset + pos.length <= num_computed_tokens:
                 continue  # already consumed by the prompt's computed part
             mm_hash = feature.identifier
-            if mm_hash in self._settled.get(request.request_id, ()):
+            if mm_hash in settled:
                 continue
-            if mm_hash in self._poisoned:
+            if mm_hash in poisoned:
                 repaired = self._repair(request, index, mm_hash)
                 if repaired is Promotion.WAIT:
                     ready = False
                 elif repaired is not Promotion.READY:
-                    self._unavailable.add(request.request_id)
+                    self._unavailable.add(req_id)
                     return False
                 continue
-            state = self._pins.get(mm_hash)
+            state = pins.get(mm_hash)
             if state is not None:
-                state.req_ids.add(request.request_id)
+                state.req_ids.add(req_id)
                 continue
             status = self._promotion(mm_hash)
-            rows = request.get_num_encoder_embeds(index)
+            if status is Promotion.MISS:
+                if self._recompute.enabled:
+                    self._recompute.check(mm_hash, status, 0, 0)  # forgets its pending promotion
+                continue
             if status is Promotion.WAIT and self._unanswered(mm_hash):
                 ready = False  # daemon mode: no answer in yet, so nothing to estimate a load from
                 continue
-            if self._recompute.check(mm_hash, status.value, self._item_nbytes(rows), rows):
+            rows = request.get_num_encoder_embeds(index)
+            if self._recompute.enabled and self._recompute.check(mm_hash, status, self._item_nbytes(rows), rows):
                 # loading would take longer than encoding: a miss (vLLM encodes it); the promotion
                 # goes on, so a later request may find it in the host tier
                 self._count(recompute_chosen=1)
                 self._prefetching.pop(mm_hash, None)
-                self._settled.setdefault(request.request_id, set()).add(mm_hash)
+                settled = self._settle(req_id, mm_hash)
                 continue
             if status is Promotion.WAIT:
                 ready = False
             elif status is Promotion.TIMEOUT:
-                self._settled.setdefault(request.request_id, set()).add(mm_hash)
-            elif status is Promotion.READY:
-                self._try_pin(request, index, mm_hash)
+                settled = self._settle(req_id, mm_hash)
+            else:  # READY
+                self._try_pin(request, index, mm_hash, rows)
         if not ready:
             self._count(deferrals=1)
         return ready
+
+    def _settle(self, req_id: str, mm_hash: str) -> set[str]:
+        """Mark ``mm_hash`` settled for request ``req_id`` (not looked up again for it); returns
+        the request's settled set."""
+        settled = self._settled.setdefault(req_id, set())
+        settled.add(mm_hash)
+        return settled
 
     def _promotion(self, mm_hash: str) -> "Promotion":
         """Where ``mm_hash`` stands (a :class:`Promotion`). In-process, ``TieredCache.prefetch`` towards the worker's device
@@ -166,21 +180,23 @@ class SchedulerSide:
         is nothing to promote; a daemon without the op, whose ``get`` promotes synchronously)."""
         pf = self._prefetching.get(mm_hash)
         if pf is None:
+            store = self._store
             try:
                 # a local miss is final unless a remote tier may hold it: then prefetch fetches it
                 # (in the cache's own threads) and the request waits until it landed or missed
-                if not self._store.contains(mm_hash) and not self._store.remote:
+                if not store.contains(mm_hash) and not store.remote:
                     return Promotion.MISS
-                handles = self._store.prefetch([mm_hash], self._target_device())
+                handles = store.prefetch([mm_hash], self._target_device())
             except STORE_ERRORS as exc:
                 self._miss("lookup", mm_hash, exc)
                 return Promotion.MISS
             if handles is None:
                 return Promotion.READY
             pf = self._prefetching[mm_hash] = _Prefetch(handles, time.monotonic())
-        if all(h.done() for h in pf.handles):
+        handles = pf.handles
+        if handles[0].done() if len(handles) == 1 else all(h.done() for h in handles):
             del self._prefetching[mm_hash]
-            for h in pf.handles:
+            for h in handles:
                 if not h.wait(0):  # done: False = gone meanwhile (evicted, deleted, failed copy)
                     if h.error is not None:
                         self._miss("prefetch", mm_hash, h.error)
@@ -207,7 +223,7 @@ class SchedulerSide:
             if status is Promotion.WAIT:
                 return status
             if status is Promotion.READY:
-                self._try_pin(request, index, mm_hash)
+                self._try_pin(request, index, mm_hash, request.get_num_encoder_embeds(index))
         state = self._pins.get(mm_hash)
         if state is None:
             self._warn.warning(
@@ -226,16 +242,17 @@ class SchedulerSide:
         elif req_id not in item.req_ids:
             item.req_ids.append(req_id)
 
-    def _try_pin(self, request: "Request", index: int, mm_hash: str) -> None:
+    def _try_pin(self, request: "Request", index: int, mm_hash: str, rows: int) -> None:
+        store = self._store
         try:
-            pin = self._store.acquire(mm_hash, self._target_device())
+            pin = store.acquire(mm_hash, self._target_device())
         except STORE_ERRORS as exc:
             self._count(rejected=1)
             self._miss("pin", mm_hash, exc)
             return
         if pin is None:
             return  # a miss (never stored, evicted, or quarantined by its checksum)
-        rows, dtype = request.get_num_encoder_embeds(index), dtype_name(self._model_dtype)
+        dtype = self._model_dtype_name
         shape = tuple(pin.shape)
         width_ok = len(shape) == 2 and (self._widths is None or shape[1] in self._widths)
         if len(shape) != 2 or shape[0] != rows or pin.dtype != dtype or not width_ok:
@@ -344,7 +361,10 @@ class SchedulerSide:
     def _item_nbytes(self, rows: int) -> int:
         """Bytes of an encoder output of ``rows`` rows: rows x width x the model dtype's size
         (0 when the model has several widths or an unknown one)."""
-        if self._widths is None or len(self._widths) != 1:
-            return 0
-        return rows * next(iter(self._widths)) * self._model_dtype.itemsize
+        row_bytes = self._row_bytes
+        if row_bytes is None:
+            widths = self._widths
+            row_bytes = self._row_bytes = (0 if widths is None or len(widths) != 1
+                                           else next(iter(widths)) * self._model_dtype.itemsize)
+        return rows * row_bytes
 

@@ -131,7 +131,10 @@ class InProcessStore:
 
         return Pin(tuple(tensor.shape), dtype_name(tensor.dtype), None, tensor)
 
-    def release(self, pin: Pin) -> None:
+    def release(self, pin: Pin, staged_as: str | None = None) -> None:
+        """End ``pin`` (``staged_as``: the key it was staged under, unstaged first)."""
+        if staged_as is not None:
+            self.unstage(staged_as)
         if pin.lease is not None:
             self.cache.release(pin.lease)
 
