@@ -99,6 +99,7 @@ class EctierSide:
         self.cache = cache
         self.touch = touch
         self.sizes = _BySize()
+        self.tier_sizes = {"host": _BySize(), "nvme": _BySize()}  # the same loads, by the tier that served them
         self.n = dict(hits=0, misses=0, host_hits=0, nvme_hits=0, mismatches=0, puts=0, put_refused=0)
         self.b = dict(requested=0, hit=0, host_hit=0, nvme_hit=0, put=0)
         self.t = dict(get=0.0, get_host=0.0, get_nvme=0.0, get_miss=0.0, put=0.0, encode_miss=0.0, encode_saved=0.0)
@@ -144,6 +145,7 @@ class EctierSide:
         self.b[f"{tier}_hit"] += nbytes
         self.t[f"get_{tier}"] += dt
         self.sizes.add(nbytes, dt)
+        self.tier_sizes[tier].add(nbytes, dt)
         return out, tier
 
     def save(self, key: str, tensor: torch.Tensor) -> None:
@@ -329,15 +331,20 @@ def speedup(ect: dict[str, Any], base: Optional[dict[str, Any]]) -> Optional[dic
 
 def by_size(ect: EctierSide, base: Optional[BaselineSide]) -> list[dict[str, Any]]:
     """Loads per entry size, smallest first: ``nbytes``, ``ectier_loads``, ``ectier_s``,
-    ``ectier_gbps``, ``baseline_loads``, ``baseline_s``, ``baseline_gbps`` (``None`` without a
-    baseline or a load) and ``speedup`` (baseline seconds per byte / ectier's; ``None`` where
-    either side loaded nothing of that size). Seconds include the touch."""
+    ``ectier_gbps``, ``host_loads``/``host_gbps`` and ``nvme_loads``/``nvme_gbps`` (the same
+    loads by the tier that served them), ``baseline_loads``, ``baseline_s``, ``baseline_gbps``
+    (``None`` without a baseline or a load) and ``speedup`` (baseline seconds per byte / ectier's;
+    ``None`` where either side loaded nothing of that size). Seconds include the touch."""
     rows = []
     sizes = set(ect.sizes.rows) | (set(base.sizes.rows) if base is not None else set())
     for nb in sorted(sizes):
         e = ect.sizes.rows.get(nb, [0, 0, 0.0])
         b = base.sizes.rows.get(nb, [0, 0, 0.0]) if base is not None else [0, 0, 0.0]
-        rows.append({"nbytes": nb, "ectier_loads": int(e[0]), "ectier_s": e[2], "ectier_gbps": _gbps(e[1], e[2]),
+        by_tier = {}
+        for tier, sizes in ect.tier_sizes.items():
+            t = sizes.rows.get(nb, [0, 0, 0.0])
+            by_tier[f"{tier}_loads"], by_tier[f"{tier}_gbps"] = int(t[0]), _gbps(t[1], t[2])
+        rows.append({"nbytes": nb, "ectier_loads": int(e[0]), "ectier_s": e[2], "ectier_gbps": _gbps(e[1], e[2]), **by_tier,
                      "baseline_loads": int(b[0]), "baseline_s": b[2], "baseline_gbps": _gbps(b[1], b[2]),
                      "speedup": _ratio(b[2], int(b[1]), e[2], int(e[1])) if base is not None else None})
     return rows

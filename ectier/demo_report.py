@@ -163,6 +163,10 @@ def _baseline(summary: dict[str, Any], console: Console) -> None:
         slower = [r for r in rows if r["speedup"] < 1]
         say(f"ectier load faster at {len(rows) - len(slower)} of {len(rows)} entry sizes"
             + ("" if not slower else f"; slower at {len(slower)}"))
+        host, nvme = _tier_wins(rows, "host"), _tier_wins(rows, "nvme")
+        if host or nvme:
+            say(f"  by tier (loads: host+NVMe hits): host hits faster at {host or 'none'} of their "
+                f"sizes, NVMe hits at {nvme or 'none'}")
     for op, word in (("load", "load"), ("save", "save"), ("total", "load+save")):
         x = sp[op]
         if x is not None:
@@ -186,16 +190,28 @@ def _baseline(summary: dict[str, Any], console: Console) -> None:
 
 
 def _by_size_table(rows: list[dict[str, Any]]) -> Table:
-    t = _table("load by entry size (both sides touch every byte)")
-    for col in ("entry", "ectier loads", "ectier", "safetensors", "speed-up"):
+    t = _table("load by entry size, GB/s (both sides touch every byte)")
+    # loads: host + NVMe hits; host, NVMe: GB/s of the loads each tier served; ectier: all of them
+    for col in ("entry", "loads", "host", "NVMe", "ectier", "safetensors", "speed-up"):
         t.add_column(col, justify="right")
     labels = [format_bytes(r["nbytes"]) for r in rows]
     for r, label in zip(rows, labels):
         if labels.count(label) > 1:  # two sizes that round alike: more digits for them
             label = f"{r['nbytes'] / (1 << 20):.3f} MiB"
-        t.add_row(label, str(r["ectier_loads"]), _fmt_gbps(r["ectier_gbps"]),
+        t.add_row(label, f"{r.get('host_loads', 0)}+{r.get('nvme_loads', 0)}", _fmt_gbps(r.get("host_gbps")),
+                  _fmt_gbps(r.get("nvme_gbps")), _fmt_gbps(r["ectier_gbps"]),
                   _fmt_gbps(r["baseline_gbps"]), f"{r['speedup']:.2f}x")
     return t
+
+
+def _tier_wins(rows: list[dict[str, Any]], tier: str) -> str | None:
+    """"host hits faster at 9 of 10 of those sizes": the sizes where ``tier`` served loads and
+    its GB/s beat the baseline's (None: no such size)."""
+    both = [r for r in rows if r.get(f"{tier}_gbps") and r["baseline_gbps"]]
+    if not both:
+        return None
+    wins = sum(r[f"{tier}_gbps"] > r["baseline_gbps"] for r in both)
+    return f"{wins} of {len(both)}"
 
 
 def print_summary(summary: dict[str, Any], console: Console) -> None:

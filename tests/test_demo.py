@@ -397,6 +397,9 @@ def test_demo_loads_as_the_connector_does_and_both_sides_touch_every_byte(runner
     assert sum(touched) == ect["hit_bytes"] + base["hit_bytes"]
     rows = ect["by_size"]
     assert sum(r["ectier_loads"] for r in rows) == ect["hits"]
+    assert all(r["host_loads"] + r["nvme_loads"] == r["ectier_loads"] for r in rows)
+    assert sum(r["host_loads"] for r in rows) == ect["host_hits"]
+    assert sum(r["nvme_loads"] for r in rows) == ect["nvme_hits"]
     assert sum(r["baseline_loads"] for r in rows) == base["hits"]
     assert all(r["speedup"] is None or r["speedup"] > 0 for r in rows)
     assert {r["nbytes"] for r in rows} <= {im["nbytes"] for im in s["images"]}
@@ -406,3 +409,19 @@ def test_a_budget_the_tiers_refuse_is_named_by_its_flag(runner, tmp_path):
     result = runner.invoke(main, ["demo", "--images", "1", "--requests", "1", "--quiet", "--dir", str(tmp_path),
                                   "--host-bytes", "1KiB"])
     assert result.exit_code != 0 and "--host-bytes (host.capacity_bytes)" in result.output, result.output
+
+
+def test_demo_by_size_table_splits_loads_by_the_tier_that_served_them(runner, tmp_path):
+    """A size loaded from both tiers showed one GB/s: host hits beating the baseline and NVMe hits
+    losing to it looked like one middling figure."""
+    result, s = _run(runner, tmp_path, *SMALL)
+    assert result.exit_code == 0, result.output
+    row = dict(s["ectier"]["by_size"][0], speedup=1.0, baseline_gbps=2.0)
+    s["ectier"]["by_size"] = [dict(row, nbytes=1 << 20, host_loads=3, host_gbps=4.25, nvme_loads=2, nvme_gbps=1.5),
+                              dict(row, nbytes=4 << 20, host_loads=0, host_gbps=None, nvme_loads=1, nvme_gbps=2.5)]
+    out = Console(width=120, record=True, file=io.StringIO())
+    demo.print_summary(s, out)
+    text = out.export_text()
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("1.0 MiB"))
+    assert "3+2" in line and "4.25 GB/s" in line and "1.50 GB/s" in line, line
+    assert "host hits faster at 1 of 1 of their sizes, NVMe hits at 1 of 2" in text, text
