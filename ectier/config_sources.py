@@ -5,6 +5,8 @@ Every bad field of the input is reported at once: one :class:`~ectier.errors.Con
 ``problems`` hold one message per field (first found first, each starting with the dotted field
 name or, for a variable that cannot be read at all, the variable's name). Errors from
 :func:`config_from_env` also carry ``env_vars``: the variables the bad values came from.
+A key given twice in one mapping of a JSON or YAML file is such a problem too (named by its dotted
+path, with the file and, for YAML, the lines), never "the last one wins".
 """
 
 from __future__ import annotations
@@ -52,10 +54,11 @@ def config_from_json(cls: type, source: str | os.PathLike) -> Any:
     """Build from a JSON file path (or a JSON text that starts with ``{``)."""
     text = _read_text(source, "JSON")
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_JsonObject)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"config: invalid JSON in {_describe(source)}: {exc}") from exc
-    return config_from_dict(cls, _expect_mapping(data, source))
+    dups = [(dotted, ()) for dotted in _json_duplicates(data, "")]
+    return _build_unless_duplicates(cls, _expect_mapping(data, source), dups, source)
 
 
 _LOADER = None
@@ -86,11 +89,84 @@ def config_from_yaml(cls: type, source: str | os.PathLike) -> Any:
     import yaml
 
     text = _read_text(source, "YAML")
-    try:
-        data = yaml.load(text, Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass
+    loader = _yaml_loader()(text)
+    try:  # yaml.load's steps, with the node tree checked for duplicate keys before it is built
+        node = loader.get_single_node()
+        dups = _yaml_duplicates(node, "", set()) if node is not None else []
+        data = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as exc:
         raise ConfigError(f"config: invalid YAML in {_describe(source)}: {exc}") from exc
-    return config_from_dict(cls, _expect_mapping(data or {}, source))
+    finally:
+        loader.dispose()
+    return _build_unless_duplicates(cls, _expect_mapping(data or {}, source), dups, source)
+
+
+class _JsonObject(dict):
+    """A JSON object as ``json.loads(object_pairs_hook=)`` builds it: a dict (the last value of a
+    repeated name wins, as without the hook) that remembers the names given more than once."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        super().__init__(pairs)
+        counts: dict[str, int] = {}
+        for key, _ in pairs:
+            counts[key] = counts.get(key, 0) + 1
+        self.repeated = [key for key, n in counts.items() if n > 1]
+
+
+def _json_duplicates(data: Any, prefix: str) -> list[str]:
+    """The dotted names of every key given twice in one object of ``data``, depth first."""
+    found: list[str] = []
+    if isinstance(data, _JsonObject):
+        found.extend(f"{prefix}{key}" for key in data.repeated)
+        for key, value in data.items():
+            found.extend(_json_duplicates(value, f"{prefix}{key}."))
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            found.extend(_json_duplicates(value, f"{prefix.rstrip('.')}[{i}]."))
+    return found
+
+
+def _yaml_duplicates(node: Any, prefix: str, seen: set[int]) -> list[tuple[str, tuple[int, ...]]]:
+    """``(dotted name, the 1-based lines of its occurrences)`` of every key given twice in one
+    mapping of the YAML node tree under ``node``, depth first (``<<`` merges are not repeats: a
+    key next to a merge overrides the merged one, as YAML means it to)."""
+    import yaml
+
+    if id(node) in seen:  # an alias of a node already walked (or a recursive one)
+        return []
+    seen.add(id(node))
+    found: list[tuple[str, tuple[int, ...]]] = []
+    if isinstance(node, yaml.MappingNode):
+        lines: dict[str, list[int]] = {}
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            lines.setdefault(str(key_node.value), []).append(key_node.start_mark.line + 1)
+            found.extend(_yaml_duplicates(value_node, f"{prefix}{key_node.value}.", seen))
+        found[:0] = [(f"{prefix}{key}", tuple(at)) for key, at in lines.items() if len(at) > 1]
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            found.extend(_yaml_duplicates(item, f"{prefix.rstrip('.')}[{i}].", seen))
+    return found
+
+
+def _build_unless_duplicates(cls: type, data: Mapping[str, Any], dups: list[tuple[str, tuple[int, ...]]],
+                             source: str | os.PathLike) -> Any:
+    """``config_from_dict(cls, data)``, unless the file gave a key twice (``dups``: dotted names,
+    with the lines of each occurrence where known): then a :class:`ConfigError` with one problem
+    per repeated key, followed by the problems of the rest of the file (those of a repeated key or
+    section left out: only one of its values was judged)."""
+    if not dups:
+        return config_from_dict(cls, data)
+    problems = []
+    for dotted, lines in dups:
+        where = f" (lines {', '.join(map(str, lines[:-1]))} and {lines[-1]})" if lines else ""
+        problems.append(f"{dotted}: given more than once in {_describe(source)}{where}; keep one")
+    try:
+        config_from_dict(cls, data)
+    except ConfigError as exc:
+        problems.extend(m for m in exc.problems if not any(_names(m, dotted) for dotted, _ in dups))
+    raise ConfigError(problems=problems)
 
 
 def load_config(cls: type, path: str | os.PathLike) -> Any:

@@ -240,3 +240,68 @@ def test_lease_s_has_one_rule_and_one_message(value):
     with pytest.raises(ConfigError, match=r"^daemon\.lease_s: expected a finite number of seconds > 0, got "):
         DaemonConfig(lease_s=value)
     assert DaemonConfig(lease_s=0.01).lease_s == 0.01
+
+
+# ------------------------------------------------------------------------ duplicate keys
+
+
+def test_a_key_given_twice_in_a_yaml_section_is_an_error_naming_it_the_file_and_both_lines(tmp_path):
+    """Regression: the last value won silently (a user's first capacity_bytes was ignored)."""
+    path = tmp_path / "c.yaml"
+    path.write_text("host:\n  capacity_bytes: 1MiB\n  pin_memory: false\n  capacity_bytes: 2MiB\n"
+                    "nvme:\n  zstd_level: 99\n")
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.load(path)
+    first, *rest = info.value.problems
+    assert first.startswith("host.capacity_bytes: "), first
+    assert str(path) in first and "lines 2 and 4" in first, first
+    # the rest of the file is still judged: every problem at once, each naming its field
+    assert [m.split(":")[0] for m in rest] == ["nvme.zstd_level"]
+
+
+def test_a_section_given_twice_in_yaml_is_an_error_and_its_values_are_not_judged(tmp_path):
+    path = tmp_path / "c.yml"
+    path.write_text("host:\n  capacity_bytes: 1MiB\nnvme:\n  path: /nvme\nhost:\n  capacity_bytes: lots\n"
+                    "host:\n  pin_memory: false\n")
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.load(path)
+    assert len(info.value.problems) == 1, info.value.problems
+    assert info.value.problems[0].startswith("host: "), info.value.problems
+    assert "lines 1, 5 and 7" in info.value.problems[0] and str(path) in info.value.problems[0]
+
+
+def test_keys_given_twice_in_json_are_errors_naming_their_dotted_path_and_the_file(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text('{"host": {"capacity_bytes": 1048576, "capacity_bytes": 2097152},'
+                    ' "namespace": "a", "namespace": "b"}')
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.load(path)
+    assert sorted(m.split(":")[0] for m in info.value.problems) == ["host.capacity_bytes", "namespace"]
+    assert all(str(path) in m for m in info.value.problems), info.value.problems
+    with pytest.raises(ConfigError, match=r"^host\.capacity_bytes: given more than once"):
+        CacheConfig.from_json('{"host": {"capacity_bytes": 1048576, "capacity_bytes": 1048576}}')
+
+
+def test_a_daemon_setting_given_twice_stops_serve_with_a_usage_error(runner, tmp_path, monkeypatch):
+    """``ectier serve --config`` reads the daemon section through the same loaders. (The file is
+    checked with ``CacheConfig.load`` first: were it accepted, ``serve`` would run the daemon.)"""
+    _clean_env(monkeypatch)
+    json_path = tmp_path / "c.json"
+    json_path.write_text('{"daemon": {"lease_s": 5, "lease_s": 10}}')
+    with pytest.raises(ConfigError, match=r"^daemon\.lease_s: given more than once"):
+        CacheConfig.load(json_path)
+    path = tmp_path / "c.yaml"
+    path.write_text(f"host:\n  capacity_bytes: 1MiB\ndaemon:\n  socket_path: {tmp_path / 'd.sock'}\n"
+                    "  max_clients: 8\n  max_clients: 16\n")
+    with pytest.raises(ConfigError, match=r"^daemon\.max_clients: given more than once"):
+        CacheConfig.load(path)
+    result = runner.invoke(main, ["serve", "--config", str(path)])
+    _usage_error(result, "Invalid value for --config", "daemon.max_clients", "lines 5 and 6")
+
+
+def test_a_key_next_to_a_yaml_merge_overrides_it_and_is_no_duplicate():
+    """A guard for the duplicate check: ``<<:`` plus an explicit key of the same name is YAML's
+    override, not a key given twice."""
+    text = "host:\n  <<: {capacity_bytes: 1MiB, pin_memory: false}\n  capacity_bytes: 2MiB\n"
+    config = CacheConfig.from_yaml(text)
+    assert config.host.capacity_bytes == 2 << 20 and config.host.pin_memory is False
