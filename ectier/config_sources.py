@@ -89,15 +89,16 @@ def config_from_yaml(cls: type, source: str | os.PathLike) -> Any:
     import yaml
 
     text = _read_text(source, "YAML")
-    loader = _yaml_loader()(text)
     try:  # yaml.load's steps, with the node tree checked for duplicate keys before it is built
-        node = loader.get_single_node()
-        dups = _yaml_duplicates(node, "", set()) if node is not None else []
-        data = loader.construct_document(node) if node is not None else None
+        loader = _yaml_loader()(text)  # (this reads the text: a ReaderError for a bad character)
+        try:
+            node = loader.get_single_node()
+            dups = _yaml_duplicates(node, "", set()) if node is not None else []
+            data = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
     except yaml.YAMLError as exc:
         raise ConfigError(f"config: invalid YAML in {_describe(source)}: {exc}") from exc
-    finally:
-        loader.dispose()
     return _build_unless_duplicates(cls, _expect_mapping(data or {}, source), dups, source)
 
 
