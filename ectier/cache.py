@@ -28,7 +28,7 @@ from .copy import CopyEngine, Engines
 from .entry import entry_digest, next_version, validate_cost, validate_key, validate_namespace
 from .errors import (EctierError, EntryTooLargeError, InvalidArgumentError, InvalidDeviceError, InvalidKeyError,
                      InvalidTensorError, ProcessForkedError, TierWriteError)
-from .handles import LoadHandle, PutHandle, ReadLease, WriteLease, end_lease
+from .handles import LoadHandle, PutHandle, ReadLease, WriteLease, check_lease, end_lease
 from .moves.serve import Reads
 from .mover import Mover
 from .stack import TierStack
@@ -282,8 +282,8 @@ class TieredCache:
         (written through to NVMe first when ``nvme.write_through``).
 
         Raises:
-            InvalidArgumentError: the lease was already committed or aborted. TypeError: not a
-                :class:`WriteLease`. EctierError: the cache is closed (the entry is not stored).
+            InvalidArgumentError: the lease was already committed or aborted. InvalidLeaseError (a
+                TypeError): not a :class:`WriteLease`. EctierError: closed (the entry is not stored).
         """
         self._check_open()
         end_lease(lease, WriteLease, "commit")
@@ -298,8 +298,8 @@ class TieredCache:
         After :meth:`close` it only ends the lease (the arena is gone).
 
         Raises:
-            InvalidArgumentError: the lease was already committed or aborted. TypeError: not a
-                :class:`WriteLease`.
+            InvalidArgumentError: the lease was already committed or aborted. InvalidLeaseError (a
+                TypeError): not a :class:`WriteLease`.
         """
         end_lease(lease, WriteLease, "abort")
         self._mover.abort(self._host, lease.slot)
@@ -332,8 +332,8 @@ class TieredCache:
     def release(self, lease: ReadLease) -> None:
         """End an :meth:`acquire`: the entry may be evicted again. A second release of the same
         lease is a no-op (it never touches another reader's pin), and so is one after :meth:`close`
-        (the pin went with the arena)."""
-        if lease.end():
+        (the pin went with the arena). Anything but a :class:`ReadLease`: InvalidLeaseError."""
+        if check_lease(lease, ReadLease).end():
             self._mover.unpin(self._host, lease.slot)
 
     def load(self, lease: ReadLease, *, device: str | torch.device | None = None,
@@ -350,12 +350,12 @@ class TieredCache:
         freed with the last one). An entry whose bytes are not one run of the arena is copied.
 
         Raises:
-            InvalidArgumentError: ``lease`` was released. InvalidDeviceError: bad ``device``.
-            EctierError: the cache is closed.
+            InvalidArgumentError: ``lease`` was released. InvalidLeaseError: not a :class:`ReadLease`.
+            InvalidDeviceError: bad ``device``. EctierError: the cache is closed.
         """
         dev = parse_device(device)
         self._check_open()
-        if lease.ended:
+        if check_lease(lease, ReadLease).ended:
             raise InvalidArgumentError("lease: already released; load a lease between acquire and release")
         if view and dev.type == "cpu":
             result = self._mover.arena.view_out(self._host, lease.slot)

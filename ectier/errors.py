@@ -14,7 +14,8 @@ standard class as well, so ordinary ``except ValueError`` code keeps working.
     ├── InvalidDeviceError(ValueError)   a device string that does not exist on this machine
     ├── EntryTooLargeError(ValueError)   an entry larger than every tier's whole budget
     ├── InvalidArgumentError(ValueError) another argument out of range or in the wrong state
-    │                                    (a negative ``cost_s``, a lease already ended)
+    │   │                                (a negative ``cost_s``, a lease already ended)
+    │   └── InvalidLeaseError(TypeError) a lease argument that is not a lease of the right kind
     ├── StoreLockedError                 the NVMe directory is held by another process or cache
     ├── StoreOpenError                   the NVMe directory cannot be created, opened or read
     │   └── StoreDamagedError            its LMDB environment is damaged (``ectier fsck``)
@@ -38,6 +39,7 @@ __all__ = [
     "InvalidDeviceError",
     "EntryTooLargeError",
     "InvalidArgumentError",
+    "InvalidLeaseError",
     "StoreLockedError",
     "StoreOpenError",
     "StoreDamagedError",
@@ -100,6 +102,14 @@ class InvalidArgumentError(EctierError, ValueError):
     """An argument that no more specific class covers is out of range or in the wrong state: a
     negative or non-finite ``cost_s``, a lease committed, aborted or released already. The message
     names the argument."""
+
+
+class InvalidLeaseError(InvalidArgumentError, TypeError):
+    """A lease argument is not a lease of the kind the call takes: ``commit``/``abort`` take the
+    :class:`~ectier.handles.WriteLease` of a ``reserve``, ``release``/``load`` the
+    :class:`~ectier.handles.ReadLease` of an ``acquire``. An :class:`InvalidArgumentError` (so a
+    ``ValueError``) and a ``TypeError`` too, as such a wrong type was before. The message names
+    the argument and the type given."""
 
 
 class StoreLockedError(EctierError):

@@ -7,7 +7,8 @@
 
 A lease ends once: a second :meth:`TieredCache.release` / ``commit`` / ``abort`` of the same lease
 is a no-op (release) or an :class:`~ectier.errors.InvalidArgumentError` (commit, abort; a
-``ValueError`` too), never a change to another lease.
+``ValueError`` too), never a change to another lease. Anything but a lease of the call's kind is an
+:class:`~ectier.errors.InvalidLeaseError` (a ``TypeError`` too): :func:`check_lease`.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import threading
 from typing import Any
 
 from .entry import EntryMeta
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, InvalidLeaseError
 
-__all__ = ["PutHandle", "LoadHandle", "WriteLease", "ReadLease", "end_lease"]
+__all__ = ["PutHandle", "LoadHandle", "WriteLease", "ReadLease", "check_lease", "end_lease"]
 
 
 #: guards the lazy creation of a handle's event by waiters (see :class:`_Handle`)
@@ -159,14 +160,28 @@ class ReadLease(_Lease):
     __slots__ = ()
 
 
+_MADE_BY = {"WriteLease": "reserve", "ReadLease": "acquire"}
+
+
+def check_lease(lease: Any, kind: type) -> Any:
+    """``lease``, checked to be a ``kind`` (:class:`WriteLease` or :class:`ReadLease`).
+
+    Raises:
+        InvalidLeaseError: it is not (also a ``TypeError``); the message names the argument.
+    """
+    if not isinstance(lease, kind):
+        made_by = _MADE_BY.get(kind.__name__)
+        raise InvalidLeaseError(f"lease: expected a {kind.__name__}" + (f" (from {made_by})" if made_by else "")
+                                + f", got {type(lease).__name__}")
+    return lease
+
+
 def end_lease(lease: Any, kind: type, op: str) -> None:
     """End ``lease`` (a ``kind``) for ``op`` (``"commit"``, ``"abort"``).
 
     Raises:
-        TypeError: ``lease`` is not a ``kind``.
+        InvalidLeaseError: ``lease`` is not a ``kind`` (also a ``TypeError``).
         InvalidArgumentError: it was already committed, aborted or released.
     """
-    if not isinstance(lease, kind):
-        raise TypeError(f"lease: expected a {kind.__name__}, got {type(lease).__name__}")
-    if not lease.end():
+    if not check_lease(lease, kind).end():
         raise InvalidArgumentError(f"{op}: the lease was already committed, aborted or released")

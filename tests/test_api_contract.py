@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import ectier
-from ectier import EctierError, InvalidArgumentError, InvalidTensorError, StoreLockedError, TieredCache
+from ectier import (EctierError, InvalidArgumentError, InvalidLeaseError, InvalidTensorError, StoreLockedError,
+                    TieredCache)
 from ectier import testing
 
 from conftest import MiB, assert_same, check_quiescent, filled, make_config
@@ -86,6 +87,33 @@ def test_bad_arguments_raise_invalid_argument_error_naming_them(tmp_path):
             with pytest.raises(InvalidArgumentError, match="lease: already released"):
                 cache.load(lease, view=view)
         assert_same(cache.get("b"), torch.full((4,), 2.0))
+        check_quiescent(cache)
+
+
+def test_a_wrong_lease_object_is_an_invalid_lease_error_that_is_also_a_type_error(tmp_path):
+    """Regression: commit/abort of a non-WriteLease raised a plain TypeError, release/load of a
+    non-ReadLease an AttributeError; and release() of a WriteLease ended the reservation and raised
+    a ValueError from the arena ("unpin: slot is not pinned"; its commit then failed). Now an InvalidLeaseError naming ``lease`` (still a TypeError), and the
+    leases given stay usable."""
+    assert issubclass(InvalidLeaseError, InvalidArgumentError) and issubclass(InvalidLeaseError, TypeError)
+    assert ectier.InvalidLeaseError is ectier.errors.InvalidLeaseError and "InvalidLeaseError" in ectier.__all__
+    with TieredCache(make_config(tmp_path / "nvme")) as cache:
+        cache.put("r", torch.full((4,), 3.0))
+        read = cache.acquire("r")
+        write = cache.reserve("w", dtype="uint8", shape=[8])
+        before = testing.versions(cache)
+        calls = [(op, bad) for op in ("commit", "abort") for bad in (object(), None, read)]
+        calls += [(op, bad) for op in ("release", "load") for bad in (object(), None, write)]
+        for op, bad in calls:
+            with pytest.raises(InvalidLeaseError, match=r"^lease: expected a (Write|Read)Lease") as info:
+                getattr(cache, op)(bad)
+            assert isinstance(info.value, TypeError) and isinstance(info.value, EctierError), (op, bad)
+            assert type(bad).__name__ in str(info.value), (op, str(info.value))
+            assert testing.versions(cache) == before, (op, bad)
+        assert_same(cache.load(read), torch.full((4,), 3.0))  # neither lease was ended by the bad calls
+        cache.release(read)
+        cache.commit(write)
+        assert cache.contains("w")
         check_quiescent(cache)
 
 
