@@ -242,6 +242,17 @@ def test_wrong_shape_in_store_is_rejected_and_encoded(engine, tmp_path):
     assert worker.encoder_cache["f" * 64].shape == (30, H.WIDTH)
 
 
+def test_an_item_refused_once_is_settled_for_the_rest_of_its_request(engine, tmp_path):
+    """The same image twice in one prompt, stored with the wrong shape: refused (and warned about)
+    once, not once per occurrence in the same scheduler step."""
+    sched, worker = engine("ec_both", inproc(tmp_path))
+    sched.ec_connector._store.put("r" * 64, torch.zeros(10, H.WIDTH, dtype=H.DTYPE))  # the request wants 30
+    sched.add_request(H.make_request("c", [H.Item("r" * 64, 0, 30), H.Item("r" * 64, 40, 30)]))
+    so, out = run_step(sched, worker)
+    assert out[0].scheduler_stats.ec_connector_stats["rejected"] == 1
+    assert worker.encoder_cache["r" * 64].shape == (30, H.WIDTH)
+
+
 def test_pinned_item_survives_delete_before_the_load(engine, tmp_path):
     item = H.Item("h" * 64, 0, 40)
     sched, worker = engine("ec_both", inproc(tmp_path))

@@ -128,6 +128,7 @@ class SchedulerSide:
                 continue
             if mm_hash in poisoned:
                 repaired = self._repair(request, index, mm_hash)
+                settled = self._settled.get(req_id, settled)
                 if repaired is Promotion.WAIT:
                     ready = False
                 elif repaired is not Promotion.READY:
@@ -160,6 +161,7 @@ class SchedulerSide:
                 settled = self._settle(req_id, mm_hash)
             else:  # READY
                 self._try_pin(request, index, mm_hash, rows)
+                settled = self._settled.get(req_id, settled)  # a refused pin settles the item
         if not ready:
             self._count(deferrals=1)
         return ready
