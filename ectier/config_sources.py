@@ -166,7 +166,7 @@ def _build_unless_duplicates(cls: type, data: Mapping[str, Any], dups: list[tupl
     try:
         config_from_dict(cls, data)
     except ConfigError as exc:
-        problems.extend(m for m in exc.problems if not any(_names(m, dotted) for dotted, _ in dups))
+        problems.extend(m for m in exc.problems if not any(_names(_judged(m), d) for d, _ in dups))
     raise ConfigError(problems=problems)
 
 
@@ -221,6 +221,12 @@ def config_from_env(cls: type, env: Mapping[str, str], prefix: str, base: CacheC
 
 
 # --------------------------------------------------------------------------------------- helpers
+
+
+def _judged(message: str) -> str:
+    """``message`` without an unknown key's suggestions ("did you mean host?", "(known: ...)"):
+    the names it is about."""
+    return re.sub(r"; did you mean [^?]*\?", "", message.split(" (known:")[0])
 
 
 def _names(message: str, dotted: str) -> bool:

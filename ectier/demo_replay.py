@@ -341,8 +341,8 @@ def by_size(ect: EctierSide, base: Optional[BaselineSide]) -> list[dict[str, Any
         e = ect.sizes.rows.get(nb, [0, 0, 0.0])
         b = base.sizes.rows.get(nb, [0, 0, 0.0]) if base is not None else [0, 0, 0.0]
         by_tier = {}
-        for tier, sizes in ect.tier_sizes.items():
-            t = sizes.rows.get(nb, [0, 0, 0.0])
+        for tier, tier_rows in ect.tier_sizes.items():
+            t = tier_rows.rows.get(nb, [0, 0, 0.0])
             by_tier[f"{tier}_loads"], by_tier[f"{tier}_gbps"] = int(t[0]), _gbps(t[1], t[2])
         rows.append({"nbytes": nb, "ectier_loads": int(e[0]), "ectier_s": e[2], "ectier_gbps": _gbps(e[1], e[2]), **by_tier,
                      "baseline_loads": int(b[0]), "baseline_s": b[2], "baseline_gbps": _gbps(b[1], b[2]),

@@ -165,8 +165,9 @@ def _baseline(summary: dict[str, Any], console: Console) -> None:
             + ("" if not slower else f"; slower at {len(slower)}"))
         host, nvme = _tier_wins(rows, "host"), _tier_wins(rows, "nvme")
         if host or nvme:
-            say(f"  by tier (loads: host+NVMe hits): host hits faster at {host or 'none'} of their "
-                f"sizes, NVMe hits at {nvme or 'none'}")
+            host = f"host hits faster at {host} of their sizes" if host else "no host hits"
+            nvme = f"NVMe hits at {nvme}" if nvme else "no NVMe hits"
+            say(f"  by tier (loads: host+NVMe hits): {host}, {nvme}")
     for op, word in (("load", "load"), ("save", "save"), ("total", "load+save")):
         x = sp[op]
         if x is not None:
@@ -205,8 +206,8 @@ def _by_size_table(rows: list[dict[str, Any]]) -> Table:
 
 
 def _tier_wins(rows: list[dict[str, Any]], tier: str) -> str | None:
-    """"host hits faster at 9 of 10 of those sizes": the sizes where ``tier`` served loads and
-    its GB/s beat the baseline's (None: no such size)."""
+    """"9 of 10": of the sizes where ``tier`` served loads (and the baseline loaded too), how
+    many its GB/s beat the baseline's at (None: no such size)."""
     both = [r for r in rows if r.get(f"{tier}_gbps") and r["baseline_gbps"]]
     if not both:
         return None

@@ -270,6 +270,20 @@ def test_a_section_given_twice_in_yaml_is_an_error_and_its_values_are_not_judged
     assert "lines 1, 5 and 7" in info.value.problems[0] and str(path) in info.value.problems[0]
 
 
+@pytest.mark.parametrize("text", [
+    "host:\n  capacity_bytes: 1MiB\nhost:\n  capacity_bytes: 2MiB\nhots: 1\n",
+    "namespace: a\nnamespace: b\nnvmee: {}\n",
+])
+def test_a_repeated_section_keeps_the_problems_of_the_other_keys(tmp_path, text):
+    """An unknown key's message lists every known name, the repeated one too: it was dropped."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.load(path)
+    assert len(info.value.problems) == 2, info.value.problems
+    assert "unknown" in info.value.problems[1], info.value.problems
+
+
 def test_keys_given_twice_in_json_are_errors_naming_their_dotted_path_and_the_file(tmp_path):
     path = tmp_path / "c.json"
     path.write_text('{"host": {"capacity_bytes": 1048576, "capacity_bytes": 2097152},'
