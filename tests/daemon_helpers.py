@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from fork_helpers import FORKSERVER, ForkedProcess, forked_daemon
 from daemon_rawconn import RawConn  # noqa: F401  (re-exported for the daemon tests)
@@ -230,6 +230,31 @@ def nogroup() -> str | None:
         return grp.getgrgid(65534).gr_name
     except KeyError:
         return None
+
+
+@contextlib.contextmanager
+def daemon_process(config_name: str = "cfg.json", *, via: str = "module", nofile: tuple[int, int] | None = None,
+                   nvme_read_delay_s: float = 0.0, edit: Callable[[dict], None] | None = None,
+                   **config: Any) -> Iterator[DaemonProcess]:
+    """A started daemon of ``daemon_config(<fresh directory>, **config)`` (``edit``: changes that
+    mapping first), its config written to ``config_name`` there, launched as :class:`DaemonProcess`
+    takes ``via`` / ``nofile`` / ``nvme_read_delay_s``. Yields the process with ``.dir``, ``.cfg``
+    and ``.path`` (the config file); stopped and its directory removed after."""
+    d = short_tmpdir()
+    try:
+        cfg = daemon_config(d, **config)
+        if edit is not None:
+            edit(cfg)
+        path = write_config(os.path.join(d, config_name), cfg)
+        proc = DaemonProcess(path, cfg["daemon"]["socket_path"], via=via, nofile=nofile,
+                             nvme_read_delay_s=nvme_read_delay_s)
+        proc.dir, proc.cfg, proc.path = d, cfg, path
+        try:
+            yield proc.start()
+        finally:
+            proc.stop()
+    finally:
+        remove_dir(d)
 
 
 @contextlib.contextmanager

@@ -5,7 +5,6 @@ processes started with a low limit (tests/daemon_helpers.py, ``nofile``)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import resource
 import socket
@@ -15,32 +14,21 @@ import textwrap
 
 from daemon_helpers import (
     MiB,
-    DaemonProcess,
-    daemon_config,
+    daemon_process,
     make_tensor,
     remove_dir,
     short_tmpdir,
     tensor_digest,
     wait_for,
-    write_config,
 )
 from ectier.daemon.client import DaemonClient
 from ectier.daemon.connections import Connection, admission
 from ectier.daemon.fdlimit import FD_MARGIN, client_cap
 
 
-@contextlib.contextmanager
 def _limited_daemon(nofile: tuple[int, int], *, nvme: bool = False, **daemon):
-    d = short_tmpdir()
-    cfg = daemon_config(d, host_bytes=8 * MiB, nvme=nvme, **daemon)
-    proc = DaemonProcess(write_config(os.path.join(d, "cfg.yaml"), cfg), cfg["daemon"]["socket_path"],
-                         via="exec", nofile=nofile)
-    try:
-        proc.start()
-        yield proc
-    finally:
-        proc.stop()
-        remove_dir(d)
+    """A daemon launched with ``RLIMIT_NOFILE`` ``nofile`` (a fresh ``python -m ectier.daemon``)."""
+    return daemon_process("cfg.yaml", via="exec", nofile=nofile, host_bytes=8 * MiB, nvme=nvme, **daemon)
 
 
 def _soft_nofile(pid: int) -> int:

@@ -14,12 +14,9 @@ daemon is a real process (tests/daemon_helpers.py).
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 
-from daemon_helpers import (KiB, MiB, DaemonProcess, assert_same, daemon_config, daemon_stats, make_tensor,
-                            remove_dir, short_tmpdir, wait_for, write_config)
+from daemon_helpers import KiB, MiB, assert_same, daemon_process, daemon_stats, make_tensor, wait_for
 from ectier.daemon.client import DaemonClient
 
 ARENA, BLOCK = 8 * MiB, 64 * KiB
@@ -29,19 +26,10 @@ ADMIT_WAIT_S = 2.0
 SMALL = (2000,)  # bfloat16: 4000 bytes, one block
 
 
-@contextlib.contextmanager
 def daemon(**kw):
-    d = short_tmpdir()
-    try:
-        cfg = daemon_config(d, host_bytes=ARENA, block_bytes=BLOCK, **kw)
-        cfg["host"]["admit_wait_s"] = ADMIT_WAIT_S
-        proc = DaemonProcess(write_config(os.path.join(d, "cfg.json"), cfg), cfg["daemon"]["socket_path"])
-        try:
-            yield proc.start()
-        finally:
-            proc.stop()
-    finally:
-        remove_dir(d)
+    """A daemon of an ``ARENA``-byte arena in ``BLOCK``-byte blocks, ``host.admit_wait_s`` ``ADMIT_WAIT_S``."""
+    return daemon_process(host_bytes=ARENA, block_bytes=BLOCK,
+                          edit=lambda cfg: cfg["host"].update(admit_wait_s=ADMIT_WAIT_S), **kw)
 
 
 def fill(c: DaemonClient) -> dict[str, object]:

@@ -13,7 +13,6 @@ Every daemon is a real process (tests/daemon_helpers.py).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -25,29 +24,17 @@ from ectier import CacheConfig, LoadHandle, TieredCache, testing
 from ectier.daemon.prefetch import Prefetcher
 from ectier.daemon.client import DaemonClient
 from ectier.errors import TierWriteError
-from daemon_helpers import (MiB, DaemonProcess, RawConn, assert_same, daemon_config, daemon_stats, make_tensor,
+from daemon_helpers import (MiB, DaemonProcess, RawConn, assert_same, daemon_config, daemon_process, daemon_stats, make_tensor,
                             remove_dir, serve_in_thread, short_tmpdir, wait_for, write_config)
 
 DELAY_S = 3.0  # every NVMe payload read of the slowed daemon takes at least this long
 FAST_S = DELAY_S / 2  # a call that waits on no NVMe read returns well within this (it takes ~ms)
 
 
-@contextlib.contextmanager
 def daemon(via: str = "module", **kw):
     """A daemon in a fresh directory; ``via="slow-nvme"``: NVMe reads DELAY_S late. Yields the
     process (``.dir``, ``.cfg``, ``.path``: its config file) and removes everything after."""
-    d = short_tmpdir()
-    try:
-        cfg = daemon_config(d, **kw)
-        path = write_config(os.path.join(d, "cfg.json"), cfg)
-        proc = DaemonProcess(path, cfg["daemon"]["socket_path"], via=via, nvme_read_delay_s=DELAY_S)
-        proc.dir, proc.cfg, proc.path = d, cfg, path
-        try:
-            yield proc.start()
-        finally:
-            proc.stop()
-    finally:
-        remove_dir(d)
+    return daemon_process(via=via, nvme_read_delay_s=DELAY_S, **kw)
 
 
 def restart(proc: DaemonProcess, via: str) -> DaemonProcess:
