@@ -275,7 +275,7 @@ class TieredCache:
         if slot is None:
             raise TierWriteError(
                 "host tier: no room could be made (entries pinned by readers for longer than host.admit_wait_s)")
-        return WriteLease(meta, tuple(host.byte_extents(slot)), slot)
+        return WriteLease(meta, tuple(host.byte_extents(slot)), slot, self)
 
     def commit(self, lease: WriteLease) -> None:
         """Phase 2: make a reserved entry visible, replacing any older entry of its key atomically
@@ -283,10 +283,10 @@ class TieredCache:
 
         Raises:
             InvalidArgumentError: the lease was already committed or aborted. InvalidLeaseError (a
-                TypeError): not a :class:`WriteLease`. EctierError: closed (the entry is not stored).
+                TypeError): not a :class:`WriteLease` of this cache. EctierError: closed (the entry is not stored).
         """
         self._check_open()
-        end_lease(lease, WriteLease, "commit")
+        end_lease(lease, WriteLease, "commit", self)
         result = self._mover.commit(self._host, lease.slot, promotion=False,
                                     keep_older_record=self._mover.write_through)
         if result.stands:
@@ -299,9 +299,9 @@ class TieredCache:
 
         Raises:
             InvalidArgumentError: the lease was already committed or aborted. InvalidLeaseError (a
-                TypeError): not a :class:`WriteLease`.
+                TypeError): not a :class:`WriteLease` of this cache.
         """
-        end_lease(lease, WriteLease, "abort")
+        end_lease(lease, WriteLease, "abort", self)
         self._mover.abort(self._host, lease.slot)
 
     def background_read(self) -> "contextlib.AbstractContextManager[None]":
@@ -327,13 +327,13 @@ class TieredCache:
         if self._host is None:
             return None
         slot = self._reads.acquire(self._host, entry_digest(ns, key), ns, key, promote)
-        return ReadLease(slot.meta, tuple(self._host.byte_extents(slot)), slot) if slot is not None else None
+        return ReadLease(slot.meta, tuple(self._host.byte_extents(slot)), slot, self) if slot is not None else None
 
     def release(self, lease: ReadLease) -> None:
         """End an :meth:`acquire`: the entry may be evicted again. A second release of the same
         lease is a no-op (it never touches another reader's pin), and so is one after :meth:`close`
-        (the pin went with the arena). Anything but a :class:`ReadLease`: InvalidLeaseError."""
-        if check_lease(lease, ReadLease).end():
+        (the pin went with the arena). Anything but a :class:`ReadLease` of this cache: InvalidLeaseError."""
+        if check_lease(lease, ReadLease, self).end():
             self._mover.unpin(self._host, lease.slot)
 
     def load(self, lease: ReadLease, *, device: str | torch.device | None = None,
@@ -350,12 +350,12 @@ class TieredCache:
         freed with the last one). An entry whose bytes are not one run of the arena is copied.
 
         Raises:
-            InvalidArgumentError: ``lease`` was released. InvalidLeaseError: not a :class:`ReadLease`.
+            InvalidArgumentError: ``lease`` was released. InvalidLeaseError: not a :class:`ReadLease` of this cache.
             InvalidDeviceError: bad ``device``. EctierError: the cache is closed.
         """
         dev = parse_device(device)
         self._check_open()
-        if check_lease(lease, ReadLease).ended:
+        if check_lease(lease, ReadLease, self).ended:
             raise InvalidArgumentError("lease: already released; load a lease between acquire and release")
         if view and dev.type == "cpu":
             result = self._mover.arena.view_out(self._host, lease.slot)

@@ -15,7 +15,7 @@ standard class as well, so ordinary ``except ValueError`` code keeps working.
     ├── EntryTooLargeError(ValueError)   an entry larger than every tier's whole budget
     ├── InvalidArgumentError(ValueError) another argument out of range or in the wrong state
     │   │                                (a negative ``cost_s``, a lease already ended)
-    │   └── InvalidLeaseError(TypeError) a lease argument that is not a lease of the right kind
+    │   └── InvalidLeaseError(TypeError) a lease argument that is not a lease of the right kind and cache
     ├── StoreLockedError                 the NVMe directory is held by another process or cache
     ├── StoreOpenError                   the NVMe directory cannot be created, opened or read
     │   └── StoreDamagedError            its LMDB environment is damaged (``ectier fsck``)
@@ -107,9 +107,10 @@ class InvalidArgumentError(EctierError, ValueError):
 class InvalidLeaseError(InvalidArgumentError, TypeError):
     """A lease argument is not a lease of the kind the call takes: ``commit``/``abort`` take the
     :class:`~ectier.handles.WriteLease` of a ``reserve``, ``release``/``load`` the
-    :class:`~ectier.handles.ReadLease` of an ``acquire``. An :class:`InvalidArgumentError` (so a
-    ``ValueError``) and a ``TypeError`` too, as such a wrong type was before. The message names
-    the argument and the type given."""
+    :class:`~ectier.handles.ReadLease` of an ``acquire``, each of the same cache (another
+    cache's lease is refused too, and neither cache changes). An :class:`InvalidArgumentError`
+    (so a ``ValueError``) and a ``TypeError`` too, as such a wrong type was before. The message
+    names the argument and the type given."""
 
 
 class StoreLockedError(EctierError):

@@ -117,12 +117,13 @@ class LoadHandle(_Handle):
 class _Lease:
     """A host-arena entry held by another party, ended exactly once."""
 
-    __slots__ = ("meta", "extents", "slot", "_ended", "_lock")
+    __slots__ = ("meta", "extents", "slot", "owner", "_ended", "_lock")
 
-    def __init__(self, meta: EntryMeta, extents: tuple[tuple[int, int], ...], slot: Any) -> None:
+    def __init__(self, meta: EntryMeta, extents: tuple[tuple[int, int], ...], slot: Any, owner: Any = None) -> None:
         self.meta = meta
         self.extents = extents
         self.slot = slot  # the tier's slot; only the cache looks at it
+        self.owner = owner  # the cache that gave it (check_lease)
         self._ended = False
         self._lock = threading.Lock()
 
@@ -163,25 +164,30 @@ class ReadLease(_Lease):
 _MADE_BY = {"WriteLease": "reserve", "ReadLease": "acquire"}
 
 
-def check_lease(lease: Any, kind: type) -> Any:
-    """``lease``, checked to be a ``kind`` (:class:`WriteLease` or :class:`ReadLease`).
+def check_lease(lease: Any, kind: type, owner: Any = None) -> Any:
+    """``lease``, checked to be a ``kind`` (:class:`WriteLease` or :class:`ReadLease`) given by
+    ``owner`` (the cache checking it; ``None``: any).
 
     Raises:
         InvalidLeaseError: it is not (also a ``TypeError``); the message names the argument.
     """
+    made_by = _MADE_BY.get(kind.__name__)
     if not isinstance(lease, kind):
-        made_by = _MADE_BY.get(kind.__name__)
         raise InvalidLeaseError(f"lease: expected a {kind.__name__}" + (f" (from {made_by})" if made_by else "")
                                 + f", got {type(lease).__name__}")
+    if owner is not None and lease.owner is not owner:
+        raise InvalidLeaseError(f"lease: a {kind.__name__} of another cache; end a lease with the cache whose "
+                                f"{made_by} gave it (nothing was changed)")
     return lease
 
 
-def end_lease(lease: Any, kind: type, op: str) -> None:
-    """End ``lease`` (a ``kind``) for ``op`` (``"commit"``, ``"abort"``).
+def end_lease(lease: Any, kind: type, op: str, owner: Any = None) -> None:
+    """End ``lease`` (a ``kind`` given by ``owner``, see :func:`check_lease`) for ``op``
+    (``"commit"``, ``"abort"``).
 
     Raises:
-        InvalidLeaseError: ``lease`` is not a ``kind`` (also a ``TypeError``).
+        InvalidLeaseError: ``lease`` is not a ``kind`` of ``owner`` (also a ``TypeError``).
         InvalidArgumentError: it was already committed, aborted or released.
     """
-    if not check_lease(lease, kind).end():
+    if not check_lease(lease, kind, owner).end():
         raise InvalidArgumentError(f"{op}: the lease was already committed, aborted or released")

@@ -93,8 +93,8 @@ def test_bad_arguments_raise_invalid_argument_error_naming_them(tmp_path):
 def test_a_wrong_lease_object_is_an_invalid_lease_error_that_is_also_a_type_error(tmp_path):
     """Regression: commit/abort of a non-WriteLease raised a plain TypeError, release/load of a
     non-ReadLease an AttributeError; and release() of a WriteLease ended the reservation and raised
-    a ValueError from the arena ("unpin: slot is not pinned"; its commit then failed). Now an InvalidLeaseError naming ``lease`` (still a TypeError), and the
-    leases given stay usable."""
+    a ValueError from the arena ("unpin: slot is not pinned"; its commit then failed). Now an
+    InvalidLeaseError naming ``lease`` (still a TypeError), and the leases given stay usable."""
     assert issubclass(InvalidLeaseError, InvalidArgumentError) and issubclass(InvalidLeaseError, TypeError)
     assert ectier.InvalidLeaseError is ectier.errors.InvalidLeaseError and "InvalidLeaseError" in ectier.__all__
     with TieredCache(make_config(tmp_path / "nvme")) as cache:
@@ -115,6 +115,32 @@ def test_a_wrong_lease_object_is_an_invalid_lease_error_that_is_also_a_type_erro
         cache.commit(write)
         assert cache.contains("w")
         check_quiescent(cache)
+
+
+def test_a_lease_of_another_cache_is_refused_and_changes_neither_cache(tmp_path):
+    """Regression: a lease of cache B given to cache A was taken as A's own: A.load read A's bytes
+    at B's slot, A.commit of B's reservation lost the entry and broke A's accounting (a later put
+    raised "double free"), A.release / A.abort leaked B's pin / reservation."""
+    with TieredCache(make_config(tmp_path / "a")) as a, TieredCache(make_config(tmp_path / "b")) as b:
+        a.put("ka", torch.full((4,), 1.0))
+        b.put("kb", torch.full((4,), 2.0))
+        read, write = b.acquire("kb"), b.reserve("new", dtype="float32", shape=[4])
+        before_a, before_b = testing.versions(a), testing.versions(b)
+        for op, lease in (("load", read), ("release", read), ("commit", write), ("abort", write)):
+            with pytest.raises(InvalidLeaseError, match=r"^lease: a (Read|Write)Lease of another cache") as info:
+                getattr(a, op)(lease)
+            assert isinstance(info.value, TypeError), op
+            assert testing.versions(a) == before_a and testing.versions(b) == before_b, op
+        assert_same(b.load(read), torch.full((4,), 2.0))  # B's leases are still B's, still held
+        b.release(read)
+        b.commit(write)
+        assert b.contains("new") and not a.contains("new")
+        for i in range(6):  # A's arena is intact: puts that fill it (1 MiB) still work
+            a.put(f"fill{i}", torch.full((1 << 15,), float(i)))
+        assert all(a.contains(f"fill{i}") for i in range(6))
+        assert_same(a.get("ka"), torch.full((4,), 1.0))
+        check_quiescent(a)
+        check_quiescent(b)
 
 
 # ============================================================================ get(out=)
