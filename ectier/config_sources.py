@@ -158,7 +158,12 @@ def _build_unless_duplicates(cls: type, data: Mapping[str, Any], dups: list[tupl
     per repeated key, followed by the problems of the rest of the file (those of a repeated key or
     section left out: only one of its values was judged)."""
     if not dups:
-        return config_from_dict(cls, data)
+        try:
+            return config_from_dict(cls, data)
+        except ConfigError as exc:
+            if _describe(source) == "text":
+                raise
+            raise ConfigError(problems=[f"{m} (in {_describe(source)})" for m in exc.problems]) from None
     problems = []
     for dotted, lines in dups:
         where = f" (lines {', '.join(map(str, lines[:-1]))} and {lines[-1]})" if lines else ""
@@ -345,10 +350,12 @@ def _read_text(source: str | os.PathLike, kind: str) -> str:
 
 
 def _describe(source: str | os.PathLike) -> str:
-    return repr(os.fspath(source)) if not (isinstance(source, str) and "\n" in source) else "text"
+    text = isinstance(source, str) and ("\n" in source or source.lstrip().startswith("{"))
+    return "text" if text else repr(os.fspath(source))
 
 
 def _expect_mapping(data: Any, source: str | os.PathLike) -> Mapping[str, Any]:
     if not isinstance(data, Mapping):
-        raise ConfigError(f"config: {_describe(source)} must hold a mapping at top level, got {type(data).__name__}")
+        kind = {type(None): "null", list: "a list", str: "a string", bool: "a boolean"}.get(type(data), type(data).__name__)
+        raise ConfigError(f"config: {_describe(source)} must hold a mapping at top level, got {kind}")
     return data

@@ -167,7 +167,7 @@ def _baseline(summary: dict[str, Any], console: Console) -> None:
         if host or nvme:
             host = f"host hits faster at {host} of their sizes" if host else "no host hits"
             nvme = f"NVMe hits at {nvme}" if nvme else "no NVMe hits"
-            say(f"  by tier (loads: host+NVMe hits): {host}, {nvme}")
+            say(f"  {host}, {nvme}")
     for op, word in (("load", "load"), ("save", "save"), ("total", "load+save")):
         x = sp[op]
         if x is not None:
@@ -191,7 +191,7 @@ def _baseline(summary: dict[str, Any], console: Console) -> None:
 
 
 def _by_size_table(rows: list[dict[str, Any]]) -> Table:
-    t = _table("load by entry size, GB/s (both sides touch every byte)")
+    t = _table("load by entry size, GB/s; loads: host+NVMe hits (both sides touch every byte)")
     # loads: host + NVMe hits; host, NVMe: GB/s of the loads each tier served; ectier: all of them
     for col in ("entry", "loads", "host", "NVMe", "ectier", "safetensors", "speed-up"):
         t.add_column(col, justify="right")

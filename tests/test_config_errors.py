@@ -319,3 +319,28 @@ def test_a_key_next_to_a_yaml_merge_overrides_it_and_is_no_duplicate():
     text = "host:\n  <<: {capacity_bytes: 1MiB, pin_memory: false}\n  capacity_bytes: 2MiB\n"
     config = CacheConfig.from_yaml(text)
     assert config.host.capacity_bytes == 2 << 20 and config.host.pin_memory is False
+
+
+def test_a_file_that_is_no_mapping_says_what_it_holds_in_words(tmp_path):
+    """Regression: a JSON file holding null said "got NoneType"."""
+    for text, kind in (("null", "null"), ("[1, 2]", "a list"), ('"host"', "a string")):
+        path = tmp_path / "c.json"
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=rf"must hold a mapping at top level, got {kind}$"):
+            CacheConfig.load(path)
+
+
+def test_a_bad_value_in_a_config_file_names_the_file(tmp_path):
+    """Regression: only duplicate keys named the file; a typo in a long file said which field, not where."""
+    path = tmp_path / "c.yaml"
+    path.write_text("host:\n  capcity_bytes: 1MiB\nnvme:\n  zstd_level: 99\n")
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.load(path)
+    assert [m.split(":")[0] for m in info.value.problems] == ["host.capcity_bytes", "nvme.zstd_level"]
+    assert all(m.endswith(f"(in {str(path)!r})") for m in info.value.problems), info.value.problems
+
+
+def test_json_text_is_not_named_as_a_file_in_errors():
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.from_json('{"host": {"capacity_bytes": 1, "capacity_bytes": 2}}')
+    assert info.value.problems[0].startswith("host.capacity_bytes: given more than once in text;"), info.value.problems

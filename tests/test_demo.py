@@ -424,4 +424,23 @@ def test_demo_by_size_table_splits_loads_by_the_tier_that_served_them(runner, tm
     text = out.export_text()
     line = next(ln for ln in text.splitlines() if ln.strip().startswith("1.0 MiB"))
     assert "3+2" in line and "4.25 GB/s" in line and "1.50 GB/s" in line, line
-    assert "host hits faster at 1 of 1 of their sizes, NVMe hits at 1 of 2" in text, text
+    assert "  host hits faster at 1 of 1 of their sizes, NVMe hits at 1 of 2" in text, text
+
+
+def test_demo_json_into_a_missing_directory_is_refused_before_the_run(runner, tmp_path):
+    """Regression: the whole replay ran first, then the write failed and the results were lost."""
+    result = runner.invoke(main, ["demo", *SMALL, "--quiet", "--dir", str(tmp_path),
+                                  "--json", str(tmp_path / "missing" / "x.json")])
+    assert result.exit_code == 2, result.output
+    assert "--json: cannot write" in result.output and "not a writable directory" in result.output
+    assert "hits" not in result.output  # refused before any request was replayed
+
+
+def test_demo_json_dash_writes_the_summary_to_standard_output(runner, tmp_path):
+    result = runner.invoke(main, ["demo", *SMALL, "--quiet", "--dir", str(tmp_path), "--json", "-"])
+    assert result.exit_code == 0, result.output
+    line, _, rest = result.output.partition("\n")
+    assert line.startswith("OK: "), line
+    summary = json.loads(rest)
+    assert summary["ok"] is True and summary["ectier"]["hits"] > 0
+    assert not (tmp_path / "-").exists() and not os.path.exists("-")

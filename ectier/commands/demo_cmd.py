@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Optional
 
 import click
@@ -36,8 +38,8 @@ __all__ = ["demo"]
 @click.option("--images", type=click.IntRange(min=1), default=None,
               help="Use only the first N images of the working set (default: all).")
 @click.option("--no-baseline", is_flag=True, help="Skip the safetensors-file-per-item baseline.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
-              help="Also write the summary as JSON to this file.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True), default=None,
+              help="Also write the summary as JSON to this file ('-': standard output, after the report).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or tables: one summary line.")
 @click.pass_context
 def demo(ctx: click.Context, requests: int, zipf: float, seed: int, host_bytes: Optional[int],
@@ -58,6 +60,10 @@ def demo(ctx: click.Context, requests: int, zipf: float, seed: int, host_bytes: 
         requests=requests, zipf=zipf, seed=seed, host_bytes=host_bytes, nvme_bytes=nvme_bytes,
         dir=directory, codec=codec, sync=sync, baseline=not no_baseline, model=model.name, images=images,
     )
+    if json_path not in (None, "-"):
+        parent = os.path.dirname(os.path.abspath(json_path))
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            raise click.UsageError(f"--json: cannot write {json_path}: {parent} is not a writable directory", ctx=ctx)
     console = _console()
     try:
         summary = demo_mod.run_demo(opts, console=console, quiet=quiet)
@@ -65,11 +71,22 @@ def demo(ctx: click.Context, requests: int, zipf: float, seed: int, host_bytes: 
         raise click.UsageError(str(exc), ctx=ctx) from None
     except (EctierError, OSError) as exc:
         raise click.ClickException(f"demo failed: {exc}") from None
-    if json_path is not None:
+    _report(summary, console, quiet)
+    if json_path == "-":
+        click.echo(json.dumps(summary, indent=2))
+    elif json_path is not None:
         try:
             demo_mod.write_json(summary, json_path)
-        except OSError as exc:
+        except OSError as exc:  # (the report above is printed already)
             raise click.ClickException(f"--json: cannot write {json_path}: {exc}") from None
+    if not summary["ok"]:
+        ctx.exit(1)
+
+
+def _report(summary: dict, console, quiet: bool) -> None:
+    """The run's report: one line with ``quiet``, else the tables (:func:`ectier.demo.print_summary`)."""
+    from .. import demo as demo_mod
+
     if quiet:
         ect = summary["ectier"]
         sp = summary["speedup"] or {}
@@ -88,5 +105,3 @@ def demo(ctx: click.Context, requests: int, zipf: float, seed: int, host_bytes: 
         )
     else:
         demo_mod.print_summary(summary, console)
-    if not summary["ok"]:
-        ctx.exit(1)
