@@ -140,6 +140,15 @@ class _Lease:
             self._ended = True
             return True
 
+    def __copy__(self) -> "_Lease":
+        return self  # one lease, ended once: a copy would end the same slot twice
+
+    def __deepcopy__(self, memo: dict) -> "_Lease":
+        return self
+
+    def __reduce__(self):
+        raise TypeError(f"a {type(self).__name__} cannot be pickled: it holds a slot of this process's host arena")
+
     def __repr__(self) -> str:
         state = "ended" if self._ended else "held"
         return f"<{type(self).__name__} {self.meta.key!r} {self.meta.nbytes} B {state}>"

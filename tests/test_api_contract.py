@@ -143,6 +143,28 @@ def test_a_lease_of_another_cache_is_refused_and_changes_neither_cache(tmp_path)
         check_quiescent(b)
 
 
+def test_a_copied_lease_is_the_same_lease_and_ends_once(tmp_path):
+    """Regression: copy.copy(lease) made a second lease over the same slot; its commit or release
+    after the original's raised a ValueError from the arena ("slot is not pinned")."""
+    import copy
+    import pickle
+
+    with TieredCache(make_config(tmp_path / "nvme")) as cache:
+        cache.put("r", torch.full((4,), 3.0))
+        read, write = cache.acquire("r"), cache.reserve("w", dtype="uint8", shape=[8])
+        assert copy.copy(read) is read and copy.deepcopy(write) is write
+        cache.commit(write)
+        with pytest.raises(InvalidArgumentError, match="already committed"):
+            cache.commit(copy.copy(write))
+        cache.release(read)
+        cache.release(copy.deepcopy(read))  # a second release: a no-op, as documented
+        with pytest.raises(TypeError, match="cannot be pickled"):
+            pickle.dumps(read)
+        assert_same(cache.get("r"), torch.full((4,), 3.0))
+        assert cache.contains("w")
+        check_quiescent(cache)
+
+
 # ============================================================================ get(out=)
 
 SHAPE = (64, 1024)
