@@ -10,7 +10,9 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from rich.console import Console
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
 from .config import format_bytes
 
@@ -159,6 +161,8 @@ def _baseline(summary: dict[str, Any], console: Console) -> None:
     if rows:
         console.print(_by_size_table(rows))
     say = lambda text: console.print(text, highlight=False)  # noqa: E731
+    # a note under a line: wrapped at the console's width, every line indented by two
+    note = lambda text: console.print(Padding(Text(text), (0, 0, 0, 2), expand=False))  # noqa: E731
     if rows:
         slower = [r for r in rows if r["speedup"] < 1]
         say(f"ectier load faster at {len(rows) - len(slower)} of {len(rows)} entry sizes"
@@ -177,17 +181,17 @@ def _baseline(summary: dict[str, Any], console: Console) -> None:
         say(f"by tier: host hits {_fmt_gbps(ect['get_host_gbps'])} ({ect['host_hits']}), NVMe hits "
             f"{_fmt_gbps(ect['get_nvme_gbps'])} ({ect['nvme_hits']}); baseline "
             f"{_fmt_gbps(base['hit_bytes'] / base['load_s'] / 1e9)}")
-        say("  an NVMe hit is read, checksummed and placed in the host tier before the")
-        say("  consumer's copy (two passes over memory); the baseline maps its")
-        say("  page-cached file (one pass, no check): docs/benchmarks.md, `ectier demo`")
+        note("an NVMe hit is read, checksummed and placed in the host tier before the consumer's copy "
+             "(two passes over memory); the baseline maps its page-cached file (one pass, no check): "
+             "docs/benchmarks.md, `ectier demo`")
     say("load, both sides: the connector's load, then every byte copied into one")
-    say("  warm buffer (what vLLM's gather does); ectier: a lease + zero-copy view of")
-    say("  the host arena (an NVMe hit decoded straight into its host slot);")
-    say("  baseline: load_file (a lazy map of the file in the page cache)")
+    note("warm buffer (what vLLM's gather does); ectier: a lease + zero-copy view of the host arena "
+         "(an NVMe hit decoded straight into its host slot); baseline: load_file (a lazy map of the "
+         "file in the page cache)")
     say(f"baseline: {base['hits']} hits / {base['misses']} misses (unbounded disk, never evicts); "
         f"{base['mismatches']} mismatches")
     say("both stores served each request back to back, in alternating order;")
-    say("  both sides' page cache is warm")
+    note("both sides' page cache is warm")
 
 
 def _by_size_table(rows: list[dict[str, Any]]) -> Table:
