@@ -215,7 +215,12 @@ class SchedulerSide:
         """True while every handle of the item's promotion still waits for the daemon's first
         answer (``DaemonLoad.pending``; an in-process ``LoadHandle`` is never pending)."""
         pf = self._prefetching.get(mm_hash)
-        return pf is not None and all(getattr(h, "pending", False) for h in pf.handles)
+        if pf is None:
+            return False
+        handles = pf.handles
+        if len(handles) == 1:
+            return getattr(handles[0], "pending", False)
+        return all(getattr(h, "pending", False) for h in handles)
 
     def _repair(self, request: "Request", index: int, mm_hash: str) -> "Promotion":
         """Load a poisoned item for ``request`` from the store: READY (pinned), WAIT (promotion
@@ -275,12 +280,12 @@ class SchedulerSide:
                 )
             self._settled.setdefault(request.request_id, set()).add(mm_hash)
             try:
-                self._store.release(pin)
+                store.release(pin)
             except STORE_ERRORS as exc:
                 self._warn.warning(("release", type(exc).__name__), "ectier: releasing %s failed (%s)", mm_hash, exc)
             return
         self._pins[mm_hash] = _PinState(pin, {request.request_id})
-        self._store.stage(mm_hash, pin)
+        store.stage(mm_hash, pin)
 
     def update_state_after_alloc(self, request: "Request", index: int) -> None:
         mm_hash = request.mm_features[index].identifier
