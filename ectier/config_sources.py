@@ -99,7 +99,7 @@ def config_from_yaml(cls: type, source: str | os.PathLike) -> Any:
             loader.dispose()
     except yaml.YAMLError as exc:
         raise ConfigError(f"config: invalid YAML in {_describe(source)}: {exc}") from exc
-    return _build_unless_duplicates(cls, _expect_mapping(data or {}, source), dups, source)
+    return _build_unless_duplicates(cls, _expect_mapping({} if data is None else data, source), dups, source)
 
 
 class _JsonObject(dict):
@@ -157,22 +157,19 @@ def _build_unless_duplicates(cls: type, data: Mapping[str, Any], dups: list[tupl
     with the lines of each occurrence where known): then a :class:`ConfigError` with one problem
     per repeated key, followed by the problems of the rest of the file (those of a repeated key or
     section left out: only one of its values was judged)."""
-    if not dups:
-        try:
-            return config_from_dict(cls, data)
-        except ConfigError as exc:
-            if _describe(source) == "text":
-                raise
-            raise ConfigError(problems=[f"{m} (in {_describe(source)})" for m in exc.problems]) from None
+    where_from = "" if _describe(source) == "text" else f" (in {_describe(source)})"
     problems = []
     for dotted, lines in dups:
         where = f" (lines {', '.join(map(str, lines[:-1]))} and {lines[-1]})" if lines else ""
         problems.append(f"{dotted}: given more than once in {_describe(source)}{where}; keep one")
     try:
-        config_from_dict(cls, data)
-    except ConfigError as exc:
-        problems.extend(m for m in exc.problems if not any(_names(_judged(m), d) for d, _ in dups))
-    raise ConfigError(problems=problems)
+        config = config_from_dict(cls, data)
+    except ConfigError as exc:  # every other problem, named with the file it is in
+        problems.extend(f"{m}{where_from}" for m in exc.problems
+                        if not any(_names(_judged(m), d) for d, _ in dups))
+    if problems:
+        raise ConfigError(problems=problems) from None
+    return config
 
 
 def load_config(cls: type, path: str | os.PathLike) -> Any:
@@ -356,6 +353,7 @@ def _describe(source: str | os.PathLike) -> str:
 
 def _expect_mapping(data: Any, source: str | os.PathLike) -> Mapping[str, Any]:
     if not isinstance(data, Mapping):
-        kind = {type(None): "null", list: "a list", str: "a string", bool: "a boolean"}.get(type(data), type(data).__name__)
+        words = {type(None): "null", list: "a list", str: "a string", bool: "a boolean"}
+        kind = words.get(type(data), type(data).__name__)
         raise ConfigError(f"config: {_describe(source)} must hold a mapping at top level, got {kind}")
     return data

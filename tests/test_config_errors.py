@@ -344,3 +344,21 @@ def test_json_text_is_not_named_as_a_file_in_errors():
     with pytest.raises(ConfigError) as info:
         CacheConfig.from_json('{"host": {"capacity_bytes": 1, "capacity_bytes": 2}}')
     assert info.value.problems[0].startswith("host.capacity_bytes: given more than once in text;"), info.value.problems
+
+
+def test_a_file_with_a_repeated_key_names_itself_in_its_other_problems_too(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("host:\n  capacity_bytes: 1MiB\nhost:\n  capacity_bytes: 2MiB\nnvme:\n  zstd_level: 99\n")
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.load(path)
+    dup, other = info.value.problems
+    assert dup.startswith("host: given more than once") and other.startswith("nvme.zstd_level: ")
+    assert other.endswith(f"(in {str(path)!r})"), other
+
+
+@pytest.mark.parametrize("text", ["[]\n", "false\n", "0\n", "''\n"])
+def test_a_yaml_file_holding_an_empty_non_mapping_is_refused_not_taken_as_defaults(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="must hold a mapping at top level"):
+        CacheConfig.load(path)

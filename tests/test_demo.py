@@ -432,15 +432,22 @@ def test_demo_json_into_a_missing_directory_is_refused_before_the_run(runner, tm
     result = runner.invoke(main, ["demo", *SMALL, "--quiet", "--dir", str(tmp_path),
                                   "--json", str(tmp_path / "missing" / "x.json")])
     assert result.exit_code == 2, result.output
-    assert "--json: cannot write" in result.output and "not a writable directory" in result.output
+    assert "--json: cannot write" in result.output and "No such file or directory" in result.output
     assert "hits" not in result.output  # refused before any request was replayed
 
 
 def test_demo_json_dash_writes_the_summary_to_standard_output(runner, tmp_path):
+    """``--json -``: standard output holds the JSON alone (the report goes to standard error)."""
     result = runner.invoke(main, ["demo", *SMALL, "--quiet", "--dir", str(tmp_path), "--json", "-"])
     assert result.exit_code == 0, result.output
-    line, _, rest = result.output.partition("\n")
-    assert line.startswith("OK: "), line
-    summary = json.loads(rest)
+    summary = json.loads(result.stdout)
     assert summary["ok"] is True and summary["ectier"]["hits"] > 0
+    assert result.stderr.startswith("OK: "), result.stderr
     assert not (tmp_path / "-").exists() and not os.path.exists("-")
+
+
+@pytest.mark.parametrize("where", ["", ".", "/proc/x.json"])
+def test_demo_json_to_a_place_no_file_can_be_written_is_refused_before_the_run(runner, tmp_path, where):
+    result = runner.invoke(main, ["demo", *SMALL, "--quiet", "--dir", str(tmp_path), "--json", where])
+    assert result.exit_code == 2, result.output
+    assert "hits" not in result.output

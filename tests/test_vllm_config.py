@@ -155,3 +155,4 @@ def test_bad_field_in_the_config_file_names_the_file_and_the_field(tmp_path):
     msg = str(info.value)
     assert msg.startswith(f"ec_connector_extra_config.config_path ({str(p)!r}): host.capacity_bytez: "), msg
     assert "ec_connector_extra_config.host." not in msg  # not reported as if it were inline
+    assert msg.count(str(p)) == 1, msg  # named once, in front

@@ -30,6 +30,7 @@ Keys (see docs/vllm.md for the full table)::
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -122,6 +123,7 @@ def operator_key(message: str, config_path: str | None) -> str:
         return f"{PREFIX}.{message}"
     if message.startswith("config: "):  # about the file itself; the message names the file
         return f"{PREFIX}.config_path: {message[len('config: '):]}"
+    message = re.sub(r" \(in '[^']*'\)$", "", message, flags=re.M)  # the file is named in front already
     return f"{PREFIX}.config_path ({config_path!r}): {message}"
 
 

@@ -8,6 +8,7 @@ import os
 from typing import Optional
 
 import click
+from rich.console import Console
 
 from ..errors import ConfigError, EctierError
 from ..sizing import DEFAULT_MODEL, ModelSpec
@@ -39,7 +40,8 @@ __all__ = ["demo"]
               help="Use only the first N images of the working set (default: all).")
 @click.option("--no-baseline", is_flag=True, help="Skip the safetensors-file-per-item baseline.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True, allow_dash=True), default=None,
-              help="Also write the summary as JSON to this file ('-': standard output, after the report).")
+              help="Also write the summary as JSON to this file ('-': standard output, the report then "
+                   "going to standard error).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or tables: one summary line.")
 @click.pass_context
 def demo(ctx: click.Context, requests: int, zipf: float, seed: int, host_bytes: Optional[int],
@@ -61,17 +63,15 @@ def demo(ctx: click.Context, requests: int, zipf: float, seed: int, host_bytes: 
         dir=directory, codec=codec, sync=sync, baseline=not no_baseline, model=model.name, images=images,
     )
     if json_path not in (None, "-"):
-        parent = os.path.dirname(os.path.abspath(json_path))
-        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-            raise click.UsageError(f"--json: cannot write {json_path}: {parent} is not a writable directory", ctx=ctx)
-    console = _console()
+        _check_writable(json_path, ctx)
+    console = _console() if json_path != "-" else Console(highlight=False, stderr=True)
     try:
         summary = demo_mod.run_demo(opts, console=console, quiet=quiet)
     except ConfigError as exc:
         raise click.UsageError(str(exc), ctx=ctx) from None
     except (EctierError, OSError) as exc:
         raise click.ClickException(f"demo failed: {exc}") from None
-    _report(summary, console, quiet)
+    _report(summary, console, quiet, err=json_path == "-")
     if json_path == "-":
         click.echo(json.dumps(summary, indent=2))
     elif json_path is not None:
@@ -83,8 +83,23 @@ def demo(ctx: click.Context, requests: int, zipf: float, seed: int, host_bytes: 
         ctx.exit(1)
 
 
-def _report(summary: dict, console, quiet: bool) -> None:
-    """The run's report: one line with ``quiet``, else the tables (:func:`ectier.demo.print_summary`)."""
+def _check_writable(path: str, ctx: click.Context) -> None:
+    """Refuse ``--json path`` before the run unless the file can be opened for writing (it is
+    created and removed again if it did not exist)."""
+    existed = os.path.lexists(path)
+    try:
+        if not path or os.path.isdir(path):
+            raise IsADirectoryError(f"{path or '(empty)'} is not a file name")
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
+        if not existed:
+            os.unlink(path)
+    except OSError as exc:
+        raise click.UsageError(f"--json: cannot write {path!r}: {exc.strerror or exc}", ctx=ctx) from None
+
+
+def _report(summary: dict, console, quiet: bool, err: bool = False) -> None:
+    """The run's report: one line with ``quiet`` (on standard error with ``err``), else the
+    tables (:func:`ectier.demo.print_summary`)."""
     from .. import demo as demo_mod
 
     if quiet:
@@ -101,7 +116,8 @@ def _report(summary: dict, console, quiet: bool) -> None:
             f"{'OK' if summary['ok'] else 'FAIL'}: {ect['hits']}/{ect['requests']} hits "
             f"({ect['hit_rate']:.1%} items, {ect['byte_hit_rate']:.1%} bytes), "
             f"{summary['mismatches']} mismatches{split}{load}, {summary['wall_s']:.1f} s"
-            + (" (synthetic pixels: scikit-image is not installed)" if summary["image_source"] == "synthetic" else "")
+            + (" (synthetic pixels: scikit-image is not installed)" if summary["image_source"] == "synthetic" else ""),
+            err=err,
         )
     else:
         demo_mod.print_summary(summary, console)
