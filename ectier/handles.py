@@ -158,7 +158,8 @@ class WriteLease(_Lease):
     """A host-arena reservation from :meth:`TieredCache.reserve`.
 
     Fields: ``meta`` (:class:`~ectier.entry.EntryMeta`), ``extents``: ``(arena byte offset,
-    length)`` runs whose concatenation is the entry's bytes in C order.
+    length)`` runs whose concatenation is the entry's bytes in C order, ``owner``: the
+    :class:`~ectier.cache.TieredCache` that gave it (the only one that takes it back).
     """
 
     __slots__ = ()
@@ -185,7 +186,7 @@ def check_lease(lease: Any, kind: type, owner: Any = None) -> Any:
         raise InvalidLeaseError(f"lease: expected a {kind.__name__}" + (f" (from {made_by})" if made_by else "")
                                 + f", got {type(lease).__name__}")
     if owner is not None and lease.owner is not owner:
-        raise InvalidLeaseError(f"lease: a {kind.__name__} of another cache; end a lease with the cache whose "
+        raise InvalidLeaseError(f"lease: a {kind.__name__} of another cache; use a lease with the cache whose "
                                 f"{made_by} gave it (nothing was changed)")
     return lease
 

@@ -337,10 +337,10 @@ class DaemonLoad:
         return self.error is None and self._state in (None, PENDING)
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        if self.done():
-            return self.error is None and self._state == READY
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        deadline = None
         while not self.done():
+            if deadline is None and timeout_s is not None:
+                deadline = time.monotonic() + timeout_s  # (no clock read for a handle done already)
             if deadline is not None and time.monotonic() >= deadline:
                 return False
             time.sleep(0.01)
