@@ -140,7 +140,7 @@ class DaemonStore:
         of this process's worker still reads it, see :meth:`stage`), an older daemon's
         connection lease with a ``release`` call."""
         if isinstance(pin.lease, HeldLease):
-            ident = None if staged_as is None else (self.client.socket_path, self.namespace, staged_as)
+            ident = None if staged_as is None else self._ident(staged_as)
             _SHARED.drop(pin.lease, self.lookups, unstage=ident)  # queued: sent by send_releases
         else:
             if staged_as is not None:
@@ -153,10 +153,14 @@ class DaemonStore:
         pinned bytes with no round trip, and the lease ends once both the scheduler released it
         and the view is freed. A worker in another process asks the daemon itself."""
         if isinstance(pin.lease, HeldLease):
-            _SHARED.stage((self.client.socket_path, self.namespace, key), pin)
+            _SHARED.stage(self._ident(key), pin)
+
+    def _ident(self, key: str) -> tuple:
+        """``key``'s name among this process's staged pins: (daemon socket, namespace, key)."""
+        return (self.client.socket_path, self.namespace, key)
 
     def unstage(self, key: str) -> None:
-        _SHARED.unstage((self.client.socket_path, self.namespace, key))
+        _SHARED.unstage(self._ident(key))
 
     def put(self, key: str, tensor: Any, *, after: Any = None) -> Any:
         """``DaemonClient.put`` (returns ``None`` once committed); ``after``: a CUDA event the
@@ -172,7 +176,7 @@ class DaemonStore:
         """Read ``key``: onto the CPU, a read-only zero-copy view of the daemon's arena
         (:meth:`DaemonClient.get_view`: pinned until the tensor is freed); onto a GPU, one copy
         from that view to ``device``."""
-        view = _SHARED.view((self.client.socket_path, self.namespace, key), self.client)
+        view = _SHARED.view(self._ident(key), self.client)
         if view is None:
             view = self.client.get_view(key, namespace=self.namespace)
         if view is None or device == "cpu":

@@ -60,7 +60,9 @@ class SchedulerSide:
 
     def _init_scheduler_side(self, vllm_config: "VllmConfig", role: ECConnectorRole) -> None:
         self._pins: dict[str, _PinState] = {}
-        self._row_bytes: int | None = None  # bytes per encoder-output row (_item_nbytes)
+        # bytes per encoder-output row (_item_nbytes); 0: several widths, or an unknown one
+        widths = self._widths
+        self._row_bytes = 0 if widths is None or len(widths) != 1 else next(iter(widths)) * self._model_dtype.itemsize
         self._prefetching: dict[str, _Prefetch] = {}
         self._to_load: dict[str, LoadItem] = {}
         self._unavailable: set[str] = set()
@@ -278,7 +280,7 @@ class SchedulerSide:
                     "shape-mismatch", "ectier: %s is stored as %s %s but request %s expects %s %s; re-encoding",
                     mm_hash, shape, pin.dtype, request.request_id, want, dtype,
                 )
-            self._settled.setdefault(request.request_id, set()).add(mm_hash)
+            self._settle(request.request_id, mm_hash)
             try:
                 store.release(pin)
             except STORE_ERRORS as exc:
@@ -319,7 +321,7 @@ class SchedulerSide:
             if mm_hash not in meta.failed:
                 state = self._pins.get(mm_hash)
                 for req_id in state.req_ids if state is not None else ():
-                    self._settled.setdefault(req_id, set()).add(mm_hash)
+                    self._settle(req_id, mm_hash)
                 self._release_pin(mm_hash)
         self._poisoned.difference_update(h for h in meta.loaded if h not in meta.failed)
         for mm_hash, req_ids in meta.failed.items():
@@ -368,10 +370,5 @@ class SchedulerSide:
     def _item_nbytes(self, rows: int) -> int:
         """Bytes of an encoder output of ``rows`` rows: rows x width x the model dtype's size
         (0 when the model has several widths or an unknown one)."""
-        row_bytes = self._row_bytes
-        if row_bytes is None:
-            widths = self._widths
-            row_bytes = self._row_bytes = (0 if widths is None or len(widths) != 1
-                                           else next(iter(widths)) * self._model_dtype.itemsize)
-        return rows * row_bytes
+        return rows * self._row_bytes
 
