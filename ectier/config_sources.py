@@ -16,6 +16,7 @@ import difflib
 import json
 import os
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -58,7 +59,7 @@ def config_from_json(cls: type, source: str | os.PathLike) -> Any:
     except json.JSONDecodeError as exc:
         raise ConfigError(f"config: invalid JSON in {_describe(source)}: {exc}") from exc
     dups = [(dotted, ()) for dotted in _json_duplicates(data, "")]
-    return _build_unless_duplicates(cls, _expect_mapping(data, source), dups, source)
+    return _build_from_file(cls, _expect_mapping(data, source), dups, source)
 
 
 _LOADER = None
@@ -99,7 +100,7 @@ def config_from_yaml(cls: type, source: str | os.PathLike) -> Any:
             loader.dispose()
     except yaml.YAMLError as exc:
         raise ConfigError(f"config: invalid YAML in {_describe(source)}: {exc}") from exc
-    return _build_unless_duplicates(cls, _expect_mapping({} if data is None else data, source), dups, source)
+    return _build_from_file(cls, _expect_mapping({} if data is None else data, source), dups, source)
 
 
 class _JsonObject(dict):
@@ -108,10 +109,7 @@ class _JsonObject(dict):
 
     def __init__(self, pairs: list[tuple[str, Any]]) -> None:
         super().__init__(pairs)
-        counts: dict[str, int] = {}
-        for key, _ in pairs:
-            counts[key] = counts.get(key, 0) + 1
-        self.repeated = [key for key, n in counts.items() if n > 1]
+        self.repeated = [key for key, n in Counter(key for key, _ in pairs).items() if n > 1]
 
 
 def _json_duplicates(data: Any, prefix: str) -> list[str]:
@@ -151,17 +149,19 @@ def _yaml_duplicates(node: Any, prefix: str, seen: set[int]) -> list[tuple[str, 
     return found
 
 
-def _build_unless_duplicates(cls: type, data: Mapping[str, Any], dups: list[tuple[str, tuple[int, ...]]],
+def _build_from_file(cls: type, data: Mapping[str, Any], dups: list[tuple[str, tuple[int, ...]]],
                              source: str | os.PathLike) -> Any:
-    """``config_from_dict(cls, data)``, unless the file gave a key twice (``dups``: dotted names,
-    with the lines of each occurrence where known): then a :class:`ConfigError` with one problem
-    per repeated key, followed by the problems of the rest of the file (those of a repeated key or
-    section left out: only one of its values was judged)."""
-    where_from = "" if _describe(source) == "text" else f" (in {_describe(source)})"
+    """``config_from_dict(cls, data)`` of what a file (or text) ``source`` held. Raises a
+    :class:`ConfigError` with one problem per key the file gave twice (``dups``: dotted names, with
+    the lines of each occurrence where known), then the problems of the rest of the file, each
+    ending with the file's name (those of a repeated key or section left out: only one of its
+    values was judged)."""
+    described = _describe(source)
+    where_from = "" if described == "text" else f" (in {described})"
     problems = []
     for dotted, lines in dups:
         where = f" (lines {', '.join(map(str, lines[:-1]))} and {lines[-1]})" if lines else ""
-        problems.append(f"{dotted}: given more than once in {_describe(source)}{where}; keep one")
+        problems.append(f"{dotted}: given more than once in {described}{where}; keep one")
     try:
         config = config_from_dict(cls, data)
     except ConfigError as exc:  # every other problem, named with the file it is in
