@@ -319,6 +319,11 @@ def run_demo(
     }
 
 
+def summary_json(summary: dict[str, Any]) -> str:
+    """``summary`` as indented JSON text, ending in a newline (what :func:`write_json` writes)."""
+    return json.dumps(summary, indent=2, sort_keys=False) + "\n"
+
+
 def write_json(summary: dict[str, Any], path: str | os.PathLike) -> None:
     """Write ``summary`` to ``path`` as indented JSON (``-`` is not special: it is a file name)."""
-    Path(path).write_text(json.dumps(summary, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    Path(path).write_text(summary_json(summary), encoding="utf-8")

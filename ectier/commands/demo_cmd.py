@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Optional
 
 import click
-from rich.console import Console
 
 from ..errors import ConfigError, EctierError
 from ..sizing import DEFAULT_MODEL, ModelSpec
@@ -64,7 +62,7 @@ def demo(ctx: click.Context, requests: int, zipf: float, seed: int, host_bytes: 
     )
     if json_path not in (None, "-"):
         _check_writable(json_path, ctx)
-    console = _console() if json_path != "-" else Console(highlight=False, stderr=True)
+    console = _console(stderr=json_path == "-")
     try:
         summary = demo_mod.run_demo(opts, console=console, quiet=quiet)
     except ConfigError as exc:
@@ -73,7 +71,7 @@ def demo(ctx: click.Context, requests: int, zipf: float, seed: int, host_bytes: 
         raise click.ClickException(f"demo failed: {exc}") from None
     _report(summary, console, quiet, err=json_path == "-")
     if json_path == "-":
-        click.echo(json.dumps(summary, indent=2))
+        click.echo(demo_mod.summary_json(summary), nl=False)
     elif json_path is not None:
         try:
             demo_mod.write_json(summary, json_path)

@@ -69,6 +69,7 @@ class ByteSize(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
-def console() -> Console:
-    """The console a subcommand prints its tables to (no syntax highlighting of numbers)."""
-    return Console(highlight=False)
+def console(stderr: bool = False) -> Console:
+    """The console a subcommand prints its tables to (no syntax highlighting of numbers);
+    ``stderr``: on standard error (standard output then carries data, e.g. ``--json -``)."""
+    return Console(highlight=False, stderr=stderr)
