@@ -24,8 +24,8 @@ from ectier import CacheConfig, LoadHandle, TieredCache, testing
 from ectier.daemon.prefetch import Prefetcher
 from ectier.daemon.client import DaemonClient
 from ectier.errors import TierWriteError
-from daemon_helpers import (MiB, DaemonProcess, RawConn, assert_same, daemon_config, daemon_process, daemon_stats, make_tensor,
-                            remove_dir, serve_in_thread, short_tmpdir, wait_for, write_config)
+from daemon_helpers import (MiB, DaemonProcess, RawConn, assert_same, daemon_config, daemon_process, daemon_stats,
+                            make_tensor, remove_dir, serve_in_thread, short_tmpdir, wait_for, write_config)
 
 DELAY_S = 3.0  # every NVMe payload read of the slowed daemon takes at least this long
 FAST_S = DELAY_S / 2  # a call that waits on no NVMe read returns well within this (it takes ~ms)

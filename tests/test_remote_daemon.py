@@ -11,14 +11,12 @@ and latency are on the daemon's Prometheus page like the other tiers'.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import subprocess
 import urllib.request
-from typing import Any, Iterator
+from typing import Any
 
-from daemon_helpers import (ECTIER_SCRIPT, MiB, DaemonProcess, assert_same, clean_env, daemon_config, daemon_stats, make_tensor, remove_dir,
-                            short_tmpdir, wait_for, write_config)
+from daemon_helpers import (ECTIER_SCRIPT, MiB, DaemonProcess, assert_same, clean_env, daemon_process, daemon_stats,
+                            make_tensor, wait_for)
 from server_helpers import free_port
 from remote_stores import remote_store  # noqa: F401
 
@@ -28,22 +26,11 @@ from ectier.daemon.client import DaemonClient
 SHAPE = (1024, 2048)  # 4 MiB of bfloat16: two chunks and a bit on the store
 
 
-@contextlib.contextmanager
-def remote_daemon(remote: dict[str, Any], *, host_bytes: int = 32 * MiB, metrics: bool = False) -> Iterator[DaemonProcess]:
+def remote_daemon(remote: dict[str, Any], *, host_bytes: int = 32 * MiB, metrics: bool = False):
     """A daemon (``ectier serve --config <dir>/cfg.yaml``'s code, forked: tests/daemon_helpers.py) with host, NVMe and ``remote`` (a
     ``remote:`` section) in a fresh directory; ``.dir``, ``.cfg``; stopped and removed after."""
-    d = short_tmpdir()
-    try:
-        cfg = daemon_config(d, host_bytes=host_bytes, nvme_bytes=128 * MiB, **({"metrics_port": 0} if metrics else {}))
-        cfg["remote"] = remote
-        proc = DaemonProcess(write_config(os.path.join(d, "cfg.yaml"), cfg), cfg["daemon"]["socket_path"])
-        proc.dir, proc.cfg = d, cfg
-        try:
-            yield proc.start()
-        finally:
-            proc.stop()
-    finally:
-        remove_dir(d)
+    return daemon_process("cfg.yaml", host_bytes=host_bytes, nvme_bytes=128 * MiB,
+                          edit=lambda cfg: cfg.update(remote=remote), **({"metrics_port": 0} if metrics else {}))
 
 
 def remote_stats(proc: DaemonProcess) -> dict[str, Any]:
