@@ -143,14 +143,13 @@ class SchedulerSide:
                 continue
             status = self._promotion(mm_hash)
             if status is Promotion.MISS:
-                if self._recompute.enabled:
-                    self._recompute.check(mm_hash, status, 0, 0)  # forgets its pending promotion
+                self._recompute.check(mm_hash, status, 0, 0)  # forgets its pending promotion
                 continue
             if status is Promotion.WAIT and self._unanswered(mm_hash):
                 ready = False  # daemon mode: no answer in yet, so nothing to estimate a load from
                 continue
             rows = request.get_num_encoder_embeds(index)
-            if self._recompute.enabled and self._recompute.check(mm_hash, status, self._item_nbytes(rows), rows):
+            if self._recompute.check(mm_hash, status, self._item_nbytes(rows), rows):
                 # loading would take longer than encoding: a miss (vLLM encodes it); the promotion
                 # goes on, so a later request may find it in the host tier
                 self._count(recompute_chosen=1)
