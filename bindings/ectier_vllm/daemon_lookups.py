@@ -309,12 +309,13 @@ class DaemonLoad:
 
     __slots__ = ("key", "error", "_lookups", "_state")
 
-    def __init__(self, lookups: StepLookups, key: str) -> None:
+    def __init__(self, lookups: StepLookups, key: str, state: str | None = None) -> None:
         self.key = key
         self.error: BaseException | None = None
         self._lookups = lookups
-        self._state = lookups.answered(key)  # answered this step already: done, nothing to track
-        if self._state is None:
+        # ``state``: this step's answer, asked by the caller (else the one used this step, if any)
+        self._state = lookups.answered(key) if state is None else state
+        if self._state not in (READY, ABSENT):  # not done: tracked, asked again while polled
             lookups.tracked[key] = lookups.step
 
     def done(self) -> bool:

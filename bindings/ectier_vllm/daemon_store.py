@@ -18,7 +18,7 @@ from typing import Any
 
 from .config import DEFAULT_ANSWER_WAIT_S
 from .daemon_lookups import ABSENT, DaemonLoad, StepLookups
-from .store import Pin
+from .store import NOT_STORED, Pin
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,18 @@ class DaemonStore:
         if self._legacy():
             return None
         return [DaemonLoad(self.lookups, k) for k in keys]
+
+    def lookup(self, key: str, device: str) -> Any:
+        """The scheduler's one question about ``key`` this step (``device`` is ignored, as for
+        :meth:`prefetch`): :data:`~ectier_vllm.store.NOT_STORED` when the daemon answered it
+        absent, else the handle of its promotion (one :class:`DaemonLoad`, its state the answer
+        already in: no second question); an older daemon: ``contains``, then ``None`` (pin at once)."""
+        if self._legacy():
+            return None if self.client.contains(key, namespace=self.namespace) else NOT_STORED
+        state = self.lookups.answer(key)
+        if state == ABSENT:
+            return NOT_STORED
+        return [DaemonLoad(self.lookups, key, state)]
 
     def acquire(self, key: str, device: str) -> Pin | None:
         """Pin ``key``: a daemon ``get`` lease, which takes over the pin (or, for an entry larger

@@ -24,7 +24,7 @@ from .common import STORE_ERRORS, logger
 from .metadata import ECTierConnectorMetadata, ECTierWorkerMetadata, LoadItem
 from .metrics import merge_stats_data
 from .recompute import LoadOrRecompute
-from .store import Pin
+from .store import NOT_STORED, Pin
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -179,22 +179,21 @@ class SchedulerSide:
         gives ``LoadHandle`` s; in daemon mode the store's handles are answered by the daemon's
         batched ``prefetch`` (one request per step, its reply never waited for beyond
         ``daemon_answer_wait_s``: unanswered is WAIT). ``None`` from the
-        store's ``prefetch``: pin at once (an in-process cache of a host tier only, where there
+        store's ``lookup``: pin at once (an in-process cache of a host tier only, where there
         is nothing to promote; a daemon without the op, whose ``get`` promotes synchronously)."""
         pf = self._prefetching.get(mm_hash)
         if pf is None:
-            store = self._store
             try:
-                # a local miss is final unless a remote tier may hold it: then prefetch fetches it
-                # (in the cache's own threads) and the request waits until it landed or missed
-                if not store.contains(mm_hash) and not store.remote:
-                    return Promotion.MISS
-                handles = store.prefetch([mm_hash], self._target_device())
+                # a local miss is final unless a remote tier may hold it: then the promotion
+                # fetches it (in the cache's own threads) and the request waits until it landed or missed
+                handles = self._store.lookup(mm_hash, self._target_device())
             except STORE_ERRORS as exc:
                 self._miss("lookup", mm_hash, exc)
                 return Promotion.MISS
             if handles is None:
                 return Promotion.READY
+            if handles is NOT_STORED:
+                return Promotion.MISS
             pf = self._prefetching[mm_hash] = _Prefetch(handles, time.monotonic())
         handles = pf.handles
         if handles[0].done() if len(handles) == 1 else all(h.done() for h in handles):

@@ -63,6 +63,16 @@ class Pin:
     tensor: Any = None
 
 
+class _NotStored:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "NOT_STORED"
+
+
+#: :meth:`InProcessStore.lookup` / ``DaemonStore.lookup``: the entry is not stored (a miss)
+NOT_STORED = _NotStored()
+
 #: opens every in-process cache (``None``: ``TieredCache(config)``); tests put
 #: ``ectier.testing.make_cache`` with their copy engine here
 _CACHE_FACTORY: Any = None
@@ -103,6 +113,14 @@ class InProcessStore:
         if self._host_only:
             return None
         return list(self.cache.prefetch(keys, device=device))
+
+    def lookup(self, key: str, device: str) -> Any:
+        """The scheduler's one question about ``key``: :data:`NOT_STORED` (a miss: not in this
+        cache, and no remote tier may hold it), ``None`` (pin at once: :meth:`prefetch`), or the
+        handles of its promotion towards ``device`` (:meth:`prefetch`)."""
+        if not self.cache.contains(key) and not self.remote:
+            return NOT_STORED
+        return self.prefetch([key], device)
 
     def new_step(self) -> None:  # lookups are from memory: nothing to batch
         return None

@@ -353,14 +353,15 @@ class Transport:
         """Send one request without waiting for its reply; returns its id for :meth:`poll`.
         Connects first when there is no connection (one probe: no ``connect_retry_s`` wait,
         bounded by ``probe_timeout_s``; during the back-off it fails at once); with
-        ``connect=False`` (a scheduler step) it never connects: no connection raises at once.
+        ``connect=False`` (a scheduler step, after :meth:`connect_in_background` read the socket) it
+        never connects and reads nothing: no connection, or one the daemon closed, raises at once.
 
         Raises:
             DaemonUnavailableError: unreachable, or the request could not be sent.
             InvalidKeyError: a string of the request is not valid UTF-8.
         """
         with self._lock:
-            if self._sock is not None and not self._read_arrived():
+            if connect and self._sock is not None and not self._read_arrived():
                 self._drop()  # the daemon closed it (idle timeout, restart): a new one
             if self._sock is None:
                 if not connect:
