@@ -352,9 +352,8 @@ class Transport:
     def submit(self, op: str, *, connect: bool = True, **args: Any) -> int:
         """Send one request without waiting for its reply; returns its id for :meth:`poll`.
         Connects first when there is no connection (one probe: no ``connect_retry_s`` wait,
-        bounded by ``probe_timeout_s``; during the back-off it fails at once); with
-        ``connect=False`` (a scheduler step, after :meth:`connect_in_background` read the socket) it
-        never connects and reads nothing: no connection, or one the daemon closed, raises at once.
+        bounded by ``probe_timeout_s``; during the back-off it fails at once); ``connect=False`` (a
+        scheduler step, after :meth:`connect_in_background`): no connect, no read; none raises at once.
 
         Raises:
             DaemonUnavailableError: unreachable, or the request could not be sent.
