@@ -107,19 +107,17 @@ class DaemonStore:
         save confirmation, never the consumer's lookups)."""
         return self.client.contains(key, namespace=self.namespace)
 
-    def prefetch(self, keys: list[str], device: str) -> list["DaemonLoad"] | None:
-        """Handles of the daemon's promotions of ``keys`` into its arena (``device`` is ignored:
-        the worker reads from the arena). ``None`` for an older daemon (no ``prefetch`` op): the
-        connector then pins at once, and the daemon's ``get`` promotes synchronously."""
-        if self._legacy():
-            return None
-        return [DaemonLoad(self.lookups, k) for k in keys]
-
     def lookup(self, key: str, device: str) -> Any:
-        """The scheduler's one question about ``key`` this step (``device`` is ignored, as for
-        :meth:`prefetch`): :data:`~ectier_vllm.store.NOT_STORED` when the daemon answered it
-        absent, else the handle of its promotion (one :class:`DaemonLoad`, its state the answer
-        already in: no second question); an older daemon: ``contains``, then ``None`` (pin at once)."""
+        """The scheduler's one question about ``key`` this step (``device`` is ignored: the worker
+        reads from the daemon's arena): :data:`~ectier_vllm.store.NOT_STORED` when the daemon
+        answered it absent, else the handle of the daemon's promotion into its arena (one
+        :class:`DaemonLoad` holding the answer already in: a ``"ready"`` one is done, a pending or
+        promoting one is asked again as it is polled). An older daemon (no ``prefetch`` op):
+        ``contains``, then ``None`` (pin at once; its ``get`` promotes synchronously).
+
+        Raises:
+            EctierError (DaemonUnavailableError, ...): as :meth:`StepLookups.answer`.
+        """
         if self._legacy():
             return None if self.client.contains(key, namespace=self.namespace) else NOT_STORED
         state = self.lookups.answer(key)

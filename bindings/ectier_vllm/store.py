@@ -24,7 +24,7 @@ work already on the caller's current stream), ``prefetch(keys, device=)`` return
 The daemon client's ``put`` copies and commits before it returns ``None``, so
 :attr:`DaemonStore.async_put` is False and the connector puts from a background thread
 (:mod:`ectier_vllm.saves`, :meth:`DaemonStore.for_saves`). Its
-``prefetch`` returns handles of the same shape (``done()``, ``wait(timeout)``, ``error``) answered
+``lookup`` returns handles of the same shape (``done()``, ``wait(timeout)``, ``error``) answered
 by the daemon's batched ``prefetch`` op: the daemon promotes NVMe → its arena in its own threads,
 and the store asks it about all of a scheduler step's items in **one request per step**, read when
 its reply has arrived (:mod:`ectier_vllm.daemon_lookups`)
@@ -90,7 +90,7 @@ class InProcessStore:
         self.cache = entry.cache
         self._closed = False
         #: the cache has a remote tier: a local miss may still be found there (``contains`` is
-        #: local only), so the scheduler asks ``prefetch``, which fetches it asynchronously
+        #: local only), so the scheduler's ``lookup`` asks ``prefetch``, which fetches it asynchronously
         self.remote = "remote" in self.cache.stats()["tiers"]
         config = self.cache.config
         #: only a host tier: whatever ``contains`` finds is in the host arena, nothing to promote
@@ -117,7 +117,11 @@ class InProcessStore:
     def lookup(self, key: str, device: str) -> Any:
         """The scheduler's one question about ``key``: :data:`NOT_STORED` (a miss: not in this
         cache, and no remote tier may hold it), ``None`` (pin at once: :meth:`prefetch`), or the
-        handles of its promotion towards ``device`` (:meth:`prefetch`)."""
+        handles of its promotion towards ``device`` (:meth:`prefetch`).
+
+        Raises:
+            InvalidKeyError: a bad ``key``. EctierError: the cache is closed.
+        """
         if not self.cache.contains(key) and not self.remote:
             return NOT_STORED
         return self.prefetch([key], device)
