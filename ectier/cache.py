@@ -329,6 +329,17 @@ class TieredCache:
         slot = self._reads.acquire(self._host, entry_digest(ns, key), ns, key, promote)
         return ReadLease(slot.meta, tuple(self._host.byte_extents(slot)), slot, self) if slot is not None else None
 
+    def acquire_many(self, keys: list[str], *, namespace: str | None = None) -> list[ReadLease | None]:
+        """:meth:`acquire` with ``promote=False`` of each of ``keys`` (those in the host arena pinned
+        under one hold of its lock): in order, a lease per key in the arena now, else ``None``.
+        Raises InvalidKeyError (a bad key or ``namespace``; nothing pinned), EctierError (closed)."""
+        ns, keys = self._identity("-", namespace)[0], [validate_key(k) for k in keys]
+        self._check_open()
+        h = self._host
+        slots = self._reads.acquire_resident(h, [entry_digest(ns, k) for k in keys], ns, keys) if h else ()
+        return [ReadLease(s.meta, tuple(h.byte_extents(s)), s, self) if s is not None else None
+                for s in slots] or [None] * len(keys)
+
     def release(self, lease: ReadLease) -> None:
         """End an :meth:`acquire`: the entry may be evicted again. A second release of the same
         lease is a no-op (it never touches another reader's pin), and so is one after :meth:`close`

@@ -197,9 +197,8 @@ def _op_get(server: DaemonServer, conn: Connection, key: str, namespace: str | N
 
 
 def _read_fields(handle: ReadLease) -> dict[str, Any]:
-    meta = handle.meta
-    return {"dtype": meta.dtype, "shape": list(meta.shape), "nbytes": meta.nbytes,
-            "extents": [list(e) for e in handle.extents]}
+    meta = handle.meta  # (tuples go out as msgpack arrays, as lists would)
+    return {"dtype": meta.dtype, "shape": meta.shape, "nbytes": meta.nbytes, "extents": handle.extents}
 
 
 def _op_prefetch(server: DaemonServer, conn: Connection, keys: list, namespace: str | None = None,
@@ -208,28 +207,38 @@ def _op_prefetch(server: DaemonServer, conn: Connection, keys: list, namespace: 
         return {"states": server.prefetcher.states(keys, namespace, direct=direct)}
     # keys to pin that are in the arena now are pinned at once (one acquire, no I/O); the rest
     # go through the prefetcher, and those it then answers ready are pinned as well
-    pins = {key: p for key in dict.fromkeys(pin) if (p := _pin(server, conn, key, namespace)) is not None}
+    wanted = list(dict.fromkeys(pin))
+    pins = _pin_many(server, conn, wanted, namespace)
     rest = [k for k in keys if k not in pins]
     states = dict(zip(rest, server.prefetcher.states(rest, namespace, direct=direct)))
-    for key in pin:
-        if key not in pins and states.get(key) == "ready" and (p := _pin(server, conn, key, namespace)) is not None:
-            pins[key] = p
+    late = [key for key in wanted if key not in pins and states.get(key) == "ready"]
+    if late:
+        pins.update(_pin_many(server, conn, late, namespace))
     return {"states": ["ready" if k in pins else states[k] for k in keys], "pins": [pins.get(k) for k in pin]}
 
 
-def _pin(server: DaemonServer, conn: Connection, key: str, namespace: str | None) -> dict[str, Any] | None:
-    """A process-held lease on ``key`` for ``prefetch``'s ``pin`` (the fields of a ``get``
-    reply), or None: not in the arena (never waits on I/O), or the view bound refused it."""
+def _pin_many(server: DaemonServer, conn: Connection, keys: list[str], namespace: str | None) -> dict[str, Any]:
+    """Process-held leases on ``keys`` (distinct) for ``prefetch``'s ``pin``: key -> the fields of
+    a ``get`` reply, for the keys in the arena (never waits on I/O) that the view bounds allowed,
+    granted in order under one hold of the lease lock."""
     assert server.cache is not None
-    held = server.prefetcher.take(namespace, key, direct=False)
-    handle = held.handle if held is not None else server.cache.acquire(key, namespace=namespace, promote=False)
-    if not isinstance(handle, ReadLease):
-        return None
-    lease_id, _ = server.grant_view(conn, handle)
-    if lease_id is None:
-        server.cache.release(handle)
-        return None
-    return {"lease": lease_id, **_read_fields(handle)}
+    taken = server.prefetcher.take_many(namespace, keys)
+    need = [k for k in keys if k not in taken]
+    try:
+        got = dict(zip(need, server.cache.acquire_many(need, namespace=namespace))) if need else {}
+    except BaseException:
+        for held in taken.values():
+            server.cache.release(held.handle)
+        raise
+    handles = [(k, taken[k].handle if k in taken else got[k]) for k in keys]
+    handles = [(k, h) for k, h in handles if h is not None]
+    pins = {}
+    for (key, handle), (lease_id, _) in zip(handles, server.grant_views(conn, [h for _, h in handles])):
+        if lease_id is None:
+            server.cache.release(handle)
+        else:
+            pins[key] = {"lease": lease_id, **_read_fields(handle)}
+    return pins
 
 
 def _op_release(server: DaemonServer, conn: Connection, lease: int | None = None,

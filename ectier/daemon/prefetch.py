@@ -259,6 +259,23 @@ class Prefetcher:
             self.counters["taken"] += 1
         return held
 
+    def take_many(self, namespace: str | None, keys: list[str]) -> dict[str, Held]:
+        """:meth:`take` (without ``direct``: pins in the arena only) of each of ``keys`` under one
+        hold of the lock: key -> the held pin, for the keys that had one."""
+        ns = self._ns(namespace)
+        taken: dict[str, Held] = {}
+        with self._lock:
+            if not self._held:
+                return taken
+            for key in keys:
+                held = self._held.get((ns, key))
+                if held is not None and isinstance(held.handle, ReadLease):
+                    del self._held[(ns, key)]
+                    self._held_arena -= held.arena_nbytes
+                    taken[key] = held
+            self.counters["taken"] += len(taken)
+        return taken
+
     def forget(self, namespace: str | None, key: str) -> None:
         """A put or delete of ``key``: drop what a promotion holds of its older version."""
         ident = (self._ns(namespace), key)

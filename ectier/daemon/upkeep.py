@@ -35,18 +35,26 @@ class LeaseUpkeep:
         """A process-held lease of ``conn``'s process on ``handle`` (a ``ReadLease``), within
         ``daemon.view_pin_bytes`` (:mod:`ectier.daemon.holders`). Returns ``(lease id, None)``, or
         ``(None, reason)`` when refused (``handle`` is then still the caller's)."""
-        place = place_of(handle)
+        return self.grant_views(conn, [handle])[0]
+
+    def grant_views(self, conn: Connection, handles: list) -> list[tuple[int | None, str | None]]:
+        """:meth:`grant_view` of each of ``handles`` in order, under one hold of the lock (each
+        checked against the bounds as the ones before it left them): one result per handle."""
+        pid, leases, holders = conn.pid, self.leases, self.holders
+        out: list[tuple[int | None, str | None]] = []
         with self._lock:
-            held = self.leases.held_bytes_locked(conn.pid)
-            after = self.leases.held_bytes_locked(conn.pid, also=handle, place=place)
-            reason = self.holders.refusal_locked(conn.pid, held, after, self.leases.held_total + after - held)
-            if reason is not None:
-                self.holders.counters["refused"] += 1
-                return None, reason
-            self.holders.counters["granted"] += 1
-            lease_id = self.leases.grant_held_locked(conn.pid, handle, place)
-            conn.granted_now.append(lease_id)
-            return lease_id, None
+            for handle in handles:
+                place = place_of(handle)
+                held = leases.held_bytes_locked(pid)
+                more = leases.held_bytes_locked(pid, also=handle, place=place) - held
+                reason = holders.refusal_locked(pid, held, held + more, leases.held_total + more)
+                out.append((None, reason) if reason is not None
+                           else (leases.grant_held_locked(pid, handle, place), None))
+            granted = [lease_id for lease_id, _ in out if lease_id is not None]
+            holders.counters["granted"] += len(granted)
+            holders.counters["refused"] += len(out) - len(granted)
+            conn.granted_now.extend(granted)
+        return out
 
     def reap_dead_holders(self) -> int:
         """Release the process-held leases of client processes that exited (pidfd readable), and

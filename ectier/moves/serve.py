@@ -177,6 +177,33 @@ class Reads:
         m.counters.count("cache", misses=1)
         return None
 
+    def acquire_resident(self, host: ArenaTier, digests: list[bytes], ns: str, keys: list[str]) -> list:
+        """:meth:`acquire` with ``promote=False`` of each of ``digests`` (the entries of ``keys``
+        in ``ns``): the entries in ``host`` are pinned under one hold of the mover's lock and
+        counted once; any other key (elsewhere, absent, a write in flight) is asked on its own.
+        A pinned slot or ``None`` per digest, in order."""
+        m = self.m
+        slots: list = []
+        nbytes = 0
+        with m.lock:
+            versions = m.catalog.versions
+            for digest in digests:
+                v = versions.get(digest)
+                s = host.current(digest, v) if v is not None else None
+                if s is not None:
+                    host.pin(s)
+                    host.touch(s)
+                    nbytes += s.meta.nbytes
+                slots.append(s)
+        found = len(slots) - slots.count(None)
+        if found:
+            m.counters.count("host", hits=found, hit_bytes=nbytes)
+            m.counters.count("cache", hits=found)
+        if found < len(slots):
+            slots = [s if s is not None else self.acquire(host, d, ns, k, False)
+                     for s, d, k in zip(slots, digests, keys)]
+        return slots
+
     def promote(self, digest: bytes, ns: str, key: str, target: Tier | None) -> bool:
         """Move ``digest`` up to ``target`` (the GPU tier, or the host tier) — a prefetch.
 
