@@ -55,6 +55,7 @@ LAYERS: tuple[Layer, ...] = (
             "ectier.config_sources",
             "ectier.configdoc",
             "ectier.entry",
+            "ectier.forks",
             "ectier.policy",
             "ectier.arena",
             "ectier.index",
@@ -73,7 +74,7 @@ LAYERS: tuple[Layer, ...] = (
     Layer("tensors-and-tiers", 2, ("ectier.tensors", "ectier.copy", "ectier.tiers", "ectier.tiers.*")),
     Layer("stack-and-mover", 3, ("ectier.stack", "ectier.mover", "ectier.moves", "ectier.moves.*")),
     # "ectier" is the package facade, __init__.py; ectier.testing wraps the facade for tests
-    Layer("cache", 4, ("ectier.cache", "ectier", "ectier.testing")),
+    Layer("cache", 4, ("ectier.cache", "ectier.cache_arena", "ectier", "ectier.testing")),
     Layer(
         "frontends",
         5,

@@ -17,7 +17,6 @@ does not exist in the child).
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 from typing import Callable
@@ -25,12 +24,11 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..forks import ForkMark
+
 __all__ = ["pinned_view", "Releaser"]
 
 log = logging.getLogger(__name__)
-
-_GENERATION = [0]
-os.register_at_fork(after_in_child=lambda: _GENERATION.__setitem__(0, _GENERATION[0] + 1))
 
 
 class _Exporter:
@@ -87,7 +85,7 @@ class Releaser:
 
     def __init__(self, lock) -> None:
         self._lock = lock
-        self._generation = _GENERATION[0]
+        self._fork = ForkMark()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._started = False
         self._start = threading.Lock()
@@ -95,7 +93,7 @@ class Releaser:
     def call(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` (which expects ``lock`` held) now if the lock is free, else in the
         background thread. Nothing in a forked child. Errors are logged, never raised."""
-        if self._generation != _GENERATION[0]:
+        if self._fork.forked:
             return
         if self._lock.acquire(blocking=False):
             try:
