@@ -157,11 +157,19 @@ def _progress(console: Console, quiet: bool) -> Progress:
 
 
 def _check_dir(path: Optional[str]) -> None:
-    """Raise ConfigError unless ``path`` is ``None`` or an existing directory (never created)."""
-    if path is not None and not os.path.isdir(path):
+    """Raise ConfigError unless ``path`` is ``None`` or an existing directory (never created) in
+    which a subdirectory can be made (tried: made and removed again)."""
+    if path is None:
+        return
+    if not os.path.isdir(path):
         # never create a directory the user named: a typo would leave a stray tree behind
         raise ConfigError(f"dir (--dir): {path!r} is not an existing directory; create it first "
                           "(the demo makes a fresh subdirectory inside it and removes that afterwards)")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix="ectier-demo-probe-", dir=path))
+    except OSError as exc:
+        raise ConfigError(f"dir (--dir): cannot make the run's subdirectory in {path!r}: {exc.strerror or exc}; "
+                          "choose a writable directory") from None
 
 
 def _notes(console: Console, quiet: bool) -> Callable[[str], None]:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .bench.limits import check_stream
 from .errors import ConfigError
 
 __all__ = ["DemoImage", "SEED_SIZES", "SKIMAGE_PHOTOS", "load_images", "mm_hash", "zipf_stream"]
@@ -221,12 +222,13 @@ def zipf_stream(num_items: int, requests: int, s: float, seed: int) -> list[int]
     given ``(num_items, requests, s, seed)``.
 
     Raises:
-        ConfigError: ``num_items``/``requests`` below 1 or ``s`` negative or not finite.
+        ConfigError: ``num_items`` below 1, ``requests`` outside ``[1, MAX_REQUESTS]``
+            (:data:`ectier.bench.limits.MAX_REQUESTS`), ``seed`` negative, or ``s`` negative or
+            not finite.
     """
     if num_items < 1:
         raise ConfigError(f"images: need at least 1 image, got {num_items}")
-    if requests < 1:
-        raise ConfigError(f"requests: must be >= 1, got {requests}")
+    check_stream(requests, seed)
     if not math.isfinite(s) or s < 0:
         raise ConfigError(f"zipf: must be a finite number >= 0, got {s}")
     rng = np.random.default_rng(seed)

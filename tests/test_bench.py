@@ -53,6 +53,14 @@ def test_workload_generator_and_trace(tmp_path):
 
     with pytest.raises(ConfigError, match="columns"):
         read_trace(bad)
+    huge = tmp_path / "huge.csv"
+    huge.write_text("timestamp,mm_hash,tokens\n0,a,64\n1,b,16385\n")
+    with pytest.raises(ConfigError, match=r"line 3: tokens must be in \[1, 16384\]"):
+        read_trace(huge)
+    binary = tmp_path / "binary.csv"
+    binary.write_bytes(b"timestamp,mm_hash,tokens\n0,\xff\xfe,64\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        read_trace(binary)
     clash = tmp_path / "clash.csv"
     clash.write_text("timestamp,mm_hash,tokens\n0,a,100\n1,a,200\n")
     with pytest.raises(ConfigError, match="appears with"):
@@ -101,6 +109,25 @@ def test_bench_replay_trace(tmp_path):
     (r,) = data["runs"]
     _check_run(r)
     assert r["hits"] == 25  # 5 distinct keys, every repeat hits at the default budgets
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--seed", "-1"], "--seed"),
+    (["--requests", "100000000000"], "--requests"),
+    (["--items", "100000000000"], "--items"),
+    (["--trace", "BINARY"], "not UTF-8"),
+    (["--trace", "HUGE"], "tokens must be in"),
+])
+def test_bench_replay_bad_stream_is_a_usage_error_not_a_traceback(tmp_path, args, option):
+    (tmp_path / "b.csv").write_bytes(b"timestamp,mm_hash,tokens\n0,\xff\xfe,64\n")
+    (tmp_path / "h.csv").write_text("timestamp,mm_hash,tokens\n0,a,99999999999999\n")
+    args = [{"BINARY": str(tmp_path / "b.csv"), "HUGE": str(tmp_path / "h.csv")}.get(a, a) for a in args]
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["bench", "replay", "-q", "--no-curve", *args, "--out", str(out)])
+    assert res.exit_code == 2, res.output
+    assert option in res.output and "Traceback" not in res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit)
+    assert not out.exists() or not any(out.iterdir())  # nothing run, nothing written
 
 
 def test_bench_replay_says_how_long_the_whole_command_took_plot_included(tmp_path, monkeypatch):

@@ -449,3 +449,18 @@ def test_serve_with_its_metrics_port_taken_is_one_line_and_leaves_nothing_behind
     finally:
         taken.close()
         remove_dir(d)
+
+
+def test_serve_with_a_metrics_host_not_of_this_machine_names_metrics_host():
+    """An address this host does not have (TEST-NET-1, nothing is sent: the bind fails locally)
+    is blamed on daemon.metrics_host, not on the port; nothing is left behind."""
+    d = short_tmpdir()
+    try:
+        cfg = daemon_config(d, nvme=False, host_bytes=1 * MiB, metrics_port=0, metrics_host="192.0.2.1")
+        r = CliRunner().invoke(cli_main, ["serve", "--config", write_config(os.path.join(d, "m.json"), cfg)])
+        assert r.exit_code == 1, r.output
+        assert "daemon.metrics_host" in r.output and "192.0.2.1" in r.output
+        assert "daemon.metrics_port:" not in r.output and "Traceback" not in r.output
+        assert sorted(os.listdir(d)) == ["m.json"], "a failed start left files behind"
+    finally:
+        remove_dir(d)

@@ -102,6 +102,28 @@ def test_demo_report_tables_fit_in_80_columns(tmp_path):
     assert max(len(line) for line in table_lines) <= 80, max(table_lines, key=len)
 
 
+@pytest.mark.parametrize("where", ["/proc", "/sys/kernel"])
+def test_demo_dir_where_nothing_can_be_made_is_a_usage_error_naming_dir(runner, where):
+    if not os.path.isdir(where):
+        pytest.skip(f"{where} is not a directory here")
+    result = runner.invoke(main, ["demo", *SMALL, "--quiet", "--dir", where])
+    assert result.exit_code == 2, result.output
+    assert "--dir" in result.output and "cannot make" in result.output and "hits" not in result.output
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--seed", "-1"], "--seed"),
+    (["--requests", "100000000000"], "--requests"),
+])
+def test_demo_stream_options_out_of_range_are_usage_errors(runner, args, option):
+    result = runner.invoke(main, ["demo", "--images", "2", "--quiet", *args])
+    assert result.exit_code == 2, result.output
+    assert option in result.output and "Traceback" not in result.output
+    fields = {"images": 1, "requests": 1, option.lstrip("-"): int(args[1])}
+    with pytest.raises(ConfigError, match=option.lstrip("-")):  # the library refuses them too
+        demo.run_demo(demo.DemoOptions(**fields), quiet=True)
+
+
 def test_demo_dir_that_does_not_exist_is_refused_not_created(runner, tmp_path):
     missing = tmp_path / "no" / "such"
     result = runner.invoke(main, ["demo", *SMALL, "--quiet", "--dir", str(missing)])
@@ -339,7 +361,8 @@ def test_zipf_stream():
     uniform = np.bincount(demo.zipf_stream(10, 5000, 0.0, seed=1), minlength=10)
     assert uniform.min() > 350
     for args, field in (((0, 5, 1.0, 0), "images"), ((3, 0, 1.0, 0), "requests"), ((3, 5, -1.0, 0), "zipf"),
-                        ((3, 5, float("nan"), 0), "zipf")):
+                        ((3, 5, float("nan"), 0), "zipf"), ((3, 10**11, 1.0, 0), "requests"),
+                        ((3, 5, 1.0, -1), "seed")):
         with pytest.raises(ConfigError, match=field):
             demo.zipf_stream(*args)
 

@@ -34,6 +34,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..sizing import ModelSpec, get_model, image_tokens, tokens_to_nbytes
+from .limits import MAX_REQUESTS, check_stream
 
 __all__ = ["Request", "WorkloadSpec", "generate", "read_trace", "stream_summary", "KIND_SIZES"]
 
@@ -88,8 +89,9 @@ class WorkloadSpec:
 
     def validate(self) -> None:
         """Raises ConfigError naming the bad field."""
-        if self.requests < 1 or self.items < 1:
-            raise ConfigError(f"requests/items: must be >= 1, got {self.requests}/{self.items}")
+        check_stream(self.requests, self.seed)
+        if not 1 <= self.items <= MAX_REQUESTS:
+            raise ConfigError(f"items: must be in [1, {MAX_REQUESTS:,}], got {self.items}")
         if not math.isfinite(self.zipf_s) or self.zipf_s < 0:
             raise ConfigError(f"zipf: must be a finite number >= 0, got {self.zipf_s}")
         for name in ("burst_p", "session_p", "session_new_p"):
@@ -182,45 +184,54 @@ def read_trace(path: str | os.PathLike, model: str | ModelSpec = "qwen3-vl") -> 
     :func:`ectier.sizing.image_tokens`; ``tokens`` is taken as N directly.
 
     Raises:
-        ConfigError: a missing file, missing columns, a bad value (message names the line), or one
-            ``mm_hash`` with two different sizes.
+        ConfigError: a missing file, text that is not UTF-8, missing columns, a bad value (message
+            names the line; ``tokens`` must lie in ``[1, model.max_tokens]``), or one ``mm_hash``
+            with two different sizes.
     """
     m = get_model(model)
     try:
-        f = open(path, newline="")
+        f = open(path, newline="", encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"trace: cannot open {os.fspath(path)!r}: {exc.strerror}") from None
     with f:
-        reader = csv.DictReader(f)
-        cols = {c.strip() for c in reader.fieldnames or ()}
-        has_wh, has_tok = {"width", "height"} <= cols, "tokens" in cols
-        if not {"timestamp", "mm_hash"} <= cols or not (has_wh or has_tok):
-            raise ConfigError(
-                f"trace: need columns timestamp,mm_hash,width,height or timestamp,mm_hash,tokens; got {sorted(cols)}"
-            )
-        rows = []
-        for lineno, raw in enumerate(reader, start=2):
-            row = {k.strip(): (v or "").strip() for k, v in raw.items() if k is not None}
-            try:
-                ts = float(row["timestamp"])
-                key = row["mm_hash"]
-                if not key:
-                    raise ValueError("empty mm_hash")
-                if has_wh and row.get("width"):
-                    w, h = int(row["width"]), int(row["height"])
-                    info = image_tokens(w, h, m)
-                    n, nbytes = info.num_tokens, info.nbytes
-                else:
-                    w = h = 0
-                    n = int(row["tokens"])
-                    if n < 1:
-                        raise ValueError(f"tokens must be >= 1, got {n}")
-                    nbytes = tokens_to_nbytes(n, m)
-            except (ValueError, KeyError, ConfigError) as exc:
-                raise ConfigError(f"trace: {os.fspath(path)} line {lineno}: {exc}") from None
-            rows.append(Request(key, n, nbytes, "trace", w, h, ts))
+        try:
+            return _read_rows(f, os.fspath(path), m)
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"trace: {os.fspath(path)} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+
+
+def _read_rows(f, path: str, m: ModelSpec) -> list[Request]:
+    """The rows of an open trace file (:func:`read_trace`), sorted by timestamp."""
+    reader = csv.DictReader(f)
+    cols = {c.strip() for c in reader.fieldnames or ()}
+    has_wh, has_tok = {"width", "height"} <= cols, "tokens" in cols
+    if not {"timestamp", "mm_hash"} <= cols or not (has_wh or has_tok):
+        raise ConfigError(
+            f"trace: need columns timestamp,mm_hash,width,height or timestamp,mm_hash,tokens; got {sorted(cols)}"
+        )
+    rows = []
+    for lineno, raw in enumerate(reader, start=2):
+        row = {k.strip(): (v or "").strip() for k, v in raw.items() if k is not None}
+        try:
+            ts = float(row["timestamp"])
+            key = row["mm_hash"]
+            if not key:
+                raise ValueError("empty mm_hash")
+            if has_wh and row.get("width"):
+                w, h = int(row["width"]), int(row["height"])
+                info = image_tokens(w, h, m)
+                n, nbytes = info.num_tokens, info.nbytes
+            else:
+                w = h = 0
+                n = int(row["tokens"])
+                if not 1 <= n <= m.max_tokens:
+                    raise ValueError(f"tokens must be in [1, {m.max_tokens}] ({m.name}'s most per image), got {n}")
+                nbytes = tokens_to_nbytes(n, m)
+        except (ValueError, KeyError, ConfigError) as exc:
+            raise ConfigError(f"trace: {path} line {lineno}: {exc}") from None
+        rows.append(Request(key, n, nbytes, "trace", w, h, ts))
     if not rows:
-        raise ConfigError(f"trace: {os.fspath(path)} has no rows")
+        raise ConfigError(f"trace: {path} has no rows")
     seen: dict[str, int] = {}
     for r in rows:
         if seen.setdefault(r.mm_hash, r.num_tokens) != r.num_tokens:

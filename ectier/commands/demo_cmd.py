@@ -8,6 +8,7 @@ from typing import Optional
 
 import click
 
+from ..bench.limits import MAX_REQUESTS
 from ..errors import ConfigError, EctierError
 from ..sizing import DEFAULT_MODEL, ModelSpec
 from .params import ByteSize, ModelName, console as _console
@@ -16,11 +17,11 @@ __all__ = ["demo"]
 
 
 @click.command()
-@click.option("--requests", "-n", type=click.IntRange(min=1), default=300, show_default=True,
+@click.option("--requests", "-n", type=click.IntRange(min=1, max=MAX_REQUESTS), default=300, show_default=True,
               help="Requests in the replayed stream.")
 @click.option("--zipf", "-s", type=click.FloatRange(min=0.0), default=1.1, show_default=True,
               help="Popularity exponent: image at rank r is requested with probability ~ r**-s (0 = uniform).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the request stream.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the request stream.")
 @click.option("--host-bytes", type=ByteSize(), default=None,
               help="Host tier budget, e.g. 64MiB (default: 25% of the working set's unique bytes; 0 disables).")
 @click.option("--nvme-bytes", type=ByteSize(), default=None,

@@ -165,11 +165,7 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
             except OSError as exc:
                 listener.close()
                 self._abort_start(unlink_socket=True)
-                raise EctierError(
-                    f"daemon.metrics_port: cannot serve metrics on {self.config.daemon.metrics_host}:"
-                    f"{self.config.daemon.metrics_port}: {exc.strerror or exc} (another daemon or exporter on "
-                    f"that port? choose another daemon.metrics_port, or leave it unset to turn metrics off)"
-                ) from None
+                raise EctierError(_metrics_bind_error(self.config.daemon, exc)) from None
             # metrics_port 0 binds an ephemeral port: say which (log and stats)
             self.metrics_address = (self.config.daemon.metrics_host, self._metrics_server.server_address[1])
         self._listener = listener
@@ -325,6 +321,18 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
         return out
 
     # ------------------------------------------------------------------------ lease expiry
+
+def _metrics_bind_error(cfg: Any, exc: OSError) -> str:
+    """The start-up error for a metrics endpoint that could not bind, naming the knob at fault:
+    ``daemon.metrics_host`` for a name that does not resolve or an address this host does not
+    have, else ``daemon.metrics_port`` (in use, or a privileged port)."""
+    where = f"{cfg.metrics_host}:{cfg.metrics_port}"
+    if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+        return (f"daemon.metrics_host: cannot serve metrics on {where}: {exc.strerror or exc} (use an address "
+                f"of this host, e.g. 127.0.0.1, or leave daemon.metrics_port unset to turn metrics off)")
+    return (f"daemon.metrics_port: cannot serve metrics on {where}: {exc.strerror or exc} (another daemon or "
+            f"exporter on that port? choose another daemon.metrics_port, or leave it unset to turn metrics off)")
+
 
 def run_daemon(config: CacheConfig) -> int:
     """Run a daemon in the foreground until SIGTERM/SIGINT; returns the exit code (0)."""
