@@ -395,7 +395,17 @@ class CacheConfig:
         return dataclasses.asdict(self)
 
     def replace(self, **changes: Any) -> "CacheConfig":
-        """A copy with top-level fields replaced (validated again)."""
+        """A copy with top-level fields replaced (validated again).
+
+        Raises:
+            ConfigError: a name that is no field of CacheConfig (the message lists the fields), or
+                a replaced value that fails validation.
+        """
+        fields = [f.name for f in dataclasses.fields(self) if f.init]
+        unknown = sorted(set(changes) - set(fields))
+        if unknown:
+            raise ConfigError(f"CacheConfig.replace: unknown field(s) {', '.join(unknown)}; "
+                              f"the fields are {', '.join(fields)}")
         return dataclasses.replace(self, **changes)
 
     @classmethod

@@ -65,6 +65,9 @@ def test_replace_revalidates():
     assert c.replace(namespace="m").namespace == "m"
     with pytest.raises(ConfigError, match="^namespace"):
         c.replace(namespace="")
+    with pytest.raises(ConfigError, match=r"unknown field\(s\) hots; the fields are .*host"):
+        c.replace(hots=None)
+    assert c.replace(namespace="m") == dataclasses.replace(c, namespace="m")
 
 
 # ----------------------------------------------------------------------- field validation
@@ -164,6 +167,7 @@ UNIT_FACTORS = {
     "": 1, "B": 1, "b": 1,
     "K": 10**3, "KB": 10**3, "kb": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12, "TB": 10**12,
     "KiB": 2**10, "kib": 2**10, "MiB": 2**20, "GiB": 2**30, "GIB": 2**30, "TiB": 2**40,
+    "PiB": 2**50, "pib": 2**50, "P": 10**15, "PB": 10**15,
 }
 
 
