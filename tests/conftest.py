@@ -128,3 +128,33 @@ def check_budgets(cache: TieredCache) -> None:
 def check_quiescent(cache: TieredCache) -> None:
     """Internal consistency of an idle cache (``ectier.testing.check_invariants``)."""
     testing.check_invariants(cache)
+
+
+# ------------------------------------------------------------------ daemon fixtures (per module)
+
+
+@pytest.fixture(scope="module")
+def main_daemon():
+    """The ``main`` daemon process (daemon_helpers.main_daemon_process), one per test module."""
+    from daemon_helpers import main_daemon_process
+
+    with main_daemon_process() as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def client(main_daemon):
+    """A DaemonClient of :func:`main_daemon`, one per test module."""
+    from ectier.daemon.client import DaemonClient
+
+    with DaemonClient(main_daemon.socket_path, client_name="pytest-main") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def restricted():
+    """The ``restricted`` daemon process (daemon_helpers.restricted_daemon_process), one per module."""
+    from daemon_helpers import restricted_daemon_process
+
+    with restricted_daemon_process() as proc:
+        yield proc

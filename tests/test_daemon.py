@@ -33,7 +33,6 @@ from daemon_helpers import (
     SPAWN,
     assert_same,
     consumer,
-    main_daemon_process,
     make_tensor,
     producer,
     remove_dir,
@@ -45,21 +44,6 @@ from ectier.cli import main as cli_main
 from ectier.daemon.client import DaemonClient
 from ectier.daemon.protocol import PROTOCOL_VERSION, ProtocolError
 from ectier.errors import EctierError, EntryTooLargeError, InvalidKeyError
-
-
-# ================================================================================== fixtures
-
-
-@pytest.fixture(scope="module")
-def main_daemon():
-    with main_daemon_process() as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def client(main_daemon):
-    with DaemonClient(main_daemon.socket_path, client_name="pytest-main") as c:
-        yield c
 
 
 # =========================================================================== basic behaviour

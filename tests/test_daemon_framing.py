@@ -17,27 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daemon_helpers import (
-    KiB,
-    RawConn,
-    main_daemon_process,
-)
-from ectier.daemon.client import DaemonClient
-
-
-# ================================================================================== fixtures
-
-
-@pytest.fixture(scope="module")
-def main_daemon():
-    with main_daemon_process() as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def client(main_daemon):
-    with DaemonClient(main_daemon.socket_path, client_name="pytest-main") as c:
-        yield c
+from daemon_helpers import KiB, RawConn
 
 
 # ========================================================================== malformed frames

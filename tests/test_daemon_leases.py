@@ -26,11 +26,9 @@ from daemon_helpers import (
     die_holding_get_lease,
     die_holding_reservation,
     idle,
-    main_daemon_process,
     make_tensor,
     raw_bytes,
     remove_dir,
-    restricted_daemon_process,
     serve_in_thread,
     short_tmpdir,
     write_arena,
@@ -39,27 +37,6 @@ from ectier import CacheConfig
 from ectier.daemon.client import DaemonClient, DaemonUnavailableError
 from ectier.daemon.protocol import encode_frame
 from ectier.errors import EctierError
-
-
-# ================================================================================== fixtures
-
-
-@pytest.fixture(scope="module")
-def main_daemon():
-    with main_daemon_process() as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def client(main_daemon):
-    with DaemonClient(main_daemon.socket_path, client_name="pytest-main") as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def restricted():
-    with restricted_daemon_process() as proc:
-        yield proc
 
 
 # ================================================================================= ownership

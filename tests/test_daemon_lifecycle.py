@@ -31,7 +31,6 @@ from daemon_helpers import (
     clean_env,
     daemon_config,
     daemon_stats,
-    main_daemon_process,
     make_tensor,
     raw_bytes,
     remove_dir,
@@ -48,15 +47,6 @@ from ectier.cli import main as cli_main
 from ectier.daemon.client import DaemonClient, DaemonUnavailableError
 from ectier.daemon.server import DaemonServer
 from ectier.errors import EctierError
-
-
-# ================================================================================== fixtures
-
-
-@pytest.fixture(scope="module")
-def main_daemon():
-    with main_daemon_process() as proc:
-        yield proc
 
 
 # ====================================================================== daemon crash/restart

@@ -26,9 +26,7 @@ from daemon_helpers import (
     RawConn,
     daemon_config,
     daemon_stats,
-    main_daemon_process,
     nogroup,
-    restricted_daemon_process,
     wait_for,
 )
 from ectier import CacheConfig
@@ -38,27 +36,6 @@ from ectier.daemon.server import DaemonServer
 from ectier.errors import EctierError
 
 SYSTEM_PYTHON = "/usr/bin/python3"
-
-
-# ================================================================================== fixtures
-
-
-@pytest.fixture(scope="module")
-def main_daemon():
-    with main_daemon_process() as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def client(main_daemon):
-    with DaemonClient(main_daemon.socket_path, client_name="pytest-main") as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def restricted():
-    with restricted_daemon_process() as proc:
-        yield proc
 
 
 # ==================================================================== socket and arena modes

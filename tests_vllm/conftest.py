@@ -55,3 +55,20 @@ def run_step(sched, worker):
     out = worker.execute(so)
     engine_out = sched.update_from_output(so, out)
     return so, engine_out
+
+
+@pytest.fixture
+def daemon():
+    """A started ``ectier serve`` process (8 MiB host arena over NVMe, daemon_helpers.daemon_config)
+    in a fresh directory; stopped and the directory removed after the test."""
+    from daemon_helpers import DaemonProcess, daemon_config, remove_dir, short_tmpdir, write_config
+
+    d = short_tmpdir()
+    cfg = daemon_config(d, host_bytes=8 << 20, namespace="unused-default")
+    proc = DaemonProcess(write_config(os.path.join(d, "daemon.json"), cfg), cfg["daemon"]["socket_path"])
+    proc.launch().wait_ready()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+        remove_dir(d)

@@ -14,19 +14,7 @@ import torch
 
 import harness as H
 from conftest import run_step
-from daemon_helpers import DaemonProcess, daemon_config, short_tmpdir, write_config
-
-
-@pytest.fixture
-def daemon():
-    d = short_tmpdir()
-    cfg = daemon_config(d, host_bytes=8 << 20, namespace="unused-default")
-    proc = DaemonProcess(write_config(os.path.join(d, "daemon.json"), cfg), cfg["daemon"]["socket_path"])
-    proc.launch().wait_ready()
-    try:
-        yield proc
-    finally:
-        proc.stop()
+from daemon_helpers import DaemonProcess, short_tmpdir
 
 
 def _wait_released(client) -> None:

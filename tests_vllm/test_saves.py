@@ -6,7 +6,6 @@ the store holds the item."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -14,25 +13,11 @@ import pytest
 import torch
 
 import harness as H
-from conftest import run_step
-from daemon_helpers import DaemonProcess, daemon_config, short_tmpdir, write_config
 from ectier import testing
 
 NS = "test-ns"
 STALL_S = 5.0  # how long the stand-in slow store holds each put
 STEP_BOUND_S = STALL_S / 5  # a model step that waited for the put would take at least STALL_S
-
-
-@pytest.fixture
-def daemon():
-    d = short_tmpdir()
-    cfg = daemon_config(d, host_bytes=8 << 20, namespace="unused-default")
-    proc = DaemonProcess(write_config(os.path.join(d, "daemon.json"), cfg), cfg["daemon"]["socket_path"])
-    proc.launch().wait_ready()
-    try:
-        yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ vLLM's multiprocess executor does. Saves: only rank 0 puts; loads: every rank; c
 
 from __future__ import annotations
 
-import os
 import time
 from types import SimpleNamespace
 
@@ -20,7 +19,6 @@ import torch
 
 import harness as H
 from conftest import run_step
-from daemon_helpers import DaemonProcess, daemon_config, short_tmpdir, write_config
 
 NS = "tp-test"
 
@@ -85,18 +83,6 @@ def run_tp_step(sched, workers):
     so = sched.schedule()
     outs = [w.execute(so) for w in workers]
     return so, sched.update_from_output(so, ECOutputAggregator().aggregate(outs, output_rank=0))
-
-
-@pytest.fixture
-def daemon():
-    d = short_tmpdir()
-    cfg = daemon_config(d, host_bytes=8 << 20, namespace="unused-default")
-    proc = DaemonProcess(write_config(os.path.join(d, "daemon.json"), cfg), cfg["daemon"]["socket_path"])
-    proc.launch().wait_ready()
-    try:
-        yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.mark.parametrize(("tp", "pp", "pcp", "lead"), [
