@@ -107,3 +107,40 @@ def test_random_bytes_never_kill_the_daemon(main_daemon, client, data):
             assert r["error"]["type"] in ("ProtocolError", "InvalidKeyError", "EntryTooLargeError",
                                           "InvalidTensorError", "EctierError"), r
     assert client.ping() < 1.0
+
+
+def test_a_system_error_in_a_handler_is_an_error_reply_and_one_warning_without_traceback(monkeypatch, caplog):
+    """An OSError on the request path (here EMFILE from the contains handler) answers the client
+    with an error naming it, keeps the daemon serving, and logs one WARNING per op and errno
+    (not a traceback per request: the same error repeats for every client until it is fixed)."""
+    import errno
+    import logging
+
+    from daemon_helpers import daemon_config, remove_dir, serve_in_thread, short_tmpdir
+    from ectier import CacheConfig
+    from ectier.daemon import handlers
+    from ectier.daemon.client import DaemonClient
+    from ectier.errors import EctierError
+
+    def out_of_descriptors(server, conn, **args):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setitem(handlers.HANDLERS, "contains", out_of_descriptors)
+    d = short_tmpdir()
+    server = thread = None
+    try:
+        cfg = CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=1 << 20))
+        server, thread = serve_in_thread(cfg)
+        with caplog.at_level(logging.WARNING, logger="ectier.daemon"), \
+                DaemonClient(cfg.daemon.socket_path) as c:
+            for _ in range(5):
+                with pytest.raises(EctierError, match="OSError.*Too many open files"):
+                    c.contains("k")
+            assert c.get("k") is None  # still serving
+        lines = [r for r in caplog.records if "contains" in r.getMessage()]
+        assert len(lines) == 1 and lines[0].levelno == logging.WARNING and lines[0].exc_info is None
+    finally:
+        if server is not None:
+            server.stop()
+            thread.join(10)
+        remove_dir(d)

@@ -3,7 +3,8 @@
 :func:`handle` answers one decoded request of a connection with a reply dict; it never raises.
 Errors become error replies: :class:`ProtocolError` (also counted in the server's
 ``protocol_errors``), any :class:`~ectier.errors.EctierError` by its class name, ``ValueError`` /
-``TypeError`` from the cache's input checks, and anything else as ``InternalError`` (logged).
+``TypeError`` from the cache's input checks, an ``OSError`` by its class name (one rate-limited
+WARNING per op and errno), and anything else as ``InternalError`` (logged with its traceback).
 
 ``hello`` must be a connection's first request; any other op before it is a ``ProtocolError``.
 
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .. import __version__
 from ..cache import ReadLease
 from ..errors import EctierError, EntryTooLargeError, TierWriteError
+from ..logutil import RateLimitedLogger
 from ..tensors import meta_from_spec
 from .connections import Connection
 from .leases import arena_footprint, end_lease
@@ -33,6 +35,9 @@ if TYPE_CHECKING:
 __all__ = ["HANDLERS", "handle"]
 
 log = logging.getLogger("ectier.daemon")
+#: a system error on the request path (EMFILE, ENOSPC in /dev/shm, ...) repeats for every client
+#: until the operator acts: one WARNING per op and errno per 10 s, with a count, and no traceback
+_OS_ERRORS = RateLimitedLogger(log, 10.0)
 
 
 def handle(server: DaemonServer, conn: Connection, msg: dict[str, Any] | ProtocolError) -> dict[str, Any]:
@@ -54,6 +59,10 @@ def handle(server: DaemonServer, conn: Connection, msg: dict[str, Any] | Protoco
         return error_reply(rid, type(exc).__name__, str(exc))
     except (ValueError, TypeError) as exc:  # validation errors from the cache's inputs
         return error_reply(rid, type(exc).__name__, str(exc))
+    except OSError as exc:  # out of descriptors or memory for a scratch file, /dev/shm full, ...
+        _OS_ERRORS.log(logging.WARNING, (msg.get("op") if isinstance(msg, dict) else None, exc.errno),
+                       "request %r failed: %s", msg.get("op") if isinstance(msg, dict) else None, exc)
+        return error_reply(rid, "OSError", str(exc))
     except Exception as exc:  # keep serving everyone else; this request failed
         log.exception("request %r failed", msg if isinstance(msg, dict) else None)
         return error_reply(rid, "InternalError", f"{type(exc).__name__}: {exc}")
