@@ -45,6 +45,7 @@ from .codec import RECORD_MAGIC, RecordHeader, checksum, header_nbytes, unpack_h
 from .config import GiB, MiB, NvmeTierConfig
 from .entry import entry_digest
 from .errors import CorruptRecordError, StoreLockedError, StoreOpenError
+from .tiers.lmdbcheck import check_tree
 from .tiers.lmdbpages import LeafValue, PageFile
 from .tiers.nvme import RELEASE_MARKER, STORE_FORMAT, EncodedRecord, NvmeTier, check_record
 from .tiers.nvme_record import parse_index_value
@@ -223,6 +224,9 @@ def _check(store: Path) -> FsckReport:
 
 
 def _open_readonly(lmdb_dir: Path) -> lmdb.Environment:
+    problem = check_tree(lmdb_dir / "data.mdb")  # LMDB would abort the process on a malformed page
+    if problem is not None:
+        raise lmdb.CorruptedError(problem)
     env = lmdb.open(str(lmdb_dir), readonly=True, lock=False, subdir=True, max_dbs=4)
     try:
         info, psize = env.info(), env.stat()["psize"]

@@ -25,6 +25,7 @@ from ..config import NvmeTierConfig
 from ..entry import entry_digest
 from ..errors import (ConfigError, CorruptRecordError, EctierError, StoreDamagedError, StoreLockedError,
                       StoreOpenError, TierWriteError)
+from .lmdbcheck import check_tree
 from .nvme_index import NvmeIndex, NvmeRecord
 from .nvme_errors import NvmeDiskFullError, lmdb_write_error, write_error, write_error_text  # noqa: F401 (re-exported)
 from .nvme_migrate import migrate_v1
@@ -49,8 +50,9 @@ RELEASE_MARKER = b"freed_pages_released"
 
 #: LMDB errors at open that mean the environment itself is damaged (others, such as a permission
 #: error or a library of another version, are not: ``nvme.on_damaged: reset`` never moves those).
+# (at open, MDB_BAD_VALSIZE can only come from a key or value read from the file)
 _DAMAGE_ERRORS = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadTxnError,
-                  lmdb.IncompatibleError, lmdb.BadChecksumError)
+                  lmdb.IncompatibleError, lmdb.BadChecksumError, lmdb.BadValsizeError)
 
 
 def _damaged_hint(path: Path) -> str:
@@ -223,10 +225,20 @@ class NvmeEnv:
         """Open LMDB under the held lock and load the headers.
 
         Raises:
-            StoreDamagedError: LMDB reports the environment damaged, or ``data.mdb`` is truncated
-                (the environment is closed again; the lock stays held).
+            StoreDamagedError: a page of the live B-trees is malformed (:func:`check_tree`, run
+                before LMDB reads one: LMDB aborts the process on such a page), LMDB reports the
+                environment damaged, or ``data.mdb`` is truncated (the environment is closed
+                again; the lock stays held).
             StoreOpenError: another LMDB error, or a store of another format.
         """
+        try:  # before LMDB walks a page: it aborts the process on a malformed one
+            problem = check_tree(self.path / "lmdb" / "data.mdb")
+        except OSError as exc:
+            raise StoreOpenError(f"nvme.path: cannot read {str(self.path / 'lmdb' / 'data.mdb')!r}: "
+                                 f"{exc.strerror or exc}") from None
+        if problem is not None:
+            raise StoreDamagedError(f"nvme.path: the LMDB store in {str(self.path)!r} is damaged ({problem}); "
+                                    + _damaged_hint(self.path))
         try:
             self.env = lmdb.open(
                 str(self.path / "lmdb"),
