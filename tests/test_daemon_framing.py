@@ -144,3 +144,40 @@ def test_a_system_error_in_a_handler_is_an_error_reply_and_one_warning_without_t
             server.stop()
             thread.join(10)
         remove_dir(d)
+
+
+@pytest.mark.parametrize("cap", [8 << 20, 4 * KiB])
+def test_the_client_keeps_to_the_daemons_frame_cap_and_says_which_knob(cap):
+    """``hello`` announces ``daemon.max_frame_bytes``: a request up to it goes through (was capped
+    at the built-in 1 MiB whatever the daemon allowed); a larger one is a ProtocolError, an
+    EctierError naming the knob, and the connection stays usable."""
+    import torch
+
+    from daemon_helpers import daemon_config, make_tensor, remove_dir, serve_in_thread, short_tmpdir
+    from ectier import CacheConfig
+    from ectier.daemon.client import DaemonClient
+    from ectier.daemon.protocol import ProtocolError
+    from ectier.errors import EctierError
+
+    d = short_tmpdir()
+    server = thread = None
+    try:
+        cfg = CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=1 << 20, max_frame_bytes=cap))
+        server, thread = serve_in_thread(cfg)
+        with DaemonClient(cfg.daemon.socket_path) as c:
+            c.put("k", make_tensor(1, "uint8", (64,)))
+            keys = [f"{i}" + "k" * 2000 for i in range(1024)]  # a ~2 MB prefetch request
+            if cap > 4 << 20:
+                assert len(c.prefetch(keys)) == 1024
+            else:
+                with pytest.raises(ProtocolError, match="daemon.max_frame_bytes") as exc:
+                    c.put("x" * 8192, torch.ones(10))
+                assert isinstance(exc.value, EctierError)
+            assert c.get("k") is not None  # still connected, still served
+            with pytest.raises(EctierError, match="shape"):  # the daemon's schema check: an EctierError too
+                c.put("deep", torch.ones([1] * 40))
+    finally:
+        if server is not None:
+            server.stop()
+            thread.join(10)
+        remove_dir(d)

@@ -33,7 +33,7 @@ from typing import Any
 from .. import errors
 from ..entry import validate_key, validate_namespace
 from .client_errors import DaemonUnavailableError, error_from_reply as _error_from
-from .protocol import PROTOCOL_VERSION, FrameDecoder, ProtocolError, encode_frame
+from .protocol import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, FrameDecoder, ProtocolError, encode_frame
 
 __all__ = ["Transport"]
 
@@ -284,7 +284,7 @@ class Transport:
         rid = self._next_id
         self._next_id += 1
         try:
-            frame = encode_frame({"id": rid, **request})
+            frame = encode_frame({"id": rid, **request}, max_frame_bytes=self._frame_cap())
         except UnicodeEncodeError as exc:  # a lone surrogate: the cache refuses such keys too
             raise errors.InvalidKeyError(f"{request.get('op')}: strings must be valid UTF-8: {exc}") from None
         deadline = time.monotonic() + timeout
@@ -346,6 +346,10 @@ class Transport:
         before the first connection and for a daemon older than them)."""
         return frozenset(self.server_info.get("features") or ())
 
+    def _frame_cap(self) -> int:
+        """The daemon's cap of one request frame (``hello``'s ``max_frame_bytes``; the default for
+        an older daemon)."""
+        return self.server_info.get("max_frame_bytes") or DEFAULT_MAX_FRAME_BYTES
 
     # ----------------------------------------------------------------- requests without waiting
 
@@ -369,7 +373,7 @@ class Transport:
             rid = self._next_id
             self._next_id += 1
             try:
-                frame = encode_frame({"id": rid, "op": op, **args})
+                frame = encode_frame({"id": rid, "op": op, **args}, max_frame_bytes=self._frame_cap())
             except UnicodeEncodeError as exc:
                 raise errors.InvalidKeyError(f"{op}: strings must be valid UTF-8: {exc}") from None
             try:

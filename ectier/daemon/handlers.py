@@ -80,6 +80,7 @@ def _op_hello(server: DaemonServer, conn: Connection, version: int, client: str 
         "arena": {"path": server.arena_path, "nbytes": server.cache.host_arena_bytes,
                   "block_bytes": server.config.host.block_bytes},
         "lease_s": server.config.daemon.lease_s,
+        "max_frame_bytes": server.config.daemon.max_frame_bytes,  # the cap of one request's frame
         "features": list(FEATURES),
         "instance": server.instance,
     }

@@ -31,11 +31,15 @@ metric                                      type       meaning
 ``ectier_prefetches_total{result}``         counter    ``prefetch`` promotions: ``started``,
                                                        ``promoted`` (pinned for a get), ``failed``,
                                                        ``direct_read`` (into a scratch file),
+                                                       ``scratch_refused`` (held scratch files
+                                                       full: answered absent),
                                                        ``expired`` (pin not taken in ``lease_s``),
                                                        ``taken`` (by a get), ``yielded`` (pin ended
                                                        to make arena room for a put)
 ``ectier_prefetch_held_bytes``              gauge      arena bytes pinned by finished promotions
                                                        (whole ``host.block_bytes`` blocks)
+``ectier_prefetch_held_scratch_bytes``      gauge      bytes of the scratch files finished direct
+                                                       reads hold in ``daemon.shm_dir``
 ``ectier_view_pinned_bytes``                gauge      arena bytes clients' zero-copy views pin
 ``ectier_view_leases``                      gauge      process-held leases under views
 ``ectier_views_total{result}``              counter    view leases: ``granted``, ``refused`` (over
@@ -124,12 +128,15 @@ class StatsCollector:
             prefetch = daemon.get("prefetch") or {}
             fam = CounterMetricFamily("ectier_prefetches", "Promotions of the prefetch op", labels=["result"])
             for result, field in (("started", "started"), ("promoted", "promoted"), ("failed", "failed"),
-                                  ("direct_read", "direct_reads"), ("expired", "expired"), ("taken", "taken"),
-                                  ("yielded", "yielded")):
+                                  ("direct_read", "direct_reads"), ("scratch_refused", "scratch_refused"),
+                                  ("expired", "expired"), ("taken", "taken"), ("yielded", "yielded")):
                 fam.add_metric([result], prefetch.get(field, 0))
             yield fam
             yield GaugeMetricFamily("ectier_prefetch_held_bytes", "Arena bytes (whole blocks) pinned by finished promotions",
                                     value=prefetch.get("held_bytes", 0))
+            yield GaugeMetricFamily("ectier_prefetch_held_scratch_bytes",
+                                    "Bytes of scratch files in daemon.shm_dir held by finished direct reads",
+                                    value=prefetch.get("held_scratch_bytes", 0))
             views = daemon.get("views") or {}
             yield GaugeMetricFamily("ectier_view_pinned_bytes", "Arena bytes (whole blocks) pinned under clients' zero-copy views",
                                     value=views.get("bytes", 0))

@@ -24,6 +24,11 @@ the whole ``host.block_bytes`` blocks it occupies (:func:`~ectier.daemon.leases.
 80 KB in 256 KiB blocks is 256 KiB), so many small entries cannot pin more than half the arena;
 beyond that a promoted entry is left unpinned in the arena: a ``get`` still finds it there unless
 it was evicted meanwhile. The stats' ``held_bytes`` are these arena bytes (blocks x block size).
+Held scratch files take at most ``host.capacity_bytes`` of ``daemon.shm_dir`` together
+(:attr:`Prefetcher.max_held_scratch_bytes`; ``held_scratch_bytes`` in the stats), or one file,
+which may be larger (an entry larger than the arena is still served): a direct read past that is
+answered ``"absent"`` (a miss, counted as ``scratch_refused``; no further read) until a held
+scratch file is let go, then read again at its next ``prefetch``.
 
 Held pins give way to puts: held pins and zero-copy view pins (``daemon.view_pin_total_bytes``,
 default half the arena too) may together pin the whole arena, so a ``reserve`` that finds too few
@@ -59,11 +64,13 @@ WORKERS = 4
 @dataclass
 class Held:
     """A finished promotion waiting for its ``get``: a host-arena pin or a scratch file.
-    ``arena_nbytes``: the host-arena bytes it pins, in whole blocks (0 for a scratch file)."""
+    ``arena_nbytes``: the host-arena bytes it pins, in whole blocks (0 for a scratch file);
+    ``scratch_nbytes``: the bytes of its scratch file (0 for an arena pin)."""
 
     handle: ReadLease | DirectRead
     deadline: float  # time.monotonic() seconds
     arena_nbytes: int = 0
+    scratch_nbytes: int = 0  # the bytes of its scratch file in daemon.shm_dir (0 for an arena pin)
 
 
 class Prefetcher:
@@ -84,6 +91,13 @@ class Prefetcher:
         #: the most arena bytes (whole blocks of the held entries) the held pins may take
         self.max_held_bytes = cache.host_arena_bytes // 2
         self._held_arena = 0  # arena bytes of _held plus of pins granted by _hold not yet kept
+        #: the most bytes held scratch files may take in daemon.shm_dir beyond the first one (which
+        #: may be larger: an entry larger than the arena is still served)
+        self.max_held_scratch_bytes = cache.host_arena_bytes
+        self._held_scratch = 0  # scratch bytes of _held plus of direct reads granted, not yet kept
+        #: keys whose direct read found the held scratch files full: absent (no read) until some
+        #: held scratch file is let go
+        self._refused: set[tuple[str, str]] = set()
         self.remote = cache.config.remote.enabled  # a key stored nowhere here may be on the store
         self._lock = threading.Lock()
         self._running: dict[tuple[str, str], bool] = {}  # (ns, key) -> direct wanted
@@ -92,8 +106,8 @@ class Prefetcher:
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         self._warned: set[tuple[str, str]] = set()
-        self.counters = {"started": 0, "promoted": 0, "failed": 0, "direct_reads": 0, "expired": 0, "taken": 0,
-                         "yielded": 0}
+        self.counters = {"started": 0, "promoted": 0, "failed": 0, "direct_reads": 0, "scratch_refused": 0,
+                         "expired": 0, "taken": 0, "yielded": 0}
 
     # ------------------------------------------------------------------------ the op
 
@@ -114,6 +128,8 @@ class Prefetcher:
                 return PROMOTING
             if ident in self._failed:
                 self._failed.discard(ident)
+                return ABSENT
+            if ident in self._refused:
                 return ABSENT
         if not self.cache.contains(key, namespace=ns):
             if not self.remote:
@@ -168,7 +184,7 @@ class Prefetcher:
             if not self._closed:
                 self._held[ident] = held
             if stale is not None:
-                self._held_arena -= stale.arena_nbytes
+                self._unhold(stale)
         if stale is not None:
             _end(self.cache, stale)
 
@@ -228,8 +244,24 @@ class Prefetcher:
         tensor = self.cache.get(key, namespace=ns)  # from NVMe: it does not go through the arena
         if tensor is None:
             return None
-        self.counters["direct_reads"] += 1
-        return Held(DirectRead.of(tensor, self.scratch_dir, gid=self.gid), time.monotonic() + self.hold_s)
+        nbytes = tensor.nbytes
+        with self._lock:  # held scratch files keep to max_held_scratch_bytes, or are one file
+            room = self._held_scratch == 0 or self._held_scratch + nbytes <= self.max_held_scratch_bytes
+            if room:
+                self._held_scratch += nbytes
+            else:
+                self._refused.add((ns, key))
+            self.counters["direct_reads" if room else "scratch_refused"] += 1
+        if not room:
+            return None  # absent (a miss) until a held scratch file is let go (_unhold)
+        try:
+            return Held(DirectRead.of(tensor, self.scratch_dir, gid=self.gid), time.monotonic() + self.hold_s,
+                        scratch_nbytes=nbytes)
+        except BaseException:
+            with self._lock:
+                self._held_scratch -= nbytes
+                self._refused.clear()
+            raise
 
     def unleasable(self, ns: str | None, key: str) -> None:
         """Log (once per key) that a stored entry cannot be leased through the arena."""
@@ -255,7 +287,7 @@ class Prefetcher:
             if held is None or (not direct and not isinstance(held.handle, ReadLease)):
                 return None
             del self._held[ident]
-            self._held_arena -= held.arena_nbytes
+            self._unhold(held)
             self.counters["taken"] += 1
         return held
 
@@ -271,7 +303,7 @@ class Prefetcher:
                 held = self._held.get((ns, key))
                 if held is not None and isinstance(held.handle, ReadLease):
                     del self._held[(ns, key)]
-                    self._held_arena -= held.arena_nbytes
+                    self._unhold(held)
                     taken[key] = held
             self.counters["taken"] += len(taken)
         return taken
@@ -282,8 +314,9 @@ class Prefetcher:
         with self._lock:
             held = self._held.pop(ident, None)
             if held is not None:
-                self._held_arena -= held.arena_nbytes
+                self._unhold(held)
             self._failed.discard(ident)
+            self._refused.discard(ident)
             self._warned.discard(ident)
         if held is not None:
             _end(self.cache, held)
@@ -294,7 +327,8 @@ class Prefetcher:
         with self._lock:
             gone = [i for i, h in self._held.items() if h.deadline <= now]
             stale = [self._held.pop(i) for i in gone]
-            self._held_arena -= sum(h.arena_nbytes for h in stale)
+            for h in stale:
+                self._unhold(h)
             self.counters["expired"] += len(stale)
         for held in stale:
             _end(self.cache, held)
@@ -311,7 +345,7 @@ class Prefetcher:
                 if freed >= nbytes:
                     break
                 held = self._held.pop(ident)
-                self._held_arena -= held.arena_nbytes
+                self._unhold(held)
                 freed += held.arena_nbytes
                 ended.append(held)
             self.counters["yielded"] += len(ended)
@@ -319,14 +353,23 @@ class Prefetcher:
             _end(self.cache, held)
         return freed
 
+    def _unhold(self, held: Held) -> None:
+        """``held`` left the held set (under the lock): its bytes leave the budgets."""
+        self._held_arena -= held.arena_nbytes
+        if held.scratch_nbytes:
+            self._held_scratch -= held.scratch_nbytes
+            self._refused.clear()  # room again: the refused keys are read at their next prefetch
+
     def stats(self) -> dict[str, Any]:
         """The counters, plus ``running`` (promotions in flight), ``held`` (finished ones holding
-        a pin or scratch file for a ``get``) and ``held_bytes``: the host-arena bytes those pins
+        a pin or scratch file for a ``get``), ``held_bytes``: the host-arena bytes those pins
         occupy, in whole blocks (blocks x ``host.block_bytes``, not the entries' ``nbytes``; at
-        most :attr:`max_held_bytes`)."""
+        most :attr:`max_held_bytes`), and ``held_scratch_bytes``: the bytes of the held scratch
+        files in ``daemon.shm_dir`` (at most :attr:`max_held_scratch_bytes`, or one file)."""
         with self._lock:
             return {**self.counters, "running": len(self._running), "held": len(self._held),
-                    "held_bytes": sum(h.arena_nbytes for h in self._held.values())}
+                    "held_bytes": sum(h.arena_nbytes for h in self._held.values()),
+                    "held_scratch_bytes": sum(h.scratch_nbytes for h in self._held.values())}
 
     def close(self) -> None:
         """Wait for the promotions in flight, then end every held pin."""
@@ -337,7 +380,8 @@ class Prefetcher:
             pool.shutdown(wait=True, cancel_futures=True)  # (the queued ones' keys stay in _running)
         with self._lock:
             held, self._held = list(self._held.values()), {}
-            self._held_arena -= sum(h.arena_nbytes for h in held)
+            for h in held:
+                self._unhold(h)
         for h in held:
             _end(self.cache, h)
 

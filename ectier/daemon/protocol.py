@@ -26,6 +26,7 @@ from typing import Any
 import msgpack
 
 from ..entry import DTYPE_ITEMSIZE
+from ..errors import EctierError
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -50,8 +51,10 @@ DEFAULT_MAX_FRAME_BYTES = 1 << 20
 _LEN = struct.Struct(">I")
 
 
-class ProtocolError(Exception):
-    """A frame or message that breaks the protocol (oversized, undecodable, wrong schema).
+class ProtocolError(EctierError):
+    """A frame or message that breaks the protocol (oversized, undecodable, wrong schema); an
+    :class:`~ectier.errors.EctierError`, so a caller that turns ectier's errors into misses turns
+    these too.
 
     ``fatal`` is True when the byte stream can no longer be trusted (framing lost): the server
     replies once and closes that connection; other connections are unaffected.
@@ -66,11 +69,14 @@ def encode_frame(message: dict[str, Any], *, max_frame_bytes: int = DEFAULT_MAX_
     """Serialise one message into a frame (length prefix + msgpack body).
 
     Raises:
-        ProtocolError: the body would exceed ``max_frame_bytes``.
+        ProtocolError: the body would exceed ``max_frame_bytes`` (the message names
+            ``daemon.max_frame_bytes``, the receiving daemon's cap).
     """
     body = msgpack.packb(message, use_bin_type=True)
     if len(body) > max_frame_bytes:
-        raise ProtocolError(f"frame of {len(body)} bytes exceeds the {max_frame_bytes}-byte cap")
+        raise ProtocolError(f"{message.get('op', 'request')}: a frame of {len(body)} bytes exceeds the "
+                            f"{max_frame_bytes}-byte cap of one request (daemon.max_frame_bytes); send fewer "
+                            "or shorter keys per call, or raise daemon.max_frame_bytes")
     return _LEN.pack(len(body)) + body
 
 
