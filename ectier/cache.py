@@ -25,7 +25,7 @@ from .catalog import Catalog
 from .config import CacheConfig
 from .config_sources import as_config
 from .copy import CopyEngine, Engines
-from .entry import entry_digest, next_version, validate_cost, validate_key, validate_namespace
+from .entry import entry_digest, next_version, validate_cost, validate_key, validate_keys, validate_namespace
 from .errors import (EctierError, EntryTooLargeError, InvalidDeviceError, InvalidKeyError,
                      InvalidTensorError, TierWriteError)
 from .forks import ForkMark
@@ -223,8 +223,7 @@ class TieredCache(HostArenaAPI):
             InvalidKeyError, InvalidDeviceError: bad key/namespace/device (nothing started).
             EctierError: the cache is closed.
         """
-        if isinstance(keys, str):
-            raise InvalidKeyError("keys: expected a list of keys, got one str")
+        keys = validate_keys(keys)
         dev = parse_device(device)
         idents = [self._identity(k, namespace) for k in keys]
         self._check_open()

@@ -110,11 +110,15 @@ def validate_keys(keys: object, *, arg: str = "keys") -> list[str]:
 
     Raises:
         InvalidKeyError: naming ``arg`` for one ``str`` or ``bytes`` given where a list of keys
-            is expected (its characters are not keys), or for an invalid key among them.
+            is expected (its characters are not keys), for anything not iterable (``None``), or
+            for an invalid key among them.
     """
     if isinstance(keys, (str, bytes)):
         raise InvalidKeyError(f"{arg}: expected a list of keys, got one {type(keys).__name__}")
-    out = list(keys)
+    try:
+        out = list(keys)
+    except TypeError:
+        raise InvalidKeyError(f"{arg}: expected a list of keys, got {type(keys).__name__}") from None
     for key in out:
         validate_key(key)
     return out

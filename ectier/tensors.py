@@ -69,8 +69,9 @@ def meta_for(namespace: str, key: str, tensor: object, *, arg: str = "tensor") -
     """
     if not isinstance(tensor, torch.Tensor):
         raise InvalidTensorError(f"{arg}: expected torch.Tensor, got {type(tensor).__name__}")
-    if tensor.layout is not torch.strided:
-        raise InvalidTensorError(f"{arg}: only dense (strided) tensors are stored, got {tensor.layout}")
+    if tensor.layout is not torch.strided or tensor.is_nested:
+        layout = "a nested tensor" if tensor.is_nested else tensor.layout
+        raise InvalidTensorError(f"{arg}: only dense (strided) tensors are stored, got {layout}")
     if tensor.is_quantized or tensor.is_meta:
         raise InvalidTensorError(f"{arg}: quantized and meta tensors hold no storable bytes")
     name = _DTYPE_NAMES.get(tensor.dtype) or dtype_name(tensor.dtype)  # (dtype_name raises)
@@ -127,15 +128,18 @@ def output_for(meta: EntryMeta, out: torch.Tensor | None) -> torch.Tensor:
     """Where a CPU read of ``meta`` lands: a fresh tensor, or the caller's ``out`` (checked).
 
     Raises:
-        InvalidTensorError: ``out`` is not a contiguous CPU tensor, or its dtype or shape is not
-            the entry's (the message names both; a shape of as many bytes is refused too: ``out``
+        InvalidTensorError: ``out`` is not a contiguous CPU tensor, requires grad, or its dtype
+            or shape is not the entry's (the message names both; a shape of as many bytes is refused too: ``out``
             is returned itself, never a view of it in another shape).
     """
     dtype = torch_dtype(meta.dtype)
     if out is None:
         return torch.empty(meta.shape, dtype=dtype)
-    if not isinstance(out, torch.Tensor) or not out.is_cpu or not out.is_contiguous():
+    if not isinstance(out, torch.Tensor) or not out.is_cpu or out.is_nested or not out.is_contiguous():
         raise InvalidTensorError("out: expected a contiguous CPU tensor")
+    if out.requires_grad:
+        raise InvalidTensorError("out: a tensor that requires grad cannot be written in place; pass "
+                                 "out.detach() or a tensor without requires_grad")
     if out.dtype != dtype or tuple(out.shape) != meta.shape:
         raise InvalidTensorError(
             f"out: the entry is {meta.dtype} {meta.shape}, out is {str(out.dtype).removeprefix('torch.')} "

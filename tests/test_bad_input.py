@@ -62,11 +62,12 @@ bad_key = st.one_of(st.none(), st.integers(), st.binary(max_size=8), st.just("")
                     st.text(max_size=4).map(lambda s: s + "\ud800"), st.just("x" * (64 * KiB + 1)))
 bad_namespace = st.one_of(st.just(""), st.integers(), st.text(max_size=3).map(lambda s: "\udc80" + s),
                           st.just("n" * 5000))
-bad_tensor = st.sampled_from(["none", "list", "numpy", "bytes", "meta", "sparse", "complex32"])
+bad_tensor = st.sampled_from(["none", "list", "numpy", "bytes", "meta", "sparse", "complex32", "nested"])
 bad_cost = st.one_of(st.floats(max_value=-1e-9), st.just(float("nan")), st.just(float("inf")), st.text(max_size=2),
                      st.booleans())
 bad_device = st.sampled_from(["cuda", "gpu", "cuda:x", "cuda:-1", 5, "cpu:0:1", "tpu:0"])
-bad_out = st.sampled_from(["shape", "dtype", "strided", "list", "cuda-like"])
+bad_out = st.sampled_from(["shape", "dtype", "strided", "list", "cuda-like", "requires-grad"])
+bad_keys = st.sampled_from([None, 5, 1.5, b"ab", "ab", [None], [""]])
 bad_shape = st.one_of(st.lists(st.integers(max_value=-1), min_size=1, max_size=3), st.just([1.5]), st.just([True]),
                       st.just("ab"), st.just(5), st.just([2**40, 2**40]), st.just([None]))
 bad_dtype = st.one_of(st.sampled_from(["float128", "qint8", "", "torch.float32", "BF16"]), st.integers())
@@ -77,6 +78,7 @@ def _make_bad_tensor(kind):
         "none": lambda: None, "list": lambda: [1, 2], "numpy": lambda: np.ones(3), "bytes": lambda: b"\0" * 8,
         "meta": lambda: torch.empty(3, device="meta"), "sparse": lambda: torch.zeros(3).to_sparse(),
         "complex32": lambda: torch.zeros(2, dtype=torch.complex32),
+        "nested": lambda: torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]),
     }[kind]()
 
 
@@ -88,6 +90,8 @@ def _make_bad_out(kind, key):
         "strided": lambda: torch.empty(t.numel() * 2, dtype=t.dtype)[::2],
         "list": lambda: [0] * t.numel(),
         "cuda-like": lambda: torch.empty(t.shape, dtype=t.dtype, device="meta"),
+        "requires-grad": lambda: torch.zeros(t.shape, dtype=t.dtype if t.dtype.is_floating_point else torch.float32,
+                                             requires_grad=True),
     }[kind]()
 
 
@@ -106,13 +110,14 @@ bad_call = st.one_of(
     st.tuples(st.just("commit-aborted"), st.sampled_from(["commit", "abort"])),
     st.tuples(st.just("delete-key"), bad_key),
     st.tuples(st.just("contains-key"), bad_key),
+    st.tuples(st.just("prefetch-keys"), bad_keys),
 )
 
 # the word the error message must contain, per call
 WORD = {"put-key": "key", "get-key": "key", "delete-key": "key", "contains-key": "key", "put-tensor": "tensor",
         "put-cost": "cost_s", "put-namespace": "namespace", "get-namespace": "namespace",
         "put-too-large": "capacity_bytes", "get-device": "device", "get-out": "out", "reserve-dtype": "dtype",
-        "commit-aborted": "lease"}
+        "commit-aborted": "lease", "prefetch-keys": "key"}
 
 
 def _call(cache, name, arg):
@@ -148,6 +153,8 @@ def _call(cache, name, arg):
         cache.delete(arg)
     elif name == "contains-key":
         cache.contains(arg)
+    elif name == "prefetch-keys":
+        cache.prefetch(arg)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
