@@ -231,6 +231,7 @@ def test_stats_table_shows_the_write_behind_counters_and_no_remote_rows_without_
     # before: no write-behind rows; eight remote-only rows of dashes without a remote tier
     assert table["clean evictions"] == [str(host["clean_evictions"]), "—"]
     assert table["dirty evictions"] == [str(host["dirty_evictions"]), "—"]
+    assert table["drops (lost)"] == [str(host["drops"]), "—"]  # (was no row: a lost entry looked written)
     assert table["write-behind writes"] == [str(host["write_behind_writes"]), "—"]
     assert table["write-behind failures"] == ["0", "—"]
     assert "write-behind bytes" in table and "eviction write s" in table

@@ -191,10 +191,11 @@ def test_the_daemon_client_and_stats_import_without_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("bad", ["0", "-1", "soon"])
+@pytest.mark.parametrize("bad", ["0", "-1", "soon", "nan", "inf", "1e308"])
 def test_stats_timeout_must_be_positive(hung, bad):
     r = CliRunner().invoke(cli_main, ["stats", "--socket", hung.socket_path, "--timeout", bad])
     assert r.exit_code == 2 and "--timeout" in r.output, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)  # (nan, inf: tracebacks before)
 
 
 @pytest.fixture

@@ -103,7 +103,8 @@ TIER_ROWS: tuple[tuple[str, str, Callable[[dict[str, Any]], str]], ...] = (
     ("puts", "puts", _count("puts")),
     ("evictions", "evictions", _count("evictions")),
     ("clean evictions", "clean_evictions", _count("clean_evictions")),  # a copy below already: no write
-    ("dirty evictions", "dirty_evictions", _count("dirty_evictions")),  # written to NVMe inside the eviction
+    ("dirty evictions", "dirty_evictions", _count("dirty_evictions")),  # a write to NVMe tried inside the eviction
+    ("drops (lost)", "drops", _count("drops")),  # evicted with no tier below taking them
     ("eviction write s", "eviction_write_s", lambda t: f"{t['eviction_write_s']:.3f}"),
     ("write-behind writes", "write_behind_writes", _count("write_behind_writes")),
     ("write-behind bytes", "write_behind_bytes", _bytes_of("write_behind_bytes")),
@@ -162,12 +163,19 @@ def _print_stats(data: dict[str, Any]) -> None:
                       f"released at exit {views['released_dead']}")
 
 
+def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """A FloatRange lets NaN through (every comparison with it is false): refuse it by name."""
+    if value != value:
+        raise click.BadParameter(f"{value} is not a number of seconds")
+    return value
+
+
 @click.command()
 @click.option("--socket", "socket_path", type=click.Path(), default=None,
               help="The daemon's socket (default: daemon.socket_path of ECTIER_* / the per-user default).")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw stats as JSON.")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=5.0,
-              show_default=True, metavar="SECONDS",
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, max=3600, min_open=True), default=5.0,
+              show_default=True, metavar="SECONDS", callback=_finite,
               help="Give up (exit code 1) when the daemon does not answer within this many seconds.")
 def stats(socket_path: Optional[str], as_json: bool, timeout_s: float) -> None:
     """Print a running daemon's tiers, bytes, hits/misses/evictions and clients."""
