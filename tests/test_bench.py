@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -128,6 +129,16 @@ def test_bench_replay_bad_stream_is_a_usage_error_not_a_traceback(tmp_path, args
     assert option in res.output and "Traceback" not in res.output
     assert res.exception is None or isinstance(res.exception, SystemExit)
     assert not out.exists() or not any(out.iterdir())  # nothing run, nothing written
+
+
+@pytest.mark.parametrize("command", ["replay", "tiers", "baseline", "crossover", "connectors"])
+def test_bench_workdir_where_nothing_can_be_made_is_a_usage_error(tmp_path, command):
+    if not os.path.isdir("/proc"):
+        pytest.skip("no /proc here")
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["bench", command, "-q", "--workdir", "/proc", "--out", str(out)])
+    assert res.exit_code == 2 and "--workdir" in res.output and "cannot make" in res.output, res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit)  # (a traceback before)
 
 
 def test_bench_replay_says_how_long_the_whole_command_took_plot_included(tmp_path, monkeypatch):

@@ -107,6 +107,26 @@ def _out_dir(ctx, param, value):
     return value
 
 
+def _workdir(ctx, param, value):
+    """Refuse a --workdir in which no subdirectory can be made (tried: made and removed), before
+    the run; a path check alone lets /proc through for root."""
+    if value is not None:
+        import tempfile
+
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix="ectier-bench-probe-", dir=value))
+        except OSError as exc:
+            raise click.BadParameter(f"cannot make a store directory in {value!r}: {exc.strerror or exc}") from None
+    return value
+
+
+def workdir_option(help_text: str):
+    """The ``--workdir DIR`` option of a bench command: an existing directory in which a
+    subdirectory can be made (checked before the run)."""
+    return click.option("--workdir", default=None, type=click.Path(file_okay=False, exists=True, writable=True),
+                        callback=_workdir, help=help_text)
+
+
 def _plot(console: Console, written: list[str], path: str, draw) -> None:
     """Run ``draw()`` (which writes the PNG at ``path``) after the JSON and markdown are on disk;
     without matplotlib print one note line instead, so the command still exits 0 with its results."""
@@ -127,8 +147,7 @@ def _common(f):
                      help="recompute cost: auto = measured with CUDA, else fitted to H200 figures (docs/benchmarks.md) "
                           "(baseline: else scaled, i.e. timed on this CPU); scaled = 1 ViT block timed here, "
                           "scaled to 27")(f)
-    f = click.option("--workdir", default=None, type=click.Path(file_okay=False, exists=True, writable=True),
-                     help="existing directory where temporary NVMe stores go (default: system temp dir)")(f)
+    f = workdir_option("existing directory where temporary NVMe stores go (default: system temp dir)")(f)
     f = click.option("--quiet", "-q", is_flag=True, help="no progress bars")(f)
     return f
 
@@ -312,8 +331,7 @@ def _run_tiers(console, quiet, max_tokens, tokens, sync, workdir, budget, retrie
 
 @bench.command("tiers")
 @click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False), callback=_out_dir)
-@click.option("--workdir", default=None, type=click.Path(file_okay=False, exists=True, writable=True),
-              help="existing directory on the disk to measure")
+@workdir_option("existing directory on the disk to measure")
 @click.option("--quiet", "-q", is_flag=True)
 @click.option("--max-tokens", default=None, type=click.IntRange(64), help="16384 for the full range (64..16384)")
 @click.option("--tokens", default=None, callback=_tokens_list,

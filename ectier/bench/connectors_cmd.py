@@ -20,7 +20,8 @@ import click
 
 from ..config import parse_bytes
 from ..errors import ConfigError
-from .cli import _console, _machine, _out_dir, _plot, _progress, _tokens_list, elapsed_s, print_written
+from .cli import (_console, _machine, _out_dir, _plot, _progress, _tokens_list, elapsed_s, print_written,
+                  workdir_option)
 from .connectors import DEFAULT_SIZES, plot_connectors, reps_for, summarize, table, verdict
 from .report import markdown_table, print_table, write_json
 
@@ -86,8 +87,7 @@ def _measure(console, quiet, sizes, variants, budget_bytes, min_reps, workdir, t
 @click.command("connectors")
 @click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False),
               callback=_out_dir, help="directory for JSON, markdown and PNG results")
-@click.option("--workdir", default=None, type=click.Path(file_okay=False, exists=True, writable=True),
-              help="existing directory for the connectors' files (safetensors files, NVMe stores)")
+@workdir_option("existing directory for the connectors' files (safetensors files, NVMe stores)")
 @click.option("--quiet", "-q", is_flag=True, help="no progress bars")
 @click.option("--sizes", default=",".join(map(str, DEFAULT_SIZES)), show_default=True, callback=_tokens_list,
               help="comma-separated N (tokens; each entry is N x 8192 bf16), each 1..16384")
