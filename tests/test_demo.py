@@ -474,3 +474,28 @@ def test_demo_json_to_a_place_no_file_can_be_written_is_refused_before_the_run(r
     result = runner.invoke(main, ["demo", *SMALL, "--quiet", "--dir", str(tmp_path), "--json", where])
     assert result.exit_code == 2, result.output
     assert "hits" not in result.output
+
+
+def test_demo_killed_with_sigterm_removes_its_stores(tmp_path):
+    """``timeout`` and service managers stop with SIGTERM: the run's subdirectory (stores of
+    hundreds of MB) is removed as on Ctrl-C (it was left behind)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "ectier.cli", "demo", "--quiet", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(p.name.startswith("ectier-demo-") and "probe" not in p.name for p in tmp_path.iterdir()):
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "the demo never made its stores"
+            time.sleep(0.05)
+        time.sleep(0.5)  # into the replay
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert list(tmp_path.iterdir()) == []

@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import os
 import platform
-import signal
-import sys
-import threading
 import time
 from typing import Any
 
@@ -27,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..config import format_bytes, parse_bytes
 from ..errors import ConfigError, EctierError
+from ..commands.params import sigterm_exits
 from ..sizing import max_tokens as _model_max_tokens
 from .limits import MAX_REQUESTS
 from .report import fmt, markdown_table, print_table, write_json
@@ -204,16 +202,11 @@ class _BenchGroup(click.Group):
 
     def invoke(self, ctx: click.Context) -> Any:
         ctx.meta[_STARTED] = time.perf_counter()  # before the command's lazy imports (torch: seconds)
-        previous = signal.getsignal(signal.SIGTERM)
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         try:
-            return super().invoke(ctx)
+            with sigterm_exits():  # the temporary stores are removed on SIGTERM too
+                return super().invoke(ctx)
         except EctierError as exc:
             raise click.ClickException(str(exc)) from None
-        finally:
-            if threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGTERM, previous)
 
 
 @click.group("bench", cls=_BenchGroup)

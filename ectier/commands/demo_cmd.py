@@ -11,7 +11,7 @@ import click
 from ..bench.limits import MAX_REQUESTS
 from ..errors import ConfigError, EctierError
 from ..sizing import DEFAULT_MODEL, ModelSpec
-from .params import ByteSize, ModelName, console as _console
+from .params import ByteSize, ModelName, console as _console, sigterm_exits
 
 __all__ = ["demo"]
 
@@ -65,7 +65,8 @@ def demo(ctx: click.Context, requests: int, zipf: float, seed: int, host_bytes: 
         _check_writable(json_path, ctx)
     console = _console(stderr=json_path == "-")
     try:
-        summary = demo_mod.run_demo(opts, console=console, quiet=quiet)
+        with sigterm_exits():  # the run's stores are removed on SIGTERM too (as on Ctrl-C)
+            summary = demo_mod.run_demo(opts, console=console, quiet=quiet)
     except ConfigError as exc:
         raise click.UsageError(str(exc), ctx=ctx) from None
     except (EctierError, OSError) as exc:

@@ -5,7 +5,11 @@ Each type turns a bad value into a usage error (exit code 2) naming the option, 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+import signal
+import sys
+import threading
+from typing import Any, Iterator, Optional
 
 import click
 from rich.console import Console
@@ -14,7 +18,7 @@ from ..config import parse_bytes
 from ..errors import ConfigError
 from ..sizing import ModelSpec, get_model, parse_size
 
-__all__ = ["ImageSize", "ModelName", "ByteSize", "console"]
+__all__ = ["ImageSize", "ModelName", "ByteSize", "console", "sigterm_exits"]
 
 
 class _Parsed(click.ParamType):
@@ -73,3 +77,20 @@ def console(stderr: bool = False) -> Console:
     """The console a subcommand prints its tables to (no syntax highlighting of numbers);
     ``stderr``: on standard error (standard output then carries data, e.g. ``--json -``)."""
     return Console(highlight=False, stderr=stderr)
+
+
+@contextlib.contextmanager
+def sigterm_exits() -> Iterator[None]:
+    """While the block runs, SIGTERM (what ``timeout`` and service managers send) exits with code
+    143 through ``SystemExit`` in the main thread, as Ctrl-C's ``KeyboardInterrupt`` does, so the
+    ``finally`` blocks that remove temporary stores run; the previous handler comes back after.
+    Off the main thread (no signal handler can be set there) it does nothing."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    if main:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        yield
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
