@@ -88,7 +88,8 @@ class HostTierConfig:
         block_bytes: allocation unit; an entry occupies ``ceil(nbytes / block_bytes)`` blocks,
             possibly in several runs, so the arena never fragments. Power of two, 4 KiB..64 MiB.
             Default 256 KiB (< 25 % waste at the smallest Qwen3-VL entry, 1 MiB).
-        pin_memory: ``True`` page-locks the arena (needs CUDA), ``False`` never, ``None`` (default)
+        pin_memory: ``True`` page-locks the arena (needs CUDA: without it the cache, or the
+            daemon, refuses to open, naming this knob), ``False`` never, ``None`` (default)
             pins exactly when CUDA is available. Pinning costs ~0.45 s per GiB at start-up
             (measured on an H200 host).
         admit_wait_s: how long a put may wait for readers to release pinned entries before it

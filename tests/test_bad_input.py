@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ectier import testing
-from ectier import CacheConfig, TieredCache
+from ectier import CacheConfig, HostTierConfig, TieredCache
 from ectier.cli import main as cli_main
 from ectier.errors import (ConfigError, EctierError, EntryTooLargeError, InvalidDeviceError, InvalidKeyError,
                            InvalidTensorError)
@@ -427,6 +427,8 @@ def _tree_digest(root: Path) -> str:
     ("- just\n- a list", "mapping"),
     ("nvme: {path: STORE, sync: perhaps}", "nvme.sync"),
     ("{{{", "YAML"),
+    pytest.param("nvme: {path: STORE}\nhost: {pin_memory: true}", "host.pin_memory",  # (started unpinned)
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA pins")),
 ])
 def test_serve_with_bad_config_leaves_the_store_untouched(tmp_path, text, word):
     store = tmp_path / "store"
@@ -514,3 +516,10 @@ def test_config_file_that_is_not_utf8_or_a_nul_path_is_a_config_error(tmp_path, 
         CacheConfig.load(str(path))
     res = CliRunner().invoke(cli_main, ["serve", "--config", str(path)])
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA pins")
+def test_pin_memory_true_without_cuda_names_the_knob():
+    """In-process it named host.capacity_bytes (the allocation failed); the daemon started unpinned."""
+    with pytest.raises(ConfigError, match="^host.pin_memory"):
+        TieredCache(CacheConfig(host=HostTierConfig(capacity_bytes=1 * MiB, pin_memory=True)))

@@ -62,6 +62,9 @@ class HostTier(ArenaTier):
         idx = self.index
         self.reserve, self.commit, self.lookup = idx.reserve, idx.commit, idx.lookup
         self.pin, self.unpin, self.touch = idx.pin, idx.unpin, idx.touch
+        if config.pin_memory and not cuda_available():  # (the daemon's arena would go unpinned silently)
+            raise ConfigError("host.pin_memory: true needs CUDA (page-locked memory comes from the CUDA driver) "
+                              "and this process has none; leave it unset (pinned where CUDA is) or set false")
         want_pin = cuda_available() if config.pin_memory is None else config.pin_memory
         nbytes = self.index.capacity_bytes
         self.shm_path = shm_path
