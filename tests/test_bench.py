@@ -494,3 +494,26 @@ def test_crossover_with_the_remote_store_down_writes_the_other_rows(tmp_path):
     assert {"host", "nvme"} <= set(result["tiers"]) and "remote" not in result["tiers"]
     assert any(s["what"] == "remote rows" and str(port) in s["reason"] for s in result["skipped"])
     assert "unreachable" in (tmp_path / "crossover.md").read_text()
+
+
+def test_a_table_wider_than_the_console_is_turned_and_loses_no_digit():
+    """``ectier bench replay`` in an 80-column terminal cut every number ("14…"): a table wider
+    than the console is printed a row per column, every cell whole, within the width."""
+    import io
+
+    from rich.console import Console
+
+    from ectier.bench.report import print_table
+
+    headers = ["store", *[f"metric number {i}" for i in range(12)]]
+    rows = [["lru", *[f"{1234.5678 * (i + 1):.4f} MiB" for i in range(12)]],
+            ["gdsf", *[f"{8765.4321 * (i + 1):.4f} MiB" for i in range(12)]]]
+    narrow = Console(width=80, record=True, file=io.StringIO())
+    print_table(narrow, "a title", headers, rows)
+    text = narrow.export_text()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    for cell in rows[0][1:] + rows[1][1:] + headers[1:]:
+        assert cell in text, cell  # whole, on one line
+    wide = Console(width=400, record=True, file=io.StringIO())
+    print_table(wide, "a title", headers, rows)
+    assert wide.export_text().splitlines()[4].count("│") == len(headers) + 1  # fits: as given

@@ -376,3 +376,19 @@ def test_client_registers_its_arena_mapping_with_cuda_when_present(tmp_path, mon
     del view
     client.close()
     assert calls[-1] == ("unregister", ptr)
+
+
+def test_a_closed_client_stays_closed(main_daemon):
+    """After close(), calls raise DaemonUnavailableError naming close() (they reconnected silently:
+    a TieredCache raises after close too); a new client works."""
+    from ectier.daemon.client import DaemonUnavailableError
+
+    c = DaemonClient(main_daemon.socket_path)
+    c.put("closed-k", make_tensor(1, "uint8", (10,)))
+    c.close()
+    for call in (lambda: c.get("closed-k"), lambda: c.contains("closed-k"), c.connect):
+        with pytest.raises(DaemonUnavailableError, match="closed"):
+            call()
+    assert c.connect_in_background() is False
+    with DaemonClient(main_daemon.socket_path) as fresh:
+        assert fresh.contains("closed-k")

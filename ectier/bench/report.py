@@ -12,6 +12,7 @@ import os
 from typing import Any, Callable, Sequence
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 __all__ = ["write_json", "markdown_table", "print_table", "fmt", "plot_curve", "plot_tiers", "plot_crossover",
@@ -69,13 +70,24 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str
 
 
 def print_table(console: Console, title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    """Print a rich table (right-aligned numbers)."""
+    """Print a rich table (right-aligned numbers). One wider than the console is printed turned
+    (a row per column) when it has fewer rows than columns; cells fold rather than lose digits."""
+    t = _table(title, headers, rows)
+    natural = Measurement.get(console, console.options.update(max_width=1 << 16), t).maximum
+    if natural > console.width and len(rows) < len(headers) - 1:
+        turned = [[h, *[str(r[i]) for r in rows]] for i, h in enumerate(headers) if i]
+        t = _table(None, [str(headers[0]), *[str(r[0]) for r in rows]], turned)
+        console.print(title, soft_wrap=False, highlight=False, markup=False)  # (as wide as the console)
+    console.print(t)
+
+
+def _table(title: str | None, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> Table:
     t = Table(title=title, title_justify="left")
     for i, h in enumerate(headers):
-        t.add_column(h, justify="left" if i == 0 else "right")
+        t.add_column(h, justify="left" if i == 0 else "right", overflow="fold")
     for r in rows:
         t.add_row(*[str(c) for c in r])
-    console.print(t)
+    return t
 
 
 def _plt():

@@ -111,6 +111,7 @@ class DaemonClient(Transport, ViewCalls):
         self._submitted: dict[int, tuple[str, float]] = {}  # id -> (op, monotonic send time): see submit()
         self._arrived: dict[int, Any] = {}  # id of a submitted request -> its reply (or the error)
         self.server_info: dict[str, Any] = {}
+        self._closed = False  # close() was called: no new connection
         self._arena_mmap: mmap.mmap | None = None
         self._arena = None  # torch uint8 tensor over the mapping, made on first data call
         self._arena_path: str | None = None

@@ -82,6 +82,8 @@ class Transport:
         return DaemonUnavailableError(message)
 
     def _connect(self, *, wait: bool = True) -> None:
+        if self._closed:
+            raise DaemonUnavailableError("this DaemonClient is closed (close() was called); make a new one")
         now = time.monotonic()
         probe = not wait
         if self._failed_at is not None:
@@ -161,6 +163,8 @@ class Transport:
         window — and returns False at once: the caller never waits on a daemon that is down,
         hung or stopped (a scheduler step). Never raises."""
         with self._lock:
+            if self._closed:
+                return False
             if self._sock is not None:
                 if self._read_arrived():
                     return True
@@ -266,8 +270,10 @@ class Transport:
         self._arena_path = None
 
     def close(self) -> None:
-        """Close the connection (leases held by this client are released by the daemon)."""
+        """Close the connection (leases held by this client are released by the daemon); later
+        calls raise DaemonUnavailableError (they reconnected silently before)."""
         with self._lock:
+            self._closed = True
             self._drop()
             self._unmap()
 
