@@ -77,7 +77,9 @@ class FsckReport:
     ``damaged_pages`` (page scan: pages that are neither an LMDB page of their number nor overflow
     data); ``problems`` (the first :data:`MAX_LISTED`: ``{digest, namespace, key, problem}``);
     ``settings`` (the store's ``settings`` database, decoded); ``damaged_copies`` (``damaged-*``
-    directories left in the store directory earlier).
+    directories left in the store directory earlier); ``stale_repairs`` (``.repair-*`` staging
+    directories of killed repairs: the next repair removes them); ``segment_bytes`` (the payload
+    file's size: with no entry found, bytes no key can be matched to).
     """
 
     path: str
@@ -94,6 +96,8 @@ class FsckReport:
     problems: list[dict] = field(default_factory=list)
     settings: dict[str, str] = field(default_factory=dict)
     damaged_copies: list[str] = field(default_factory=list)
+    stale_repairs: list[str] = field(default_factory=list)
+    segment_bytes: int = 0
 
     @property
     def damaged(self) -> bool:
@@ -214,11 +218,14 @@ def _locked(store: Path) -> Iterator[None]:
 
 
 def _check(store: Path) -> FsckReport:
-    report = FsckReport(path=str(store), damaged_copies=[str(p) for p in damaged_copies(store)])
+    seg = store / SEGMENT_NAME
+    found = {"damaged_copies": [str(p) for p in damaged_copies(store)],
+             "stale_repairs": [str(p) for p in damaged_copies(store, ".repair-")],
+             "segment_bytes": seg.stat().st_size if seg.is_file() else 0}
+    report = FsckReport(path=str(store), **found)
     error = _lmdb_pass(store / "lmdb", report)
     if error is not None:
-        report = FsckReport(path=report.path, mode="page-scan", lmdb_error=error,
-                            damaged_copies=report.damaged_copies)
+        report = FsckReport(path=report.path, mode="page-scan", lmdb_error=error, **found)
         _page_pass(store / "lmdb" / "data.mdb", report)
     return report
 

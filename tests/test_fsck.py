@@ -326,3 +326,21 @@ def test_damage_anywhere_in_the_lmdb_file_never_aborts_the_process(tmp_path):
     assert r.returncode == 0, f"rc {r.returncode}: {r.stderr[-2000:]}"
     opened, damaged = map(int, r.stdout.split())
     assert opened + damaged == 60 and damaged > 0, r.stdout
+
+
+def test_fsck_names_a_killed_repairs_staging_and_payloads_no_key_can_be_matched_to(tmp_path, runner):
+    """A data.mdb cut to its meta pages leaves no index entry: fsck said '0 lost' with the payloads
+    still in segment.0; and a killed --repair's staging directory went unmentioned."""
+    store = tmp_path / "nvme"
+    _build_store(store)
+    os.truncate(store / "lmdb" / "data.mdb", 8192)
+    (store / ".repair-20261207T000000Z-1").mkdir()
+    result = runner.invoke(main, ["fsck", "--path", str(store)])
+    assert result.exit_code == 1, result.output
+    assert "left by a repair that was killed" in result.output and ".repair-20261207T000000Z-1" in result.output
+    assert "no index entry was found" in result.output and "cannot be salvaged" in result.output
+    report = check(store)
+    assert report.entries == 0 and report.segment_bytes > 0 and len(report.stale_repairs) == 1
+    result = runner.invoke(main, ["fsck", "--path", str(store), "--repair"])
+    assert result.exit_code == 0 and "cannot be salvaged" in result.output, result.output
+    assert not list(store.glob(".repair-*"))

@@ -55,6 +55,8 @@ def fsck(path: str, do_repair: bool, as_json: bool) -> None:
 
 
 def _print_fsck(report: Any, result: Any) -> None:
+    from ..tiers.nvme_segment import SEGMENT_NAME  # (imported by the check already)
+
     console = _console()
     state = "[bold red]damaged[/]" if report.damaged else "[bold green]healthy[/]"
     console.print(f"store {report.path}: {state} (read {'through LMDB' if report.mode == 'lmdb' else 'page by page: LMDB cannot read it'})",
@@ -80,6 +82,11 @@ def _print_fsck(report: Any, result: Any) -> None:
         console.print("(a page scan may also find records deleted shortly before the damage)")
     for d in report.damaged_copies:
         console.print(f"earlier damaged copy: {d} (delete it when done)", soft_wrap=True)
+    for d in report.stale_repairs:
+        console.print(f"left by a repair that was killed: {d} (the next --repair removes it)", soft_wrap=True)
+    if report.damaged and not report.entries and report.segment_bytes:
+        console.print(f"no index entry was found: the {format_bytes(report.segment_bytes)} of {SEGMENT_NAME} "
+                      "(payloads, and space freed earlier) carry no keys and cannot be salvaged", soft_wrap=True)
     if result is not None:
         if result.repaired:
             console.print(f"[bold]repaired[/]: {result.salvaged} records ({format_bytes(result.salvaged_bytes)}) in a fresh "

@@ -232,11 +232,13 @@ def remove_created(created: list[Path]) -> None:
             return  # not empty (or not ours to remove): it and its parents stay
 
 
-def damaged_copies(store_dir: str | os.PathLike) -> list[Path]:
-    """The ``damaged-*`` directories left in ``store_dir`` by :func:`move_aside`, oldest first."""
+def damaged_copies(store_dir: str | os.PathLike, prefix: str = "damaged-") -> list[Path]:
+    """The ``damaged-*`` directories left in ``store_dir`` by :func:`move_aside`, oldest first
+    (``prefix=".repair-"``: the staging directories of ``ectier fsck --repair`` runs that were
+    killed)."""
     d = Path(store_dir)
     try:
-        return sorted(p for p in d.iterdir() if p.name.startswith("damaged-") and p.is_dir())
+        return sorted(p for p in d.iterdir() if p.name.startswith(prefix) and p.is_dir())
     except OSError:
         return []
 
