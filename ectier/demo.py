@@ -64,6 +64,7 @@ from .demo_report import print_summary
 from .demo_workload import SEED_SIZES, SKIMAGE_PHOTOS  # noqa: F401  (re-exported)
 from .demo_workload import DemoImage, load_images, mm_hash, zipf_stream
 from .errors import ConfigError
+from .tiers.storedir import free_bytes
 from .sizing import ImageTokens, ModelSpec, get_model, image_tokens
 
 __all__ = [
@@ -141,6 +142,11 @@ def _default_budgets(entry_bytes: list[int], opts: DemoOptions) -> tuple[int, in
         nvme = -(-nvme // MiB) * MiB
     if host == 0 and nvme == 0:
         raise ConfigError("host-bytes: host and NVMe budgets are both 0; no tier could store anything")
+    where = opts.dir or tempfile.gettempdir()
+    free = free_bytes(where)
+    if nvme and free is not None and nvme > free:  # (the cache would name nvme.thin_provisioning, no demo option)
+        raise ConfigError(f"nvme-bytes (--nvme-bytes): {nvme} bytes do not fit where the demo's stores go "
+                          f"({where!r}: {free} bytes free); lower --nvme-bytes, or choose a --dir with room")
     return host, nvme
 
 

@@ -118,6 +118,7 @@ def test_bench_replay_trace(tmp_path):
     (["--items", "100000000000"], "--items"),
     (["--trace", "BINARY"], "not UTF-8"),
     (["--trace", "HUGE"], "tokens must be in"),
+    (["--host-bytes", "0", "--nvme-bytes", "0"], "both 0"),  # (named nvme.path, which bench has no option for)
 ])
 def test_bench_replay_bad_stream_is_a_usage_error_not_a_traceback(tmp_path, args, option):
     (tmp_path / "b.csv").write_bytes(b"timestamp,mm_hash,tokens\n0,\xff\xfe,64\n")

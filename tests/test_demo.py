@@ -111,6 +111,14 @@ def test_demo_dir_where_nothing_can_be_made_is_a_usage_error_naming_dir(runner, 
     assert "--dir" in result.output and "cannot make" in result.output and "hits" not in result.output
 
 
+def test_demo_nvme_budget_above_the_free_space_names_its_own_option(runner, tmp_path):
+    """The cache's message named nvme.thin_provisioning, which the demo has no option for."""
+    result = runner.invoke(main, ["demo", "--images", "2", "--quiet", "--dir", str(tmp_path), "--nvme-bytes", "1PiB"])
+    assert result.exit_code == 2, result.output
+    assert "--nvme-bytes" in result.output and "free" in result.output and "thin_provisioning" not in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("args, option", [
     (["--seed", "-1"], "--seed"),
     (["--requests", "100000000000"], "--requests"),

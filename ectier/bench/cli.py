@@ -94,6 +94,19 @@ def _stream(trace, requests, items, zipf, seed, max_tokens):
         raise click.UsageError(str(exc)) from None
 
 
+def resolve_budgets(summ: dict, host_bytes: int | None, nvme_bytes: int | None) -> tuple[int, int]:
+    """``(host, nvme)`` budgets in bytes: the options', or the defaults for the stream summary
+    ``summ`` (``replay.default_budgets``) where left unset; both 0 is a usage error."""
+    from .replay import default_budgets
+
+    dh, dn = default_budgets(summ["unique_bytes"])
+    host_bytes = dh if host_bytes is None else host_bytes
+    nvme_bytes = dn if nvme_bytes is None else nvme_bytes
+    if host_bytes == 0 and nvme_bytes == 0:
+        raise click.UsageError("--host-bytes and --nvme-bytes are both 0: no tier could store anything")
+    return host_bytes, nvme_bytes
+
+
 def _out_dir(ctx, param, value):
     """Create the results directory up front, so a bad --out fails before the run, not after."""
     try:
@@ -229,7 +242,7 @@ def baseline_cmd(out, cost_model, workdir, quiet, trace, requests, items, zipf, 
     Encoder seconds come from this machine by default (CUDA: the measured tower; else one block timed
     on the CPU and scaled), like the cache I/O; the output says whether the comparison is like with like."""
     from .baseline import baseline_rows, compare_stores, recompute_only, replay_safetensors
-    from .replay import default_budgets, replay_stream
+    from .replay import replay_stream
     from .report import plot_baseline
     from .workload import stream_summary
 
@@ -237,9 +250,7 @@ def baseline_cmd(out, cost_model, workdir, quiet, trace, requests, items, zipf, 
     cost = _cost(cost_model, cpu_fallback="scaled")  # like with like: this machine's encoder seconds
     stream, source = _stream(trace, requests, items, zipf, seed, max_tokens)
     summ = stream_summary(stream)
-    dh, dn = default_budgets(summ["unique_bytes"])
-    host_bytes = dh if host_bytes is None else host_bytes
-    nvme_bytes = dn if nvme_bytes is None else nvme_bytes
+    host_bytes, nvme_bytes = resolve_budgets(summ, host_bytes, nvme_bytes)
     rows_out = [recompute_only(stream, cost)]
     with _progress(console, quiet) as prog:
         t = prog.add_task("safetensors per item", total=len(stream))

@@ -21,7 +21,7 @@ import click
 
 from ..config import format_bytes
 from .cli import _bytes, _common, _console, _cost, _machine, _plot, _progress, _stream, _workload, elapsed_s, \
-    print_written
+    print_written, resolve_budgets
 from .report import fmt, markdown_table, print_table, write_json
 
 __all__ = ["replay_cmd"]
@@ -134,7 +134,6 @@ def _replay_all(console, quiet, stream, summ, cost, policies, host_bytes, nvme_b
 def replay_cmd(out, cost_model, workdir, quiet, trace, requests, items, zipf, seed, max_tokens, host_bytes,
                nvme_bytes, policy, curve, curve_scale, width_scale, sync) -> None:
     """Replay a request stream through TieredCache: hit rates by tier, encoder time saved, latency."""
-    from .replay import default_budgets
     from .report import plot_curve
     from .workload import stream_summary
 
@@ -148,9 +147,7 @@ def replay_cmd(out, cost_model, workdir, quiet, trace, requests, items, zipf, se
     cost = _cost(cost_model)
     stream, source = _stream(trace, requests, items, zipf, seed, max_tokens)
     summ = stream_summary(stream)
-    dh, dn = default_budgets(summ["unique_bytes"])
-    host_bytes = dh if host_bytes is None else host_bytes
-    nvme_bytes = dn if nvme_bytes is None else nvme_bytes
+    host_bytes, nvme_bytes = resolve_budgets(summ, host_bytes, nvme_bytes)
     runs, points = _replay_all(console, quiet, stream, summ, cost, policies, host_bytes, nvme_bytes, curve,
                                curve_scale, width_scale, sync, workdir)
     comparison = _compare(runs, points)
