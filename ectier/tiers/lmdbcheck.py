@@ -14,7 +14,7 @@ the tree's depth, leaf at it), its node offsets and sizes lie inside it, no page
 a key is never empty, an overflow value's run is an overflow page of that number and long enough,
 and no node claims sorted duplicates (ectier's databases have none). Layout: see
 :mod:`ectier.tiers.lmdbpages` (LMDB 0.9, 64-bit little-endian). Costs one read per live page
-(about 0.1 s for an index of 100,000 records).
+(0.15 s of a 0.97 s reopen of 100,000 records on the 2-core development VM: docs/benchmarks.md).
 """
 
 from __future__ import annotations
