@@ -26,7 +26,7 @@ from ..config import format_bytes, parse_bytes
 from ..errors import ConfigError, EctierError
 from ..commands.params import sigterm_exits
 from ..sizing import max_tokens as _model_max_tokens
-from .limits import MAX_REQUESTS
+from .limits import MAX_ITEMS, MAX_REQUESTS
 from .report import fmt, markdown_table, print_table, write_json
 
 #: largest N one image gives (token math: Qwen3-VL smart_resize, max_pixels / 32**2 = 16384)
@@ -167,8 +167,8 @@ def _workload(f):
     f = click.option("--trace", type=click.Path(dir_okay=False, exists=True), default=None,
                      help="CSV: timestamp,mm_hash,width,height or timestamp,mm_hash,tokens")(f)
     f = click.option("--requests", default=300, show_default=True, type=click.IntRange(1, MAX_REQUESTS))(f)
-    f = click.option("--items", default=150, show_default=True, type=click.IntRange(1, MAX_REQUESTS),
-                     help="catalogue size")(f)
+    f = click.option("--items", default=150, show_default=True, type=click.IntRange(1, MAX_ITEMS),
+                     help="catalogue size (images drawn one by one: ~50 s at the most)")(f)
     f = click.option("--zipf", default=0.9, show_default=True, type=float, help="Zipf exponent s of item popularity")(f)
     f = click.option("--seed", default=0, show_default=True, type=click.IntRange(0))(f)
     f = click.option("--max-tokens", default=None, type=click.IntRange(64), help="cap on N per image")(f)

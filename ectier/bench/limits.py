@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from ..errors import ConfigError
 
-__all__ = ["MAX_REQUESTS", "check_stream"]
+__all__ = ["MAX_ITEMS", "MAX_REQUESTS", "check_stream"]
 
 #: Most requests one generated stream holds (it is kept in memory: ~100 bytes a request).
 MAX_REQUESTS = 10_000_000
+#: Most images in a generated catalogue (drawn one by one in Python: ~50 us each, ~50 s at this bound).
+MAX_ITEMS = 1_000_000
 
 
 def check_stream(requests: int, seed: int) -> None:

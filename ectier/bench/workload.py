@@ -34,7 +34,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..sizing import ModelSpec, get_model, image_tokens, tokens_to_nbytes
-from .limits import MAX_REQUESTS, check_stream
+from .limits import MAX_ITEMS, check_stream
 
 __all__ = ["Request", "WorkloadSpec", "generate", "read_trace", "stream_summary", "KIND_SIZES"]
 
@@ -90,8 +90,8 @@ class WorkloadSpec:
     def validate(self) -> None:
         """Raises ConfigError naming the bad field."""
         check_stream(self.requests, self.seed)
-        if not 1 <= self.items <= MAX_REQUESTS:
-            raise ConfigError(f"items: must be in [1, {MAX_REQUESTS:,}], got {self.items}")
+        if not 1 <= self.items <= MAX_ITEMS:
+            raise ConfigError(f"items: must be in [1, {MAX_ITEMS:,}], got {self.items}")
         if not math.isfinite(self.zipf_s) or self.zipf_s < 0:
             raise ConfigError(f"zipf: must be a finite number >= 0, got {self.zipf_s}")
         for name in ("burst_p", "session_p", "session_new_p"):
