@@ -79,7 +79,7 @@ LAYERS: tuple[Layer, ...] = (
         "frontends",
         5,
         ("ectier.cli", "ectier.commands", "ectier.commands.*", "ectier.demo", "ectier.demo_workload", "ectier.demo_encoder", "ectier.demo_baseline",
-         "ectier.demo_replay", "ectier.demo_report", "ectier.fsck", "ectier.fsck_segment", "ectier.__main__", "ectier.daemon",
+         "ectier.demo_replay", "ectier.demo_report", "ectier.fsck", "ectier.fsck_pages", "ectier.fsck_segment", "ectier.__main__", "ectier.daemon",
          "ectier.daemon.*",
          "ectier.bench", "ectier.bench.*"),
     ),
