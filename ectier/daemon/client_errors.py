@@ -7,7 +7,7 @@ from typing import Any
 from .. import errors
 from .protocol import ProtocolError
 
-__all__ = ["DaemonUnavailableError", "DaemonFeatureError", "error_from_reply"]
+__all__ = ["DaemonUnavailableError", "DaemonFeatureError", "error_from_reply", "reply_results"]
 
 
 class DaemonUnavailableError(errors.EctierError):
@@ -32,3 +32,12 @@ def error_from_reply(error: dict[str, Any]) -> Exception:
     if isinstance(cls, type) and issubclass(cls, errors.EctierError):
         return cls(message)
     return errors.EctierError(f"{name}: {message}")
+
+
+def reply_results(msg: dict[str, Any]) -> dict[str, Any]:
+    """A reply's results (without ``id`` and ``ok``); an error reply raises its typed error."""
+    if not msg.get("ok"):
+        raise error_from_reply(msg.get("error") or {})
+    msg.pop("id", None)
+    msg.pop("ok", None)
+    return msg
