@@ -92,5 +92,5 @@ def sigterm_exits() -> Iterator[None]:
     try:
         yield
     finally:
-        if main:
-            signal.signal(signal.SIGTERM, previous)
+        if main:  # (None: a handler set outside Python, which cannot be put back: the default then)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)

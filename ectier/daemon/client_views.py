@@ -138,6 +138,7 @@ class ViewReleaser:
     def _run(self) -> None:
         from .client import DaemonClient
         from ..errors import EctierError
+        from .protocol import ProtocolError
 
         client = DaemonClient(self.socket_path, client_name=f"view-release:{os.getpid()}", timeout_s=self._timeout_s,
                               connect_retry_s=min(1.0, self._timeout_s), backoff_s=RETRY_S)
@@ -158,12 +159,19 @@ class ViewReleaser:
             for instance, ids in list(pending.items()):
                 try:
                     while ids:
-                        batch = ids[:BATCH]
+                        # within the daemon's frame cap (daemon.max_frame_bytes: 4 KiB holds ~400 ids)
+                        per = max(1, min(BATCH, (client._frame_cap() - 512) // 9))
+                        batch = ids[:per]
                         n = client.call("release", leases=batch, instance=instance)["released"]
                         self.sent += n
                         self.dropped += len(batch) - n
-                        del ids[:BATCH]
+                        del ids[:per]
                         self._done += len(batch)
+                    del pending[instance]
+                except ProtocolError:  # the request itself is refused: sending it again cannot help
+                    log.exception("sending view releases failed; dropping them (the daemon ends them after lease_s)")
+                    self.dropped += len(ids)
+                    self._done += len(ids)
                     del pending[instance]
                 except EctierError as exc:  # unreachable, hung: retried in RETRY_S
                     log.debug("sending %d view release(s) failed (%s); retrying", len(ids), exc)

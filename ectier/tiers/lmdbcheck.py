@@ -82,9 +82,10 @@ class _Walk:
             raise _Damaged(f"meta page 0 states a page size of {self.ps}")
         metas = [self._meta(0, head)]
         metas.append(self._meta(1, self._read(self.ps, _PAGEHDRSZ + _META_LAST_PG + 16)))
-        free, main, self.last_pg = max(metas, key=lambda m: m[3])[:3]  # LMDB uses the newer meta page
-        if (self.last_pg + 1) * self.ps > self.size:
-            raise _Damaged(f"data.mdb is truncated ({self.size} bytes, LMDB needs {(self.last_pg + 1) * self.ps})")
+        # LMDB uses the newer meta page. The file may end before its last page number (pages
+        # allocated and freed in one transaction are never written): only a live page past the
+        # end is damage, found when it is read (_read)
+        free, main, self.last_pg = max(metas, key=lambda m: m[3])[:3]
         self._tree(free, "the free-page database")
         for name, db in self._tree(main, "the main database"):
             self._tree(db, f"database {name!r}")

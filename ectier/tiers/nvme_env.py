@@ -225,10 +225,12 @@ class NvmeEnv:
         """Open LMDB under the held lock and load the headers.
 
         Raises:
-            StoreDamagedError: a page of the live B-trees is malformed (:func:`check_tree`, run
-                before LMDB reads one: LMDB aborts the process on such a page), LMDB reports the
-                environment damaged, or ``data.mdb`` is truncated (the environment is closed
-                again; the lock stays held).
+            StoreDamagedError: a page of the live B-trees is malformed or lies past the end of
+                ``data.mdb`` (:func:`check_tree`, run before LMDB reads one: LMDB aborts the
+                process on a malformed page, and a page past the end is a SIGBUS through its map),
+                or LMDB reports the environment damaged (the environment is closed again; the
+                lock stays held). A file that ends before LMDB's last page number is not damage by
+                itself: pages allocated and freed in one transaction are never written.
             StoreOpenError: another LMDB error, or a store of another format.
         """
         try:  # before LMDB walks a page: it aborts the process on a malformed one
@@ -253,7 +255,6 @@ class NvmeEnv:
                 max_readers=1024,
                 lock=True,
             )
-            self._check_file_size()
             self.reserve = LmdbReserve(self.path / "lmdb" / "data.mdb", reserve_bytes(self.config.capacity_bytes))
             self.reserve.keep()
             self.meta_db = self.env.open_db(b"meta")
@@ -306,20 +307,6 @@ class NvmeEnv:
             self.path, str(exc).split("; ")[0], moved, moved)
         self._open_env()
         self.counters["damaged_resets"] += 1
-
-    def _check_file_size(self) -> None:
-        """Refuse a data file shorter than the pages LMDB says it holds: reading such a page
-        through the map would kill the process with SIGBUS instead of raising an error."""
-        assert self.env is not None
-        info = self.env.info()
-        needed = (info["last_pgno"] + 1) * self.env.stat()["psize"]
-        data_file = self.path / "lmdb" / "data.mdb"
-        size = data_file.stat().st_size
-        if size < needed:
-            raise StoreDamagedError(
-                f"nvme.path: {str(data_file)!r} is truncated ({size} bytes, LMDB needs {needed}); "
-                + _damaged_hint(self.path)
-            )
 
     def _check_settings(self) -> bytes:
         """The store format (written on a new store); a format this ectier does not read is refused.
