@@ -302,7 +302,8 @@ def test_bench_bad_inputs_fail_cleanly_before_running(tmp_path):
     runner = CliRunner()
     r = runner.invoke(cli_main, ["bench", "replay", "-q", "--no-curve", "--requests", "5",
                                  "--host-bytes", "0", "--nvme-bytes", "0", "--out", str(tmp_path / "o")])
-    assert r.exit_code == 1 and "no tier could store anything" in r.output and r.exception is not None
+    assert r.exit_code == 2 and "no tier could store anything" in r.output and r.exception is not None
+    assert "--host-bytes" in r.output and "nvme.path" not in r.output  # the options given, not a config knob
     assert isinstance(r.exception, SystemExit)  # a clean CLI error, not a traceback
     r = runner.invoke(cli_main, ["bench", "replay", "-q", "--no-curve", "--requests", "5", "--out", "/dev/null/x"])
     assert r.exit_code == 2 and "--out" in r.output
