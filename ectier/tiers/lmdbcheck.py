@@ -37,7 +37,7 @@ _KINDS = P_BRANCH | P_LEAF | P_OVERFLOW | P_META | P_LEAF2 | P_SUBP
 
 
 class _Damaged(Exception):
-    pass
+    """What the walk found wrong (the message says where)."""
 
 
 def check_tree(path: str | os.PathLike) -> str | None:
