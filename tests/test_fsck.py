@@ -308,6 +308,9 @@ for t in range(trials):
         with TieredCache(cfg) as cache:
             for i in range(60):
                 cache.get(f"k{i}")  # served byte-exact or a miss (the parent checks no bytes here)
+            for i in range(0, 60, 7):  # writes: LMDB's page allocator takes pages off the free lists
+                cache.put(f"k{i}", __import__("torch").full((3000 * (i % 4),), i, dtype=__import__("torch").uint8))
+                cache.delete(f"k{i + 1}")
         counts["opened"] += 1
     except StoreDamagedError:
         counts["damaged"] += 1
@@ -317,8 +320,9 @@ print(counts["opened"], counts["damaged"])
 
 def test_damage_anywhere_in_the_lmdb_file_never_aborts_the_process(tmp_path):
     """Zeroed or random runs at random places of data.mdb (60 stores): opening the cache either
-    works or raises StoreDamagedError, and fsck reports; LMDB never gets to walk a malformed page
-    (it asserts and aborts the process: SIGABRT, seen before the pages were checked at open)."""
+    works (and then serves, writes and deletes) or raises StoreDamagedError, and fsck reports;
+    LMDB never gets to walk a malformed page (it asserts and aborts the process: SIGABRT, seen
+    before the pages were checked at open)."""
     store = tmp_path / "nvme"
     _build_store(store)
     r = subprocess.run([sys.executable, "-c", _NEVER_ABORTS, str(store), str(tmp_path / "work"), "7", "60"],
@@ -368,3 +372,36 @@ def test_a_file_ending_before_lmdbs_last_page_number_is_not_damage(tmp_path, run
     assert len(_served(cfg)) == N  # opens, every record served
     result = runner.invoke(main, ["fsck", "--path", str(store)])
     assert result.exit_code == 0 and "healthy" in result.output, result.output
+
+
+def _free_list_entry(data: bytes, psize: int) -> tuple[int, int]:
+    """(offset of the first page number of an inline free-page list, the main tree's root page):
+    LMDB 0.9, 64-bit; the newer meta page's free-database root is a leaf here (a small store)."""
+    metas = [struct.unpack_from("<QQ", data, n * psize + 16 + 24 + 2 * 48) for n in (0, 1)]  # last_pg, txnid
+    meta = (0 if metas[0][1] >= metas[1][1] else 1) * psize
+    free_root = struct.unpack_from("<Q", data, meta + 16 + 24 + 40)[0]
+    main_root = struct.unpack_from("<Q", data, meta + 16 + 24 + 48 + 40)[0]
+    page = free_root * psize
+    assert struct.unpack_from("<H", data, page + 10)[0] & P_LEAF, "the free database's root is no leaf"
+    off = page + struct.unpack_from("<H", data, page + 16)[0]  # the first node
+    lo, hi, flags, ksize = struct.unpack_from("<HHHH", data, off)
+    assert not flags & 0x01 and (lo | hi << 16) >= 16, "no inline free-page list"
+    return off + 8 + ksize + 8, main_root  # past the node header, the key (a txnid) and the count
+
+
+def test_a_free_page_list_naming_a_live_page_is_damage_not_a_later_corruption(tmp_path):
+    """LMDB's page allocator hands out what the free-page lists name, trusting them: a list that
+    names a live page would have the next write overwrite it. Found at open, before any write."""
+    store = tmp_path / "nvme"
+    cfg, psize = _build_store(store)
+    with TieredCache(cfg) as cache:  # deletes: pages go onto the free lists
+        for i in range(0, N, 2):
+            cache.delete(f"k{i}")
+    data_file = store / "lmdb" / "data.mdb"
+    first_id, live = _free_list_entry(data_file.read_bytes(), psize)
+    with open(data_file, "r+b") as f:
+        f.seek(first_id)
+        f.write(struct.pack("<Q", live))
+    with pytest.raises(StoreDamagedError, match="listed free but is live"):
+        TieredCache(cfg)
+    assert check(store).damaged
