@@ -341,6 +341,7 @@ class TieredCache(HostArenaAPI):
                 t.close()
 
     def __enter__(self) -> "TieredCache":
+        self._check_open()  # (a closed cache entered without a word before)
         return self
 
     def __exit__(self, *exc: object) -> None:

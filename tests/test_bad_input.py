@@ -523,3 +523,22 @@ def test_pin_memory_true_without_cuda_names_the_knob():
     """In-process it named host.capacity_bytes (the allocation failed); the daemon started unpinned."""
     with pytest.raises(ConfigError, match="^host.pin_memory"):
         TieredCache(CacheConfig(host=HostTierConfig(capacity_bytes=1 * MiB, pin_memory=True)))
+
+
+@pytest.mark.parametrize("args, option", [
+    (["stats", "--socket", ""], "--socket"),
+    (["serve", "--socket", ""], "--socket"),
+    (["fsck", "--path", ""], "--path"),
+])
+def test_an_empty_path_is_refused_not_taken_as_the_default(args, option):
+    """``--socket ""`` used the default socket and ``--path ""`` the current directory, silently."""
+    r = CliRunner().invoke(cli_main, args)
+    assert r.exit_code == 2 and option in r.output and "empty path" in r.output, r.output
+
+
+def test_a_closed_cache_cannot_be_entered_again(tmp_path):
+    cache = TieredCache(make_config(tmp_path / "nvme", host_bytes=64 * KiB))
+    cache.close()
+    with pytest.raises(EctierError, match="closed"):
+        with cache:
+            pass  # (never reached)

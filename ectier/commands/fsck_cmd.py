@@ -11,7 +11,7 @@ from rich.table import Table
 
 from ..config import format_bytes
 from ..errors import EctierError
-from .params import console as _console
+from .params import console as _console, not_empty
 
 __all__ = ["fsck"]
 
@@ -21,7 +21,7 @@ class _CannotCheck(click.ClickException):
 
 
 @click.command()
-@click.option("--path", "path", required=True, type=click.Path(file_okay=False),
+@click.option("--path", "path", required=True, type=click.Path(file_okay=False), callback=not_empty,
               help="The store directory (the nvme.path of the cache or daemon).")
 @click.option("--repair", "do_repair", is_flag=True,
               help="Rebuild a damaged store from its intact records; the damaged one is moved to DIR/damaged-<time>/.")

@@ -18,7 +18,7 @@ from ..config import parse_bytes
 from ..errors import ConfigError
 from ..sizing import ModelSpec, get_model, parse_size
 
-__all__ = ["ImageSize", "ModelName", "ByteSize", "console", "sigterm_exits"]
+__all__ = ["ImageSize", "ModelName", "ByteSize", "console", "not_empty", "sigterm_exits"]
 
 
 class _Parsed(click.ParamType):
@@ -94,3 +94,11 @@ def sigterm_exits() -> Iterator[None]:
     finally:
         if main:  # (None: a handler set outside Python, which cannot be put back: the default then)
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def not_empty(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """Refuse an empty path (``--socket ""`` took the default socket, ``--path ""`` the current
+    directory, silently)."""
+    if value is not None and not str(value).strip():
+        raise click.BadParameter("an empty path; give one, or leave the option out where it has a default")
+    return value
