@@ -64,7 +64,7 @@ from .demo_report import print_summary
 from .demo_workload import SEED_SIZES, SKIMAGE_PHOTOS  # noqa: F401  (re-exported)
 from .demo_workload import DemoImage, load_images, mm_hash, zipf_stream
 from .errors import ConfigError
-from .tiers.storedir import free_bytes
+from .tiers.storedir import free_bytes, probe_subdir
 from .sizing import ImageTokens, ModelSpec, get_model, image_tokens
 
 __all__ = [
@@ -172,7 +172,7 @@ def _check_dir(path: Optional[str]) -> None:
         raise ConfigError(f"dir (--dir): {path!r} is not an existing directory; create it first "
                           "(the demo makes a fresh subdirectory inside it and removes that afterwards)")
     try:
-        os.rmdir(tempfile.mkdtemp(prefix="ectier-demo-probe-", dir=path))
+        probe_subdir(path)
     except OSError as exc:
         raise ConfigError(f"dir (--dir): cannot make the run's subdirectory in {path!r}: {exc.strerror or exc}; "
                           "choose a writable directory") from None

@@ -122,10 +122,10 @@ def _workdir(ctx, param, value):
     """Refuse a --workdir in which no subdirectory can be made (tried: made and removed), before
     the run; a path check alone lets /proc through for root."""
     if value is not None:
-        import tempfile
+        from ..tiers.storedir import probe_subdir
 
         try:
-            os.rmdir(tempfile.mkdtemp(prefix="ectier-bench-probe-", dir=value))
+            probe_subdir(value)
         except OSError as exc:
             raise click.BadParameter(f"cannot make a store directory in {value!r}: {exc.strerror or exc}") from None
     return value

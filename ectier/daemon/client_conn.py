@@ -292,7 +292,7 @@ class Transport(Submissions):
         rid = self._next_id
         self._next_id += 1
         try:
-            frame = encode_frame({"id": rid, **request}, max_frame_bytes=self._frame_cap())
+            frame = encode_frame({"id": rid, **request}, max_frame_bytes=self.max_frame_bytes)
         except UnicodeEncodeError as exc:  # a lone surrogate: the cache refuses such keys too
             raise errors.InvalidKeyError(f"{request.get('op')}: strings must be valid UTF-8: {exc}") from None
         deadline = time.monotonic() + timeout
@@ -354,7 +354,9 @@ class Transport(Submissions):
         before the first connection and for a daemon older than them)."""
         return frozenset(self.server_info.get("features") or ())
 
-    def _frame_cap(self) -> int:
-        """The daemon's cap of one request frame (``hello``'s ``max_frame_bytes``; the default for
-        an older daemon)."""
+    @property
+    def max_frame_bytes(self) -> int:
+        """The daemon's cap of one request frame in bytes (``hello``'s ``max_frame_bytes``:
+        ``daemon.max_frame_bytes``; the protocol's default before a connection and for an older
+        daemon)."""
         return self.server_info.get("max_frame_bytes") or DEFAULT_MAX_FRAME_BYTES

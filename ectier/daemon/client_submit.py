@@ -41,7 +41,7 @@ class Submissions:
             rid = self._next_id
             self._next_id += 1
             try:
-                frame = encode_frame({"id": rid, "op": op, **args}, max_frame_bytes=self._frame_cap())
+                frame = encode_frame({"id": rid, "op": op, **args}, max_frame_bytes=self.max_frame_bytes)
             except UnicodeEncodeError as exc:
                 raise errors.InvalidKeyError(f"{op}: strings must be valid UTF-8: {exc}") from None
             try:

@@ -160,7 +160,7 @@ class ViewReleaser:
                 try:
                     while ids:
                         # within the daemon's frame cap (daemon.max_frame_bytes: 4 KiB holds ~400 ids)
-                        per = max(1, min(BATCH, (client._frame_cap() - 512) // 9))
+                        per = max(1, min(BATCH, (client.max_frame_bytes - 512) // 9))
                         batch = ids[:per]
                         n = client.call("release", leases=batch, instance=instance)["released"]
                         self.sent += n

@@ -71,6 +71,7 @@ class _Walk:
     def __init__(self, fd: int, size: int) -> None:
         self.fd, self.size = fd, size
         self.seen: set[int] = set()
+        self.free_lists: list[tuple[bytes | int, int]] = []  # (inline value | overflow page, bytes)
 
     def _read(self, offset: int, n: int) -> bytes:
         data = os.pread(self.fd, n, offset)
@@ -89,7 +90,6 @@ class _Walk:
         # allocated and freed in one transaction are never written): only a live page past the
         # end is damage, found when it is read (_read)
         free, main, self.last_pg = max(metas, key=lambda m: m[3])[:3]
-        self.free_lists: list[tuple[bytes | int, int]] = []  # (inline value | overflow page, bytes)
         self._tree(free, FREE_DB)
         for name, db in self._tree(main, "the main database"):
             self._tree(db, f"database {name!r}")

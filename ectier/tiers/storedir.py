@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import tempfile
 import re
 import time
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from pathlib import Path
 from ..errors import ConfigError
 
 __all__ = ["Mount", "NETWORK_FS_TYPES", "parse_mountinfo", "mount_of", "is_network_fs",
-           "check_local_filesystem", "move_aside", "damaged_copies", "MOUNTINFO_PATH", "free_bytes",
+           "check_local_filesystem", "move_aside", "damaged_copies", "MOUNTINFO_PATH", "free_bytes", "probe_subdir",
            "check_space", "missing_dirs", "remove_created", "STORE_FILES", "take_store_lock", "drop_store_lock"]
 
 MOUNTINFO_PATH = "/proc/self/mountinfo"
@@ -151,6 +152,16 @@ def check_local_filesystem(path: str | os.PathLike, *, allow: bool, mountinfo: s
             "(and only one host opens the store)"
         )
     return mount
+
+
+def probe_subdir(path: str | os.PathLike) -> None:
+    """Make a subdirectory in ``path`` and remove it again: an existing directory can pass a path
+    or permission check and still take none (``/proc``; root passes every permission check).
+
+    Raises:
+        OSError: the subdirectory cannot be made (the caller names its option).
+    """
+    os.rmdir(tempfile.mkdtemp(prefix="ectier-probe-", dir=path))
 
 
 def free_bytes(path: str | os.PathLike) -> int | None:
