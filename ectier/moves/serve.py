@@ -213,7 +213,7 @@ class Reads:
         want_gpu = target is not None and target is gpu
         host = m.stack.get("host")
         for _ in range(m.RETRIES):
-            hslot = None
+            hslot, host_fits = None, False
             with m.cond:
                 v = m.catalog.version(digest)
                 if v is not None:  # else stored nowhere here: maybe remote (I/O, outside the lock)
@@ -236,9 +236,18 @@ class Reads:
                             return True  # it stays where it is: NVMe is the highest tier it fits
             if v is None:
                 return m.remote is not None and m.remote.fetch(digest, ns, key, target if want_gpu else None) is not None
+            if hslot is None and host_fits and target is not None:
+                # decoded straight into a host slot (no intermediate tensor), then up from it
+                hslot = m.promote.into_host(host, digest, ns, key, v)
+                if hslot is RETRY:
+                    continue
+                if hslot is None:  # no clean room, or the read failed (logged): present if stored
+                    with m.cond:
+                        return digest in m.catalog
             if hslot is not None:
                 try:
-                    m.promote.from_slot(host, hslot, gpu)
+                    if want_gpu:
+                        m.promote.from_slot(host, hslot, gpu)
                 finally:
                     m.unpin(host, hslot)
                 return True

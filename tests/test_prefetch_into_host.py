@@ -1,0 +1,107 @@
+"""A prefetch of an NVMe entry into the host tier reads the record straight into the host slot
+it reserves (checksummed while read): no intermediate tensor and no copy through the host tier's
+``write`` (docs/architecture.md, "Promotion"). Whole slots and slots split over several runs of
+the arena, and a prefetch that cannot make room, which leaves the entry on NVMe."""
+
+from __future__ import annotations
+
+import torch
+
+from ectier import testing
+from ectier.config import CacheConfig, HostTierConfig, NvmeTierConfig
+
+MiB = 1 << 20
+
+
+def _entry(seed: int, mib: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-(1 << 15), 1 << 15, (mib * MiB // 2,), dtype=torch.int16, generator=g)
+
+
+def _cache(tmp_path, host_mib: int):
+    return testing.make_cache(CacheConfig(
+        namespace="prefetch-into-host", host=HostTierConfig(capacity_bytes=host_mib * MiB, pin_memory=False),
+        nvme=NvmeTierConfig(path=str(tmp_path / "nvme"), capacity_bytes=64 * MiB, sync=False)))
+
+
+def _on_nvme_only(cache, key: str, x: torch.Tensor) -> None:
+    cache.put(key, x)
+    cache.flush()
+    assert testing.drop_copy(cache, "host", key)
+    assert testing.where(cache, key) == {"nvme"}
+
+
+def _prefetch(cache, key: str) -> bool:
+    (handle,) = cache.prefetch([key])
+    return handle.wait(10.0)
+
+
+def _leased_bytes_equal(cache, key: str, x: torch.Tensor) -> bool:
+    lease = cache.acquire(key, promote=False)
+    assert lease is not None, "the prefetch left nothing in the host arena"
+    try:
+        return torch.equal(cache.load(lease).view(torch.int16).flatten(), x)
+    finally:
+        cache.release(lease)
+
+
+def test_prefetch_reads_an_nvme_entry_straight_into_its_host_slot(tmp_path):
+    cache = _cache(tmp_path, host_mib=8)
+    try:
+        x = _entry(1, 2)
+        _on_nvme_only(cache, "k", x)
+        with testing.fail_writes(cache, "host", RuntimeError("copied through the host tier")) as calls:
+            assert _prefetch(cache, "k")
+        assert calls == []
+        assert testing.holds(cache, "host", "k")
+        assert _leased_bytes_equal(cache, "k", x)
+        assert cache.stats()["tiers"]["host"]["promotions"] == 1
+        testing.check_invariants(cache)
+    finally:
+        cache.close()
+
+
+def test_prefetch_into_a_slot_split_over_arena_runs(tmp_path):
+    cache = _cache(tmp_path, host_mib=4)
+    try:
+        for i in range(4):  # the arena full of 1 MiB entries, then every other one deleted
+            cache.put(f"small-{i}", _entry(10 + i, 1))
+        cache.flush()
+        assert cache.delete("small-0") and cache.delete("small-2")
+        x = _entry(2, 2)  # fits only in both free runs together
+        _on_nvme_only(cache, "big", x)
+        with testing.fail_writes(cache, "host", RuntimeError("copied through the host tier")) as calls:
+            assert _prefetch(cache, "big")
+        assert calls == []
+        # the arena fills free runs before it evicts: the slot is split, the others stay
+        assert all(testing.holds(cache, "host", k) for k in ("big", "small-1", "small-3"))
+        assert _leased_bytes_equal(cache, "big", x)
+        for i in (1, 3):
+            assert torch.equal(cache.get(f"small-{i}").view(torch.int16).flatten(), _entry(10 + i, 1))
+        testing.check_invariants(cache)
+    finally:
+        cache.close()
+
+
+def test_prefetch_that_cannot_make_room_leaves_the_entry_on_nvme(tmp_path):
+    cache = _cache(tmp_path, host_mib=4)
+    try:
+        x = _entry(3, 2)
+        _on_nvme_only(cache, "k", x)
+        pins = []
+        for i in range(2):  # the rest of the arena pinned by readers: nothing can be evicted
+            cache.put(f"pinned-{i}", _entry(20 + i, 1))
+            pins.append(cache.acquire(f"pinned-{i}", promote=False))
+        cache.put("filler", _entry(30, 1))
+        filler = cache.acquire("filler", promote=False)
+        assert all(p is not None for p in pins) and filler is not None
+        try:
+            assert _prefetch(cache, "k")  # still stored (on NVMe): the prefetch says so
+            assert testing.where(cache, "k") == {"nvme"}
+        finally:
+            for lease in (*pins, filler):
+                cache.release(lease)
+        assert torch.equal(cache.get("k").view(torch.int16).flatten(), x)
+        testing.check_invariants(cache)
+    finally:
+        cache.close()
