@@ -165,7 +165,8 @@ class NvmeTierConfig:
     Fields:
         path: directory of the store (created if missing). ``None`` (default) disables the tier.
         capacity_bytes: byte budget of stored records (payload after compression plus header).
-            Default 16 GiB.
+            Default 16 GiB. A budget below one 64 KiB block of the segment file (the least an
+            entry takes on disk), but not 0, is a ``ConfigError`` at open.
         codec: ``"raw"`` (default), ``"zstd"`` or ``"zstd-planes"`` (byte planes split before zstd;
             ~1.46x on bf16 encoder outputs vs ~1.29x for plain zstd at level 1, docs/benchmarks.md).
         zstd_level: zstd level for the zstd codecs, -7..22. Default 1.

@@ -38,8 +38,8 @@ _UNITS = {
     "": 1,
     "b": 1,
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4, "p": 1000**5, "pb": 1000**5,
-    "kib": KiB, "mib": MiB, "gib": GiB, "tib": 1 << 40, "pib": 1 << 50,
+    "t": 1000**4, "tb": 1000**4, "p": 1000**5, "pb": 1000**5, "e": 1000**6, "eb": 1000**6,
+    "kib": KiB, "mib": MiB, "gib": GiB, "tib": 1 << 40, "pib": 1 << 50, "eib": 1 << 60,
 }
 _BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -47,8 +47,8 @@ _BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 def parse_bytes(value: int | str, *, field_name: str = "value") -> int:
     """Parse a byte count: an ``int`` or a string such as ``"64GiB"``, ``"512 MB"``, ``"1048576"``.
 
-    IEC suffixes (KiB, MiB, GiB, TiB, PiB) are powers of 1024; SI suffixes (KB, MB, GB, TB, PB, or
-    K/M/G/T/P) are powers of 1000. Returns bytes as ``int``.
+    IEC suffixes (KiB, MiB, GiB, TiB, PiB, EiB) are powers of 1024; SI suffixes (KB, MB, GB, TB, PB,
+    EB, or K/M/G/T/P/E) are powers of 1000. Returns bytes as ``int``.
 
     Raises:
         ConfigError: naming ``field_name`` when the value is negative, fractional in bytes, of the

@@ -101,3 +101,13 @@ def test_a_store_reopened_with_a_lower_budget_warns_once_naming_the_field_and_th
     for k, got in kept.items():
         assert got is None or torch.equal(got, values[k])
     assert lost == [f"k{i}" for i in range(len(lost))]  # the oldest went first
+
+
+@pytest.mark.parametrize("capacity", [1, 4096, 64 * 1024 - 1])
+def test_a_capacity_below_one_segment_block_is_a_config_error_and_creates_nothing(tmp_path, capacity):
+    # a unit left out ("1" meant 1 GiB): before, the store opened and every put failed
+    with pytest.raises(ConfigError, match=rf"^nvme\.capacity_bytes: {capacity} bytes is below one 64 KiB block"):
+        TieredCache(make_config(tmp_path / "nvme", nvme_bytes=capacity))
+    assert not (tmp_path / "nvme").exists()
+    with TieredCache(make_config(tmp_path / "nvme", nvme_bytes=64 * 1024)) as cache:  # one block: opens
+        assert len(cache) == 0

@@ -165,6 +165,10 @@ class NvmeEnv:
             StoreOpenError, StoreDamagedError, StoreLockedError, ConfigError: as
                 :class:`~ectier.tiers.nvme.NvmeTier`; nothing stays open or locked then.
         """
+        cap = self.config.capacity_bytes
+        if 0 < cap < BLOCK_BYTES:  # (a unit left out: "1" for 1 GiB); nothing is created then
+            raise ConfigError(f"nvme.capacity_bytes: {cap} bytes is below one {BLOCK_BYTES // 1024} KiB block of "
+                              f"the segment file, the least one entry takes on disk; give a unit, e.g. '64GiB'")
         check_local_filesystem(self.path, allow=self.config.allow_network_fs)
         created = missing_dirs(self.path)
         try:
