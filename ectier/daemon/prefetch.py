@@ -200,9 +200,9 @@ class Prefetcher:
             log.warning("prefetch of a key failed: %s: %s", type(exc).__name__, exc)
         with self._lock:
             self._running.pop(ident, None)
-            if held is None:
+            if held is None or held is REFUSED:
                 self._failed.add(ident)
-                self.counters["failed"] += 1
+                self.counters["failed"] += held is None  # (a refusal is counted as scratch_refused)
                 return
             self.counters["promoted"] += 1
         self._keep(ident, held)
@@ -253,7 +253,7 @@ class Prefetcher:
                 self._refused.add((ns, key))
             self.counters["direct_reads" if room else "scratch_refused"] += 1
         if not room:
-            return None  # absent (a miss) until a held scratch file is let go (_unhold)
+            return REFUSED  # absent (a miss) until a held scratch file is let go (_unhold)
         try:
             return Held(DirectRead.of(tensor, self.scratch_dir, gid=self.gid), time.monotonic() + self.hold_s,
                         scratch_nbytes=nbytes)
@@ -388,6 +388,8 @@ class Prefetcher:
 
 #: a finished promotion over the held-bytes budget: ready in the arena, not pinned, not kept
 UNPINNED: Any = Held(None, 0.0)
+#: a direct read refused by the held scratch budget: absent, not kept, not counted as a failure
+REFUSED: Any = Held(None, 0.0)
 
 
 def _end(cache: TieredCache, held: Held) -> None:
