@@ -298,6 +298,26 @@ def test_prefetch_promotes_nvme_entries_into_the_gpu_tier(open_cache, tmp_path):
     check_quiescent(c)
 
 
+def test_prefetch_into_the_gpu_tier_when_the_host_tier_has_no_room(open_cache, tmp_path):
+    # every host block pinned by a reader: the entry goes from NVMe to the GPU tier directly
+    c = open_cache(cfg(tmp_path, gpu_blocks=2, host_blocks=2, nvme_bytes=4 * MiB))
+    ts = {f"k{i}": filled(BLOCK, i) for i in range(6)}
+    for k, t in ts.items():
+        c.put(k, t)
+        assert testing.write_behind_idle(c)
+    leases = [c.acquire(k, promote=False) for k in ("k2", "k3")]
+    try:
+        assert all(lease is not None for lease in leases) and where(c, "k0") == {"nvme"}
+        (h,) = c.prefetch(["k0"], device="cpu")
+        assert h.wait(5) and "gpu" in where(c, "k0")
+    finally:
+        for lease in leases:
+            c.release(lease)
+    assert raw_bytes(c.get("k0", device="cpu")) == raw_bytes(ts["k0"])
+    testing.drain(c, 5)
+    check_quiescent(c)
+
+
 def test_prefetch_without_gpu_device_stops_at_the_host(make_cache):
     cache, _ = make_cache(host_bytes=2 * 64 * KiB, nvme_bytes=2 * MiB)
     for i in range(4):

@@ -241,9 +241,10 @@ class Reads:
                 hslot = m.promote.into_host(host, digest, ns, key, v)
                 if hslot is RETRY:
                     continue
-                if hslot is None:  # no clean room, or the read failed (logged): present if stored
+                if hslot is None and not want_gpu:  # no clean room, or the read failed (logged)
                     with m.cond:
-                        return digest in m.catalog
+                        return digest in m.catalog  # present if still stored
+                # (None towards the GPU tier: from_store below tries each tier up to it)
             if hslot is not None:
                 try:
                     if want_gpu:
