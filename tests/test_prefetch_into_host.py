@@ -36,6 +36,14 @@ def _prefetch(cache, key: str) -> bool:
     return handle.wait(10.0)
 
 
+def _prefetch_without_host_writes(cache, key: str) -> None:
+    """Prefetch ``key`` with the host tier's ``write`` (a copy into a slot) failing: it succeeds
+    only if the record is read straight into the slot."""
+    with testing.fail_writes(cache, "host", RuntimeError("copied through the host tier")) as calls:
+        assert _prefetch(cache, key)
+    assert calls == []
+
+
 def _leased_bytes_equal(cache, key: str, x: torch.Tensor) -> bool:
     lease = cache.acquire(key, promote=False)
     assert lease is not None, "the prefetch left nothing in the host arena"
@@ -50,9 +58,7 @@ def test_prefetch_reads_an_nvme_entry_straight_into_its_host_slot(tmp_path):
     try:
         x = _entry(1, 2)
         _on_nvme_only(cache, "k", x)
-        with testing.fail_writes(cache, "host", RuntimeError("copied through the host tier")) as calls:
-            assert _prefetch(cache, "k")
-        assert calls == []
+        _prefetch_without_host_writes(cache, "k")
         assert testing.holds(cache, "host", "k")
         assert _leased_bytes_equal(cache, "k", x)
         assert cache.stats()["tiers"]["host"]["promotions"] == 1
@@ -70,9 +76,7 @@ def test_prefetch_into_a_slot_split_over_arena_runs(tmp_path):
         assert cache.delete("small-0") and cache.delete("small-2")
         x = _entry(2, 2)  # fits only in both free runs together
         _on_nvme_only(cache, "big", x)
-        with testing.fail_writes(cache, "host", RuntimeError("copied through the host tier")) as calls:
-            assert _prefetch(cache, "big")
-        assert calls == []
+        _prefetch_without_host_writes(cache, "big")
         # the arena fills free runs before it evicts: the slot is split, the others stay
         assert all(testing.holds(cache, "host", k) for k in ("big", "small-1", "small-3"))
         assert _leased_bytes_equal(cache, "big", x)
