@@ -217,7 +217,7 @@ class Mover:
         try:
             while pending:
                 v = pending[0]
-                moved = False
+                moved: bool | None = False
                 try:
                     moved = self.demote(tier, v, protect=protect)
                 finally:
@@ -227,13 +227,14 @@ class Mover:
             for v in pending:
                 self._release_victim(tier, v, False)
 
-    def demote(self, tier: ArenaTier, v: Slot, *, protect: bytes | None = None) -> bool:
+    def demote(self, tier: ArenaTier, v: Slot, *, protect: bytes | None = None) -> bool | None:
         """Move a pinned victim to the nearest lower tier that takes it. True if a lower tier
-        holds (or, once its copy completes, will hold) its version."""
+        holds (or, once its copy completes, will hold) its version; ``None`` if its version was
+        replaced or deleted meanwhile (nothing to keep, nothing lost)."""
         host = tier.name == "host"
         with self.cond:
             if not self.catalog.is_current(v.digest, v.version):
-                return False  # replaced or deleted: nothing to keep
+                return None
             for t in self.stack.below(tier):
                 if t.holds(v.digest, v.version):
                     if self.nvme is not None and t is self.nvme.tier:
@@ -247,15 +248,19 @@ class Mover:
                 handler = self._demotions.get((tier.name, dst.name))
                 if handler is not None and self._run(f"demotion {tier.name} -> {dst.name}", handler, v, protect):
                     return True
-            return False
+            with self.cond:  # a newer version or a delete during the write: nothing was lost
+                rec = self.nvme.tier.record(v.digest) if self.nvme is not None else None
+                newer = rec is not None and rec.version > v.version  # (a put whose record just landed)
+                return None if newer or not self.catalog.is_current(v.digest, v.version) else False
         finally:
             if host and self.nvme is not None:  # a write inside the call that needed the room
                 self.counters.count("host", dirty_evictions=1, eviction_write_s=time.perf_counter() - started)
 
-    def _release_victim(self, tier: ArenaTier, v: Slot, moved: bool) -> None:
+    def _release_victim(self, tier: ArenaTier, v: Slot, moved: bool | None) -> None:
         with self.cond:
             tier.release_victim(v)
-            self.counters.count(tier.name, evictions=1, **{"demotions" if moved else "drops": 1})
+            if moved is not None:  # (None: a replaced or deleted version, no entry evicted)
+                self.counters.count(tier.name, evictions=1, **{"demotions" if moved else "drops": 1})
             if not moved:
                 self.forget_if_unheld_locked(v.digest, v.version)
             self.cond.notify_all()

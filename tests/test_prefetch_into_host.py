@@ -1,9 +1,14 @@
 """A prefetch of an NVMe entry into the host tier reads the record straight into the host slot
 it reserves (checksummed while read): no intermediate tensor and no copy through the host tier's
 ``write`` (docs/architecture.md, "Promotion"). Whole slots and slots split over several runs of
-the arena, and a prefetch that cannot make room, which leaves the entry on NVMe."""
+the arena, a prefetch that cannot make room (the entry stays on NVMe), an ``acquire`` of the key
+while the prefetch reads it (it waits for that read rather than missing), and evictions counted
+as drops only when an entry is lost."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import torch
 
@@ -18,9 +23,10 @@ def _entry(seed: int, mib: int) -> torch.Tensor:
     return torch.randint(-(1 << 15), 1 << 15, (mib * MiB // 2,), dtype=torch.int16, generator=g)
 
 
-def _cache(tmp_path, host_mib: int):
+def _cache(tmp_path, host_mib: int, **host):
     return testing.make_cache(CacheConfig(
-        namespace="prefetch-into-host", host=HostTierConfig(capacity_bytes=host_mib * MiB, pin_memory=False),
+        namespace="prefetch-into-host",
+        host=HostTierConfig(capacity_bytes=host_mib * MiB, pin_memory=False, **host),
         nvme=NvmeTierConfig(path=str(tmp_path / "nvme"), capacity_bytes=64 * MiB, sync=False)))
 
 
@@ -106,6 +112,70 @@ def test_prefetch_that_cannot_make_room_leaves_the_entry_on_nvme(tmp_path):
             for lease in (*pins, filler):
                 cache.release(lease)
         assert torch.equal(cache.get("k").view(torch.int16).flatten(), x)
+        testing.check_invariants(cache)
+    finally:
+        cache.close()
+
+
+def test_acquire_waits_for_a_prefetch_reading_the_same_key(tmp_path):
+    # the entry takes most of the arena: while the prefetch's reservation holds the room, a
+    # second copy cannot be admitted; the acquire waits for that read instead of missing
+    from slow_nvme_daemon import SlowReads
+
+    cache = _cache(tmp_path, host_mib=4)
+    try:
+        x = _entry(4, 3)
+        _on_nvme_only(cache, "k", x)
+        testing.set_lmdb_env(cache, SlowReads(testing.lmdb_of(cache).env, 0.5))
+        try:
+            (handle,) = cache.prefetch(["k"])
+            time.sleep(0.2)  # the prefetch is inside its (slow) NVMe read now
+            lease = cache.acquire("k")
+            assert lease is not None, "acquire missed while a prefetch read the key"
+            try:
+                assert torch.equal(cache.load(lease).view(torch.int16).flatten(), x)
+            finally:
+                cache.release(lease)
+            assert handle.wait(10.0) and handle.error is None
+        finally:
+            testing.set_lmdb_env(cache, testing.lmdb_of(cache).env)
+        assert cache.stats()["tiers"]["nvme"]["hits"] == 1  # read once, by the prefetch
+        testing.check_invariants(cache)
+    finally:
+        cache.close()
+
+
+def test_evictions_of_replaced_versions_are_not_counted_as_drops(tmp_path):
+    # threads overwrite and read keys over a small arena: a victim whose key was overwritten
+    # meanwhile is no lost entry (it was counted as a drop: "drops (lost)" without a failure)
+    cache = _cache(tmp_path, host_mib=2)
+    keys = [f"k{i}" for i in range(12)]
+    stop = time.monotonic() + 1.5
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        try:
+            while time.monotonic() < stop:
+                k = keys[int(torch.randint(len(keys), (1,), generator=g))]
+                if torch.rand(1, generator=g).item() < 0.5:
+                    cache.put(k, torch.full((int(torch.randint(16, 128, (1,), generator=g)) * 1024,), seed))
+                else:
+                    cache.get(k)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        host, nvme = cache.stats()["tiers"]["host"], cache.stats()["tiers"]["nvme"]
+        assert host["evictions"] > 100  # the arena churned
+        assert nvme["write_failures"] == 0 and host["drops"] == 0
+        assert host["evictions"] == host["demotions"] + host["drops"]
         testing.check_invariants(cache)
     finally:
         cache.close()

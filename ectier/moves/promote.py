@@ -8,6 +8,7 @@ of every move are the mover's; this module holds what is particular to moving *u
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Promotions"]
 
+_NO_ROOM = object()  # into_host: the admission found no room
+
 
 class Promotions:
     """The promotion side of the mover (``m``), reached as ``Mover.promote``."""
@@ -30,6 +33,8 @@ class Promotions:
     def __init__(self, m: "Mover") -> None:
         self.m = m
         self._promotions: dict[tuple[str, str], Callable[..., Any]] = {}
+        #: digests being read into a host slot by into_host now, and by how many callers (m.cond)
+        self._reading: dict[bytes, int] = {}
         gpu, host = m.stack.get("gpu"), m.stack.get("host")
         if host is not None:
             self._promotions["nvme", "host"] = self._promote_data_into_host
@@ -72,10 +77,18 @@ class Promotions:
         rec = self.m.nvme.tier.record(digest)
         if rec is None:
             return None
-        meta = rec.meta  # made once per record
+        with self.m.cond:  # marked before its admission, unmarked once committed or aborted
+            self._reading[digest] = self._reading.get(digest, 0) + 1
+        try:
+            got = self._admit_read_commit(host, digest, rec.meta, ns, key, version)
+        finally:
+            self._done_reading(digest)
+        return self._wait_for_other(digest) if got is _NO_ROOM else got
+
+    def _admit_read_commit(self, host: ArenaTier, digest: bytes, meta: EntryMeta, ns: str, key: str, version: int):
         slot = self.m.admit(host, digest, meta, version, promotion=True, protect=digest)
         if slot is None:
-            return None
+            return _NO_ROOM
         try:
             got = self.m.run_move("promotion nvme -> host", self._read_into_slot, host, slot, digest, ns, key, version)
         except BaseException:
@@ -89,6 +102,29 @@ class Promotions:
             return RETRY  # a newer version, or the key was promoted by another reader meanwhile
         self.m.counters.count("host", promotions=1)
         return slot
+
+    def _wait_for_other(self, digest: bytes):
+        """No room for ``digest`` in the host tier: if another caller is reading it into a host
+        slot (a prefetch, another acquire; its reservation may be the room), wait for that read
+        to end (at most ``host.admit_wait_s``) and return :data:`RETRY` (the caller finds the
+        entry where it is now); else ``None``."""
+        m = self.m
+        deadline = time.monotonic() + m.config.host.admit_wait_s
+        with m.cond:
+            if not self._reading.get(digest):
+                return None
+            while self._reading.get(digest) and time.monotonic() < deadline:
+                m.cond.wait(timeout=min(0.05, max(deadline - time.monotonic(), 0.0)))
+            return RETRY if not self._reading.get(digest) else None
+
+    def _done_reading(self, digest: bytes) -> None:
+        with self.m.cond:
+            n = self._reading[digest] - 1
+            if n:
+                self._reading[digest] = n
+            else:
+                del self._reading[digest]
+            self.m.cond.notify_all()
 
     def _read_into_slot(self, host: ArenaTier, slot: Slot, digest: bytes, ns: str, key: str, version: int):
         """Read the record into the reserved ``slot``'s bytes: True, ``None`` (miss) or RETRY."""
