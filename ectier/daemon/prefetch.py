@@ -101,6 +101,9 @@ class Prefetcher:
         self.remote = cache.config.remote.enabled  # a key stored nowhere here may be on the store
         self._lock = threading.Lock()
         self._running: dict[tuple[str, str], bool] = {}  # (ns, key) -> direct wanted
+        #: pins being taken for a key now (a worker, or a request's host hit): a put or delete of
+        #: the key marks them stale, and a stale pin is let go instead of kept (it holds the older version)
+        self._tickets: dict[tuple[str, str], list[_Ticket]] = {}
         self._failed: set[tuple[str, str]] = set()
         self._held: dict[tuple[str, str], Held] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -149,9 +152,15 @@ class Prefetcher:
             if not handle.wait(0):
                 return ABSENT
             # pinned only if in the arena now (a host hit: never I/O on the request's thread)
-            held = self._hold(self.cache.acquire(key, namespace=ns, promote=False), ns, key)
+            ticket, held = self._ticket(ident), None
+            try:
+                held = self._hold(self.cache.acquire(key, namespace=ns, promote=False), ns, key)
+            finally:
+                if held is None:
+                    with self._lock:
+                        self._end_ticket(ident, ticket)
             if held is not None:
-                self._keep(ident, held)
+                self._keep(ident, held, ticket)
                 return READY
             if not self.cache.contains(key, namespace=ns):
                 return ABSENT
@@ -171,24 +180,43 @@ class Prefetcher:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="ectier-daemon-prefetch",
                                                 initializer=mark_background)
-            self._pool.submit(self._finish, ident, handle)
+            ticket = _Ticket()
+            self._tickets.setdefault(ident, []).append(ticket)
+            self._pool.submit(self._finish, ident, handle, ticket)
         return PROMOTING
 
-    def _keep(self, ident: tuple[str, str], held: Held) -> None:
-        """Hold ``held`` for the next get of ``ident`` (an unpinned one is not kept: the next
-        ``prefetch`` finds the entry in the arena by itself)."""
-        if held is UNPINNED:
-            return
+    def _ticket(self, ident: tuple[str, str]) -> "_Ticket":
+        ticket = _Ticket()
         with self._lock:
-            stale = held if self._closed else self._held.pop(ident, None)
-            if not self._closed:
+            self._tickets.setdefault(ident, []).append(ticket)
+        return ticket
+
+    def _end_ticket(self, ident: tuple[str, str], ticket: "_Ticket") -> None:
+        """Under ``_lock``: ``ticket``'s pin was kept or let go."""
+        tickets = self._tickets.get(ident)
+        if tickets is not None and ticket in tickets:
+            tickets.remove(ticket)
+            if not tickets:
+                del self._tickets[ident]
+
+    def _keep(self, ident: tuple[str, str], held: Held, ticket: "_Ticket") -> None:
+        """Hold ``held`` for the next get of ``ident`` (an unpinned one is not kept: the next
+        ``prefetch`` finds the entry in the arena by itself; one whose ``ticket`` a put or
+        delete of the key marked stale is let go: it pins the older version)."""
+        with self._lock:
+            self._end_ticket(ident, ticket)
+            if held is UNPINNED:
+                return
+            drop = self._closed or ticket.stale
+            stale = held if drop else self._held.pop(ident, None)
+            if not drop:
                 self._held[ident] = held
             if stale is not None:
                 self._unhold(stale)
         if stale is not None:
             _end(self.cache, stale)
 
-    def _finish(self, ident: tuple[str, str], handle: Any) -> None:
+    def _finish(self, ident: tuple[str, str], handle: Any, ticket: "_Ticket") -> None:
         """Worker: wait for the cache's promotion, pin the entry (or read it into a scratch file)."""
         ns, key = ident
         held = None
@@ -201,11 +229,13 @@ class Prefetcher:
         with self._lock:
             self._running.pop(ident, None)
             if held is None or held is REFUSED:
-                self._failed.add(ident)
+                self._end_ticket(ident, ticket)
+                if not ticket.stale:  # (a put or delete meanwhile: the next prefetch starts again)
+                    self._failed.add(ident)
                 self.counters["failed"] += held is None  # (a refusal is counted as scratch_refused)
                 return
             self.counters["promoted"] += 1
-        self._keep(ident, held)
+        self._keep(ident, held, ticket)
 
     def _hold(self, lease: ReadLease | None, ns: str, key: str) -> Held | None:
         """A held pin of ``lease`` (None: no lease); over the held-bytes budget (the arena blocks
@@ -315,6 +345,8 @@ class Prefetcher:
             held = self._held.pop(ident, None)
             if held is not None:
                 self._unhold(held)
+            for ticket in self._tickets.get(ident, ()):
+                ticket.stale = True  # a pin being taken now is of the older version
             self._failed.discard(ident)
             self._refused.discard(ident)
             self._warned.discard(ident)
@@ -384,6 +416,16 @@ class Prefetcher:
                 self._unhold(h)
         for h in held:
             _end(self.cache, h)
+
+
+class _Ticket:
+    """A pin being taken for a key (:attr:`Prefetcher._tickets`); ``stale`` once a put or delete
+    of the key came meanwhile."""
+
+    __slots__ = ("stale",)
+
+    def __init__(self) -> None:
+        self.stale = False
 
 
 #: a finished promotion over the held-bytes budget: ready in the arena, not pinned, not kept
