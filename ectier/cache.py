@@ -324,7 +324,7 @@ class TieredCache(HostArenaAPI):
             self._closed = True
             return
         try:
-            self._reads.quiesce()
+            self._reads.quiesce(closing=True)  # a prefetch from now on finishes at once
             self._mover.close_write_behind()  # its write in flight lands before the flush
             if self.config.nvme.flush_on_close:
                 try:

@@ -16,6 +16,7 @@ import threading
 import time
 import traceback
 
+import pytest
 import torch
 
 from ectier import TieredCache
@@ -134,3 +135,39 @@ def test_close_racing_calls_in_flight_raises_only_typed_errors(tmp_path):
         totals["ok"] += race.ok_calls
         totals["closed"] += race.closed_errors
     assert totals["ok"] > 0 and totals["closed"] > 0, totals
+
+
+def test_close_returns_while_threads_keep_prefetching_and_leaves_no_prefetch_thread(tmp_path):
+    # prefetches that keep coming while close() drains the pools: close returned only once
+    # no new one came (never, with threads prefetching without waiting), and one accepted
+    # during the flush ran in a new pool against the closing tiers, its thread alive after close
+    cache = TieredCache(make_config(tmp_path / "nvme", host_bytes=128 * KiB, nvme_bytes=4 * MiB,
+                                    block_bytes=16 * KiB))
+    for i, key in enumerate(KEYS):
+        cache.put(key, filled(SMALL, i + 1))  # more than the host arena holds: promotions churn
+    stop, errors = threading.Event(), []
+
+    def prefetch_without_waiting() -> None:
+        try:
+            while not stop.is_set():
+                cache.prefetch(KEYS)
+        except EctierError:
+            return  # closed
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=prefetch_without_waiting, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    closer = threading.Thread(target=cache.close, daemon=True)
+    closer.start()
+    closer.join(30)
+    stop.set()
+    assert not closer.is_alive(), "close() did not return while other threads prefetched"
+    for t in threads:
+        t.join(10)
+    assert not errors
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("ectier-prefetch")]
+    with pytest.raises(EctierError, match="closed"):
+        cache.prefetch(KEYS[:1])

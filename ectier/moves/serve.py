@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..cpus import background_threads
+from ..errors import EctierError
 from ..index import Slot
 from ..tensors import output_for, tensor_from_bytes, torch_dtype
 from ..tiers.arena import ArenaTier
@@ -53,6 +54,7 @@ class Reads:
         # remote.timeout_s): threads of their own, so they never hold a background slot or the
         # pool's threads that NVMe promotions need
         self._fetch_pool: ThreadPoolExecutor | None = None
+        self._closing = False  # quiesce(closing=True) ran: no new pool
         #: the ``prefetch_threads`` slots every background read of this cache holds one of
         self.background_n = background_threads(m.config.prefetch_threads)
         self.background = threading.BoundedSemaphore(self.background_n)
@@ -294,6 +296,9 @@ class Reads:
 
     def _submit(self, remote: bool, handle: "LoadHandle", digest: bytes, ns: str, key: str, target: Tier | None) -> None:
         with self.m.cond:
+            if self._closing:  # (a prefetch that came while the cache closes: no new pool)
+                handle.finish(False, EctierError("cache is closed"))
+                return
             name = "_fetch_pool" if remote else "_prefetch_pool"
             pool = getattr(self, name)
             if pool is None:
@@ -320,9 +325,13 @@ class Reads:
             log.warning("prefetch of a key failed: %s", exc)
             handle.finish(False, exc)
 
-    def quiesce(self, timeout_s: float | None = None) -> bool:
+    def quiesce(self, timeout_s: float | None = None, *, closing: bool = False) -> bool:
         """Wait for prefetches and copy completions in flight (the pool restarts on the next
-        prefetch). False if the completions did not all run within ``timeout_s``."""
+        prefetch; with ``closing`` it does not: later prefetches finish at once, not found, with
+        ``EctierError``). False if the completions did not all run within ``timeout_s``."""
+        if closing:
+            with self.m.cond:
+                self._closing = True
         while True:  # a promotion handed from one pool to the other starts that pool again
             with self.m.cond:
                 pools = [p for p in (self._prefetch_pool, self._fetch_pool) if p is not None]
