@@ -163,7 +163,8 @@ class NvmeTierConfig:
     """NVMe tier: an LMDB environment under ``path``; records are self-describing and checksummed.
 
     Fields:
-        path: directory of the store (created if missing). ``None`` (default) disables the tier.
+        path: directory of the store (created if missing; a leading ``~`` is the home directory).
+            ``None`` (default) disables the tier.
         capacity_bytes: byte budget of stored records (payload after compression plus header).
             Default 16 GiB. A budget below one 64 KiB block of the segment file (the least an
             entry takes on disk), but not 0, is a ``ConfigError`` at open.

@@ -163,10 +163,14 @@ def check_text(name: str, value: Any, what: str) -> None:
 
 
 def fspath(obj: Any, name: str) -> None:
-    """Turn an ``os.PathLike`` value of field ``name`` into its ``str``."""
+    """Turn an ``os.PathLike`` value of field ``name`` into its ``str``, and a leading ``~`` or
+    ``~user`` into that home directory (as a shell would; it was a directory named ``~``)."""
     value = getattr(obj, name)
     if isinstance(value, os.PathLike):
-        object.__setattr__(obj, name, os.fspath(value))
+        value = os.fspath(value)
+        object.__setattr__(obj, name, value)
+    if isinstance(value, str) and value.startswith("~"):
+        object.__setattr__(obj, name, os.path.expanduser(value))
 
 
 def check_namespace(value: Any) -> None:

@@ -16,6 +16,7 @@ import torch
 from ..entry import EntryMeta
 from ..errors import EctierError, TierWriteError
 from ..index import Slot
+from ..logutil import RateLimitedLogger
 from ..tensors import byte_view, output_for, torch_dtype
 from ..tiers.nvme import NvmeDiskFullError, NvmeTier
 from ..tiers.nvme_scan import gc_paused
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 __all__ = ["NvmeMoves", "RETRY"]
 
 log = logging.getLogger(__name__)
+#: one line per 10 s (with the count of those left out) while the disk stays full
+_DISK_FULL_LOG = RateLimitedLogger(log, 10.0)
 
 
 class _Retry:
@@ -156,8 +159,8 @@ class NvmeMoves:
                 raise NvmeDiskFullError(f"{exc}; no record of this tier could be evicted to make room") from None
             self._delete_victims(doomed)
             self.m.counters.count("nvme", disk_full_evictions=len(doomed))
-            log.warning("nvme tier: filesystem full; evicted %d records (least valuable first) and retrying "
-                        "the write once", len(doomed))
+            _DISK_FULL_LOG.warning("disk full", "nvme tier: filesystem full; evicted %d records (least valuable "
+                                   "first) and retrying the write once", len(doomed))
         try:  # into the evicted records' blocks (already on disk), not past the file's end
             return self.tier.write(digest, record, on_disk=True)
         except NvmeDiskFullError as exc:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 
 import torch
 
@@ -84,8 +85,10 @@ class HostTier(ArenaTier):
             self.buffer = self._map_shared(shm_path, nbytes)
             # a shared mapping cannot come from the pinned allocator: register it with the driver
             self.pinned = bool(want_pin) and self._register(self.buffer)
+        self._populate_stop = threading.Event()
+        self._populating = None
         if not self.pinned and shm_path is None:  # faulted in now, not by each first put (tiers/populate.py)
-            populate_later(self.buffer)
+            self._populating = populate_later(self.buffer, stop=self._populate_stop)
         log.info("host tier: %d bytes in %d-byte blocks, pinned=%s, shared=%s",
                  nbytes, config.block_bytes, self.pinned, shm_path or "no")
 
@@ -142,7 +145,12 @@ class HostTier(ArenaTier):
         return ok
 
     def close(self) -> None:
-        """Unregister a registered mapping and remove the shared arena file (if any)."""
+        """End the populating thread, unregister a registered mapping and remove the shared arena
+        file (if any)."""
+        self._populate_stop.set()
+        if self._populating is not None:
+            self._populating.join(5.0)  # (one madvise of 256 KiB at most)
+            self._populating = None
         if self._registered:
             torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
             self._registered = False

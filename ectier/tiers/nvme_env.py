@@ -275,6 +275,9 @@ class NvmeEnv:
                 raise StoreDamagedError(
                     f"nvme.path: cannot open LMDB store in {str(self.path)!r}: {exc}; {_damaged_hint(self.path)}") from None
             raise StoreOpenError(f"nvme.path: cannot open LMDB store in {str(self.path)!r}: {exc}") from None
+        except OSError as exc:  # e.g. segment.0 a directory, or unreadable
+            self._close_env()
+            raise StoreOpenError(f"nvme.path: cannot open the store in {str(self.path)!r}: {exc}") from None
         except BaseException:
             self._close_env()
             raise

@@ -55,7 +55,8 @@ def _madvise(address: int, length: int, advice: int) -> int:
     return 0 if _libc.madvise(address, length, advice) == 0 else (ctypes.get_errno() or errno.EINVAL)
 
 
-def populate_later(buffer: torch.Tensor, *, chunk_bytes: int = _CHUNK) -> threading.Thread | None:
+def populate_later(buffer: torch.Tensor, *, chunk_bytes: int = _CHUNK,
+                   stop: threading.Event | None = None) -> threading.Thread | None:
     """Fault in every page of a private CPU arena, in a background thread, so copies into it
     (the saves) pay no first-touch page faults.
 
@@ -73,7 +74,9 @@ def populate_later(buffer: torch.Tensor, *, chunk_bytes: int = _CHUNK) -> thread
     weak reference otherwise), so an arena closed meanwhile is freed as before; it stops at the first
     refusal (an older kernel: the pages then fault on first write, as before).
 
-    ``buffer``: a flat CPU tensor whose bytes are the arena. Returns the thread (``None`` for an
+    ``buffer``: a flat CPU tensor whose bytes are the arena. ``stop``: set it to end the thread
+    before its next call (the arena's ``close``, which then joins it: a process that exits while
+    the thread still runs is aborted in its finalization). Returns the thread (``None`` for an
     empty or non-CPU buffer). Never raises.
     """
     nbytes = buffer.numel() * buffer.element_size()
@@ -89,7 +92,7 @@ def populate_later(buffer: torch.Tensor, *, chunk_bytes: int = _CHUNK) -> thread
         t0 = time.perf_counter()
         for lo in range(0, length, chunk_bytes):
             held = ref()
-            if held is None:
+            if held is None or (stop is not None and stop.is_set()):
                 return
             rc = _madvise(start + lo, min(chunk_bytes, length - lo), _MADV_POPULATE_WRITE)
             del held
