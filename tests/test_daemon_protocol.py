@@ -368,3 +368,18 @@ def test_any_map_round_trips_through_frames(msgs, step):
     for i in range(0, len(data), step):
         out += dec.feed(data[i:i + step])
     assert out == msgs
+
+
+def test_a_client_put_of_more_dimensions_than_reserve_takes_is_an_invalid_tensor_error(tmp_path):
+    # refused before any request (no daemon needed): it was the daemon's ProtocolError
+    import torch
+
+    from ectier.daemon.client import DaemonClient
+    from ectier.daemon.protocol import MAX_DIMS
+    from ectier.errors import InvalidTensorError
+
+    client = DaemonClient(str(tmp_path / "none.sock"))
+    with pytest.raises(InvalidTensorError, match=rf"^tensor: {MAX_DIMS + 1} dimensions; the daemon stores at most {MAX_DIMS}"):
+        client.put("k", torch.zeros([1] * (MAX_DIMS + 1)))
+    with pytest.raises(ProtocolError, match="at most 32 ints"):
+        parse_request({"id": 1, "op": "reserve", "key": "k", "dtype": "float32", "shape": [1] * (MAX_DIMS + 1)})

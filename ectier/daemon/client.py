@@ -43,7 +43,7 @@ from .client_copy import copy_from_device as _copy_from_device, device_to_host a
 from .client_errors import DaemonFeatureError, DaemonUnavailableError
 from .client_conn import Transport
 from .client_views import ViewCalls
-from .protocol import FrameDecoder
+from .protocol import MAX_DIMS, FrameDecoder
 
 __all__ = ["DaemonClient", "DaemonUnavailableError", "DaemonFeatureError"]
 
@@ -235,6 +235,9 @@ class DaemonClient(Transport, ViewCalls):
         from ..tensors import byte_view, meta_for
 
         meta = meta_for("-", "-", tensor)  # dtype and shape; the daemon validates key/namespace
+        if len(meta.shape) > MAX_DIMS:  # (the protocol's cap: docs/protocol.md)
+            raise errors.InvalidTensorError(f"tensor: {len(meta.shape)} dimensions; the daemon stores at most "
+                                            f"{MAX_DIMS} (in-process caches have no such cap)")
         on_device = tensor.device.type == "cuda"
         src = None if on_device else byte_view(tensor)
         with self._lock:

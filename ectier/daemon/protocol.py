@@ -32,6 +32,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "FEATURES",
     "MAX_BATCH_KEYS",
+    "MAX_DIMS",
     "DEFAULT_MAX_FRAME_BYTES",
     "ProtocolError",
     "FrameDecoder",
@@ -141,6 +142,8 @@ _LIST = (list,)
 #: most keys one ``prefetch`` names (its reply is one frame; keys are at most 64 KiB each, so
 #: clients batch a scheduler step's items, not a whole cache)
 MAX_BATCH_KEYS = 1024
+#: most dimensions of an entry's shape that ``reserve`` takes
+MAX_DIMS = 32
 #: what this daemon offers beyond protocol 1's first operations (the ``hello`` reply's
 #: ``features``; a client uses an operation or argument only if its daemon lists it):
 #: ``prefetch`` (the batched ``prefetch`` op), ``direct`` (``direct: true`` on ``reserve``/``get``/
@@ -206,8 +209,9 @@ def parse_request(msg: dict[str, Any]) -> Request:
         if args["dtype"] not in DTYPE_ITEMSIZE:
             raise ProtocolError(f"reserve: argument 'dtype' {args['dtype']!r} is not supported")
         shape = args["shape"]
-        if len(shape) > 32 or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 or d >= 1 << 48 for d in shape):
-            raise ProtocolError("reserve: argument 'shape' must be a list of at most 32 ints in [0, 2**48)")
+        if len(shape) > MAX_DIMS or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 or d >= 1 << 48
+                                        for d in shape):
+            raise ProtocolError(f"reserve: argument 'shape' must be a list of at most {MAX_DIMS} ints in [0, 2**48)")
         args["shape"] = tuple(shape)
     if op == "prefetch":
         for name in ("keys", "pin"):
