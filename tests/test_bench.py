@@ -119,6 +119,8 @@ def test_bench_replay_trace(tmp_path):
     (["--trace", "BINARY"], "not UTF-8"),
     (["--trace", "HUGE"], "tokens must be in"),
     (["--host-bytes", "0", "--nvme-bytes", "0"], "both 0"),  # (named nvme.path, which bench has no option for)
+    (["--host-bytes", "1"], "--host-bytes: 1 is less than one block"),  # (ran with a 1-byte host tier)
+    (["--nvme-bytes", "100"], "--nvme-bytes: 100 bytes is below one 64 KiB block"),
 ])
 def test_bench_replay_bad_stream_is_a_usage_error_not_a_traceback(tmp_path, args, option):
     (tmp_path / "b.csv").write_bytes(b"timestamp,mm_hash,tokens\n0,\xff\xfe,64\n")

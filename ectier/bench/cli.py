@@ -104,6 +104,16 @@ def resolve_budgets(summ: dict, host_bytes: int | None, nvme_bytes: int | None) 
     nvme_bytes = dn if nvme_bytes is None else nvme_bytes
     if host_bytes == 0 and nvme_bytes == 0:
         raise click.UsageError("--host-bytes and --nvme-bytes are both 0: no tier could store anything")
+    from ..config import HostTierConfig
+    from ..tiers.nvme_segment import BLOCK_BYTES
+
+    try:  # the checks a cache of these budgets would make (a 1-byte tier ran silently)
+        HostTierConfig(capacity_bytes=host_bytes)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc).removeprefix("host.capacity_bytes: "), param_hint="--host-bytes") from None
+    if 0 < nvme_bytes < BLOCK_BYTES:
+        raise click.BadParameter(f"{nvme_bytes} bytes is below one {BLOCK_BYTES // 1024} KiB block of the NVMe "
+                                 "tier's segment file, the least one entry takes", param_hint="--nvme-bytes")
     return host_bytes, nvme_bytes
 
 
