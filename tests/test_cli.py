@@ -259,3 +259,12 @@ def test_stats_table_shows_the_remote_rows_with_a_remote_tier(monkeypatch):
     assert table["degraded (back-off)"] == ["—", "no"]
     assert table["timeouts"] == ["—", "0"] and table["errors"] == ["—", "0"]
     assert table["clean evictions"][1] == "—"
+
+
+@pytest.mark.parametrize("kind", ["file", "directory"])
+def test_stats_against_a_path_that_is_not_a_socket_says_so(tmp_path, kind):
+    path = tmp_path / "ectier.sock"
+    path.write_text("") if kind == "file" else path.mkdir()
+    r = CliRunner().invoke(main, ["stats", "--socket", str(path), "--timeout", "1"])
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    assert "it is not a socket" in r.output, r.output  # (it said "Connection refused")

@@ -27,6 +27,7 @@ import logging
 import os
 import select
 import socket
+import stat
 import threading
 import time
 from typing import Any
@@ -121,8 +122,11 @@ class Transport(Submissions):
             except OSError as exc:
                 sock.close()
                 if time.monotonic() >= deadline:
+                    reason = exc.strerror or str(exc)
+                    if _not_a_socket(self.socket_path):  # (a plain file or a directory: "Connection refused")
+                        reason = "it is not a socket"
                     raise self._fail(
-                        f"cannot reach the ectier daemon at {self.socket_path!r}: {exc.strerror or exc}; "
+                        f"cannot reach the ectier daemon at {self.socket_path!r}: {reason}; "
                         "is `ectier serve` running (daemon.socket_path)?"
                     ) from None
                 time.sleep(0.05)
@@ -360,3 +364,11 @@ class Transport(Submissions):
         ``daemon.max_frame_bytes``; the protocol's default before a connection and for an older
         daemon)."""
         return self.server_info.get("max_frame_bytes") or DEFAULT_MAX_FRAME_BYTES
+
+
+def _not_a_socket(path: str) -> bool:
+    """True if ``path`` exists and is something other than a socket."""
+    try:
+        return not stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
