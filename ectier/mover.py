@@ -243,17 +243,20 @@ class Mover:
                         self.counters.count("host", clean_evictions=1)
                     return True
         started = time.perf_counter()
+        moved: bool | None = False
         try:
             for dst in self.stack.below(tier):
                 handler = self._demotions.get((tier.name, dst.name))
                 if handler is not None and self._run(f"demotion {tier.name} -> {dst.name}", handler, v, protect):
+                    moved = True
                     return True
             with self.cond:  # a newer version or a delete during the write: nothing was lost
                 rec = self.nvme.tier.record(v.digest) if self.nvme is not None else None
                 newer = rec is not None and rec.version > v.version  # (a put whose record just landed)
-                return None if newer or not self.catalog.is_current(v.digest, v.version) else False
-        finally:
-            if host and self.nvme is not None:  # a write inside the call that needed the room
+                moved = None if newer or not self.catalog.is_current(v.digest, v.version) else False
+                return moved
+        finally:  # a write inside the call that needed the room (none counted for a replaced version)
+            if host and self.nvme is not None and moved is not None:
                 self.counters.count("host", dirty_evictions=1, eviction_write_s=time.perf_counter() - started)
 
     def _release_victim(self, tier: ArenaTier, v: Slot, moved: bool | None) -> None:

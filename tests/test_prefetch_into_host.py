@@ -126,7 +126,8 @@ def test_acquire_waits_for_a_prefetch_reading_the_same_key(tmp_path):
     try:
         x = _entry(4, 3)
         _on_nvme_only(cache, "k", x)
-        testing.set_lmdb_env(cache, SlowReads(testing.lmdb_of(cache).env, 0.5))
+        env = testing.lmdb_of(cache).env
+        testing.set_lmdb_env(cache, SlowReads(env, 0.5))
         try:
             (handle,) = cache.prefetch(["k"])
             time.sleep(0.2)  # the prefetch is inside its (slow) NVMe read now
@@ -138,8 +139,9 @@ def test_acquire_waits_for_a_prefetch_reading_the_same_key(tmp_path):
                 cache.release(lease)
             assert handle.wait(10.0) and handle.error is None
         finally:
-            testing.set_lmdb_env(cache, testing.lmdb_of(cache).env)
+            testing.set_lmdb_env(cache, env)
         assert cache.stats()["tiers"]["nvme"]["hits"] == 1  # read once, by the prefetch
+        assert cache.stats()["tiers"]["host"]["admission_timeouts"] == 0  # the acquire waited, admitted nothing
         testing.check_invariants(cache)
     finally:
         cache.close()
@@ -176,6 +178,7 @@ def test_evictions_of_replaced_versions_are_not_counted_as_drops(tmp_path):
         assert host["evictions"] > 100  # the arena churned
         assert nvme["write_failures"] == 0 and host["drops"] == 0
         assert host["evictions"] == host["demotions"] + host["drops"]
+        assert host["evictions"] == host["clean_evictions"] + host["dirty_evictions"]
         testing.check_invariants(cache)
     finally:
         cache.close()

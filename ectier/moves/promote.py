@@ -33,8 +33,8 @@ class Promotions:
     def __init__(self, m: "Mover") -> None:
         self.m = m
         self._promotions: dict[tuple[str, str], Callable[..., Any]] = {}
-        #: digests being read into a host slot by into_host now, and by how many callers (m.cond)
-        self._reading: dict[bytes, int] = {}
+        #: digests being read into a host slot by into_host now, one caller each (m.cond)
+        self._reading: set[bytes] = set()
         gpu, host = m.stack.get("gpu"), m.stack.get("host")
         if host is not None:
             self._promotions["nvme", "host"] = self._promote_data_into_host
@@ -48,12 +48,13 @@ class Promotions:
         return list(self._promotions)
 
     def from_store(self, digest: bytes, ns: str, key: str, version: int, upto: Tier | None,
-                           out: torch.Tensor | None = None):
+                           out: torch.Tensor | None = None, *, via_host: bool = True):
         """The one promotion sequence: read ``version`` from the store tier (checked, decoded),
         count the hit, then copy it up the stack, tier by tier, as far as ``upto`` (``None``: no
         promotion). Returns ``(meta, data, promoted)`` — ``data`` a flat ``uint8`` CPU tensor,
         ``promoted`` the names of the tiers that took it — ``None`` on a miss, or ``RETRY``.
-        ``out``: the caller's ``get(out=)``; the record is decoded straight into it when it fits."""
+        ``out``: the caller's ``get(out=)``; the record is decoded straight into it when it fits.
+        ``via_host=False``: no copy into the host tier on the way (it had no room just now)."""
         result = self.m.nvme.read(digest, ns, key, version, out)
         if result is None or result is RETRY:
             return result
@@ -62,6 +63,8 @@ class Promotions:
         promoted = set()
         if upto is not None:
             for t in self.m.stack.between(self.m.nvme.tier, upto):
+                if not via_host and t.name == "host":
+                    continue
                 handler = self._promotions.get(("nvme", t.name))
                 if handler is not None and self.m.run_move(f"promotion nvme -> {t.name}", handler, digest, meta, version, data):
                     promoted.add(t.name)
@@ -77,13 +80,23 @@ class Promotions:
         rec = self.m.nvme.tier.record(digest)
         if rec is None:
             return None
-        with self.m.cond:  # marked before its admission, unmarked once committed or aborted
-            self._reading[digest] = self._reading.get(digest, 0) + 1
+        with self.m.cond:  # one caller reads a key into the host tier at a time; the others wait for it
+            other = digest in self._reading
+            if not other:
+                self._reading.add(digest)
+        if other:
+            return self._wait_for_other(digest)
         try:
             got = self._admit_read_commit(host, digest, rec.meta, ns, key, version)
         finally:
-            self._done_reading(digest)
-        return self._wait_for_other(digest) if got is _NO_ROOM else got
+            with self.m.cond:
+                self._reading.discard(digest)
+                self.m.cond.notify_all()
+        if got is _NO_ROOM:
+            with self.m.cond:  # (admitted nothing: already there, or a newer version, since the lookup)
+                moved = host.current(digest, version) is not None or self.m.catalog.version(digest) != version
+            return RETRY if moved else None
+        return got
 
     def _admit_read_commit(self, host: ArenaTier, digest: bytes, meta: EntryMeta, ns: str, key: str, version: int):
         slot = self.m.admit(host, digest, meta, version, promotion=True, protect=digest)
@@ -104,27 +117,19 @@ class Promotions:
         return slot
 
     def _wait_for_other(self, digest: bytes):
-        """No room for ``digest`` in the host tier: if another caller is reading it into a host
-        slot (a prefetch, another acquire; its reservation may be the room), wait for that read
-        to end (at most ``host.admit_wait_s``) and return :data:`RETRY` (the caller finds the
-        entry where it is now); else ``None``."""
+        """Another caller is reading ``digest`` into a host slot (a prefetch, another acquire):
+        wait for that read to end (at most ``host.admit_wait_s``; its reservation may be the
+        room a second copy would need) and return :data:`RETRY` (the caller finds the entry
+        where it is now); ``None`` if it did not end in time."""
         m = self.m
         deadline = time.monotonic() + m.config.host.admit_wait_s
         with m.cond:
-            if not self._reading.get(digest):
-                return None
-            while self._reading.get(digest) and time.monotonic() < deadline:
-                m.cond.wait(timeout=min(0.05, max(deadline - time.monotonic(), 0.0)))
-            return RETRY if not self._reading.get(digest) else None
-
-    def _done_reading(self, digest: bytes) -> None:
-        with self.m.cond:
-            n = self._reading[digest] - 1
-            if n:
-                self._reading[digest] = n
-            else:
-                del self._reading[digest]
-            self.m.cond.notify_all()
+            while digest in self._reading:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                m.cond.wait(timeout=min(0.05, remaining))
+        return RETRY
 
     def _read_into_slot(self, host: ArenaTier, slot: Slot, digest: bytes, ns: str, key: str, version: int):
         """Read the record into the reserved ``slot``'s bytes: True, ``None`` (miss) or RETRY."""

@@ -238,6 +238,7 @@ class Reads:
                             return True  # it stays where it is: NVMe is the highest tier it fits
             if v is None:
                 return m.remote is not None and m.remote.fetch(digest, ns, key, target if want_gpu else None) is not None
+            via_host = True
             if hslot is None and host_fits and target is not None:
                 # decoded straight into a host slot (no intermediate tensor), then up from it
                 hslot = m.promote.into_host(host, digest, ns, key, v)
@@ -246,7 +247,7 @@ class Reads:
                 if hslot is None and not want_gpu:  # no clean room, or the read failed (logged)
                     with m.cond:
                         return digest in m.catalog  # present if still stored
-                # (None towards the GPU tier: from_store below tries each tier up to it)
+                via_host = hslot is not None  # (None towards the GPU tier: straight there, below)
             if hslot is not None:
                 try:
                     if want_gpu:
@@ -254,7 +255,7 @@ class Reads:
                 finally:
                     m.unpin(host, hslot)
                 return True
-            result = m.promote.from_store(digest, ns, key, v, target)
+            result = m.promote.from_store(digest, ns, key, v, target, via_host=via_host)
             if result is RETRY:
                 continue
             return result is not None
