@@ -268,3 +268,29 @@ def test_stats_against_a_path_that_is_not_a_socket_says_so(tmp_path, kind):
     r = CliRunner().invoke(main, ["stats", "--socket", str(path), "--timeout", "1"])
     assert r.exit_code != 0 and "Traceback" not in r.output
     assert "it is not a socket" in r.output, r.output  # (it said "Connection refused")
+
+
+def test_stats_against_another_programs_socket_says_it_is_not_an_ectier_daemon(tmp_path):
+    import socket
+    import threading
+
+    path = str(tmp_path / "other.sock")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen()
+
+    def answer_like_http() -> None:
+        conn, _ = server.accept()
+        conn.recv(4096)
+        conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+        conn.close()
+
+    t = threading.Thread(target=answer_like_http, daemon=True)
+    t.start()
+    try:
+        r = CliRunner().invoke(main, ["stats", "--socket", path, "--timeout", "2"])
+    finally:
+        t.join(5)
+        server.close()
+    assert r.exit_code != 0 and "Traceback" not in r.output
+    assert "did not answer 'hello' as an ectier daemon does" in r.output, r.output  # (a bare frame-size error)

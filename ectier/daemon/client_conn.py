@@ -148,6 +148,11 @@ class Transport(Submissions):
             raise self._fail(
                 f"the ectier daemon at {self.socket_path!r} did not answer 'hello' within {timeout:g} s "
                 "(hung, stopped or overloaded?)") from None
+        except ProtocolError as exc:  # (e.g. "frame of 1213486160 bytes exceeds the cap": an HTTP reply)
+            sock.close()
+            raise self._fail(
+                f"the socket at {self.socket_path!r} did not answer 'hello' as an ectier daemon does ({exc}); "
+                "is daemon.socket_path another program's socket?") from None
         except BaseException:
             sock.close()
             raise
