@@ -175,6 +175,8 @@ def test_the_client_keeps_to_the_daemons_frame_cap_and_says_which_knob(cap):
                 assert isinstance(exc.value, EctierError)
             assert c.get("k") is not None  # still connected, still served
             with pytest.raises(EctierError, match="shape"):  # the daemon's schema check: an EctierError too
+                c.call("reserve", key="deep", dtype="float32", shape=[1] * 40)  # (put refuses it first)
+            with pytest.raises(EctierError, match="40 dimensions"):
                 c.put("deep", torch.ones([1] * 40))
     finally:
         if server is not None:
