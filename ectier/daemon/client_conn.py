@@ -139,20 +139,22 @@ class Transport(Submissions):
                 data = sock.recv(65536)
                 if not data:
                     raise ConnectionResetError("daemon closed the connection")
-                for msg in decoder.feed(data):
-                    if isinstance(msg, ProtocolError):
-                        raise msg
+                try:
+                    msgs = list(decoder.feed(data))
+                except ProtocolError as exc:  # (e.g. "frame of 1213486160 bytes exceeds the cap": HTTP)
+                    msgs = [exc]
+                for msg in msgs:
+                    if isinstance(msg, ProtocolError):  # the framing, not the daemon's error reply
+                        sock.close()
+                        raise self._fail(
+                            f"the socket at {self.socket_path!r} did not answer 'hello' as an ectier daemon does "
+                            f"({msg}); is daemon.socket_path another program's socket?") from None
                     return sock, decoder, _results(msg)
         except socket.timeout:
             sock.close()
             raise self._fail(
                 f"the ectier daemon at {self.socket_path!r} did not answer 'hello' within {timeout:g} s "
                 "(hung, stopped or overloaded?)") from None
-        except ProtocolError as exc:  # (e.g. "frame of 1213486160 bytes exceeds the cap": an HTTP reply)
-            sock.close()
-            raise self._fail(
-                f"the socket at {self.socket_path!r} did not answer 'hello' as an ectier daemon does ({exc}); "
-                "is daemon.socket_path another program's socket?") from None
         except BaseException:
             sock.close()
             raise
