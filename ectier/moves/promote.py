@@ -75,8 +75,9 @@ class Promotions:
         intermediate tensor (checksum computed while the bytes are read) — committed and pinned
         for the caller (an ``acquire``): the pinned :class:`Slot`; ``None`` on a miss, when no
         clean room could be made, or when the promotion failed (logged); :data:`RETRY` when a
-        newer version appeared meanwhile. A slot that is not one run of the arena is filled
-        from a decoded copy instead."""
+        newer version appeared, or the entry reached the host tier, meanwhile, and once another
+        caller's read of the key into the host tier ended (one reads at a time; the others wait
+        for it). A slot that is not one run of the arena is filled from a decoded copy instead."""
         rec = self.m.nvme.tier.record(digest)
         if rec is None:
             return None
