@@ -292,8 +292,10 @@ def test_crossover_logic():
     rows += [{"tier": "nvme", "op": "get", "impl": "ectier", "num_tokens": n, "p50_s": n * 2e-5} for n in (64, 1024)]
     c = crossover(rows, m)
     assert c["host"]["crossover_tokens"] is None and "never" in c["host"]["verdict"]
+    assert "load measured up to N = 1024, extrapolated above it" in c["host"]["verdict"]
     n = c["nvme"]["crossover_tokens"]
     assert n is not None and n * 2e-5 >= m.seconds(n) * 0.95
+    assert ("extrapolated" in c["nvme"]["verdict"]) == (n > 1024)
 
 
 def test_bench_bad_inputs_fail_cleanly_before_running(tmp_path):

@@ -57,6 +57,8 @@ def crossover(tier_rows: list[dict[str, Any]], cost: CostModel, *, min_tokens: i
         n_x = int(grid[worse[0]]) if len(worse) else None
         verdict = (f"loading stops winning at N = {n_x} tokens" if n_x is not None
                    else f"never within range (loading wins for all N in {min_tokens}..{max_tokens})")
+        if (n_x is None or n_x > ns[-1]) and ns[-1] < max_tokens:  # (it was stated as measured)
+            verdict += f" (load measured up to N = {int(ns[-1])}, extrapolated above it)"
         if noisy:
             verdict += f" (NOISY load rows at N = {', '.join(map(str, noisy))}: unreliable)"
         out[tier] = {"points": [[int(n), float(t), cost.seconds(int(n))] for n, t in pts],
