@@ -22,7 +22,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..config import format_bytes, parse_bytes
+from ..config import HostTierConfig, format_bytes, parse_bytes
 from ..errors import ConfigError, EctierError
 from ..commands.params import sigterm_exits
 from ..sizing import max_tokens as _model_max_tokens
@@ -104,16 +104,16 @@ def resolve_budgets(summ: dict, host_bytes: int | None, nvme_bytes: int | None) 
     nvme_bytes = dn if nvme_bytes is None else nvme_bytes
     if host_bytes == 0 and nvme_bytes == 0:
         raise click.UsageError("--host-bytes and --nvme-bytes are both 0: no tier could store anything")
-    from ..config import HostTierConfig
-    from ..tiers.nvme_segment import BLOCK_BYTES
+    from ..tiers.nvme_segment import check_capacity
 
-    try:  # the checks a cache of these budgets would make (a 1-byte tier ran silently)
-        HostTierConfig(capacity_bytes=host_bytes)
-    except ConfigError as exc:
-        raise click.BadParameter(str(exc).removeprefix("host.capacity_bytes: "), param_hint="--host-bytes") from None
-    if 0 < nvme_bytes < BLOCK_BYTES:
-        raise click.BadParameter(f"{nvme_bytes} bytes is below one {BLOCK_BYTES // 1024} KiB block of the NVMe "
-                                 "tier's segment file, the least one entry takes", param_hint="--nvme-bytes")
+    # the checks a cache of these budgets would make (a 1-byte tier ran silently)
+    checks = (("--host-bytes", "host.capacity_bytes", lambda: HostTierConfig(capacity_bytes=host_bytes)),
+              ("--nvme-bytes", "nvme.capacity_bytes", lambda: check_capacity(nvme_bytes)))
+    for option, knob, check in checks:
+        try:
+            check()
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc).removeprefix(f"{knob}: "), param_hint=option) from None
     return host_bytes, nvme_bytes
 
 

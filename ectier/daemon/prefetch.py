@@ -180,15 +180,17 @@ class Prefetcher:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="ectier-daemon-prefetch",
                                                 initializer=mark_background)
-            ticket = _Ticket()
-            self._tickets.setdefault(ident, []).append(ticket)
-            self._pool.submit(self._finish, ident, handle, ticket)
+            self._pool.submit(self._finish, ident, handle, self._ticket_locked(ident))
         return PROMOTING
 
     def _ticket(self, ident: tuple[str, str]) -> "_Ticket":
-        ticket = _Ticket()
         with self._lock:
-            self._tickets.setdefault(ident, []).append(ticket)
+            return self._ticket_locked(ident)
+
+    def _ticket_locked(self, ident: tuple[str, str]) -> "_Ticket":
+        """Under ``_lock``: a new ticket for a pin of ``ident`` being taken."""
+        ticket = _Ticket()
+        self._tickets.setdefault(ident, []).append(ticket)
         return ticket
 
     def _end_ticket(self, ident: tuple[str, str], ticket: "_Ticket") -> None:

@@ -31,7 +31,7 @@ from .nvme_errors import NvmeDiskFullError, lmdb_write_error, write_error, write
 from .nvme_migrate import migrate_v1
 from .nvme_reserve import LmdbReserve, reserve_bytes
 from .nvme_scan import gc_paused, scan_index
-from .nvme_segment import BLOCK_BYTES, SEGMENT_NAME, ExtentSpace, SegmentFile, blocks_for
+from .nvme_segment import BLOCK_BYTES, SEGMENT_NAME, ExtentSpace, SegmentFile, blocks_for, check_capacity
 from .storedir import (check_local_filesystem, check_space, drop_store_lock, missing_dirs, move_aside, remove_created,
                        take_store_lock)
 from .storedir import free_bytes as free_disk_bytes
@@ -165,10 +165,7 @@ class NvmeEnv:
             StoreOpenError, StoreDamagedError, StoreLockedError, ConfigError: as
                 :class:`~ectier.tiers.nvme.NvmeTier`; nothing stays open or locked then.
         """
-        cap = self.config.capacity_bytes
-        if 0 < cap < BLOCK_BYTES:  # (a unit left out: "1" for 1 GiB); nothing is created then
-            raise ConfigError(f"nvme.capacity_bytes: {cap} bytes is below one {BLOCK_BYTES // 1024} KiB block of "
-                              f"the segment file, the least one entry takes on disk; give a unit, e.g. '64GiB'")
+        check_capacity(self.config.capacity_bytes)  # (before anything is created)
         check_local_filesystem(self.path, allow=self.config.allow_network_fs)
         created = missing_dirs(self.path)
         try:

@@ -33,11 +33,11 @@ import xxhash
 
 from ..arena import BlockAllocator
 from ..cpus import usable_cpus
-from ..errors import CorruptRecordError
+from ..errors import ConfigError, CorruptRecordError
 from .nvme_reader import CHUNK_BYTES, PARALLEL_MIN_BYTES, ReadHelper, in_background, plan_chunks, read_hashed
 
 __all__ = ["BLOCK_BYTES", "SEGMENT_NAME", "LOCATION_MAGIC", "Location", "pack_location", "unpack_location",
-           "ExtentSpace", "SegmentFile", "blocks_for"]
+           "ExtentSpace", "SegmentFile", "blocks_for", "check_capacity"]
 
 #: Allocation unit of the segment file, bytes (a multiple of 4 KiB: aligned for ``O_DIRECT``).
 BLOCK_BYTES = 64 << 10
@@ -334,6 +334,18 @@ def _complement(runs: list[tuple[int, int]], nblocks: int) -> list[tuple[int, in
     if pos < nblocks:
         used.append((pos, nblocks - pos))
     return used
+
+
+def check_capacity(capacity_bytes: int) -> None:
+    """Refuse an NVMe budget (other than 0) below one block: no entry could ever be stored (a
+    unit left out, e.g. ``1`` for 1 GiB).
+
+    Raises:
+        ConfigError: naming ``nvme.capacity_bytes``, the bytes and the block size.
+    """
+    if 0 < capacity_bytes < BLOCK_BYTES:
+        raise ConfigError(f"nvme.capacity_bytes: {capacity_bytes} bytes is below one {BLOCK_BYTES // 1024} KiB "
+                          "block of the segment file, the least one entry takes on disk; give a unit, e.g. '64GiB'")
 
 
 class SegmentFile:
