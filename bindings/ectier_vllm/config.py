@@ -147,6 +147,18 @@ def settings_from_extra_config(extra: Mapping[str, Any] | None, *, default_ns: s
     extra = {} if extra is None else extra
     if not isinstance(extra, Mapping):
         raise ConfigError(f"{PREFIX}: expected a mapping, got {type(extra).__name__}")
+    _check_known(extra)
+    mode = extra.get("mode", "inprocess")
+    if mode not in MODES:
+        raise ConfigError(f"{PREFIX}.mode: expected one of {', '.join(MODES)}, got {mode!r}")
+    common = _common_fields(extra, default_ns)
+    if mode == "daemon":
+        return _daemon_settings(extra, common)
+    return _inprocess_settings(extra, common)
+
+
+def _check_known(extra: Mapping[str, Any]) -> None:
+    """Raise ConfigError for a key the connector does not read (with the closest known key)."""
     for key in extra:
         if key not in KEYS:
             import difflib
@@ -155,53 +167,51 @@ def settings_from_extra_config(extra: Mapping[str, Any] | None, *, default_ns: s
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{PREFIX}.{key}: unknown key{hint}; known keys: {', '.join(KEYS)}")
 
-    mode = extra.get("mode", "inprocess")
-    if mode not in MODES:
-        raise ConfigError(f"{PREFIX}.mode: expected one of {', '.join(MODES)}, got {mode!r}")
 
+def _common_fields(extra: Mapping[str, Any], default_ns: str) -> dict[str, Any]:
+    """The checked keys both modes read, as :class:`ConnectorSettings` fields."""
     namespace = extra.get("namespace", default_ns)
     if not isinstance(namespace, str) or not namespace:
         raise ConfigError(f"{PREFIX}.namespace: expected a non-empty string, got {namespace!r}")
-
     load_timeout_s = _seconds("load_timeout_s", extra.get("load_timeout_s", 10.0))
-    daemon_timeout_s = _seconds("daemon_timeout_s", extra.get("daemon_timeout_s", 30.0))
-    answer_wait_s = extra.get("daemon_answer_wait_s", DEFAULT_ANSWER_WAIT_S)
-    if isinstance(answer_wait_s, bool) or not isinstance(answer_wait_s, (int, float)) or not 0 <= answer_wait_s <= 1:
-        raise ConfigError(f"{PREFIX}.daemon_answer_wait_s: expected a number of seconds from 0 to 1, got {answer_wait_s!r}")
     recompute = extra.get("recompute", True)
     if not isinstance(recompute, bool):
         raise ConfigError(f"{PREFIX}.recompute: expected true or false, got {recompute!r}")
     per_token = extra.get("encoder_seconds_per_token")
     if per_token is not None:
         per_token = _seconds("encoder_seconds_per_token", per_token)
-    choice = {"recompute": recompute, "encoder_seconds_per_token": per_token}
-
     depth = extra.get("save_queue_depth", 16)
     if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= 4096:
         raise ConfigError(f"{PREFIX}.save_queue_depth: expected an int from 1 to 4096 (items), got {depth!r}")
+    return {"mode": extra.get("mode", "inprocess"), "namespace": namespace, "load_timeout_s": load_timeout_s,
+            "recompute": recompute, "encoder_seconds_per_token": per_token, "save_queue_depth": depth}
 
+
+def _daemon_settings(extra: Mapping[str, Any], common: dict[str, Any]) -> ConnectorSettings:
+    """Daemon mode: the socket and its timeouts; tier sub-configs and ``config_path`` refused."""
+    daemon_timeout_s = _seconds("daemon_timeout_s", extra.get("daemon_timeout_s", 30.0))
+    answer_wait_s = extra.get("daemon_answer_wait_s", DEFAULT_ANSWER_WAIT_S)
+    if isinstance(answer_wait_s, bool) or not isinstance(answer_wait_s, (int, float)) or not 0 <= answer_wait_s <= 1:
+        raise ConfigError(f"{PREFIX}.daemon_answer_wait_s: expected a number of seconds from 0 to 1, got {answer_wait_s!r}")
     socket_path = extra.get("socket_path")
     if socket_path is not None and (not isinstance(socket_path, str) or not socket_path):
         raise ConfigError(f"{PREFIX}.socket_path: expected a non-empty path string, got {socket_path!r}")
-
-    tiers = {k: extra[k] for k in TIER_KEYS if k in extra}
-    config_path = extra.get("config_path")
-
-    if mode == "daemon":
-        for key in (*tiers, *(["config_path"] if config_path is not None else [])):
-            raise ConfigError(
-                f"{PREFIX}.{key}: not used in daemon mode (the daemon owns the tiers: set them in the "
-                f"config of `ectier serve --config ...`)"
-            )
-        return ConnectorSettings(
-            mode=mode, namespace=namespace, cache=None, socket_path=socket_path,
-            daemon_timeout_s=daemon_timeout_s, daemon_answer_wait_s=float(answer_wait_s),
-            load_timeout_s=load_timeout_s, save_queue_depth=depth, **choice,
+    for key in (*(k for k in TIER_KEYS if k in extra), *(["config_path"] if extra.get("config_path") is not None else [])):
+        raise ConfigError(
+            f"{PREFIX}.{key}: not used in daemon mode (the daemon owns the tiers: set them in the "
+            f"config of `ectier serve --config ...`)"
         )
+    return ConnectorSettings(cache=None, socket_path=socket_path, daemon_timeout_s=daemon_timeout_s,
+                             daemon_answer_wait_s=float(answer_wait_s), **common)
 
+
+def _inprocess_settings(extra: Mapping[str, Any], common: dict[str, Any]) -> ConnectorSettings:
+    """In-process mode: the store's CacheConfig from the tier sub-configs or ``config_path``."""
     for key in ("socket_path", "daemon_timeout_s", "daemon_answer_wait_s"):
         if key in extra and extra[key] is not None:
             raise ConfigError(f"{PREFIX}.{key}: only used in daemon mode (set \"mode\": \"daemon\")")
+    tiers = {k: extra[k] for k in TIER_KEYS if k in extra}
+    config_path = extra.get("config_path")
     if config_path is not None and tiers:
         raise ConfigError(
             f"{PREFIX}.config_path: give either config_path or {'/'.join(tiers)} sub-configs, not both"
@@ -209,6 +219,7 @@ def settings_from_extra_config(extra: Mapping[str, Any] | None, *, default_ns: s
     for key, value in tiers.items():
         if not isinstance(value, Mapping):
             raise ConfigError(f"{PREFIX}.{key}: expected a mapping of ectier {key} tier fields, got {type(value).__name__}")
+    namespace = common["namespace"]
     if config_path is not None:
         if not isinstance(config_path, str) or not config_path:
             raise ConfigError(f"{PREFIX}.config_path: expected a path string, got {config_path!r}")
@@ -221,8 +232,4 @@ def settings_from_extra_config(extra: Mapping[str, Any] | None, *, default_ns: s
             cache = CacheConfig.from_dict({"namespace": namespace, **tiers})
         except ConfigError as exc:
             raise ConfigError(problems=[operator_key(m, None) for m in exc.problems]) from exc
-    return ConnectorSettings(
-        mode=mode, namespace=namespace, cache=cache, socket_path=None,
-        daemon_timeout_s=daemon_timeout_s, load_timeout_s=load_timeout_s, config_path=config_path,
-        save_queue_depth=depth, **choice,
-    )
+    return ConnectorSettings(cache=cache, socket_path=None, config_path=config_path, **common)

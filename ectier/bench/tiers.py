@@ -168,46 +168,10 @@ def measure_tiers(
             reps = reps_for(nbytes, budget_bytes)
             keys = [f"k{i}" for i in range(reps + 1)]
             src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8).view(torch.bfloat16).view(n, WIDTH)
-            dst = torch.empty_like(src)
-            # ---- host: reference memcpy, then the host tier
-            rows.append(timer.row("host", "put", "reference", n, nbytes, lambda i: dst.copy_(src), reps))
-            rows.append(timer.row("host", "get", "reference", n, nbytes, lambda i: dst.copy_(src), reps))
-            cap = max(4 * MiB, 2 * nbytes + MiB)
-            with TieredCache(CacheConfig(host=HostTierConfig(capacity_bytes=-(-cap // MiB) * MiB))) as c:
-                rows.append(timer.row("host", "put", "ectier", n, nbytes, lambda i: c.put(keys[i + 1], src), reps))
-                rows.append(timer.row("host", "get", "ectier", n, nbytes, lambda i: c.get(keys[reps], out=dst), reps))
-                if cuda:
-                    rows.extend(_gpu_rows(timer, c, keys, src, n, nbytes, reps))
+            rows.extend(_host_rows(timer, keys, src, n, nbytes, reps, cuda))
             if advance:
                 advance(1)
-            # ---- nvme: raw files, O_DIRECT, then the NVMe tier
-            path = os.path.join(tmp, "raw.bin")
-            buf = src.view(-1).view(torch.uint8).numpy()
-            rbuf = bytearray(nbytes)
-
-            def raw_write(i: int) -> None:
-                with open(path, "wb", buffering=0) as f:
-                    f.write(buf)
-                    if sync:
-                        os.fsync(f.fileno())
-
-            def raw_read(i: int) -> None:
-                with open(path, "rb", buffering=0) as f:
-                    f.readinto(rbuf)
-
-            rows.append(timer.row("nvme", "put", "reference", n, nbytes, raw_write, reps))
-            rows.append(timer.row("nvme", "get", "reference", n, nbytes, raw_read, reps))
-            if odirect is None:
-                rows.extend(_odirect_rows(timer, path, buf, n, nbytes, reps, sync))
-            os.unlink(path)
-            store = os.path.join(tmp, f"lmdb-{n}")
-            cfg = CacheConfig(host=HostTierConfig(capacity_bytes=0),
-                              nvme=NvmeTierConfig(path=store, capacity_bytes=(reps + 2) * (nbytes + MiB),
-                                                  sync=sync, flush_on_close=False))
-            with TieredCache(cfg) as c:
-                rows.append(timer.row("nvme", "put", "ectier", n, nbytes, lambda i: c.put(keys[i + 1], src), reps))
-                rows.append(timer.row("nvme", "get", "ectier", n, nbytes, lambda i: c.get(keys[reps], out=dst), reps))
-            shutil.rmtree(store, ignore_errors=True)
+            rows.extend(_nvme_rows(timer, tmp, keys, src, n, nbytes, reps, sync, odirect is None))
             if advance:
                 advance(1)
     finally:
@@ -215,6 +179,56 @@ def measure_tiers(
     noise = {"noisy_rows": sum(r["noisy"] for r in rows), "retries": retries, "thresholds": thresholds.to_dict(),
              "other_cpu": run_probe.stop()}
     return {"rows": rows, "skipped": skipped, "sync": sync, "workdir": workdir or tempfile.gettempdir(), "noise": noise}
+
+
+def _host_rows(timer: _Timer, keys: list[str], src: torch.Tensor, n: int, nbytes: int, reps: int,
+               cuda: bool) -> list[dict[str, Any]]:
+    """Host rows of one N: reference memcpy, then the host tier (and the GPU rows where CUDA is)."""
+    dst = torch.empty_like(src)
+    rows = [timer.row("host", "put", "reference", n, nbytes, lambda i: dst.copy_(src), reps),
+            timer.row("host", "get", "reference", n, nbytes, lambda i: dst.copy_(src), reps)]
+    cap = max(4 * MiB, 2 * nbytes + MiB)
+    with TieredCache(CacheConfig(host=HostTierConfig(capacity_bytes=-(-cap // MiB) * MiB))) as c:
+        rows.append(timer.row("host", "put", "ectier", n, nbytes, lambda i: c.put(keys[i + 1], src), reps))
+        rows.append(timer.row("host", "get", "ectier", n, nbytes, lambda i: c.get(keys[reps], out=dst), reps))
+        if cuda:
+            rows.extend(_gpu_rows(timer, c, keys, src, n, nbytes, reps))
+    return rows
+
+
+def _nvme_rows(timer: _Timer, tmp: str, keys: list[str], src: torch.Tensor, n: int, nbytes: int, reps: int,
+               sync: bool, odirect: bool) -> list[dict[str, Any]]:
+    """NVMe rows of one N: raw file write (+ fsync when ``sync``) and read, O_DIRECT where
+    ``odirect``, then the NVMe tier alone, every file under ``tmp``."""
+    dst = torch.empty_like(src)
+    path = os.path.join(tmp, "raw.bin")
+    buf = src.view(-1).view(torch.uint8).numpy()
+    rbuf = bytearray(nbytes)
+
+    def raw_write(i: int) -> None:
+        with open(path, "wb", buffering=0) as f:
+            f.write(buf)
+            if sync:
+                os.fsync(f.fileno())
+
+    def raw_read(i: int) -> None:
+        with open(path, "rb", buffering=0) as f:
+            f.readinto(rbuf)
+
+    rows = [timer.row("nvme", "put", "reference", n, nbytes, raw_write, reps),
+            timer.row("nvme", "get", "reference", n, nbytes, raw_read, reps)]
+    if odirect:
+        rows.extend(_odirect_rows(timer, path, buf, n, nbytes, reps, sync))
+    os.unlink(path)
+    store = os.path.join(tmp, f"lmdb-{n}")
+    cfg = CacheConfig(host=HostTierConfig(capacity_bytes=0),
+                      nvme=NvmeTierConfig(path=store, capacity_bytes=(reps + 2) * (nbytes + MiB),
+                                          sync=sync, flush_on_close=False))
+    with TieredCache(cfg) as c:
+        rows.append(timer.row("nvme", "put", "ectier", n, nbytes, lambda i: c.put(keys[i + 1], src), reps))
+        rows.append(timer.row("nvme", "get", "ectier", n, nbytes, lambda i: c.get(keys[reps], out=dst), reps))
+    shutil.rmtree(store, ignore_errors=True)
+    return rows
 
 
 def _odirect_rows(timer: _Timer, path: str, buf: np.ndarray, n: int, nbytes: int, reps: int,
