@@ -127,6 +127,22 @@ def test_host_slot_is_not_reused_before_its_h2d_completed():
         cache.close()
 
 
+def test_a_lease_released_right_after_its_load_keeps_the_slot_until_the_h2d_completed():
+    cache = host_cache(host_bytes=64 * MiB)
+    try:
+        a = source(48 * MiB, 6)
+        cache.put("a", a).wait()
+        lease = cache.acquire("a")
+        delay_lanes(cache, "h2d")
+        got = cache.load(lease, device=DEV)  # H2D enqueued behind the delay
+        cache.release(lease)  # acquire -> load -> release back to back, as documented
+        # a put that needs a's host blocks at once: it must wait for the H2D, not overwrite them
+        assert cache.put("b", source(48 * MiB, 7)).wait()
+        assert torch.equal(got, a)
+    finally:
+        cache.close()
+
+
 # ------------------------------------ trap 5: consuming on another stream than the load's
 
 

@@ -225,16 +225,31 @@ class ArenaMoves:
 
     def copy_out(self, host: ArenaTier, slot: Slot, dev: torch.device) -> torch.Tensor:
         """A copy of a slot its caller keeps pinned (a lease) on ``dev``: to a CUDA device on the
-        copy engine's h2d lane, ready on the caller's current stream, no host sync (rule 4); to
-        the CPU a plain copy before this returns."""
-        result = empty_for(slot.meta, dev)
-        pairs = host.pairs_with(slot, byte_view(result), into_arena=False)
+        copy engine's h2d lane, ready on the caller's current stream, no host sync (rule 4), the
+        slot pinned by the copy itself until it completes (rule 3: the lease may be released at
+        once); to the CPU a plain copy before this returns."""
         if dev.type != "cuda":  # a host-to-host copy: done here, now
-            for dst, src in pairs:
+            result = empty_for(slot.meta, dev)
+            for dst, src in host.pairs_with(slot, byte_view(result), into_arena=False):
                 dst.copy_(src)
             return result
-        h = self.m.engine_for(dev).copy(pairs, lane="h2d")
-        h.wait_stream(dev)
+        with self.m.cond:
+            host.pin(slot)
+        return self.h2d(host, slot, dev)
+
+    def h2d(self, host: ArenaTier, slot: Slot, dev: torch.device) -> torch.Tensor:
+        """A host slot pinned for this copy (the pin is this call's: released when the copy
+        completes, or at once if it cannot be enqueued) copied to the CUDA device ``dev`` on the
+        h2d lane; the result is ready on the caller's current stream, no host sync (rules 3-4)."""
+        m = self.m
+        try:
+            result = empty_for(slot.meta, dev)
+            h = m.engine_for(dev).copy(host.pairs_with(slot, byte_view(result), into_arena=False), lane="h2d")
+        except BaseException:
+            m.unpin(host, slot)
+            raise
+        h.wait_stream(dev)  # rule 4: the caller's stream waits; no host sync
+        m.when_done(h, lambda: m.unpin(host, slot))  # rule 3
         return result
 
     def view_out(self, host: ArenaTier, slot: Slot) -> torch.Tensor | None:
@@ -316,16 +331,7 @@ class ArenaMoves:
             finally:
                 m.unpin(host, slot)
             return result if dev.type == "cpu" else result.to(dev)
-        try:
-            engine = m.engine_for(dev)
-            result = empty_for(slot.meta, dev)
-            h = engine.copy(host.pairs_with(slot, byte_view(result), into_arena=False), lane="h2d")
-        except BaseException:
-            m.unpin(host, slot)
-            raise
-        h.wait_stream(dev)  # rule 4: the caller's stream waits; no host sync
-        m.when_done(h, lambda: m.unpin(host, slot))  # rule 3
-        return result
+        return self.h2d(host, slot, dev)
 
     def _via_device(self, host: ArenaTier, slot: Slot, dev: torch.device, gpu) -> torch.Tensor | None:
         """Promote a pinned host slot into the GPU tier and read it from there; ``None``: serve
