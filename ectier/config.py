@@ -88,10 +88,11 @@ class HostTierConfig:
         block_bytes: allocation unit; an entry occupies ``ceil(nbytes / block_bytes)`` blocks,
             possibly in several runs, so the arena never fragments. Power of two, 4 KiB..64 MiB.
             Default 256 KiB (< 25 % waste at the smallest Qwen3-VL entry, 1 MiB).
-        pin_memory: ``True`` page-locks the arena (needs CUDA: without it the cache, or the
-            daemon, refuses to open, naming this knob), ``False`` never, ``None`` (default)
-            pins exactly when CUDA is available. Pinning costs ~0.45 s per GiB at start-up
-            (measured on an H200 host).
+        pin_memory: ``True`` page-locks the arena (needs CUDA: without it the cache refuses to
+            open, naming this knob), ``False`` never, ``None`` (default) pins exactly when CUDA is
+            available. Pinning costs ~0.45 s per GiB at start-up (measured on an H200 host). Not
+            used by the daemon (`ectier serve`): it never page-locks its shared arena, each
+            client on a CUDA machine page-locks its own mapping of it.
         admit_wait_s: how long a put may wait for readers to release pinned entries before it
             gives up on this tier (the entry then goes to the NVMe tier). Default 5 s.
         promote_clean_only: when an NVMe hit is promoted, evict only host entries that NVMe already

@@ -249,6 +249,33 @@ def test_a_relative_shm_dir_reaches_clients_as_an_absolute_arena_path(monkeypatc
         remove_dir(d)
 
 
+def test_the_daemon_never_page_locks_its_arena_even_when_the_config_asks(caplog):
+    """cudaHostRegister serves only the process that calls it, and would take GPU memory for a
+    CUDA context in the daemon: ``host.pin_memory: true`` is not used there (told once, at INFO),
+    neither refused (it was a ConfigError without CUDA) nor applied."""
+    d = short_tmpdir()
+    server = t = c = None
+    try:
+        raw = daemon_config(d, nvme=False, host_bytes=4 * MiB)
+        raw["host"]["pin_memory"] = True
+        cfg = CacheConfig.from_dict(raw)
+        with caplog.at_level("INFO", logger="ectier.daemon"):
+            server, t = serve_in_thread(cfg)
+        assert any("host.pin_memory" in r.getMessage() for r in caplog.records)
+        c = DaemonClient(cfg.daemon.socket_path)
+        x = make_tensor(4, "uint8", (64 * KiB,))
+        c.put("x", x)
+        assert_same(c.get("x"), x)
+        assert c.stats()["tiers"]["host"]["pinned"] is False
+    finally:
+        if c is not None:
+            c.close()
+        if server is not None:
+            server.stop()
+            t.join(10)
+        remove_dir(d)
+
+
 def test_client_remaps_the_arena_when_a_restarted_daemon_reuses_its_path():
     """A daemon that restarts with the same pid (PID 1 of a container) creates its arena under the
     same file name: the client must map the new file, not keep writing into the old one."""

@@ -41,6 +41,7 @@ import signal
 import socket
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 from .. import __version__
@@ -58,9 +59,22 @@ from .prefetch import Prefetcher
 from .serving import ConnectionServing
 from .upkeep import LeaseUpkeep
 
-__all__ = ["DaemonServer", "run_daemon", "view_pin_bounds"]
+__all__ = ["DaemonServer", "run_daemon", "unpinned", "view_pin_bounds"]
 
 log = logging.getLogger("ectier.daemon")
+
+
+def unpinned(config: CacheConfig) -> CacheConfig:
+    """``config`` with ``host.pin_memory`` false: the daemon never page-locks its arena.
+
+    ``cudaHostRegister`` serves only the process that calls it (each client registers its own
+    mapping of the arena, :meth:`~ectier.daemon.client.DaemonClient.put`), and would open a CUDA
+    context here: GPU memory on device 0 taken from the engines' budget, for nothing. A config
+    asking for it is told so once (INFO), not refused (docs/operations.md, ``host.pin_memory``)."""
+    if config.host.pin_memory:
+        log.info("host.pin_memory: the daemon does not page-lock its arena (each client page-locks its own "
+                 "mapping of it); the setting is not used here")
+    return config.replace(host=replace(config.host, pin_memory=False))
 
 
 class DaemonServer(ConnectionServing, LeaseUpkeep):
@@ -210,7 +224,7 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
         try:
             fcntl.flock(dir_fd, fcntl.LOCK_EX)
             reclaim_stale_arenas(shm_dir)
-            self.use_cache(TieredCache(self.config, host_shm_path=self.arena_path))
+            self.use_cache(TieredCache(unpinned(self.config), host_shm_path=self.arena_path))
             self._arena_lock_fd = os.open(self.arena_path, os.O_RDONLY)
             fcntl.flock(self._arena_lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:
