@@ -189,15 +189,10 @@ class DaemonClient(Transport, ViewCalls):
     def _register_arena(self, torch) -> None:
         """On a CUDA machine, page-lock this process's mapping of the arena (``cudaHostRegister``)
         so that copies between the GPU and the arena are pinned DMA with no staging copy.
-        Failure only costs speed: it is logged and the mapping stays pageable."""
-        self._arena_registered = False
-        if self._arena is None or self._arena.numel() == 0 or not torch.cuda.is_available():
-            return
-        rc = torch.cuda.cudart().cudaHostRegister(self._arena.data_ptr(), self._arena.numel(), 0)
-        ok = (rc.value if hasattr(rc, "value") else int(rc)) == 0
-        if not ok:
-            log.warning("cudaHostRegister of the daemon's arena failed (%s); GPU copies stay pageable", rc)
-        self._arena_registered = ok
+        Failure only costs speed: it is logged and the mapping stays pageable (ectier/pinning.py)."""
+        from ..pinning import register_host
+
+        self._arena_registered = self._arena is not None and register_host(self._arena, what="the daemon's arena")
 
     def _direct(self) -> dict[str, bool]:
         """``{"direct": True}`` when the daemon moves what its arena cannot take through scratch

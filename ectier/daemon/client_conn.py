@@ -266,9 +266,9 @@ class Transport(Submissions):
 
     def _unmap(self) -> None:
         if getattr(self, "_arena_registered", False) and self._arena is not None:
-            import torch
+            from ..pinning import unregister_host
 
-            torch.cuda.cudart().cudaHostUnregister(self._arena.data_ptr())
+            unregister_host(self._arena)
             self._arena_registered = False
         self._arena = None
         if self._arena_mmap is not None:

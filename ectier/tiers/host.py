@@ -18,6 +18,7 @@ import torch
 from ..config import HostTierConfig
 from ..errors import ConfigError, StoreOpenError
 from ..index import Slot
+from ..pinning import register_host, unregister_host
 from ..policy import EvictionPolicy
 from ..tensors import byte_view, cuda_available, output_for, torch_dtype
 from .arena import ArenaTier
@@ -134,15 +135,9 @@ class HostTier(ArenaTier):
         return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
     def _register(self, buffer: torch.Tensor) -> bool:
-        """Page-lock a shared mapping with ``cudaHostRegister`` (True on success)."""
-        if buffer.numel() == 0 or not cuda_available():
-            return False
-        rc = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
-        ok = int(rc) == 0 if not hasattr(rc, "value") else rc.value == 0
-        if not ok:
-            log.warning("host tier: cudaHostRegister of the shared arena failed (%s); copies stay pageable", rc)
-        self._registered = ok
-        return ok
+        """Page-lock a shared mapping with ``cudaHostRegister`` (True on success; ectier/pinning.py)."""
+        self._registered = register_host(buffer, what="the host tier's shared arena")
+        return self._registered
 
     def close(self) -> None:
         """End the populating thread, unregister a registered mapping and remove the shared arena
@@ -152,7 +147,7 @@ class HostTier(ArenaTier):
             self._populating.join(5.0)  # (one madvise of 256 KiB at most)
             self._populating = None
         if self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            unregister_host(self.buffer)
             self._registered = False
         if self.shm_path is not None:
             try:
