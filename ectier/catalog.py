@@ -68,6 +68,9 @@ class Catalog:
         self.inflight: dict[bytes, list[PendingWrite]] = {}
         #: recompute seconds per digest (:meth:`set_cost`); read under ``cond``
         self.costs: dict[bytes, float] = {}
+        #: deletes so far (any key), counted under ``cond``: a remote fetch that saw it change
+        #: while it ran takes its placed copy out again (ectier/moves/remote.py)
+        self.deletes = 0
 
     # ------------------------------------------------------------------------------ versions
     def version(self, digest: bytes) -> int | None:

@@ -331,6 +331,7 @@ class Mover:
         abort, ordered before this delete). True if it was stored or in flight."""
         stale = None
         with self.cond:
+            self.catalog.deletes += 1
             existed = self.catalog.forget(digest)
             existed = self.catalog.cancel_pending(digest) or existed
             for t in self.stack.arenas():

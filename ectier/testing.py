@@ -22,7 +22,8 @@ from .tiers.remote.backend import RemoteBackend, RemoteTimeout
 
 __all__ = ["MemoryBackend", "DeferredCopyEngine", "make_cache", "tier", "where", "holds", "version_of", "versions", "drop_copy", "record_of",
            "pins", "drain", "check_invariants", "fail_writes", "fail_after_writes", "watch_nvme_records", "lmdb_of", "set_lmdb_env", "NvmeLmdb", "copy_engine_of",
-           "write_behind_idle", "write_behind_enabled", "hold_writes", "WriteGate", "WRITE_BEHIND_THREAD"]
+           "write_behind_idle", "write_behind_enabled", "hold_writes", "WriteGate", "WRITE_BEHIND_THREAD",
+           "versions_from_another_clock"]
 
 
 class DeferredCopyEngine(CopyEngine):
@@ -380,6 +381,30 @@ def check_invariants(cache: TieredCache) -> None:
                 assert current.get(d) == rec.version, "stale NVMe record left behind"
         for d, v in current.items():
             assert cache._stack.holds(d, v), "a key of the catalog is held by no tier"
+
+
+@contextlib.contextmanager
+def versions_from_another_clock(ahead_s: float) -> Iterator[None]:
+    """Inside: write versions are stamped as on a machine whose clock runs ``ahead_s`` seconds
+    ahead of this one; after: this process's version counter is back where it was, as if those
+    stamps had been made elsewhere (two nodes with skewed clocks, in one process)."""
+    from . import entry
+    import time as _time
+
+    class _Clock:
+        @staticmethod
+        def time_ns() -> int:
+            return _time.time_ns() + int(ahead_s * 1e9)
+
+    with entry._version_lock:
+        saved = entry._last_version
+    entry.time = _Clock
+    try:
+        yield
+    finally:
+        entry.time = _time
+        with entry._version_lock:
+            entry._last_version = saved
 
 
 class MemoryBackend(RemoteBackend):

@@ -3,6 +3,16 @@ caller's path) and fetch after a local miss (the entry then lands in the host ti
 
 Every function here runs on behalf of :class:`~ectier.mover.Mover` (``m``); remote I/O runs
 outside the cache lock, bounded by ``remote.timeout_s`` per call.
+
+Ordering (docs/reliability.md, remote tier): the store's calls for one key run one at a time, in
+the order of the puts and deletes that asked for them (:class:`_KeyQueue`: the one running, and
+the latest asked for since; an older one not yet started is obsolete). A write whose version is
+no longer the key's current one when it lands (a newer put, or a delete, came meanwhile) removes
+its object again; a put that is not written (too large for the store, backlog, store down, a
+failed write) removes the key's older object, so another node never reads bytes older than the
+latest put. A fetch placed locally while a delete of any key ran is taken out again if its
+version is still current, and the local version counter moves past every fetched version (a
+node whose clock runs ahead never wins over a later put made here).
 """
 
 from __future__ import annotations
@@ -14,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..entry import EntryMeta
+from ..entry import EntryMeta, advance_version
 from ..errors import TierWriteError
 from ..tiers.nvme import RAW_CODEC_ID
 from ..tiers.nvme_reader import mark_background
@@ -35,6 +45,16 @@ log = logging.getLogger(__name__)
 MAX_BACKLOG = 256
 
 
+class _KeyQueue:
+    """The store calls of one key: whether one runs, and the latest one asked for since
+    (``("write", src, version)`` or ``("delete", version)``; ``None``: nothing more)."""
+
+    __slots__ = ("next",)
+
+    def __init__(self) -> None:
+        self.next: tuple | None = None
+
+
 class RemoteMoves:
     """The remote tier's side of every move (``m``: the mover; ``tier``: the remote tier)."""
 
@@ -45,65 +65,119 @@ class RemoteMoves:
         self._lock = threading.Lock()
         self._queued = 0
         self._idle = threading.Condition(self._lock)
+        self._keys: dict[bytes, _KeyQueue] = {}  # keys with a store call running; guarded by _lock
 
     # ------------------------------------------------------------------------- write-through
     def write_later(self, src: "ArenaTier | Tier", digest: bytes, version: int, nbytes: int) -> None:
         """Queue the write of ``version`` of ``digest`` (committed in ``src``: a memory tier, or the
-        NVMe tier for a put that went straight there) to the remote tier."""
+        NVMe tier for a put that went straight there) to the remote tier; when it cannot be
+        written (too large for ``remote.max_entry_bytes``, backlog full), queue the removal of the
+        key's older object instead. Never waits on the store."""
         if not self.tier.config.write_through:
             return
         if not self.tier.fits(nbytes):
             self.m.counters.count("remote", skipped_too_large=1)
+            self._ask(digest, ("delete", version))
             return
         with self._lock:
-            if self._queued >= MAX_BACKLOG:
-                self.m.counters.count("remote", skipped_backlog=1)
-                return
-            self._queued += 1
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(2, thread_name_prefix="ectier-remote",
-                                                initializer=mark_background)
-            pool = self._pool
-        pool.submit(self._write, src, digest, version)
+            full = self._queued >= MAX_BACKLOG
+        if full:
+            self.m.counters.count("remote", skipped_backlog=1)
+            self._ask(digest, ("delete", version))
+            return
+        self._ask(digest, ("write", src, version))
 
-    def _write(self, src: "ArenaTier | Tier", digest: bytes, version: int) -> None:
-        m = self.m
-        try:
-            if not src.is_arena:
-                self._write_stored(digest, version)
+    def _ask(self, digest: bytes, call: tuple) -> None:
+        """Run ``call`` for ``digest`` after the one running for it, if any (replacing an older
+        call asked for meanwhile, which is obsolete)."""
+        with self._lock:
+            q = self._keys.get(digest)
+            if q is not None:
+                if q.next is None:
+                    self._queued += 1
+                q.next = call
                 return
-            with m.cond:
-                slot = src.current(digest, version)
-                if slot is None:
-                    return  # replaced, deleted or evicted meanwhile: a newer put writes its own
-                src.pin(slot)
-            try:
-                data = m.arena.cpu_bytes(src, slot)
-                if data is not None and self.tier.write(slot.meta, data, version, digest,
-                                                        payload_checksum=self._known_checksum(digest, version)):
-                    m.counters.count("remote", puts=1, put_bytes=slot.meta.nbytes)
-            finally:
-                m.unpin(src, slot)
+            self._keys[digest] = _KeyQueue()
+            self._queued += 1
+            self._submit_locked(digest, call)
+
+    def _submit_locked(self, digest: bytes, call: tuple) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(2, thread_name_prefix="ectier-remote", initializer=mark_background)
+        self._pool.submit(self._run, digest, call)
+
+    def _run(self, digest: bytes, call: tuple) -> None:
+        """One store call of ``digest``, then the next one asked for (module docstring, Ordering)."""
+        try:
+            if call[0] == "write":
+                self._write(call[1], digest, call[2])
+            else:
+                self._remove_if_current(digest, call[1])
         except Exception as exc:  # noqa: BLE001 - a background move: logged, never raised into anyone
             log.warning("remote write-through failed: %s", exc)
         finally:
             with self._lock:
                 self._queued -= 1
-                self._idle.notify_all()
+                q = self._keys[digest]
+                nxt, q.next = q.next, None
+                if nxt is None:
+                    del self._keys[digest]
+                    self._idle.notify_all()
+                elif self._pool is None:  # closed meanwhile: the rest is dropped
+                    del self._keys[digest]
+                    self._queued -= 1
+                    self._idle.notify_all()
+                else:
+                    self._submit_locked(digest, nxt)
 
-    def _write_stored(self, digest: bytes, version: int) -> None:
+    def _write(self, src: "ArenaTier | Tier", digest: bytes, version: int) -> None:
+        m = self.m
+        if not src.is_arena:
+            done = self._write_stored(digest, version)
+        else:
+            with m.cond:
+                slot = src.current(digest, version)
+                if slot is None:
+                    return  # replaced, deleted or evicted meanwhile: a newer put asks for its own
+                src.pin(slot)
+            try:
+                data = m.arena.cpu_bytes(src, slot)
+                done = data is not None and self.tier.write(
+                    slot.meta, data, version, digest, payload_checksum=self._known_checksum(digest, version))
+                if done:
+                    m.counters.count("remote", puts=1, put_bytes=slot.meta.nbytes)
+            finally:
+                m.unpin(src, slot)
+        with m.cond:
+            current = m.catalog.is_current(digest, version)
+        if done is not None and not (done and current):
+            # landed after a newer put or a delete: take it out; not written: the older object goes
+            self.tier.delete(digest)
+
+    def _remove_if_current(self, digest: bytes, version: int) -> None:
+        """A put of ``version`` was not written to the store: remove the key's older object there,
+        unless a newer put (which writes its own) or a delete (which removed it) came since."""
+        with self.m.cond:
+            current = self.m.catalog.is_current(digest, version)
+        if current:
+            self.tier.delete(digest)
+
+    def _write_stored(self, digest: bytes, version: int) -> bool | None:
         """Write through an entry that only NVMe holds: read its record back (checked), unless a
-        newer version replaced it meanwhile."""
+        newer version replaced it meanwhile. True if written, False if not, ``None`` if there
+        was nothing to write (replaced, deleted or evicted meanwhile)."""
         m = self.m
         rec = m.nvme.tier.record(digest)
         if rec is None or rec.version != version:
-            return  # replaced, deleted or evicted meanwhile
+            return None
         got = m.nvme.read(digest, rec.header.namespace, rec.header.key, version)
         if got is None or got is RETRY:
-            return
+            return None
         meta, data = got
         if self.tier.write(meta, data, version, digest, payload_checksum=self._known_checksum(digest, version)):
             m.counters.count("remote", puts=1, put_bytes=meta.nbytes)
+            return True
+        return False
 
     def _known_checksum(self, digest: bytes, version: int) -> int | None:
         """The xxh3-64 of the raw bytes of ``version`` of ``digest`` when the NVMe tier's record of
@@ -134,16 +208,26 @@ class RemoteMoves:
     def fetch(self, digest: bytes, ns: str, key: str, target) -> tuple[EntryMeta, torch.Tensor] | None:
         """After a local miss: read the entry from the remote tier, place it locally (the host
         tier if it fits, else NVMe; on into ``target``, the GPU tier, when given) as the key's
-        current version unless a newer one appeared meanwhile. ``(meta, data)`` or ``None``."""
+        current version unless a newer one appeared, or a delete ran, meanwhile. ``(meta, data)``
+        or ``None``."""
         m = self.m
+        deletes = m.catalog.deletes
         got = self.tier.fetch(digest, ns, key)
         if got is None:
             m.counters.count("remote", misses=1)
             return None
         header, data = got
+        advance_version(header.version)  # a later put here wins over this version, whatever the clocks
         meta = EntryMeta(header.namespace, header.key, header.dtype, tuple(header.shape), header.raw_nbytes)
         m.counters.count("remote", hits=1, hit_bytes=meta.nbytes)
-        self._place(digest, meta, header.version, data, target)
+        with m.cond:
+            deleted = m.catalog.deletes != deletes
+        if not deleted:
+            self._place(digest, meta, header.version, data, target)
+            with m.cond:
+                deleted = m.catalog.deletes != deletes
+            if deleted:  # a delete ran while it was placed
+                self._unplace(digest, header.version)
         return meta, data
 
     def _place(self, digest: bytes, meta: EntryMeta, version: int, data: torch.Tensor, target) -> None:
@@ -162,6 +246,20 @@ class RemoteMoves:
         if placed and target is not None:
             m.promote.from_data(target, digest, meta, version, data)
 
+    def _unplace(self, digest: bytes, version: int) -> None:
+        """Take a fetched entry placed locally out again, unless a newer version is current."""
+        m = self.m
+        stale = None
+        with m.cond:
+            if not m.catalog.forget(digest, version):
+                return
+            m.drop_older_locked(digest, version + 1)
+            if m.nvme is not None:
+                stale = m.nvme.claim_locked(digest, older_than=version + 1)
+        if stale is not None:
+            m.nvme.delete_claimed(digest, stale)
+
     def delete(self, digest: bytes) -> None:
-        """Remove the remote copy (best effort: a store that is down keeps it until overwritten)."""
+        """Remove the remote copy (best effort: a store that is down keeps it until overwritten).
+        A write of the key running meanwhile removes what it wrote when it lands (``_write``)."""
         self.tier.delete(digest)
