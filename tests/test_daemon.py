@@ -18,6 +18,8 @@ Daemons:
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import urllib.request
@@ -364,14 +366,19 @@ def test_client_registers_its_arena_mapping_with_cuda_when_present(tmp_path, mon
             calls.append(("unregister", ptr))
             return 0
 
+    devices = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: devices.append(d) or contextlib.nullcontext())
     arena = tmp_path / "arena"
     arena.write_bytes(b"\0" * 65536)
     client = DaemonClient(str(tmp_path / "no.sock"))
     client.server_info = {"arena": {"path": str(arena), "nbytes": 65536, "block_bytes": 4096}}
     view = client._arena_tensor()
-    assert calls == [("register", view.data_ptr(), 65536, 0)]
+    assert calls == []  # registered at the first put of a CUDA tensor, under that tensor's device
+    assert client._page_locked(torch.device("cuda", 1))
+    assert calls == [("register", view.data_ptr(), 65536, 1)] and devices == [torch.device("cuda", 1)]  # portable
+    assert client._page_locked(torch.device("cuda", 1)) and len(calls) == 1  # once
     ptr = view.data_ptr()
     del view
     client.close()

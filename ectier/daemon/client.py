@@ -179,20 +179,29 @@ class DaemonClient(Transport, ViewCalls):
             self._arena_fd = fd
             self._arena = torch.frombuffer(self._arena_mmap, dtype=torch.uint8) if arena["nbytes"] else torch.empty(0, dtype=torch.uint8)
             self._arena_path = arena["path"]
-            self._register_arena(torch)
-            if not self._arena_registered:  # pageable: no fault per page in the puts (tiers/populate.py)
-                from ectier.tiers.populate import populate_mapping_later
+            self._arena_registered = None  # not tried: at the first put of a CUDA tensor (_page_locked)
+            from ..tensors import cuda_available
+            from ..tiers.populate import populate_mapping_later
 
+            if not cuda_available():  # pageable for good: no fault per page in the puts (tiers/populate.py)
+                self._arena_registered = False
                 populate_mapping_later(self._arena_mmap)
         return self._arena
 
-    def _register_arena(self, torch) -> None:
-        """On a CUDA machine, page-lock this process's mapping of the arena (``cudaHostRegister``)
-        so that copies between the GPU and the arena are pinned DMA with no staging copy.
-        Failure only costs speed: it is logged and the mapping stays pageable (ectier/pinning.py)."""
-        from ..pinning import register_host
+    def _page_locked(self, device) -> bool:
+        """Whether this process's mapping of the arena is page-locked (``cudaHostRegister``), so
+        that copies between the GPU and the arena are pinned DMA with no staging copy; the first
+        ask registers it, under ``device`` (the device of the tensor put: never a context on
+        another engine's GPU). A refusal only costs speed: logged, the mapping stays pageable
+        (ectier/pinning.py)."""
+        if self._arena_registered is None:
+            from ..pinning import register_host
+            from ..tiers.populate import populate_mapping_later
 
-        self._arena_registered = self._arena is not None and register_host(self._arena, what="the daemon's arena")
+            self._arena_registered = register_host(self._arena, device=device, what="the daemon's arena")
+            if not self._arena_registered:
+                populate_mapping_later(self._arena_mmap)
+        return bool(self._arena_registered)
 
     def _direct(self) -> dict[str, bool]:
         """``{"direct": True}`` when the daemon moves what its arena cannot take through scratch
@@ -242,7 +251,7 @@ class DaemonClient(Transport, ViewCalls):
                 lease = reply["lease"]
                 try:
                     with self._bytes_of(reply) as arena:
-                        if on_device and reply.get("path") is None and self._arena_registered:
+                        if on_device and reply.get("path") is None and self._page_locked(tensor.device):
                             _copy_from_device(arena, reply["extents"], tensor, after)
                         else:
                             if src is None:
