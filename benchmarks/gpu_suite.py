@@ -49,11 +49,14 @@ def _no_cuda_reason() -> str | None:
     return None
 
 
+#: every test file with ``gpu``-marked tests (tests/test_gpu_tier_cpu.py checks the list is whole)
+GPU_TEST_FILES = ("tests/test_gpu.py", "tests/test_daemon_client_cuda.py", "tests/test_docs.py")
+
+
 def run_tests(timeout_s: int) -> dict:
     """pytest -m gpu in a child process (fresh interpreter: nothing is forked after CUDA init here)."""
     t0 = time.monotonic()
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "tests/test_gpu.py", "tests/test_gpu_tier_cpu.py",
-           "tests/test_gpu_tier_copies.py"]
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", *GPU_TEST_FILES]
     try:
         r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
         out, rc = r.stdout + r.stderr, r.returncode

@@ -48,6 +48,7 @@ __all__ = [
     "InlineCopyEngine",
     "CudaCopyEngine",
     "Completer",
+    "copy_stream",
     "engine_for_device",
     "Engines",
 ]
@@ -176,6 +177,19 @@ class _CudaHandle(CopyHandle):
         torch.cuda.current_stream(device).wait_event(self._cuda_event)  # rule 4: no host sync
 
 
+#: priority of ectier's copy streams. torch hands out the streams of one priority from a pool of
+#: 32 per device, in turn; vLLM's streams (every ``torch.cuda.Stream()``) come from the default
+#: priority's pool, so a copy stream of that pool could be the model's own stream (a copy, or a
+#: ``synchronize``, then waits for the model's work). The high-priority pool is apart.
+COPY_STREAM_PRIORITY = -1
+
+
+def copy_stream(device: torch.device | str) -> "torch.cuda.Stream":
+    """A CUDA stream of ``device`` for ectier's copies, from the high-priority pool
+    (:data:`COPY_STREAM_PRIORITY`), never one of vLLM's default-priority streams."""
+    return torch.cuda.Stream(device, priority=COPY_STREAM_PRIORITY)
+
+
 class CudaCopyEngine(CopyEngine):
     """Copies on dedicated CUDA streams of one device, an event per batch.
 
@@ -206,9 +220,9 @@ class CudaCopyEngine(CopyEngine):
         self._pid = os.getpid()
         with torch.cuda.device(dev):
             self._lanes = {
-                "d2h": [torch.cuda.Stream(dev) for _ in range(streams_per_direction)],
-                "h2d": [torch.cuda.Stream(dev) for _ in range(streams_per_direction)],
-                "arena": [torch.cuda.Stream(dev)],
+                "d2h": [copy_stream(dev) for _ in range(streams_per_direction)],
+                "h2d": [copy_stream(dev) for _ in range(streams_per_direction)],
+                "arena": [copy_stream(dev)],
             }
         self._next = {lane: itertools.count() for lane in LANES}
 

@@ -285,3 +285,14 @@ def test_bf16_encoder_output_views_round_trip_through_every_tier():
             assert torch.equal(got.view(torch.int16), t.contiguous().view(torch.int16)), key
     finally:
         cache.close()
+
+
+def test_copy_lanes_are_never_one_of_the_streams_an_engine_like_vllm_creates():
+    cache = host_cache()
+    try:
+        engine = testing.copy_engine_of(cache, DEV)
+        lanes = {s.cuda_stream for streams in engine._lanes.values() for s in streams}
+        theirs = {torch.cuda.Stream(DEV).cuda_stream for _ in range(64)}  # twice torch's pool of 32
+        assert lanes and not lanes & theirs
+    finally:
+        cache.close()

@@ -387,3 +387,17 @@ def test_gpu_suite_exits_cleanly_without_cuda():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "no CUDA" in r.stdout
+
+
+def test_gpu_suite_runs_every_test_file_with_gpu_tests():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_suite", ROOT / "benchmarks" / "gpu_suite.py")
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    import re
+
+    uses = re.compile(r"^\s*(@pytest\.mark\.gpu|pytestmark\s*=.*pytest\.mark\.gpu)", re.M)  # a decorator or the module's mark
+    marked = {str(p.relative_to(ROOT)) for d in ("tests", "tests_vllm") for p in (ROOT / d).glob("test_*.py")
+              if uses.search(p.read_text())}
+    assert marked and marked <= set(suite.GPU_TEST_FILES), marked - set(suite.GPU_TEST_FILES)

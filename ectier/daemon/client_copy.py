@@ -5,6 +5,23 @@ Imports torch only when called, like the client's other data calls.
 
 from __future__ import annotations
 
+import threading
+
+_streams: dict = {}  # device -> this process's copy stream for puts (one per device, reused)
+_streams_lock = threading.Lock()
+
+
+def _put_stream(device):
+    """The put copies' stream of ``device``: one, reused (a new one per put cycled through torch's
+    pool, into vLLM's streams among them), from the high-priority pool (``ectier.copy.copy_stream``)."""
+    from ..copy import copy_stream
+
+    with _streams_lock:
+        stream = _streams.get(device)
+        if stream is None:
+            stream = _streams[device] = copy_stream(device)
+        return stream
+
 
 def device_bytes(tensor, after):
     """``tensor``'s bytes (flat uint8, C order) on its CUDA device, valid on the current stream
@@ -33,7 +50,7 @@ def copy_from_device(arena, extents, tensor, after) -> None:
     side stream that first waits for ``after``; returns once the copies are done."""
     import torch
 
-    stream = torch.cuda.Stream(tensor.device)
+    stream = _put_stream(tensor.device)
     if after is None:
         stream.wait_stream(torch.cuda.current_stream(tensor.device))
     with torch.cuda.stream(stream):
