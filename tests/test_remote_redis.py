@@ -17,6 +17,7 @@ import time
 import pytest
 
 from ectier.config import RemoteTierConfig
+from ectier.errors import CorruptRecordError
 from ectier.tiers.remote.backend import RemoteError, RemoteTimeout
 from ectier.tiers.remote.redis import MANIFEST, RedisBackend
 from redis_cluster import AUTH_PASSWORD, Servers  # noqa: F401
@@ -178,7 +179,9 @@ def test_chunks_without_a_manifest_are_a_miss(servers, b):
 
 @pytest.mark.parametrize("damage", ["chunk deleted", "chunk altered", "chunk truncated", "manifest cut",
                                     "manifest garbage"])
-def test_a_damaged_entry_is_a_miss(servers, b, damage):
+def test_a_damaged_entry_is_a_miss_or_a_corrupt_record(servers, b, damage):
+    """A missing chunk is a plain miss (the server evicts chunks; an overwrite removes them); a
+    damaged object raises CorruptRecordError (the tier counts it in checksum_failures)."""
     data = os.urandom(3 * CHUNK + 10)
     b.put("k", data, deadline_s=D)
     prefix = b.describe()["prefix"]
@@ -199,7 +202,11 @@ def test_a_damaged_entry_is_a_miss(servers, b, damage):
             raw.set(f"{prefix}:m:k", b"\0" * MANIFEST.size)
     finally:
         raw.close()
-    assert b.get("k", deadline_s=D) is None
+    if damage == "chunk deleted":
+        assert b.get("k", deadline_s=D) is None
+    else:
+        with pytest.raises(CorruptRecordError):
+            b.get("k", deadline_s=D)
     if damage in ("chunk deleted", "manifest cut", "manifest garbage"):
         assert b.exists("k", deadline_s=D) is False
 

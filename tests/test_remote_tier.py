@@ -382,3 +382,23 @@ def test_too_large_for_every_tier_names_the_budgets_a_put_can_use_not_the_remote
         assert f"({budgets}); raise one of them" in str(err.value)
         assert "remote" not in str(err.value)  # written through from those tiers, never put into
         assert not be.objects
+
+
+def test_an_object_the_backend_finds_damaged_is_a_counted_miss_without_back_off(nodes, monkeypatch):
+    """A chunked store's own checks (Redis: a manifest that is not one, a chunk of the wrong size,
+    a wrong xxh3) raise CorruptRecordError: a miss counted in checksum_failures, as a record that
+    fails the tier's checks, and the store is not backed off (it answered)."""
+    from ectier.errors import CorruptRecordError
+
+    be, make = nodes
+    producer, consumer = make(), make()
+    producer.put("k", _t(40))
+    testing.drain(producer)
+
+    def damaged(key, *, deadline_s):
+        raise CorruptRecordError("the chunks' xxh3 is not the manifest's")
+
+    monkeypatch.setattr(be, "get", damaged)
+    assert consumer.get("k") is None
+    st = consumer.stats()["tiers"]["remote"]
+    assert st["checksum_failures"] == 1 and st["backoffs"] == 0 and st["misses"] == 1

@@ -66,7 +66,7 @@ except ImportError as _exc:  # pragma: no cover - exercised only without the ext
 else:
     _IMPORT_ERROR = None
 
-from ...errors import ConfigError
+from ...errors import ConfigError, CorruptRecordError
 from ...record import pack_header, pack_record
 from .backend import RemoteBackend, RemoteError, RemoteTimeout, byte_view
 from .redis_nodes import NodeBackoff
@@ -108,14 +108,19 @@ class _Manifest:
                              self.generation)
 
     @classmethod
-    def parse(cls, raw: bytes | None) -> "_Manifest | None":
-        """The manifest in ``raw``, or None when it is absent or not a consistent manifest."""
-        if raw is None or len(raw) != MANIFEST.size:
+    def parse(cls, raw: bytes | None, *, strict: bool = False) -> "_Manifest | None":
+        """The manifest in ``raw``, or None when it is absent or not a consistent manifest
+        (``strict``: raise :class:`CorruptRecordError` for one that is present but not consistent)."""
+        if raw is None:
             return None
-        magic, version, _flags, _res, n, cb, total, digest, gen = MANIFEST.unpack(raw)
-        if magic != _MAGIC or version != _VERSION or cb <= 0 or n != -(-total // cb):
-            return None
-        return cls(n, cb, total, digest, gen)
+        fields = MANIFEST.unpack(raw) if len(raw) == MANIFEST.size else None
+        if fields is not None:
+            magic, version, _flags, _res, n, cb, total, digest, gen = fields
+            if magic == _MAGIC and version == _VERSION and cb > 0 and n == -(-total // cb):
+                return cls(n, cb, total, digest, gen)
+        if strict:
+            raise CorruptRecordError(f"a manifest of {len(raw)} bytes that is not a consistent ectier manifest")
+        return None
 
 
 def _check_key(key: Any) -> str:
@@ -364,18 +369,18 @@ class RedisBackend(NodeBackoff, RemoteBackend):
             log.debug("redis: left %d unreadable chunks to eviction: %s", len(keys), exc)
 
     def get(self, key: str, *, deadline_s: float) -> bytes | None:
-        """The object under ``key``; ``None`` when absent or not whole (missing chunk, wrong size,
-        wrong hash, a manifest of another format).
+        """The object under ``key``; ``None`` when absent or not whole (a chunk missing).
 
         Raises:
             ValueError: a bad key or deadline_s.
+            CorruptRecordError: a manifest that is not one, a chunk of the wrong size, a wrong hash.
             RemoteError, RemoteTimeout.
         """
         _check_key(key)
         dl = _Deadline(deadline_s)
 
         def read(client: Any) -> bytes | None:
-            m = _Manifest.parse(self._cmd(client, "get", (self._manifest_key(key),), dl, "get"))
+            m = _Manifest.parse(self._cmd(client, "get", (self._manifest_key(key),), dl, "get"), strict=True)
             if m is None:
                 return None
             chunks = self._run(client, [("get", (k,)) for k in self._chunk_keys(key, m)], dl, "get")
@@ -384,15 +389,22 @@ class RedisBackend(NodeBackoff, RemoteBackend):
         return self._call("get", dl, read)
 
     def _assemble(self, key: str, m: _Manifest, chunks: list[Any]) -> bytes | None:
+        """The object's bytes; ``None`` if a chunk is missing (evicted by the server, or removed
+        by an overwrite or delete since the manifest was read: a plain miss).
+
+        Raises:
+            CorruptRecordError: a chunk of the wrong size, or bytes whose xxh3 is not the manifest's.
+        """
         last = m.total - (m.n_chunks - 1) * m.chunk_bytes
         for i, c in enumerate(chunks):
-            if c is None or len(c) != (last if i == m.n_chunks - 1 else m.chunk_bytes):
-                log.debug("redis get %r: chunk %d of %d missing or of the wrong size: a miss", key, i, m.n_chunks)
+            if c is None:
+                log.debug("redis get %r: chunk %d of %d missing: a miss", key, i, m.n_chunks)
                 return None
+            if len(c) != (last if i == m.n_chunks - 1 else m.chunk_bytes):
+                raise CorruptRecordError(f"chunk {i} of {m.n_chunks} has {len(c)} bytes, not what its manifest says")
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         if xxhash.xxh3_64_intdigest(data) != m.digest:
-            log.debug("redis get %r: xxh3 mismatch: a miss", key)
-            return None
+            raise CorruptRecordError("the chunks' xxh3 is not the manifest's")
         return data
 
     def exists(self, key: str, *, deadline_s: float) -> bool:

@@ -179,7 +179,12 @@ class RemoteTier(Tier):
         need not be aligned). Otherwise (a read-only ``bytes`` from Redis, a compressed payload) the
         payload is decoded into a new tensor. The checks come first either way: the header, the
         namespace and key, the length, and the xxh3 checksum of the payload (one pass)."""
-        ok, raw = self._call("get", lambda: self.backend.get(self.key_of(digest), deadline_s=self.config.timeout_s))
+        try:
+            ok, raw = self._call("get", lambda: self.backend.get(self.key_of(digest), deadline_s=self.config.timeout_s))
+        except CorruptRecordError as exc:  # the backend's own checks (a chunked object's manifest)
+            self._count(checksum_failures=1)
+            log.warning("remote tier: the object for a key failed its checks (%s); read as a miss", exc)
+            return None
         if not ok or raw is None:
             return None
         try:
