@@ -249,8 +249,10 @@ class RemoteTierConfig:
         backend: ``"none"`` (default: no remote tier), ``"redis"`` (a Redis / Valkey Cluster,
             or one server) or ``"mooncake"`` (a Mooncake Store: its ``mooncake_master``).
         addresses: ``"host:port[,host:port...]"``: seed nodes of the cluster (one is enough; the
-            others are found from it); for ``mooncake`` the master's RPC address (one).
-            Required when ``backend`` is not ``"none"``.
+            others are found from it; each seed gets a share of a connect's ``timeout_s``, so a
+            hung one leaves time for the next); for ``mooncake`` the master's RPC address (one).
+            No scheme (``redis://``); an IPv6 host in brackets (``[::1]:6379``). Required when
+            ``backend`` is not ``"none"``.
         prefix: first part of every object's key (Redis: ``<prefix>:m:<digest of namespace and
             key>`` and its chunks ``<prefix>:c:...``), so that several deployments can share one
             store. Default ``"ectier"``.
@@ -268,8 +270,8 @@ class RemoteTierConfig:
         username: ACL user name for AUTH; ``None`` (default): none.
         password: password for AUTH; ``None`` (default): none. Never logged or reported.
         tls: connect with TLS. Default ``False``.
-        tls_ca_path: CA bundle that signed the servers' certificates; ``None`` (default): the
-            system's.
+        tls_ca_path: CA bundle that signed the servers' certificates (a file; only with
+            ``tls: true``); ``None`` (default): the system's.
         mooncake_metadata_server: Mooncake: the transfer engine's metadata server,
             ``"http://host:port/metadata"`` (the master's own with
             ``--enable_http_metadata_server=true``), or ``"etcd://host:port"``; ``""`` (default):

@@ -388,9 +388,7 @@ def check_remote(cfg: Any) -> None:
             raise ConfigError("remote.addresses: required with remote.backend "
                               f"{cfg.backend!r}: 'host:port[,host:port...]' of the store's nodes")
         for item in filter(None, (a.strip() for a in cfg.addresses.split(","))):
-            host, _, port = item.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ConfigError(f"remote.addresses: {item!r} is not 'host:port'")
+            check_address(item)
     with p.check("remote.prefix"):
         check_text("remote.prefix", cfg.prefix, "a key prefix")
     for name in ("timeout_s", "backoff_s"):
@@ -411,8 +409,32 @@ def check_remote(cfg: Any) -> None:
         if getattr(cfg, name) is not None:
             with p.check(f"remote.{name}"):
                 check_text(f"remote.{name}", getattr(cfg, name), "a string or null")
+    if isinstance(cfg.tls_ca_path, str) and cfg.tls_ca_path:
+        with p.check("remote.tls_ca_path"):
+            if cfg.tls is not True:
+                raise ConfigError("remote.tls_ca_path: only used with remote.tls: true (set it, or drop the CA)")
+            if not os.path.isfile(os.path.expanduser(cfg.tls_ca_path)):
+                raise ConfigError(f"remote.tls_ca_path: no file at {cfg.tls_ca_path!r}")
     check_remote_mooncake(cfg, p)
     p.raise_if_any()
+
+
+def check_address(item: str) -> None:
+    """One entry of ``remote.addresses``: ``host:port`` (an IPv6 host in brackets).
+
+    Raises:
+        ConfigError: naming ``remote.addresses`` and what is wrong with ``item``.
+    """
+    if any(c.isspace() for c in item):
+        raise ConfigError(f"remote.addresses: {item!r}: separate addresses with commas")
+    if "/" in item:
+        raise ConfigError(f"remote.addresses: {item!r}: 'host:port' without a scheme or path "
+                          "(TLS is remote.tls: true)")
+    host, _, port = item.rpartition(":")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ConfigError(f"remote.addresses: {item!r}: an IPv6 host goes in brackets, e.g. '[::1]:6379'")
+    if not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"remote.addresses: {item!r} is not 'host:port'")
 
 
 def check_remote_mooncake(cfg: Any, p: Problems) -> None:

@@ -341,6 +341,29 @@ def test_a_hung_node_raises_remote_timeout(redis_cluster_fn):
         be.close()
 
 
+def test_a_hung_first_seed_leaves_time_for_the_other_seeds(redis_cluster_fn):
+    """remote.addresses names seeds: one that accepts connections and never answers (SIGSTOP)
+    takes its share of the connect deadline, not all of it; the next seed connects."""
+    servers = redis_cluster_fn
+    first = servers.nodes[0]  # the first seed of servers.addresses
+    writer = backend(servers, timeout_s=D)
+    keys = [f"s{i}" for i in range(24)]
+    for k in keys:
+        writer.put(k, b"v" * 10, deadline_s=D)
+    writer.close()
+    live = [k for k in keys if servers.node_of(f"ectier:m:{k}") is not first
+            and not any(c.startswith(f"ectier:c:{k}:") for c in servers.keys_on(first))]
+    assert live
+    servers.pause(first)
+    try:
+        be = backend(servers, timeout_s=1.0)  # it used to spend every call's deadline on the first seed
+        assert _eventually(lambda: be.get(live[0], deadline_s=1.0), within_s=8) == b"v" * 10
+        assert be.describe()["mode"] == "cluster"
+        be.close()
+    finally:
+        servers.resume(first)
+
+
 def test_a_server_down_at_start_is_reached_once_it_is_up(redis_single_fn):
     servers = redis_single_fn
     be = backend(servers, timeout_s=DEADLINE)

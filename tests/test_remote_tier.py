@@ -402,3 +402,28 @@ def test_an_object_the_backend_finds_damaged_is_a_counted_miss_without_back_off(
     assert consumer.get("k") is None
     st = consumer.stats()["tiers"]["remote"]
     assert st["checksum_failures"] == 1 and st["backoffs"] == 0 and st["misses"] == 1
+
+
+@pytest.mark.parametrize("addresses, says", [
+    ("redis://127.0.0.1:6379", "without a scheme"),
+    ("rediss://h:6379", "without a scheme"),
+    ("10.0.0.1:7000 10.0.0.2:7001", "separate addresses with commas"),
+    ("::1:6379", "IPv6 host goes in brackets"),
+    ("[]:6379", "is not 'host:port'"),
+])
+def test_an_address_a_client_could_never_reach_is_a_config_error_saying_why(addresses, says):
+    with pytest.raises(ConfigError, match="remote.addresses") as info:
+        CacheConfig.from_dict({"remote": {"backend": "redis", "addresses": addresses}})
+    assert says in str(info.value)
+    assert CacheConfig.from_dict({"remote": {"backend": "redis", "addresses": "[::1]:6379"}}).remote.address_list == [("::1", 6379)]
+
+
+def test_a_tls_ca_path_needs_tls_and_a_file(tmp_path):
+    base = {"backend": "redis", "addresses": "h:1"}
+    with pytest.raises(ConfigError, match="remote.tls_ca_path: only used with remote.tls"):
+        CacheConfig.from_dict({"remote": {**base, "tls_ca_path": str(tmp_path)}})
+    with pytest.raises(ConfigError, match="remote.tls_ca_path: no file at"):
+        CacheConfig.from_dict({"remote": {**base, "tls": True, "tls_ca_path": str(tmp_path / "ca.pem")}})
+    (tmp_path / "ca.pem").write_text("-----BEGIN CERTIFICATE-----\n")
+    cfg = CacheConfig.from_dict({"remote": {**base, "tls": True, "tls_ca_path": str(tmp_path / "ca.pem")}})
+    assert cfg.remote.tls_ca_path == str(tmp_path / "ca.pem")

@@ -96,6 +96,20 @@ class _Deadline:
         return time.monotonic() < self.end
 
 
+def _is_cluster(client: Any) -> bool:
+    """Whether the server of ``client`` is a cluster node (``INFO cluster``; ``CLUSTER INFO``
+    where an ACL forbids INFO)."""
+    try:
+        return bool(int(client.info("cluster").get("cluster_enabled", 0)))
+    except NoPermissionError:
+        pass
+    try:
+        client.execute_command("CLUSTER INFO")
+        return True
+    except ResponseError:  # "cluster support disabled"
+        return False
+
+
 class _Manifest:
     __slots__ = ("n_chunks", "chunk_bytes", "total", "digest", "generation")
 
@@ -187,27 +201,23 @@ class RedisBackend(NodeBackoff, RemoteBackend):
             kw.update(ssl=True, ssl_ca_certs=cfg.tls_ca_path)
         return kw
 
-    def _probe(self, dl: _Deadline) -> tuple[Any, tuple[str, int], bool]:
-        """A plain client on the first address that answers, that address, and whether it is a
-        cluster node (``INFO cluster`` says ``cluster_enabled:1``; where an ACL forbids INFO,
-        ``CLUSTER INFO`` answers)."""
+    def _probe(self, dl: _Deadline) -> tuple[tuple[str, int], bool]:
+        """The first address that answers, and whether it is a cluster node (``INFO cluster``
+        says ``cluster_enabled:1``; where an ACL forbids INFO, ``CLUSTER INFO`` answers). Each
+        seed gets an equal share of what is left of the deadline: a seed that accepts the
+        connection and never answers (a hung node) does not use it all."""
         error: Exception | None = None
-        for host, port in self._addresses:
+        for i, (host, port) in enumerate(self._addresses):
             dl.check("connect")
-            client = redis.Redis(host, port, **self._client_kwargs())
+            share = max(0.05, (dl.end - time.monotonic()) / (len(self._addresses) - i))
+            client = redis.Redis(host, port, **{**self._client_kwargs(), "socket_timeout": share,
+                                                "socket_connect_timeout": share})
             try:
-                try:
-                    return client, (host, port), bool(int(client.info("cluster").get("cluster_enabled", 0)))
-                except NoPermissionError:
-                    pass
-                try:
-                    client.execute_command("CLUSTER INFO")
-                    return client, (host, port), True
-                except ResponseError:  # "cluster support disabled"
-                    return client, (host, port), False
+                return (host, port), _is_cluster(client)
             except Exception as exc:
-                client.close()
                 error = exc
+            finally:
+                client.close()
         assert error is not None
         raise error
 
@@ -220,13 +230,12 @@ class RedisBackend(NodeBackoff, RemoteBackend):
             if self._closed:
                 raise RemoteError("redis: the backend is closed")
             if self._client is None:
-                probe, first, is_cluster = self._probe(dl)
+                first, is_cluster = self._probe(dl)
                 if is_cluster:  # the node that answered first, then the other seeds
-                    probe.close()
                     seeds = [first] + [a for a in self._addresses if a != first]
                     self._client = self._cluster_client(seeds)
                 else:
-                    self._client = probe
+                    self._client = redis.Redis(*first, **self._client_kwargs())
                 self._mode = "cluster" if is_cluster else "single"
             return self._client
         finally:
