@@ -264,3 +264,30 @@ def test_remote_rows_on_an_in_memory_backend():
     assert "remote" in crossover(rows, per_token_cost(1e-5))
     with pytest.raises(ConfigError, match="remote.backend"):
         measure_remote(CacheConfig(), (16,))
+
+
+
+def test_an_explored_item_stays_loaded_until_its_promotion_is_done():
+    """Of the items the estimates would recompute, the explored one is waited for in the later
+    steps too (not recomputed the next step), and its promotion is observed; one done within one
+    step is observed with its upper end, so a tier that got faster refreshes a stale estimate."""
+    clock = Clock()
+    lor = LoadOrRecompute(True, 1e-6, explore_every=2, now=clock)  # 64 tokens: 64 us to recompute
+    _slow_promotions(lor, clock, 3, MiB, 0.1)  # slow: 0.1 s per MiB
+    for _ in range(3):
+        lor.observe_report({"load_bytes": MiB, "load_seconds": [0.001]})
+    reads = lambda: lor.policy.bandwidth.snapshot()["promote"]["reads"]  # noqa: E731
+    assert lor.check("r", "wait", MiB, 64)  # recomputed
+    assert not lor.check("x", "wait", MiB, 64)  # the 2nd that would be recomputed: explored
+    for _ in range(3):  # later steps, still promoting: still waited for, not recomputed
+        clock.t += 0.01
+        assert not lor.check("x", "wait", MiB, 64)
+    clock.t += 0.01
+    assert not lor.check("x", "ready", MiB, 64)
+    assert reads() == 4  # observed: 0.03 s for a MiB (the lower end)
+    assert lor.check("y", "wait", MiB, 64)  # still slower than recomputing: the 3rd is recomputed
+    assert not lor.check("z", "wait", MiB, 64)  # the 4th: explored
+    clock.t += 0.002  # seen done the next step: within one step, its upper end (2 ms) is observed
+    assert not lor.check("z", "ready", MiB, 64)
+    assert reads() == 5
+    assert lor.policy.bandwidth.bytes_per_s("promote") > MiB / 0.03

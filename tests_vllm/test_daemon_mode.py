@@ -362,3 +362,66 @@ def test_a_stopped_daemon_never_blocks_the_scheduler_and_the_item_loads_a_later_
     while (s := daemon_stats(daemon.socket_path)["daemon"])["views"]["leases"] or s["leases"]["get"]:
         assert time.monotonic() < deadline, (s["views"], s["leases"])
         time.sleep(0.02)
+
+
+def _v1_producer(model_dir, monkeypatch, extra):
+    """A pure producer on vLLM's V1 model runner: its scheduler confirms the saves itself."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    cfg = H.make_vllm_config(model_dir, "ec_producer", extra)
+    worker = H.Worker(cfg, "v1")
+    worker.settle_saves = False  # the saves are never waited for here: the daemon may be stopped
+    return H.make_scheduler(cfg, monkeypatch), worker
+
+
+def _saves_counted(sched, worker, tag: str, max_s: float = 10.0) -> int:
+    """Run steps, with a request for a fresh item every 0.2 s (a save right after the daemon
+    came back may fail: its client's back-off), until the scheduler counted a save (its own
+    confirmation); returns the saves counted. Each step's ``update_from_output`` stays fast."""
+    deadline, saves, n, next_item = time.monotonic() + max_s, 0, 0, 0.0
+    while not saves:
+        assert time.monotonic() < deadline, "no save was ever counted"
+        if time.monotonic() >= next_item:
+            sched.add_request(H.make_request(f"{tag}{n}", [H.Item(f"{tag}{n:03d}" * 16, 0, 20)], max_tokens=1))
+            n, next_item = n + 1, time.monotonic() + 0.2
+        so = sched.schedule()
+        out = worker.execute(so)
+        t0 = time.monotonic()
+        eo = sched.update_from_output(so, out)
+        assert time.monotonic() - t0 < 0.25, "update_from_output waited on the daemon"
+        stats = eo[0].scheduler_stats.ec_connector_stats if eo else None
+        saves = (stats or {}).get("saves", 0)
+        time.sleep(0.005)
+    return saves
+
+
+def test_v1_producer_save_confirmation_never_waits_on_a_stopped_daemon(model_dir, monkeypatch, daemon):
+    """A pure producer on the V1 runner confirms its saves with the daemon's ``contains``, sent
+    without waiting: with the daemon stopped (SIGSTOP) past daemon_timeout_s every
+    ``update_from_output`` returns at once (the confirmation stays pending, then is absent for
+    now), never a wait of daemon_timeout_s; once the daemon runs again saves are counted again."""
+    import signal
+
+    extra = {"mode": "daemon", "socket_path": daemon.socket_path, "namespace": "qwen-test", "daemon_timeout_s": 1}
+    sched, worker = _v1_producer(model_dir, monkeypatch, extra)
+    try:
+        assert sched.ec_connector._confirm is not None
+        assert _saves_counted(sched, worker, "a") >= 1
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            sched.add_request(H.make_request("p1", [H.Item("c1" * 32, 0, 20)], max_tokens=1))
+            stopped_until = time.monotonic() + 1.5  # past daemon_timeout_s
+            while time.monotonic() < stopped_until:
+                so = sched.schedule()
+                out = worker.execute(so)
+                t0 = time.monotonic()
+                sched.update_from_output(so, out)
+                assert time.monotonic() - t0 < 0.25, "update_from_output waited on the stopped daemon"
+                time.sleep(0.01)
+            assert len(sched.ec_connector._confirm) == 1  # still expected: pending, not given up
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        assert _saves_counted(sched, worker, "b") >= 1
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+        worker.connector.shutdown()
+        sched.ec_connector.shutdown()

@@ -18,6 +18,12 @@ per engine, so nothing is counted once per rank; the workers' own counters are t
 drops, so nothing is counted twice. Should a worker report arrive after all (a runner that
 behaves otherwise), the connector stops confirming and counts what the workers report.
 
+In daemon mode the store's ``contains`` is sent without waiting for the reply
+(:class:`~ectier_vllm.daemon_lookups.StoredQueries`), which a later poll reads once it has
+arrived: the scheduler never waits on the daemon here. An item whose answer is not in yet stays
+expected; a daemon that is down, or hung past ``daemon_timeout_s``, makes the item absent for
+now (asked again after the back-off), and after :data:`CONFIRM_TIMEOUT_S` a save failure.
+
 Caveats: an item another producer stored counts as this producer's save; so does, in-process, an
 item whose put is still in flight (``TieredCache.contains`` answers True for it) even if its copy
 then fails (the worker logs that failure); one evicted before it was seen (a store much smaller
@@ -83,19 +89,25 @@ class SaveConfirmer:
         now = self._clock()
         self._expected[mm_hash] = _Expected(nbytes, now, now)
 
-    def poll(self, contains: Callable[[str], bool], errors: tuple[type[BaseException], ...]) -> Confirmed:
-        """Ask ``contains`` about the expected items due for a check; ``errors`` raised by it mean
-        "not known yet". Returns what was confirmed or given up (and forgets those)."""
+    def poll(self, stored: Callable[[list[str]], dict[str, bool | None]],
+             errors: tuple[type[BaseException], ...]) -> Confirmed:
+        """Ask ``stored`` about the expected items due for a check, in one call; it answers per
+        item True (present), False (absent: asked again after a back-off) or None (its answer is
+        not in yet: asked again at the next poll). ``errors`` raised by it mean "absent" for all.
+        Returns what was confirmed or given up (and forgets those)."""
         now = self._clock()
+        due = [h for h, exp in self._expected.items() if now >= exp.next_check]
         out = Confirmed()
+        if not due:
+            return out
+        try:
+            found = stored(due)
+        except errors:
+            found = {}
         failed: list[str] = []
-        for mm_hash, exp in list(self._expected.items()):
-            if now < exp.next_check:
-                continue
-            try:
-                present = contains(mm_hash)
-            except errors:
-                present = False
+        for mm_hash in due:
+            exp = self._expected[mm_hash]
+            present = found.get(mm_hash, False)
             if present:
                 del self._expected[mm_hash]
                 out.saves += 1
@@ -103,7 +115,7 @@ class SaveConfirmer:
             elif now - exp.since >= self._timeout_s:
                 del self._expected[mm_hash]
                 failed.append(mm_hash)
-            else:
+            elif present is False:
                 exp.next_check = now + exp.wait
                 exp.wait = min(2 * exp.wait, RECHECK_MAX_S)
         out.failed = tuple(failed)

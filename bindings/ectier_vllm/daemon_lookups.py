@@ -23,6 +23,8 @@ How a step asks (issue 14: "the scheduler never waits on I/O"):
 - Releases of the scheduler's pins are queued and sent in one ``release`` request
   (:meth:`StepLookups.send_releases`, also without waiting for its reply), so no background thread
   wakes for them; one whose request was lost goes to the background releaser, which retries.
+- A producer's scheduler that confirms saves itself (:mod:`ectier_vllm.confirm`) asks ``contains``
+  the same way (:class:`StoredQueries`): sent without waiting, the reply read in a later step.
 
 Errors are ectier's (``EctierError``: ``DaemonUnavailableError`` when the daemon is unreachable,
 hung past ``daemon_timeout_s`` or lost); the connector turns them into misses.
@@ -298,6 +300,59 @@ class StepLookups:
                 pass
             self._to_background(instance, ids)
         self._release_asks = {}
+
+
+#: ``contains`` requests of :class:`StoredQueries` in flight at most (a hung daemon never fills the
+#: socket's send buffer, whose overflow ``submit`` would wait on)
+MAX_STORED_IN_FLIGHT = 256
+
+
+class StoredQueries:
+    """The daemon's ``contains``, asked without waiting (the save confirmation of a producer's
+    scheduler, :mod:`ectier_vllm.confirm`): :meth:`ask` sends a request per key not asked yet and
+    returns the answers that have arrived; nothing here connects, waits or raises."""
+
+    def __init__(self, client: Any, namespace: str) -> None:
+        self.client = client
+        self.namespace = namespace
+        self._asks: dict[str, int] = {}  # key -> id of its contains request in flight
+
+    def ask(self, keys: list[str]) -> dict[str, bool | None]:
+        """Per key of ``keys``: True (the daemon stores it) or False (it does not, or the question
+        was lost: the daemon is down, unreachable, or left it unanswered past ``daemon_timeout_s``)
+        once the answer is in; None while it is not (asked now unless asked already)."""
+        client = self.client
+        connected = client.connect_in_background()  # reads what has arrived; never waits
+        out: dict[str, bool | None] = {}
+        for key in keys:
+            rid = self._asks.get(key)
+            if rid is not None:
+                out[key] = self._take(key, rid)
+            elif not connected:
+                out[key] = None if client.connecting else False
+            elif len(self._asks) >= MAX_STORED_IN_FLIGHT:
+                out[key] = None
+            else:
+                try:
+                    self._asks[key] = client.submit("contains", connect=False, key=key, namespace=self.namespace)
+                except Exception:  # noqa: BLE001 - not sent (unreachable, a bad key): not known to be there
+                    out[key] = False
+                else:
+                    out[key] = None
+        for key in [k for k in self._asks if k not in out]:  # asked for, no longer wanted
+            self._take(key, self._asks[key])
+        return out
+
+    def _take(self, key: str, rid: int) -> bool | None:
+        """The answer to ``key``'s request ``rid`` if it is in (forgetting the request), else None."""
+        if not self.client.answered(rid):  # no I/O
+            return None
+        del self._asks[key]
+        try:
+            reply = self.client.poll(rid, 0.0)
+        except Exception:  # noqa: BLE001 - lost or hung past daemon_timeout_s
+            return False
+        return None if reply is None else bool(reply.get("found"))
 
 
 class DaemonLoad:

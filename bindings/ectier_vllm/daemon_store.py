@@ -17,7 +17,7 @@ import threading
 from typing import Any
 
 from .config import DEFAULT_ANSWER_WAIT_S
-from .daemon_lookups import ABSENT, DaemonLoad, StepLookups
+from .daemon_lookups import ABSENT, DaemonLoad, StepLookups, StoredQueries
 from .store import NOT_STORED, Pin
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class DaemonStore:
         self.namespace = namespace
         #: the scheduler's step-batched, non-blocking lookups and its pins' releases
         self.lookups = StepLookups(self.client, namespace, answer_wait_s, _held_pin)
+        self._stored = StoredQueries(self.client, namespace)  # the producer's save confirmation
         self._batched: bool | None = None  # the daemon has the prefetch op (None: not known yet)
         # one connection attempt now, no wait: an unreachable daemon is reported loudly here, not
         # discovered as slow misses later; never fatal (the daemon may start after the engine)
@@ -102,10 +103,11 @@ class DaemonStore:
             return self.client.contains(key, namespace=self.namespace)
         return self.lookups.answer(key) != ABSENT
 
-    def stored(self, key: str) -> bool:
-        """True if the daemon stores ``key`` now (one ``contains`` round trip: the producer's
-        save confirmation, never the consumer's lookups)."""
-        return self.client.contains(key, namespace=self.namespace)
+    def stored_now(self, keys: list[str]) -> dict[str, bool | None]:
+        """Whether the daemon stores each of ``keys`` (the producer's save confirmation, never the
+        consumer's lookups): its ``contains``, sent without waiting (:class:`StoredQueries`);
+        None while the answer is not in (a later call has it), False when it was lost."""
+        return self._stored.ask(keys)
 
     def lookup(self, key: str, device: str) -> Any:
         """The scheduler's one question about ``key`` this step (``device`` is ignored: the worker

@@ -216,6 +216,9 @@ class LoadOrRecompute:
     lies between the last step that saw it pending and the step that saw it ready; the lower end
     is observed (an optimistic bandwidth: recompute is chosen only when even that is too slow), and a
     promotion done within one step gives no observation (a tier that fast is never worth skipping).
+    An item the policy *explores* (loaded although the estimates said recompute) stays loaded until
+    its promotion is done, and if that took one step its upper end is observed (from the step
+    that started it to the one that saw it ready): an estimate that went stale is refreshed.
     Worker loads (``load_bytes`` over the sum of ``load_seconds`` of a report) are the ``"host"``
     reads; the reports' ``encoder_tokens`` / ``encoder_seconds`` (the producer's own encoder steps,
     :class:`EncoderStepTimer`) teach the encoder's cost unless it is configured.
@@ -233,26 +236,38 @@ class LoadOrRecompute:
         self.enabled = enabled
         self.policy = RecomputePolicy(TierBandwidth(), EncoderCost(seconds_per_token), explore_every=explore_every)
         self._now = now or time.monotonic
-        self._pending: dict[str, tuple[float, float, int]] = {}  # mm_hash -> (first, last pending, nbytes)
+        # mm_hash -> (first, last pending, nbytes, explored: loaded whatever the estimates say)
+        self._pending: dict[str, tuple[float, float, int, bool]] = {}
 
     def check(self, mm_hash: str, status: str, nbytes: int, tokens: int) -> bool:
         if not self.enabled:
             return False
         now = self._now()
         if status == "wait":
-            first, _, _ = self._pending.get(mm_hash, (now, now, nbytes))
-            self._pending[mm_hash] = (first, now, nbytes)
+            first, _, _, explored = self._pending.get(mm_hash, (now, now, nbytes, False))
+            self._pending[mm_hash] = (first, now, nbytes, explored)
             if len(self._pending) > MAX_TRACKED:  # requests that went away mid-promotion: oldest first
                 del self._pending[next(iter(self._pending))]
-            if self.policy.decide(PROMOTED_PATH, nbytes, tokens).recompute:
+            if explored:
+                return False  # chosen to refresh the estimates: waited for until it is loaded
+            decision = self.policy.decide(PROMOTED_PATH, nbytes, tokens)
+            if decision.recompute:
                 del self._pending[mm_hash]
                 return True
+            if decision.explored:
+                self._pending[mm_hash] = (first, now, nbytes, True)
             return False
         seen = self._pending.pop(mm_hash, None)
         if status == "ready" and seen is not None:
-            first, last, size = seen
+            first, last, size, explored = seen
+            if explored and last == first:  # done within one step: its upper end
+                last = now
             self.policy.bandwidth.observe(PROMOTED_PATH[0], size, last - first)
         return False
+
+    def forget(self, mm_hash: str) -> None:
+        """Nobody waits for ``mm_hash``'s promotion any more (its requests finished)."""
+        self._pending.pop(mm_hash, None)
 
     def observe_report(self, stats: dict) -> None:
         """Learn from a worker report's ``stats`` (``encoder_tokens``/``encoder_seconds`` are taken

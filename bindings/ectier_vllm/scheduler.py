@@ -52,6 +52,8 @@ class _PinState:
 class _Prefetch:
     handles: list[Any]
     started: float
+    #: the requests waiting for it (request_finished drops a promotion nobody waits for any more)
+    req_ids: set[str] = field(default_factory=set)
 
 
 class SchedulerSide:
@@ -141,7 +143,7 @@ class SchedulerSide:
             if state is not None:
                 state.req_ids.add(req_id)
                 continue
-            status = self._promotion(mm_hash)
+            status = self._promotion(mm_hash, req_id)
             if status is Promotion.MISS:
                 self._recompute.check(mm_hash, status, 0, 0)  # forgets its pending promotion
                 continue
@@ -174,13 +176,14 @@ class SchedulerSide:
         settled.add(mm_hash)
         return settled
 
-    def _promotion(self, mm_hash: str) -> "Promotion":
+    def _promotion(self, mm_hash: str, req_id: str) -> "Promotion":
         """Where ``mm_hash`` stands (a :class:`Promotion`). In-process, ``TieredCache.prefetch`` towards the worker's device
         gives ``LoadHandle`` s; in daemon mode the store's handles are answered by the daemon's
         batched ``prefetch`` (one request per step, its reply never waited for beyond
         ``daemon_answer_wait_s``: unanswered is WAIT). ``None`` from the
         store's ``lookup``: pin at once (an in-process cache of a host tier only, where there
-        is nothing to promote; a daemon without the op, whose ``get`` promotes synchronously)."""
+        is nothing to promote; a daemon without the op, whose ``get`` promotes synchronously).
+        ``req_id``: the request asking, which waits for the promotion while it is WAIT."""
         pf = self._prefetching.get(mm_hash)
         if pf is None:
             try:
@@ -195,6 +198,7 @@ class SchedulerSide:
             if handles is NOT_STORED:
                 return Promotion.MISS
             pf = self._prefetching[mm_hash] = _Prefetch(handles, time.monotonic())
+        pf.req_ids.add(req_id)
         handles = pf.handles
         if handles[0].done() if len(handles) == 1 else all(h.done() for h in handles):
             del self._prefetching[mm_hash]
@@ -226,7 +230,7 @@ class SchedulerSide:
         """Load a poisoned item for ``request`` from the store: READY (pinned), WAIT (promotion
         in flight: defer the request), or MISS (give up)."""
         if mm_hash not in self._pins:
-            status = self._promotion(mm_hash)
+            status = self._promotion(mm_hash, request.request_id)
             if status is Promotion.WAIT:
                 return status
             if status is Promotion.READY:
@@ -345,18 +349,26 @@ class SchedulerSide:
         return out
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
-        self._settled.pop(request.request_id, None)
+        req_id = request.request_id
+        self._settled.pop(req_id, None)
         for feature in request.mm_features:
-            state = self._pins.get(feature.identifier)
+            mm_hash = feature.identifier
+            state = self._pins.get(mm_hash)
             if state is not None:
-                state.req_ids.discard(request.request_id)
-                if not state.req_ids and feature.identifier not in self._to_load:
-                    self._release_pin(feature.identifier)
+                state.req_ids.discard(req_id)
+                if not state.req_ids and mm_hash not in self._to_load:
+                    self._release_pin(mm_hash)
+            pf = self._prefetching.get(mm_hash)
+            if pf is not None:  # finished (aborted) while it waited for the item's promotion
+                pf.req_ids.discard(req_id)
+                if not pf.req_ids:  # nobody waits for it any more: a later request asks afresh
+                    del self._prefetching[mm_hash]
+                    self._recompute.forget(mm_hash)
         self._send_releases()
         return False, None
 
     def _confirm_saves(self) -> None:
-        found = self._confirm.poll(self._store.stored, STORE_ERRORS)
+        found = self._confirm.poll(self._store.stored_now, STORE_ERRORS)
         if found.saves:
             self._count(saves=found.saves, save_bytes=found.save_bytes)
         if found.failed:

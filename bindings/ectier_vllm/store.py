@@ -101,8 +101,10 @@ class InProcessStore:
     def contains(self, key: str) -> bool:
         return self.cache.contains(key)
 
-    def stored(self, key: str) -> bool:  # the daemon store's exact check; here contains is exact
-        return self.cache.contains(key)
+    def stored_now(self, keys: list[str]) -> dict[str, bool | None]:
+        """Whether the cache stores each of ``keys`` (from memory, no I/O; the producer's save
+        confirmation)."""
+        return {key: self.cache.contains(key) for key in keys}
 
     def prefetch(self, keys: list[str], device: str) -> list[Any] | None:
         """``TieredCache.prefetch``: NVMe → host, and on into the GPU tier when ``device`` is its
@@ -134,24 +136,26 @@ class InProcessStore:
 
     def acquire(self, key: str, device: str) -> Pin | None:
         """Pin ``key`` for a load onto ``device`` (the worker's; with a GPU tier, its device:
-        the connector checks ``gpu.device`` against the worker's at start-up).
+        the connector checks ``gpu.device`` against the worker's at start-up). Never reads NVMe
+        or the remote tier (the scheduler's thread calls it): an entry that left the host arena
+        (and the GPU tier) since its promotion finished is ``None``, a miss.
 
         With a GPU tier, the GPU tier is read first, where :meth:`prefetch` promoted the entry
         (or the worker's own put left it): a copy read from it onto ``device`` (device-to-device,
         ready on the current stream), which the worker places as is; no host lease and no second
         host-to-device copy. Should the GPU tier not hold it (evicted meanwhile, larger than its
-        budget), the host copy is read onto ``device``. Without one: a host-arena lease, loaded by
+        budget), it is pinned in the host arena as without one: a host-arena lease, loaded by
         the worker straight onto its device on the copy engine (:meth:`get`).
         """
-        if not self._gpu:
-            lease = self.cache.acquire(key)
-            return None if lease is None else Pin(tuple(lease.meta.shape), str(lease.meta.dtype), lease)
-        tensor = self.cache.get(key, device=device)
-        if tensor is None:
-            return None
-        from ectier.tensors import dtype_name
+        if self._gpu and self.cache.prefetch([key], device=device)[0].done():
+            # settled in the GPU tier (or stored nowhere): ``get`` reads no NVMe
+            tensor = self.cache.get(key, device=device)
+            if tensor is not None:
+                from ectier.tensors import dtype_name
 
-        return Pin(tuple(tensor.shape), dtype_name(tensor.dtype), None, tensor)
+                return Pin(tuple(tensor.shape), dtype_name(tensor.dtype), None, tensor)
+        lease = self.cache.acquire(key, promote=False)  # the host arena only: no I/O
+        return None if lease is None else Pin(tuple(lease.meta.shape), str(lease.meta.dtype), lease)
 
     def release(self, pin: Pin, staged_as: str | None = None) -> None:
         """End ``pin`` (``staged_as``: the key it was staged under, unstaged first)."""
