@@ -30,19 +30,24 @@ log = logging.getLogger(__name__)
 
 #: ``cudaHostRegisterPortable``: page-locked for every CUDA context, not only the current one
 HOST_REGISTER_PORTABLE = 1
+#: ``cudaHostRegisterReadOnly``: memory mapped read-only (a read-only mapping cannot be
+#: registered without it); the GPU only reads it
+HOST_REGISTER_READ_ONLY = 8
 
 
 def _ok(rc: object) -> bool:
     return (rc.value if hasattr(rc, "value") else int(rc)) == 0
 
 
-def register_host(buffer: torch.Tensor, *, device: torch.device | int | None = None, what: str = "memory") -> bool:
+def register_host(buffer: torch.Tensor, *, device: torch.device | int | None = None, what: str = "memory",
+                  read_only: bool = False) -> bool:
     """Page-lock the CPU memory of ``buffer`` (a contiguous CPU tensor, e.g. a shared mapping).
 
     Args:
         buffer: the memory; its ``numel() * element_size()`` bytes from ``data_ptr()``.
         device: the CUDA device whose context registers it (default: the current one).
         what: how the log line names the memory.
+        read_only: the memory is mapped read-only (``cudaHostRegisterReadOnly``: copies from it only).
 
     Returns:
         True if registered; False without CUDA, for an empty buffer, or when the driver refused
@@ -52,7 +57,8 @@ def register_host(buffer: torch.Tensor, *, device: torch.device | int | None = N
     if nbytes == 0 or not cuda_available():
         return False
     with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
-        rc = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, HOST_REGISTER_PORTABLE)
+        flags = HOST_REGISTER_PORTABLE | (HOST_REGISTER_READ_ONLY if read_only else 0)
+        rc = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, flags)
         if _ok(rc):
             return True
         clear_cuda_error()
@@ -60,10 +66,11 @@ def register_host(buffer: torch.Tensor, *, device: torch.device | int | None = N
     return False
 
 
-def unregister_host(buffer: torch.Tensor) -> bool:
-    """Undo :func:`register_host` (before the memory is unmapped). True on success; a refusal is
-    logged at DEBUG and its CUDA error cleared."""
-    rc = torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+def unregister_host(buffer: torch.Tensor | int) -> bool:
+    """Undo :func:`register_host` (before the memory is unmapped; ``buffer``: the tensor, or its
+    ``data_ptr()``). True on success; a refusal is logged at DEBUG and its CUDA error cleared."""
+    ptr = buffer if isinstance(buffer, int) else buffer.data_ptr()
+    rc = torch.cuda.cudart().cudaHostUnregister(ptr)
     if _ok(rc):
         return True
     clear_cuda_error()

@@ -46,3 +46,24 @@ def test_a_cuda_tensor_is_put_after_the_producers_event(daemon, contiguous):
         expect = tensor.contiguous().cpu()
         got = c.get("k")
     assert got.shape == tensor.shape and torch.equal(got.view(torch.int16), expect.view(torch.int16))
+
+
+def test_a_view_loaded_onto_the_gpu_is_ready_on_the_current_stream_and_pinned_until_copied(daemon):
+    """The worker's load in daemon mode: a view of the arena copied on the h2d lane (no host sync),
+    the consumer stream waiting for it; the daemon's pin lives until the copy completed, so an
+    overwrite meanwhile goes to other bytes and the copy reads the loaded version."""
+    from ectier.daemon.client_device import device_loads
+
+    dev = torch.device("cuda:0")
+    old = torch.arange(32 * MiB, dtype=torch.uint8) % 251
+    new = torch.full((32 * MiB,), 7, dtype=torch.uint8)
+    with DaemonClient(daemon.socket_path) as c:
+        c.put("k", old)
+        view = c.get_view("k")
+        torch.cuda._sleep(50_000_000)  # the consumer stream is busy: the lane's copy waits for it
+        got = c.view_to_device(view, dev)
+        del view  # only the copy holds the pin now
+        c.put("k", new)  # an overwrite while the copy waits: other bytes
+        got_host = got.cpu()  # on the current stream: after the copy
+        assert device_loads().drain(30)
+    assert torch.equal(got_host, old)

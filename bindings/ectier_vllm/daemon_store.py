@@ -187,13 +187,15 @@ class DaemonStore:
     def get(self, key: str, device: str) -> Any:
         """Read ``key``: onto the CPU, a read-only zero-copy view of the daemon's arena
         (:meth:`DaemonClient.get_view`: pinned until the tensor is freed); onto a GPU, one copy
-        from that view to ``device``."""
+        from that view to ``device`` on the copy engine's h2d lane, ready on the worker's current
+        stream with no host sync (:meth:`DaemonClient.view_to_device`: the view, and its pin,
+        held until the copy completed)."""
         view = _SHARED.view(self._ident(key), self.client)
         if view is None:
             view = self.client.get_view(key, namespace=self.namespace)
         if view is None or device == "cpu":
             return view
-        return view.to(device)  # the view (and so its pin) goes once copied
+        return self.client.view_to_device(view, device)
 
     def flush(self) -> None:
         return None  # the daemon flushes on its own shutdown

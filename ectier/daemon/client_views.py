@@ -64,14 +64,31 @@ class ArenaView:
         finally:
             os.close(fd)
         self.instance = instance
+        self._array = np.frombuffer(self._mmap, dtype=np.uint8)
         with warnings.catch_warnings():  # torch warns that numpy's array is not writable: it is not
             warnings.simplefilter("ignore")
-            self.tensor = torch.from_numpy(np.frombuffer(self._mmap, dtype=np.uint8))
+            self.tensor = torch.from_numpy(self._array)
+        self._registered: bool | None = None  # page-locked? (None: not tried; page_locked)
         if hasattr(self._mmap, "madvise"):
             # the whole mapping once, off the load path: populating a range when a view of it is
             # made cost more than its page faults (64 MiB of /dev/shm: 10.6 ms + 10.3 ms copy vs
             # 13.5 ms faulting; 10.5 ms once populated) — docs/benchmarks.md, daemon views
             populate_mapping_later(self._mmap, chunk_bytes=32 << 20, advice=MADV_POPULATE_READ)
+
+    def page_locked(self, device) -> bool:
+        """Whether the mapping is page-locked for copies onto CUDA ``device`` (registered read-only
+        at the first ask, under ``device``; unregistered when the last tensor over it is freed,
+        before the mapping goes). A refusal only costs speed (ectier/pinning.py)."""
+        if self._registered is None:
+            import weakref
+
+            from ..pinning import register_host, unregister_host
+
+            self._registered = register_host(self.tensor, device=device, what="the daemon's arena (read-only)",
+                                             read_only=True)
+            if self._registered:
+                weakref.finalize(self._array, unregister_host, self.tensor.data_ptr())
+        return self._registered
 
     def view(self, reply: dict[str, Any], release) -> Any:
         """A tensor of the reply's dtype and shape over its extents (one contiguous extent:
@@ -232,6 +249,19 @@ class ViewCalls:
             mapping = self._view_mapping()
         self._view_releaser()  # made here, never first inside a finalizer
         return mapping.view(fields, release)
+
+    def view_to_device(self, view, device):
+        """A copy of ``view`` (a :meth:`get_view` tensor) on CUDA ``device`` without a host sync:
+        on the copy engine's h2d lane from the page-locked read-only mapping, ready on the caller's
+        current stream; ``view`` (and the daemon's pin under it) is held until the copy completed
+        (:mod:`ectier.daemon.client_device`). On the CPU, a plain copy."""
+        with self._lock:
+            mapping = self._ro
+        if mapping is not None and str(device) != "cpu":
+            mapping.page_locked(device)
+        from .client_device import device_loads
+
+        return device_loads().to_device(view, device)
 
     def _view_mapping(self):
         """The read-only mapping of the current daemon run's arena (made on first use)."""
