@@ -9,7 +9,7 @@ import time
 import torch
 
 from ectier import CacheConfig, TieredCache, testing
-from redis_cluster import redis_cluster_fn  # noqa: F401
+from redis_cluster import redis_cluster_fn, redis_single_fn  # noqa: F401
 
 
 def _cfg(servers, **remote):
@@ -95,3 +95,26 @@ def test_one_dead_node_backs_off_only_that_node_the_others_keep_serving(redis_cl
     finally:
         producer.close()
         consumer.close()
+
+
+def test_a_write_refused_for_memory_leaves_reads_going(redis_single_fn):
+    """maxmemory with noeviction: the server refuses a write (OOM) but answers; that write is an
+    error, counted, and no back-off: the entries the store holds are still served."""
+    raw = redis_single_fn.raw()
+    try:
+        with TieredCache(_cfg(redis_single_fn, timeout_s=5.0)) as producer:
+            small = _t(50, rows=16)  # 64 KiB
+            producer.put("small", small)
+            assert testing.drain(producer)
+            raw.config_set("maxmemory-policy", "noeviction")
+            raw.config_set("maxmemory", int(raw.info("memory")["used_memory"]) + 256 * 1024)
+            producer.put("big", _t(51, rows=2048))  # 8 MiB: refused
+            assert testing.drain(producer)
+            st = producer.stats()["tiers"]["remote"]
+            assert st["errors"] >= 1 and st["backoffs"] == 0
+            with TieredCache(_cfg(redis_single_fn, timeout_s=5.0)) as consumer:
+                assert _same(consumer.get("small"), small)
+                assert consumer.get("big") is None
+    finally:
+        raw.config_set("maxmemory", 0)
+        raw.close()

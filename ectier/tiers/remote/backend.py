@@ -24,6 +24,12 @@ class RemoteTimeout(RemoteError):
     """A remote store call ran past its deadline."""
 
 
+class RemoteRefused(RemoteError):
+    """The store answered and refused this call (Redis: out of memory under ``maxmemory`` with
+    ``noeviction``). The store is up: the tier counts the failure and warns (once per
+    ``remote.backoff_s``), but backs nothing off, so reads of what it holds go on."""
+
+
 class RemoteNodeError(RemoteError):
     """A call failed because one node of a clustered store is unreachable; the other nodes keep
     serving their keys, so the tier counts it and backs off nothing (the backend itself fails

@@ -68,7 +68,7 @@ else:
 
 from ...errors import ConfigError, CorruptRecordError
 from ...record import pack_header, pack_record
-from .backend import RemoteBackend, RemoteError, RemoteTimeout, byte_view
+from .backend import RemoteBackend, RemoteError, RemoteRefused, RemoteTimeout, byte_view
 from .redis_nodes import NodeBackoff
 
 __all__ = ["RedisBackend", "MANIFEST"]
@@ -258,6 +258,11 @@ class RedisBackend(NodeBackoff, RemoteBackend):
             raise self._auth_failed(what, exc) from exc
         except (RedisTimeoutError, TimeoutError) as exc:
             raise RemoteTimeout(f"redis {what} on {self._cfg.addresses}: timed out ({exc})") from exc
+        except ResponseError as exc:
+            if type(exc).__name__ == "OutOfMemoryError" or "maxmemory" in str(exc):  # noeviction: refused, not down
+                raise RemoteRefused(f"redis {what} on {self._cfg.addresses}: {exc} (maxmemory; "
+                                    "docs/remote-redis.md recommends maxmemory-policy allkeys-lru)") from exc
+            raise RemoteError(f"redis {what} on {self._cfg.addresses}: {type(exc).__name__}: {exc}") from exc
         except (RedisError, RedisClusterException, OSError) as exc:
             raise RemoteError(f"redis {what} on {self._cfg.addresses}: {type(exc).__name__}: {exc}") from exc
 

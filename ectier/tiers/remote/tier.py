@@ -36,7 +36,7 @@ from ...stats import LatencyHistogram
 from ..base import Tier
 from ..nvme_index import HEADER_ALLOWANCE_BYTES
 from ..nvme_record import encode_record, verify_record
-from .backend import RemoteBackend, RemoteError, RemoteNodeError, RemoteTimeout
+from .backend import RemoteBackend, RemoteError, RemoteNodeError, RemoteRefused, RemoteTimeout
 
 __all__ = ["RemoteTier", "REMOTE_COUNTERS"]
 
@@ -66,6 +66,7 @@ class RemoteTier(Tier):
         self._codec = RawCodec()
         self._lock = threading.Lock()
         self._backoff_until = 0.0
+        self._refused_warned_until = 0.0  # refusals (RemoteRefused): one warning per backoff_s
         self._warned = False
         self.counters = dict.fromkeys(REMOTE_COUNTERS, 0)
         self.latency = LatencyHistogram(("put", "get", "exists", "delete"))  # of the calls made
@@ -136,6 +137,15 @@ class RemoteTier(Tier):
         if isinstance(exc, RemoteNodeError):  # one node: the backend backs it off, the others serve
             self._count(**{"skipped_node_down" if exc.skipped else
                            "timeouts" if isinstance(exc, RemoteTimeout) else "errors": 1})
+            return
+        if isinstance(exc, RemoteRefused):  # the store answered: this call failed, the store is up
+            with self._lock:
+                self.counters["errors"] += 1
+                warn = self._clock() >= self._refused_warned_until
+                if warn:
+                    self._refused_warned_until = self._clock() + self.config.backoff_s
+            if warn:
+                log.warning("remote tier: the store refused a %s (%s); counted in errors, no back-off", what, exc)
             return
         with self._lock:
             self.counters["timeouts" if isinstance(exc, RemoteTimeout) else "errors"] += 1
