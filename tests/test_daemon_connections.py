@@ -10,6 +10,8 @@ Daemons:
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import signal
 import socket
@@ -319,17 +321,20 @@ def test_a_reconnect_to_the_same_daemon_keeps_the_arena_registered(idler, monkey
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    gpu = torch.device("cuda", 0)
     sock = idler.socket_path
     c = DaemonClient(sock, client_name="registered")
     try:
         t = make_tensor(7, "uint8", (64 * KiB,))
         c.put("reg", t)
-        assert calls == ["register"]
+        assert calls == []  # a CPU put registers nothing: the first CUDA put does (emulated below)
+        assert c._page_locked(gpu) and calls == ["register"]
         wait_for(lambda: "registered" not in {x["name"] for x in daemon_stats(sock)["daemon"]["clients"]},
                  timeout=10, what="the idle connection to be closed")
         _same(c.get("reg"), t)  # through a new connection
         c.put("reg2", t)
-        assert calls == ["register"]
+        assert c._page_locked(gpu) and calls == ["register"]
     finally:
         c.close()
     assert calls == ["register", "unregister"]
