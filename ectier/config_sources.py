@@ -6,7 +6,8 @@ Every bad field of the input is reported at once: one :class:`~ectier.errors.Con
 name or, for a variable that cannot be read at all, the variable's name). Errors from
 :func:`config_from_env` also carry ``env_vars``: the variables the bad values came from.
 A key given twice in one mapping of a JSON or YAML file is such a problem too (named by its dotted
-path, with the file and, for YAML, the lines), never "the last one wins".
+path, with the file and, for YAML, the lines), never "the last one wins"; so is a tier section of a
+file that sets the tier's fields but not the one that switches it on (:func:`tiers_left_off`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,16 @@ from .config_checks import Problems, parse_bytes
 from .errors import ConfigError
 
 __all__ = ["config_from_dict", "config_from_json", "config_from_yaml", "load_config", "config_from_env",
-           "as_config"]
+           "as_config", "tiers_left_off", "TIER_SWITCHES"]
+
+#: The field that switches each optional tier on: (field, what to set it to, its "off" value). A
+#: section a person wrote (a config file; the vLLM connector's inline sections) that sets fields of
+#: the tier but not this one is an error (:func:`tiers_left_off`): the tier would stay off, silently.
+TIER_SWITCHES = {
+    "nvme": ("path", "the directory to store in", "null"),
+    "remote": ("backend", "'redis' or 'mooncake'", "'none'"),
+    "gpu": ("capacity_bytes", "the GPU tier's budget, e.g. '4GiB'", "0"),
+}
 
 
 def as_config(config: Any) -> CacheConfig:
@@ -155,7 +165,8 @@ def _build_from_file(cls: type, data: Mapping[str, Any], dups: list[tuple[str, t
     :class:`ConfigError` with one problem per key the file gave twice (``dups``: dotted names, with
     the lines of each occurrence where known), then the problems of the rest of the file, each
     ending with the file's name (those of a repeated key or section left out: only one of its
-    values was judged)."""
+    values was judged), and, for a :class:`CacheConfig`, one per tier section that switches
+    nothing on (:func:`tiers_left_off`)."""
     described = _describe(source)
     where_from = "" if described == "text" else f" (in {described})"
     problems = []
@@ -167,9 +178,36 @@ def _build_from_file(cls: type, data: Mapping[str, Any], dups: list[tuple[str, t
     except ConfigError as exc:  # every other problem, named with the file it is in
         problems.extend(f"{m}{where_from}" for m in exc.problems
                         if not any(_names(_judged(m), d) for d, _ in dups))
+    if cls is CacheConfig:  # a tier section that switches nothing on
+        problems.extend(f"{m}{where_from}" for m in tiers_left_off(data, problems))
     if problems:
         raise ConfigError(problems=problems) from None
     return config
+
+
+def tiers_left_off(data: Mapping[str, Any], judged: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """One problem per tier section of ``data`` (a config mapping a person wrote) that sets fields
+    of its tier but not the field that switches the tier on (:data:`TIER_SWITCHES`): e.g.
+    ``remote: {addresses: ...}`` without ``backend``, or ``nvme: {capacity_bytes: 1TiB}`` without
+    ``path``, which would start without that tier and say nothing. A switch given, even as its
+    off value (``nvme.path: null``, ``remote.backend: none``, ``gpu.capacity_bytes: 0``), an empty
+    or null section, and a section some message of ``judged`` (the problems already found) names,
+    are left alone. ``CacheConfig.from_dict`` does not call this (a program's mapping may set a
+    tier's fields to switch it on later); files (``CacheConfig.load``, ``from_yaml``,
+    ``from_json``) and the vLLM connector's inline sections do."""
+    problems = []
+    for section, (switch, what, off) in TIER_SWITCHES.items():
+        fields = data.get(section)
+        if not isinstance(fields, Mapping) or not fields or switch in fields:
+            continue
+        if any(_names(m, section) for m in judged):
+            continue
+        given = ", ".join(f"{section}.{key}" for key in fields)
+        problems.append(
+            f"{section}.{switch}: not set, so there is no {section} tier and {given} would do nothing; "
+            f"set {section}.{switch} ({what}), or drop the section (or set {section}.{switch}: {off} "
+            f"to keep the tier off)")
+    return problems
 
 
 def load_config(cls: type, path: str | os.PathLike) -> Any:

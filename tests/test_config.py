@@ -535,6 +535,6 @@ def test_yaml_reads_exponent_floats_as_numbers(tmp_path):
     """PyYAML (YAML 1.1) reads an unquoted ``5e-1`` as a string ("expected a finite number of
     seconds, got '5e-1'"); the config reads it as YAML 1.2 does, a number. Strings stay strings."""
     path = tmp_path / "c.yaml"
-    path.write_text("namespace: 1e\nhost:\n  admit_wait_s: 5e-1\nremote:\n  timeout_s: 2E0\n")
+    path.write_text("namespace: 1e\nhost:\n  admit_wait_s: 5e-1\nremote:\n  backend: none\n  timeout_s: 2E0\n")
     cfg = CacheConfig.load(str(path))
     assert cfg.host.admit_wait_s == 0.5 and cfg.remote.timeout_s == 2.0 and cfg.namespace == "1e"

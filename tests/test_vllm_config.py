@@ -136,6 +136,60 @@ def test_invalid_gpu_sub_config_names_the_field(gpu, needle):
     assert needle in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        ({"namespace": "n" * 4097}, "ec_connector_extra_config.namespace: longer than 4096 bytes"),
+        ({"namespace": "ns\ud800"}, "ec_connector_extra_config.namespace: not encodable as UTF-8"),
+        ({"socket_path": "/tmp/" + "s" * 150 + ".sock"},
+         "ec_connector_extra_config.socket_path: 160 bytes, longer than the 107 bytes"),
+        ({"socket_path": "/tmp/a\0b.sock"}, "ec_connector_extra_config.socket_path: contains a NUL byte"),
+        ({"daemon_timeout_s": 1e-6}, "ec_connector_extra_config.daemon_timeout_s: at least 0.01 s"),
+        ({"daemon_timeout_s": 0.009}, "ec_connector_extra_config.daemon_timeout_s: at least 0.01 s"),
+    ],
+)
+def test_daemon_mode_refuses_at_start_what_would_fail_every_call(extra, needle):
+    """Regression: daemon mode started with these and then every save failed and every lookup
+    missed (the in-process store refused the namespace at start-up; the socket path and the
+    timeout could never work)."""
+    with pytest.raises(ConfigError) as info:
+        settings_from_extra_config({"mode": "daemon", **extra}, default_ns=NS)
+    assert needle in str(info.value)
+
+
+def test_daemon_mode_edge_values_still_start():
+    s = settings_from_extra_config({"mode": "daemon", "namespace": "n" * 4096, "daemon_timeout_s": 0.01,
+                                    "socket_path": "/" + "s" * 106}, default_ns=NS)
+    assert s.daemon_timeout_s == 0.01 and len(s.socket_path) == 107 and len(s.namespace) == 4096
+
+
+def test_a_namespace_no_store_takes_is_refused_in_process_too():
+    with pytest.raises(ConfigError, match=r"^ec_connector_extra_config\.namespace: not encodable as UTF-8"):
+        settings_from_extra_config({"namespace": "ns\ud800"}, default_ns=NS)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({"remote": {"addresses": "10.0.0.5:7000,10.0.0.6:7000"}}, "ec_connector_extra_config.remote.backend: not set"),
+    ({"nvme": {"capacity_bytes": "1TiB", "write_through": True}}, "ec_connector_extra_config.nvme.path: not set"),
+    ({"gpu": {"device": "cuda:0"}}, "ec_connector_extra_config.gpu.capacity_bytes: not set"),
+])
+def test_an_inline_tier_that_switches_nothing_on_is_refused(extra, needle):
+    """Regression: these started a host-only store with no error (two-node EPD: 0 % hits)."""
+    with pytest.raises(ConfigError) as info:
+        settings_from_extra_config({"namespace": "ns", **extra}, default_ns=NS)
+    assert str(info.value).startswith(needle), str(info.value)
+
+
+def test_an_inline_tier_switched_off_explicitly_still_starts(tmp_path):
+    s = settings_from_extra_config({"nvme": {"path": None, "capacity_bytes": "1TiB"},
+                                    "remote": {"backend": "none"}}, default_ns=NS)
+    assert not s.cache.nvme.enabled and not s.cache.remote.enabled
+    p = tmp_path / "c.yaml"
+    p.write_text("remote:\n  addresses: 10.0.0.5:7000\n")
+    with pytest.raises(ConfigError, match=r"^ec_connector_extra_config\.config_path \(.*\): remote\.backend: not set"):
+        settings_from_extra_config({"config_path": str(p)}, default_ns=NS)
+
+
 def test_gpu_key_is_refused_in_daemon_mode():
     with pytest.raises(ConfigError, match=r"ec_connector_extra_config\.gpu: not used in daemon mode"):
         settings_from_extra_config({"mode": "daemon", "gpu": {"capacity_bytes": "1GiB"}}, default_ns=NS)

@@ -15,7 +15,7 @@ Keys (see docs/vllm.md for the full table)::
                     shared by every node (two-node EPD: the same remote section on both engines)
     config_path     in-process mode: an ectier .yaml/.json config file (instead of host/nvme/gpu/remote)
     socket_path     daemon mode: the socket of `ectier serve` (default: DaemonConfig's default)
-    daemon_timeout_s  daemon mode: seconds per daemon call (default 30)
+    daemon_timeout_s  daemon mode: seconds per daemon call (default 30, at least 0.01)
     daemon_answer_wait_s  daemon mode: seconds a scheduler step may wait for the daemon's answers
     load_timeout_s  how long a request may wait for a promotion before the item counts as a miss
                     and is re-encoded (default 10)
@@ -30,12 +30,15 @@ Keys (see docs/vllm.md for the full table)::
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ectier.config import CacheConfig
-from ectier.errors import ConfigError
+from ectier.config_sources import tiers_left_off
+from ectier.entry import validate_namespace
+from ectier.errors import ConfigError, InvalidKeyError
 
 PREFIX = "ec_connector_extra_config"
 
@@ -168,11 +171,22 @@ def _check_known(extra: Mapping[str, Any]) -> None:
             raise ConfigError(f"{PREFIX}.{key}: unknown key{hint}; known keys: {', '.join(KEYS)}")
 
 
+def _check_namespace(namespace: Any) -> None:
+    """The namespace as every store takes it (ectier's ``validate_namespace``, what a daemon and
+    ``TieredCache`` check each call against): a non-empty string of at most 4096 bytes of UTF-8,
+    no lone surrogate. Checked at start-up in both modes (in daemon mode nothing else would)."""
+    if not isinstance(namespace, str) or not namespace:
+        raise ConfigError(f"{PREFIX}.namespace: expected a non-empty string, got {namespace!r}")
+    try:
+        validate_namespace(namespace)
+    except InvalidKeyError as exc:
+        raise ConfigError(f"{PREFIX}.{exc}") from None
+
+
 def _common_fields(extra: Mapping[str, Any], default_ns: str) -> dict[str, Any]:
     """The checked keys both modes read, as :class:`ConnectorSettings` fields."""
     namespace = extra.get("namespace", default_ns)
-    if not isinstance(namespace, str) or not namespace:
-        raise ConfigError(f"{PREFIX}.namespace: expected a non-empty string, got {namespace!r}")
+    _check_namespace(namespace)
     load_timeout_s = _seconds("load_timeout_s", extra.get("load_timeout_s", 10.0))
     recompute = extra.get("recompute", True)
     if not isinstance(recompute, bool):
@@ -187,15 +201,43 @@ def _common_fields(extra: Mapping[str, Any], default_ns: str) -> dict[str, Any]:
             "recompute": recompute, "encoder_seconds_per_token": per_token, "save_queue_depth": depth}
 
 
+#: the shortest ``daemon_timeout_s``, seconds: below it no call could ever be answered (a round
+#: trip to the daemon takes tens of microseconds idle, milliseconds under load), so every
+#: lookup and save would fail
+MIN_DAEMON_TIMEOUT_S = 0.01
+#: the longest ``socket_path`` in bytes: an AF_UNIX address holds 108 bytes with its NUL
+MAX_SOCKET_PATH_BYTES = 107
+
+
+def _socket_path(value: Any) -> str | None:
+    """``socket_path``: ``None`` (DaemonConfig's default) or a path a Unix socket can have."""
+    if value is None:
+        return None
+    key = f"{PREFIX}.socket_path"
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{key}: expected a non-empty path string, got {value!r}")
+    if "\0" in value:
+        raise ConfigError(f"{key}: contains a NUL byte (\\0), which no path may hold: {value!r}")
+    try:
+        size = len(os.fsencode(value))
+    except UnicodeEncodeError:
+        raise ConfigError(f"{key}: cannot be encoded for the file system: {value!r}") from None
+    if size > MAX_SOCKET_PATH_BYTES:
+        raise ConfigError(f"{key}: {size} bytes, longer than the {MAX_SOCKET_PATH_BYTES} bytes a Unix socket "
+                          f"path may have; use a shorter path (and the same in the daemon's daemon.socket_path)")
+    return value
+
+
 def _daemon_settings(extra: Mapping[str, Any], common: dict[str, Any]) -> ConnectorSettings:
     """Daemon mode: the socket and its timeouts; tier sub-configs and ``config_path`` refused."""
     daemon_timeout_s = _seconds("daemon_timeout_s", extra.get("daemon_timeout_s", 30.0))
+    if daemon_timeout_s < MIN_DAEMON_TIMEOUT_S:
+        raise ConfigError(f"{PREFIX}.daemon_timeout_s: at least {MIN_DAEMON_TIMEOUT_S} s (one call to the daemon "
+                          f"must have time to be answered, else every lookup and save fails), got {daemon_timeout_s!r}")
     answer_wait_s = extra.get("daemon_answer_wait_s", DEFAULT_ANSWER_WAIT_S)
     if isinstance(answer_wait_s, bool) or not isinstance(answer_wait_s, (int, float)) or not 0 <= answer_wait_s <= 1:
         raise ConfigError(f"{PREFIX}.daemon_answer_wait_s: expected a number of seconds from 0 to 1, got {answer_wait_s!r}")
-    socket_path = extra.get("socket_path")
-    if socket_path is not None and (not isinstance(socket_path, str) or not socket_path):
-        raise ConfigError(f"{PREFIX}.socket_path: expected a non-empty path string, got {socket_path!r}")
+    socket_path = _socket_path(extra.get("socket_path"))
     for key in (*(k for k in TIER_KEYS if k in extra), *(["config_path"] if extra.get("config_path") is not None else [])):
         raise ConfigError(
             f"{PREFIX}.{key}: not used in daemon mode (the daemon owns the tiers: set them in the "
@@ -228,8 +270,22 @@ def _inprocess_settings(extra: Mapping[str, Any], common: dict[str, Any]) -> Con
         except ConfigError as exc:
             raise ConfigError(problems=[operator_key(m, config_path) for m in exc.problems]) from exc
     else:
-        try:
-            cache = CacheConfig.from_dict({"namespace": namespace, **tiers})
-        except ConfigError as exc:
-            raise ConfigError(problems=[operator_key(m, None) for m in exc.problems]) from exc
+        cache = _inline_cache_config(namespace, tiers)
     return ConnectorSettings(cache=cache, socket_path=None, config_path=config_path, **common)
+
+
+def _inline_cache_config(namespace: str, tiers: dict[str, Any]) -> CacheConfig:
+    """The store's CacheConfig from the inline ``host``/``nvme``/``gpu``/``remote`` sub-configs:
+    every bad field at once, and a tier sub-config that sets fields but not the one that switches
+    the tier on (``nvme.path``, ``remote.backend``, ``gpu.capacity_bytes``: ``tiers_left_off``) is
+    refused, never a store without that tier."""
+    problems: list[str] = []
+    cache = None
+    try:
+        cache = CacheConfig.from_dict({"namespace": namespace, **tiers})
+    except ConfigError as exc:
+        problems = list(exc.problems)
+    problems += tiers_left_off(tiers, problems)
+    if problems:
+        raise ConfigError(problems=[operator_key(m, None) for m in problems])
+    return cache

@@ -18,8 +18,13 @@ from what it sees in the store (:mod:`ectier_vllm.confirm`).
 The ``data`` keys (all counts since the last report):
 
 ==================  =================================================================
-lookups             ``has_cache_item`` calls (scheduler, after a local encoder-cache miss)
-hits                of those, items found and pinned in ectier (no encoder run)
+lookups             items a consumer's scheduler asked ectier about (``has_cache_item``, after a
+                    local encoder-cache miss): once per (request, item), however often vLLM asks
+                    while it cannot place the request yet (no KV room, budget); again only if vLLM
+                    needs the item anew after allocating it (e.g. a preempted request). A pure
+                    ``ec_producer`` never loads: it counts no lookups (nor misses)
+hits                of those, items found and pinned in ectier (no encoder run); each hit is
+                    normally one ``loads`` (or a ``load_failures``) once vLLM places the request
 misses              of those, items not in ectier (the encoder runs)
 deferrals           steps a request waited for a promotion (``ensure_cache_available``)
 recompute_chosen    stored items answered as a miss because loading them would take longer than
@@ -100,9 +105,9 @@ class ECTierConnectorStats(ECConnectorStats):
 
 #: Prometheus names (vLLM prefixes its own with ``vllm:``; so do we) → (data key, help text).
 PROM_COUNTERS = {
-    "vllm:ectier_lookups": ("lookups", "EC lookups after a local encoder-cache miss (has_cache_item)"),
-    "vllm:ectier_hits": ("hits", "EC lookups served from ectier (encoder not run)"),
-    "vllm:ectier_misses": ("misses", "EC lookups not in ectier (encoder runs)"),
+    "vllm:ectier_lookups": ("lookups", "Consumer EC lookups after a local encoder-cache miss, once per request and item"),
+    "vllm:ectier_hits": ("hits", "EC lookups served from ectier (encoder not run), once per request and item"),
+    "vllm:ectier_misses": ("misses", "EC lookups not in ectier (encoder runs), once per request and item"),
     "vllm:ectier_deferrals": ("deferrals", "Scheduler steps a request waited for an ectier promotion"),
     "vllm:ectier_rejected": ("rejected", "Stored items refused (shape/dtype mismatch, checksum, vanished, timeout)"),
     "vllm:ectier_recompute_chosen": ("recompute_chosen", "Stored items re-encoded because loading them would be slower"),

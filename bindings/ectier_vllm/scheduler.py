@@ -72,6 +72,12 @@ class SchedulerSide:
         # refused (wrong shape/dtype, promotion timed out): not looked up again in later steps
         # (e.g. the next chunks of a chunked prefill)
         self._settled: dict[str, set[str]] = {}
+        # lookups are counted once per (request, item) (metrics.py): the request the last
+        # ensure_cache_available call was about (vLLM asks has_cache_item for its items right
+        # after it), and per request the items counted since vLLM last allocated them (a request
+        # vLLM could not place, e.g. no KV room, is asked about again next step: not a new lookup)
+        self._asking: "Request | None" = None
+        self._counted: dict[str, set[str]] = {}
         # mm_hashes whose load failed at a worker after vLLM's encoder-cache manager had counted
         # them as present: until the manager evicts them (free_encoder_mm_hashes) vLLM would
         # neither encode nor load them again, so this connector reloads them from the store itself,
@@ -100,14 +106,25 @@ class SchedulerSide:
 
     def has_cache_item(self, identifier: str) -> bool:
         """True iff the item is pinned in ectier for a load (see module docstring, step 2)."""
-        stats, hit = self._stats, identifier in self._pins
-        self._report = True  # as _count(lookups=1, hits or misses=1), once per item of every step
-        stats["lookups"] = stats.get("lookups", 0) + 1
-        outcome = "hits" if hit else "misses"
-        stats[outcome] = stats.get(outcome, 0) + 1
+        hit = identifier in self._pins
+        if self.is_consumer:  # a pure producer never loads: its lookups are no misses
+            self._count_lookup(identifier, hit)
         return hit
 
+    def _count_lookup(self, identifier: str, hit: bool) -> None:
+        """Count ``lookups`` and ``hits``/``misses`` once per (request, item) until vLLM
+        allocates the item for the request (``update_state_after_alloc``) or the request finishes;
+        an item of no request ensure_cache_available saw is counted at every call."""
+        asking = self._asking
+        if asking is not None and any(f.identifier == identifier for f in asking.mm_features):
+            counted = self._counted.setdefault(asking.request_id, set())
+            if identifier in counted:
+                return
+            counted.add(identifier)
+        self._count(lookups=1, **{"hits" if hit else "misses": 1})
+
     def ensure_cache_available(self, request: "Request", num_computed_tokens: int) -> bool:
+        self._asking = request  # the request vLLM asks has_cache_item about next
         if not self.is_consumer or self._closed:
             return True
         if request.request_id in self._unavailable:
@@ -295,6 +312,9 @@ class SchedulerSide:
         mm_hash = request.mm_features[index].identifier
         if self._confirm is not None:  # a pure producer: every allocated item is encoded and saved
             self._confirm.expect(mm_hash, self._item_nbytes(request.get_num_encoder_embeds(index)))
+        counted = self._counted.get(request.request_id)
+        if counted is not None:  # placed: vLLM asks again only if it needs the item anew
+            counted.discard(mm_hash)
         state = self._pins.get(mm_hash)
         if not self.is_consumer or state is None:
             return
@@ -351,6 +371,9 @@ class SchedulerSide:
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self._settled.pop(req_id, None)
+        self._counted.pop(req_id, None)
+        if self._asking is request:
+            self._asking = None
         for feature in request.mm_features:
             mm_hash = feature.identifier
             state = self._pins.get(mm_hash)

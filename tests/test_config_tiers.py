@@ -1,0 +1,55 @@
+"""A tier section of a config file that sets the tier's fields but not the field that switches the
+tier on (``nvme.path``, ``remote.backend``, ``gpu.capacity_bytes``) is an error naming that field
+(ectier/config_sources.py, ``tiers_left_off``), never a store that starts without the tier and
+says nothing (two-node EPD: 0 % hits, no log line)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from ectier.config import CacheConfig
+from ectier.errors import ConfigError
+
+
+@pytest.mark.parametrize("section, fields, switch", [
+    ("remote", {"addresses": "10.0.0.5:7000,10.0.0.6:7000"}, "remote.backend"),
+    ("nvme", {"capacity_bytes": "1TiB", "write_through": True}, "nvme.path"),
+    ("gpu", {"device": "cuda:1", "block_bytes": "2MiB"}, "gpu.capacity_bytes"),
+])
+def test_a_file_section_that_switches_nothing_on_names_the_switch(tmp_path, section, fields, switch):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"host": {"capacity_bytes": "1MiB"}, section: fields}))
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.load(path)
+    (problem,) = info.value.problems
+    assert problem.startswith(f"{switch}: not set"), problem
+    assert all(f"{section}.{key}" in problem for key in fields), problem  # what would do nothing
+    assert problem.endswith(f"(in {str(path)!r})"), problem
+    with pytest.raises(ConfigError, match=f"^{switch}: not set"):
+        CacheConfig.from_json(json.dumps({section: fields}))
+
+
+def test_a_switch_set_to_off_an_empty_section_and_a_full_dump_still_load(tmp_path):
+    text = ("nvme:\n  path: null\n  capacity_bytes: 1TiB\nremote:\n  backend: none\n  timeout_s: 1\n"
+            "gpu:\n  capacity_bytes: 0\n  device: cuda:1\n")
+    cfg = CacheConfig.from_yaml(text)
+    assert not cfg.nvme.enabled and not cfg.remote.enabled and not cfg.gpu.enabled
+    assert CacheConfig.from_yaml("nvme: {}\nremote:\ngpu: {}\n") == CacheConfig()
+    dump = tmp_path / "dump.json"
+    dump.write_text(json.dumps(CacheConfig().to_dict()))  # every field, the tiers off
+    assert CacheConfig.load(dump) == CacheConfig()
+
+
+def test_another_problem_of_the_section_is_reported_alone():
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.from_yaml("nvme:\n  zstd_level: 99\n")
+    assert [m.split(":")[0] for m in info.value.problems] == ["nvme.zstd_level"]
+
+
+def test_a_programs_mapping_is_not_judged_so():
+    """CacheConfig.from_dict (a program's mapping, e.g. tests that inject a remote backend) keeps
+    accepting a section without its switch; files and the vLLM connector's inline sections refuse it."""
+    assert not CacheConfig.from_dict({"nvme": {"policy": "gdsf"}}).nvme.enabled
