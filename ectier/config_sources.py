@@ -255,9 +255,25 @@ def config_from_env(cls: type, env: Mapping[str, str], prefix: str, base: CacheC
             problems.append(message)
             bad_vars.extend(var for dotted, var in set_by.items() if _names(message, dotted))
         config = None
+    if config is not None and cls is CacheConfig:
+        for message, names in _env_tiers_left_off(config, set_by):
+            problems.append(message)
+            bad_vars.extend(names)
     if problems:
         raise ConfigError(problems=problems, env_vars=tuple(dict.fromkeys(bad_vars)))
     return config
+
+
+def _env_tiers_left_off(config: CacheConfig, set_by: dict[str, str]) -> list[tuple[str, list[str]]]:
+    """``(problem, variables)`` per tier whose fields environment variables set (``set_by``: dotted
+    field -> variable) while the tier stays off: as :func:`tiers_left_off` for a file's section."""
+    out = []
+    for section, (switch, what, off) in TIER_SWITCHES.items():
+        names = [var for dotted, var in set_by.items() if dotted.startswith(section + ".") and dotted != f"{section}.{switch}"]
+        if names and not getattr(config, section).enabled:
+            out.append((f"{section}.{switch}: not set, so there is no {section} tier and {', '.join(names)} would do "
+                        f"nothing; set {section}.{switch} ({what}) too, or unset them", names))
+    return out
 
 
 # --------------------------------------------------------------------------------------- helpers

@@ -434,14 +434,17 @@ def test_from_env_booleans_and_null(raw, expected):
     assert CacheConfig.from_env({"ECTIER_HOST__PIN_MEMORY": raw}).host.pin_memory is expected
 
 
+NVME_ON = {"ECTIER_NVME__PATH": "/nvme/ec"}  # (an NVMe field without the tier's path is an error)
+
+
 def test_from_env_plain_int_field():
-    assert CacheConfig.from_env({"ECTIER_NVME__ZSTD_LEVEL": "5"}).nvme.zstd_level == 5
+    assert CacheConfig.from_env({**NVME_ON, "ECTIER_NVME__ZSTD_LEVEL": "5"}).nvme.zstd_level == 5
     with pytest.raises(ConfigError, match="ECTIER_NVME__ZSTD_LEVEL"):
-        CacheConfig.from_env({"ECTIER_NVME__ZSTD_LEVEL": "high"})
+        CacheConfig.from_env({**NVME_ON, "ECTIER_NVME__ZSTD_LEVEL": "high"})
 
 
 def test_from_env_map_max_bytes_value():
-    c = CacheConfig.from_env({"ECTIER_NVME__MAP_MAX_BYTES": "8GiB"})
+    c = CacheConfig.from_env({**NVME_ON, "ECTIER_NVME__MAP_MAX_BYTES": "8GiB"})
     assert c.nvme.map_max_bytes == 8 * GiB
 
 

@@ -53,3 +53,14 @@ def test_a_programs_mapping_is_not_judged_so():
     """CacheConfig.from_dict (a program's mapping, e.g. tests that inject a remote backend) keeps
     accepting a section without its switch; files and the vLLM connector's inline sections refuse it."""
     assert not CacheConfig.from_dict({"nvme": {"policy": "gdsf"}}).nvme.enabled
+
+
+def test_environment_variables_that_set_a_tier_left_off_are_an_error_naming_the_switch():
+    with pytest.raises(ConfigError, match="nvme.path: not set") as info:
+        CacheConfig.from_env(environ={"ECTIER_NVME__CAPACITY_BYTES": "1GiB"})
+    assert "ECTIER_NVME__CAPACITY_BYTES" in info.value.env_vars
+    with pytest.raises(ConfigError, match="remote.backend: not set"):
+        CacheConfig.from_env(environ={"ECTIER_REMOTE__ADDRESSES": "127.0.0.1:6379"})
+    cfg = CacheConfig.from_env(environ={"ECTIER_REMOTE__ADDRESSES": "127.0.0.1:6379", "ECTIER_REMOTE__BACKEND": "redis"})
+    assert cfg.remote.enabled
+    assert CacheConfig.from_env(environ={"ECTIER_NVME__CAPACITY_BYTES": "1GiB", "ECTIER_NVME__PATH": "/tmp/x"}).nvme.enabled
