@@ -71,6 +71,8 @@ class Catalog:
         #: deletes so far (any key), counted under ``cond``: a remote fetch that saw it change
         #: while it ran takes its placed copy out again (ectier/moves/remote.py)
         self.deletes = 0
+        #: digest -> deletes of it running now (their remote delete not returned yet); under ``cond``
+        self.deleting: dict[bytes, int] = {}
 
     # ------------------------------------------------------------------------------ versions
     def version(self, digest: bytes) -> int | None:

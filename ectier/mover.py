@@ -329,9 +329,21 @@ class Mover:
     def delete(self, digest: bytes) -> bool:
         """Remove ``digest`` from every tier (a write in flight is cancelled: its commit becomes an
         abort, ordered before this delete). True if it was stored or in flight."""
-        stale = None
         with self.cond:
             self.catalog.deletes += 1
+            self.catalog.deleting[digest] = self.catalog.deleting.get(digest, 0) + 1
+        try:
+            return self._delete(digest)
+        finally:
+            with self.cond:  # (a remote fetch that began during it is not placed: moves/remote.py)
+                self.catalog.deletes += 1
+                left = self.catalog.deleting.pop(digest) - 1
+                if left:
+                    self.catalog.deleting[digest] = left
+
+    def _delete(self, digest: bytes) -> bool:
+        stale = None
+        with self.cond:
             existed = self.catalog.forget(digest)
             existed = self.catalog.cancel_pending(digest) or existed
             for t in self.stack.arenas():

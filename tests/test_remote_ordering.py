@@ -9,6 +9,7 @@ calls are held at a gate so that each race happens every time.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -146,3 +147,103 @@ def test_a_fetched_version_from_a_clock_ahead_never_beats_a_later_put_here(nodes
     assert _same(consumer.get("k"), _t(8))
     assert testing.drain(consumer)
     assert _same(make().get("k"), _t(8))
+
+
+def _fill(cache, lease, tensor):
+    """Write ``tensor``'s bytes into a reservation through the public host arena."""
+    flat, off = tensor.contiguous().view(torch.uint8).reshape(-1), 0
+    for start, length in lease.extents:
+        cache.host_arena[start:start + length].copy_(flat[off:off + length])
+        off += length
+
+
+def test_a_get_during_a_delete_never_brings_the_key_back(nodes):
+    be, make = nodes
+    producer, consumer = make(), make()
+    producer.put("k", _t(10))
+    assert testing.drain(producer)
+    gate = Gate(be, "delete")
+    deleting = threading.Thread(target=lambda: consumer.delete("k"))
+    deleting.start()
+    gate.wait_entered()  # forgotten locally; the store still holds the object
+    consumer.get("k")  # may fetch the object the delete has not removed yet ...
+    gate.open()
+    deleting.join(10)
+    assert consumer.get("k") is None and not testing.where(consumer, "k")  # ... never placed for good
+    testing.check_invariants(consumer)
+
+
+def test_a_put_made_while_a_delete_runs_is_what_the_store_keeps(nodes):
+    be, make = nodes
+    producer = make()
+    producer.put("k", _t(11))
+    assert testing.drain(producer)
+    gate = Gate(be, "delete")
+    deleting = threading.Thread(target=lambda: producer.delete("k"))
+    deleting.start()
+    gate.wait_entered()
+    producer.put("k", _t(12))  # its write-through runs after the delete's store call
+    gate.open()
+    deleting.join(10)
+    assert testing.drain(producer)
+    assert _same(make().get("k"), _t(12))
+
+
+def test_a_put_evicted_before_its_write_through_ran_leaves_no_older_object(nodes):
+    be, make = nodes
+    producer = make()
+    producer.put("k", _t(13))
+    assert testing.drain(producer)
+    gate = Gate(be, "put", n=2)
+    producer.put("a", _t(14))
+    producer.put("b", _t(15))
+    gate.wait_entered()
+    gate.wait_entered()  # both store threads busy
+    producer.put("k", _t(16))  # its write-through waits ...
+    for i in range(80):  # ... while 5 MiB of puts evict it from the 4 MiB host tier (no NVMe)
+        producer.put(f"f{i}", _t(100 + i))
+    assert not testing.where(producer, "k")
+    gate.open()
+    assert testing.drain(producer, 60)
+    got = make().get("k")
+    assert not _same(got, _t(13))  # never the older bytes (the newer were not written: a miss)
+
+
+def test_an_older_put_committed_after_a_newer_one_does_not_replace_its_write(nodes):
+    be, make = nodes
+    cache = make()
+    cache.put("k", _t(17))
+    assert testing.drain(cache)
+    gate = Gate(be, "put")
+    cache.put("k", _t(18))
+    gate.wait_entered()  # a write of the key is running
+    a, b = _t(19), _t(20)
+    older = cache.reserve("k", dtype="bfloat16", shape=tuple(a.shape))
+    newer = cache.reserve("k", dtype="bfloat16", shape=tuple(b.shape))
+    _fill(cache, older, a)
+    _fill(cache, newer, b)
+    cache.commit(newer)
+    cache.commit(older)  # superseded: it stands (no error) but must not displace the newer write
+    gate.open()
+    assert testing.drain(cache)
+    assert _same(cache.get("k"), b) and _same(make().get("k"), b)
+
+
+def test_puts_skipped_for_the_backlog_queue_nothing_more(nodes):
+    from ectier.moves.remote import MAX_BACKLOG
+
+    be, make = nodes
+    big_host = _cfg().replace(host=dataclasses.replace(_cfg().host, capacity_bytes=256 << 20))  # nothing evicted
+    cache = make(big_host)
+    gate = Gate(be, "put", n=2)
+    cache.put("a", _t(21, rows=1))
+    cache.put("b", _t(22, rows=1))
+    gate.wait_entered()
+    gate.wait_entered()
+    for i in range(4 * MAX_BACKLOG):
+        cache.put(f"f{i}", _t(i, rows=1))
+    skipped = cache.stats()["tiers"]["remote"]["skipped_backlog"]
+    assert skipped >= 2 * MAX_BACKLOG
+    gate.open()
+    assert testing.drain(cache, 60)
+    assert be.calls.count("put") + be.calls.count("delete") <= MAX_BACKLOG + 4  # bounded work, not one call per skip

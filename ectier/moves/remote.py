@@ -9,10 +9,13 @@ the order of the puts and deletes that asked for them (:class:`_KeyQueue`: the o
 the latest asked for since; an older one not yet started is obsolete). A write whose version is
 no longer the key's current one when it lands (a newer put, or a delete, came meanwhile) removes
 its object again; a put that is not written (too large for the store, backlog, store down, a
-failed write) removes the key's older object, so another node never reads bytes older than the
-latest put. A fetch placed locally while a delete of any key ran is taken out again if its
-version is still current, and the local version counter moves past every fetched version (a
-node whose clock runs ahead never wins over a later put made here).
+failed write, evicted before its turn) removes the key's older object, so no node reads bytes
+older than this node's latest put. A fetch is not placed locally when a delete (of any key) or a
+put of the key ran since it began, and is taken out again when a delete ran while it was placed;
+the local version counter moves past every fetched version (a node whose clock runs ahead never
+wins over a later put made here). Between nodes there is no order: the store keeps the write that
+reaches it last, and another node's fetched copy is not invalidated (docs/operations.md, remote
+tier: an ``mm_hash`` names fixed bytes, so vLLM never notices).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..entry import EntryMeta, advance_version
+from ..entry import EntryMeta, advance_version, next_version
 from ..errors import TierWriteError
 from ..tiers.nvme import RAW_CODEC_ID
 from ..tiers.nvme_reader import mark_background
@@ -55,6 +58,11 @@ class _KeyQueue:
         self.next: tuple | None = None
 
 
+def _version(call: tuple) -> int:
+    """The version a queued call is about (a delete's: the version counter at the delete)."""
+    return call[2] if call[0] in ("write", "delete-now") else call[1]
+
+
 class RemoteMoves:
     """The remote tier's side of every move (``m``: the mover; ``tier``: the remote tier)."""
 
@@ -66,6 +74,7 @@ class RemoteMoves:
         self._queued = 0
         self._idle = threading.Condition(self._lock)
         self._keys: dict[bytes, _KeyQueue] = {}  # keys with a store call running; guarded by _lock
+        self._closed = False
 
     # ------------------------------------------------------------------------- write-through
     def write_later(self, src: "ArenaTier | Tier", digest: bytes, version: int, nbytes: int) -> None:
@@ -81,25 +90,38 @@ class RemoteMoves:
             return
         with self._lock:
             full = self._queued >= MAX_BACKLOG
+            queued = digest in self._keys
         if full:
             self.m.counters.count("remote", skipped_backlog=1)
-            self._ask(digest, ("delete", version))
+            if queued:  # (bounded: a key already queued only changes its next call)
+                self._ask(digest, ("delete", version))
             return
         self._ask(digest, ("write", src, version))
 
     def _ask(self, digest: bytes, call: tuple) -> None:
-        """Run ``call`` for ``digest`` after the one running for it, if any (replacing an older
-        call asked for meanwhile, which is obsolete)."""
+        """Run ``call`` for ``digest`` after the one running for it, if any, replacing the call
+        asked for meanwhile (obsolete) unless that one is of a newer version (a put superseded by
+        a newer one still asks for its write: it is ignored). A replaced synchronous delete is
+        told it is done: what replaces it is newer."""
         with self._lock:
-            q = self._keys.get(digest)
-            if q is not None:
-                if q.next is None:
-                    self._queued += 1
-                q.next = call
+            if self._closed:
+                if call[0] == "delete-now":
+                    call[1].set()
                 return
-            self._keys[digest] = _KeyQueue()
-            self._queued += 1
-            self._submit_locked(digest, call)
+            q = self._keys.get(digest)
+            if q is None:
+                self._keys[digest] = _KeyQueue()
+                self._queued += 1
+                self._submit_locked(digest, call)
+                return
+            old = q.next
+            if old is not None and _version(call) < _version(old):
+                return
+            if old is None:
+                self._queued += 1
+            elif old[0] == "delete-now":
+                old[1].set()
+            q.next = call
 
     def _submit_locked(self, digest: bytes, call: tuple) -> None:
         if self._pool is None:
@@ -111,14 +133,20 @@ class RemoteMoves:
         try:
             if call[0] == "write":
                 self._write(call[1], digest, call[2])
-            else:
+            elif call[0] == "delete":
                 self._remove_if_current(digest, call[1])
+            else:  # "delete-now": a delete() waits for it
+                self.tier.delete(digest)
         except Exception as exc:  # noqa: BLE001 - a background move: logged, never raised into anyone
             log.warning("remote write-through failed: %s", exc)
         finally:
+            if call[0] == "delete-now":
+                call[1].set()
             with self._lock:
+                q = self._keys.get(digest)
+                if q is None:  # closed meanwhile: close() dropped the bookkeeping
+                    return
                 self._queued -= 1
-                q = self._keys[digest]
                 nxt, q.next = q.next, None
                 if nxt is None:
                     del self._keys[digest]
@@ -126,20 +154,23 @@ class RemoteMoves:
                 elif self._pool is None:  # closed meanwhile: the rest is dropped
                     del self._keys[digest]
                     self._queued -= 1
+                    if nxt[0] == "delete-now":
+                        nxt[1].set()
                     self._idle.notify_all()
                 else:
                     self._submit_locked(digest, nxt)
 
     def _write(self, src: "ArenaTier | Tier", digest: bytes, version: int) -> None:
         m = self.m
-        if not src.is_arena:
-            done = self._write_stored(digest, version)
-        else:
+        slot = None
+        if src.is_arena:
             with m.cond:
                 slot = src.current(digest, version)
-                if slot is None:
-                    return  # replaced, deleted or evicted meanwhile: a newer put asks for its own
-                src.pin(slot)
+                if slot is not None:
+                    src.pin(slot)
+        if slot is None:  # NVMe holds it (a put straight there, or evicted from memory meanwhile)
+            done = self._write_stored(digest, version) if m.nvme is not None else False
+        else:
             try:
                 data = m.arena.cpu_bytes(src, slot)
                 done = data is not None and self.tier.write(
@@ -150,8 +181,10 @@ class RemoteMoves:
                 m.unpin(src, slot)
         with m.cond:
             current = m.catalog.is_current(digest, version)
-        if done is not None and not (done and current):
-            # landed after a newer put or a delete: take it out; not written: the older object goes
+        if not (done and current):
+            # landed after a newer put or a delete: take it out; not written (replaced, deleted,
+            # evicted everywhere, a failure): the key's older object goes (calls of one key run
+            # one at a time: a newer put's write comes after this)
             self.tier.delete(digest)
 
     def _remove_if_current(self, digest: bytes, version: int) -> None:
@@ -162,17 +195,17 @@ class RemoteMoves:
         if current:
             self.tier.delete(digest)
 
-    def _write_stored(self, digest: bytes, version: int) -> bool | None:
+    def _write_stored(self, digest: bytes, version: int) -> bool:
         """Write through an entry that only NVMe holds: read its record back (checked), unless a
-        newer version replaced it meanwhile. True if written, False if not, ``None`` if there
-        was nothing to write (replaced, deleted or evicted meanwhile)."""
+        newer version replaced it meanwhile. True if written; False if not (a failure, or nothing
+        to write: replaced, deleted or evicted meanwhile)."""
         m = self.m
         rec = m.nvme.tier.record(digest)
         if rec is None or rec.version != version:
-            return None
+            return False
         got = m.nvme.read(digest, rec.header.namespace, rec.header.key, version)
         if got is None or got is RETRY:
-            return None
+            return False
         meta, data = got
         if self.tier.write(meta, data, version, digest, payload_checksum=self._known_checksum(digest, version)):
             m.counters.count("remote", puts=1, put_bytes=meta.nbytes)
@@ -198,11 +231,18 @@ class RemoteMoves:
             return self._idle.wait_for(lambda: self._queued == 0, timeout_s)
 
     def close(self) -> None:
+        """Let the queued calls run (bounded), then drop the rest: a later ``drain`` returns."""
         self.drain(timeout_s=2 * self.tier.config.timeout_s + 1)
         with self._lock:
-            pool, self._pool = self._pool, None
+            pool, self._pool, self._closed = self._pool, None, True
+            for q in self._keys.values():  # (their calls are cancelled below, or end and stop)
+                if q.next is not None and q.next[0] == "delete-now":
+                    q.next[1].set()
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            self._queued, self._keys = 0, {}
+            self._idle.notify_all()
 
     # ------------------------------------------------------------------------- fetch
     def fetch(self, digest: bytes, ns: str, key: str, target) -> tuple[EntryMeta, torch.Tensor] | None:
@@ -211,7 +251,9 @@ class RemoteMoves:
         current version unless a newer one appeared, or a delete ran, meanwhile. ``(meta, data)``
         or ``None``."""
         m = self.m
-        deletes = m.catalog.deletes
+        cat = m.catalog
+        with m.cond:
+            deletes, before = cat.deletes, cat.version(digest)
         got = self.tier.fetch(digest, ns, key)
         if got is None:
             m.counters.count("remote", misses=1)
@@ -220,12 +262,12 @@ class RemoteMoves:
         advance_version(header.version)  # a later put here wins over this version, whatever the clocks
         meta = EntryMeta(header.namespace, header.key, header.dtype, tuple(header.shape), header.raw_nbytes)
         m.counters.count("remote", hits=1, hit_bytes=meta.nbytes)
-        with m.cond:
-            deleted = m.catalog.deletes != deletes
-        if not deleted:
+        with m.cond:  # a delete ran, or runs, or a put here came, since the fetch began: not placed
+            stale = cat.deletes != deletes or digest in cat.deleting or cat.version(digest) != before
+        if not stale:
             self._place(digest, meta, header.version, data, target)
             with m.cond:
-                deleted = m.catalog.deletes != deletes
+                deleted = cat.deletes != deletes or digest in cat.deleting
             if deleted:  # a delete ran while it was placed
                 self._unplace(digest, header.version)
         return meta, data
@@ -260,6 +302,10 @@ class RemoteMoves:
             m.nvme.delete_claimed(digest, stale)
 
     def delete(self, digest: bytes) -> None:
-        """Remove the remote copy (best effort: a store that is down keeps it until overwritten).
-        A write of the key running meanwhile removes what it wrote when it lands (``_write``)."""
-        self.tier.delete(digest)
+        """Remove the remote copy, in the key's order of store calls (after a write of it that
+        runs now, which would otherwise land after): returns once done, or after the running call
+        and this one had their deadlines (``2 * remote.timeout_s``). Best effort: a store that is
+        down keeps the object until overwritten."""
+        done = threading.Event()
+        self._ask(digest, ("delete-now", done, next_version()))
+        done.wait(2 * self.tier.config.timeout_s + 1)
