@@ -17,6 +17,7 @@ A refusal only costs speed (copies stay pageable): logged, never raised.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 
@@ -66,14 +67,16 @@ def register_host(buffer: torch.Tensor, *, device: torch.device | int | None = N
     return False
 
 
-def unregister_host(buffer: torch.Tensor | int) -> bool:
+def unregister_host(buffer: torch.Tensor | int, *, device: torch.device | int | None = None) -> bool:
     """Undo :func:`register_host` (before the memory is unmapped; ``buffer``: the tensor, or its
-    ``data_ptr()``). True on success; a refusal is logged at DEBUG and its CUDA error cleared."""
+    ``data_ptr()``), under ``device`` (the one that registered it: from any thread, never a context
+    on another GPU). True on success; a refusal is logged at DEBUG and its CUDA error cleared."""
     ptr = buffer if isinstance(buffer, int) else buffer.data_ptr()
-    rc = torch.cuda.cudart().cudaHostUnregister(ptr)
-    if _ok(rc):
-        return True
-    clear_cuda_error()
+    with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+        rc = torch.cuda.cudart().cudaHostUnregister(ptr)
+        if _ok(rc):
+            return True
+        clear_cuda_error()
     log.debug("cudaHostUnregister failed (%s)", rc)
     return False
 

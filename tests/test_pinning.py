@@ -36,7 +36,8 @@ def test_a_registration_is_portable_all_bytes_and_under_the_device_given(monkeyp
     assert pinning.register_host(buf, device=torch.device("cuda", 3))
     assert calls == [("register", buf.data_ptr(), 4000, pinning.HOST_REGISTER_PORTABLE)]
     assert devices == [torch.device("cuda", 3)]
-    assert pinning.unregister_host(buf) and calls[-1] == ("unregister", buf.data_ptr())
+    assert pinning.unregister_host(buf.data_ptr(), device=torch.device("cuda", 3))
+    assert calls[-1] == ("unregister", buf.data_ptr()) and devices[-1] == torch.device("cuda", 3)  # never device 0
 
 
 def test_a_refusal_is_false_and_one_warning_naming_the_memory(monkeypatch, caplog):

@@ -199,6 +199,7 @@ class DaemonClient(Transport, ViewCalls):
             from ..tiers.populate import populate_mapping_later
 
             self._arena_registered = register_host(self._arena, device=device, what="the daemon's arena")
+            self._arena_device = device
             if not self._arena_registered:
                 populate_mapping_later(self._arena_mmap)
         return bool(self._arena_registered)
@@ -245,6 +246,11 @@ class DaemonClient(Transport, ViewCalls):
         on_device = tensor.device.type == "cuda"
         src = None if on_device else byte_view(tensor)
         with self._lock:
+            if on_device:  # the first CUDA put page-locks the mapping (~0.45 s per GiB) now, before
+                if self._sock is None:  # it holds a reservation that could expire meanwhile
+                    self.connect()
+                self._arena_tensor()
+                self._page_locked(tensor.device)
             for attempt in (0, 1):
                 reply = self.call("reserve", key=key, dtype=meta.dtype, shape=list(meta.shape), **_ns(namespace),
                                   **self._direct())

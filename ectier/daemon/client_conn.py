@@ -268,7 +268,7 @@ class Transport(Submissions):
         if getattr(self, "_arena_registered", False) and self._arena is not None:
             from ..pinning import unregister_host
 
-            unregister_host(self._arena)
+            unregister_host(self._arena, device=getattr(self, "_arena_device", None))
             self._arena_registered = False
         self._arena = None
         if self._arena_mmap is not None:

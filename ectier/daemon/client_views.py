@@ -69,6 +69,7 @@ class ArenaView:
             warnings.simplefilter("ignore")
             self.tensor = torch.from_numpy(self._array)
         self._registered: bool | None = None  # page-locked? (None: not tried; page_locked)
+        self._register_lock = threading.Lock()
         if hasattr(self._mmap, "madvise"):
             # the whole mapping once, off the load path: populating a range when a view of it is
             # made cost more than its page faults (64 MiB of /dev/shm: 10.6 ms + 10.3 ms copy vs
@@ -76,19 +77,28 @@ class ArenaView:
             populate_mapping_later(self._mmap, chunk_bytes=32 << 20, advice=MADV_POPULATE_READ)
 
     def page_locked(self, device) -> bool:
-        """Whether the mapping is page-locked for copies onto CUDA ``device`` (registered read-only
-        at the first ask, under ``device``; unregistered when the last tensor over it is freed,
-        before the mapping goes). A refusal only costs speed (ectier/pinning.py)."""
-        if self._registered is None:
-            import weakref
+        """Whether the mapping is page-locked for copies onto CUDA ``device``. The first ask starts
+        its registration (read-only, under ``device``) in a background thread and answers False
+        until it is done (~0.45 s per GiB: never inside a model step; copies meanwhile are from
+        pageable memory); it is unregistered, under that device, when the last tensor over the
+        mapping is freed, before the mapping goes. A refusal only costs speed (ectier/pinning.py)."""
+        with self._register_lock:
+            if self._registered is None:
+                self._registered = False
+                threading.Thread(target=self._register, args=(device,), daemon=True,
+                                 name="ectier-arena-register").start()
+            return self._registered
 
-            from ..pinning import register_host, unregister_host
+    def _register(self, device) -> None:
+        import weakref
 
-            self._registered = register_host(self.tensor, device=device, what="the daemon's arena (read-only)",
-                                             read_only=True)
-            if self._registered:
-                weakref.finalize(self._array, unregister_host, self.tensor.data_ptr())
-        return self._registered
+        from ..pinning import register_host, unregister_host
+
+        ok = register_host(self.tensor, device=device, what="the daemon's arena (read-only)", read_only=True)
+        if ok:
+            weakref.finalize(self._array, unregister_host, self.tensor.data_ptr(), device=device)
+        with self._register_lock:
+            self._registered = ok
 
     def view(self, reply: dict[str, Any], release) -> Any:
         """A tensor of the reply's dtype and shape over its extents (one contiguous extent:
