@@ -57,11 +57,11 @@ from .config_checks import (
     check_int,
     check_namespace,
     check_nvme,
-    check_remote,
     format_bytes,
     parse_bytes,
 )
 from .config_daemon import DaemonConfig
+from .config_remote import check_remote
 from .errors import ConfigError
 
 __all__ = [

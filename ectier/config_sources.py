@@ -12,6 +12,8 @@ file that sets the tier's fields but not the one that switches it on (:func:`tie
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import difflib
 import json
@@ -19,14 +21,14 @@ import os
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from .config import CacheConfig
 from .config_checks import Problems, parse_bytes
 from .errors import ConfigError
 
 __all__ = ["config_from_dict", "config_from_json", "config_from_yaml", "load_config", "config_from_env",
-           "as_config", "tiers_left_off", "TIER_SWITCHES"]
+           "as_config", "tiers_left_off", "tiers_judged_after_env", "TIER_SWITCHES"]
 
 #: The field that switches each optional tier on: (field, what to set it to, its "off" value). A
 #: section a person wrote (a config file; the vLLM connector's inline sections) that sets fields of
@@ -36,6 +38,23 @@ TIER_SWITCHES = {
     "remote": ("backend", "'redis' or 'mooncake'", "'none'"),
     "gpu": ("capacity_bytes", "the GPU tier's budget, e.g. '4GiB'", "0"),
 }
+
+
+#: set while a file is read as the base of environment variables (``config_from_env``, ``ectier
+#: serve --config``): its tier sections are judged after the variables are overlaid
+_TIERS_JUDGED_LATER: contextvars.ContextVar[bool] = contextvars.ContextVar("tiers_judged_later", default=False)
+
+
+@contextlib.contextmanager
+def tiers_judged_after_env() -> Iterator[None]:
+    """Inside: a config file read is not refused for a tier section that switches nothing on,
+    because environment variables (``ECTIER_NVME__PATH``, ...) may switch it on; the config they
+    make (:func:`config_from_env`) is judged instead."""
+    token = _TIERS_JUDGED_LATER.set(True)
+    try:
+        yield
+    finally:
+        _TIERS_JUDGED_LATER.reset(token)
 
 
 def as_config(config: Any) -> CacheConfig:
@@ -178,7 +197,7 @@ def _build_from_file(cls: type, data: Mapping[str, Any], dups: list[tuple[str, t
     except ConfigError as exc:  # every other problem, named with the file it is in
         problems.extend(f"{m}{where_from}" for m in exc.problems
                         if not any(_names(_judged(m), d) for d, _ in dups))
-    if cls is CacheConfig:  # a tier section that switches nothing on
+    if cls is CacheConfig and not _TIERS_JUDGED_LATER.get():  # a tier section that switches nothing on
         problems.extend(f"{m}{where_from}" for m in tiers_left_off(data, problems))
     if problems:
         raise ConfigError(problems=problems) from None
@@ -230,7 +249,8 @@ def config_from_env(cls: type, env: Mapping[str, str], prefix: str, base: CacheC
     if base is None:
         file = env.get(prefix + "CONFIG")
         try:
-            base = load_config(cls, file) if file else cls()
+            with tiers_judged_after_env():
+                base = load_config(cls, file) if file else cls()
         except ConfigError as exc:
             raise ConfigError(problems=exc.problems, env_vars=(prefix + "CONFIG",)) from exc
     data = base.to_dict()
@@ -265,14 +285,21 @@ def config_from_env(cls: type, env: Mapping[str, str], prefix: str, base: CacheC
 
 
 def _env_tiers_left_off(config: CacheConfig, set_by: dict[str, str]) -> list[tuple[str, list[str]]]:
-    """``(problem, variables)`` per tier whose fields environment variables set (``set_by``: dotted
-    field -> variable) while the tier stays off: as :func:`tiers_left_off` for a file's section."""
+    """``(problem, variables)`` per tier left off whose fields the variables (``set_by``: dotted
+    field -> variable) or the file under them set away from their defaults: as
+    :func:`tiers_left_off` for a file's section, judged on the config they make together."""
     out = []
     for section, (switch, what, off) in TIER_SWITCHES.items():
-        names = [var for dotted, var in set_by.items() if dotted.startswith(section + ".") and dotted != f"{section}.{switch}"]
-        if names and not getattr(config, section).enabled:
-            out.append((f"{section}.{switch}: not set, so there is no {section} tier and {', '.join(names)} would do "
-                        f"nothing; set {section}.{switch} ({what}) too, or unset them", names))
+        tier = getattr(config, section)
+        if tier.enabled:
+            continue
+        default = type(tier)()
+        changed = [f"{section}.{f.name}" for f in dataclasses.fields(tier)
+                   if f.name != switch and getattr(tier, f.name) != getattr(default, f.name)]
+        if changed:
+            names = [var for dotted, var in set_by.items() if dotted in changed]
+            out.append((f"{section}.{switch}: not set, so there is no {section} tier and {', '.join(names or changed)} "
+                        f"would do nothing; set {section}.{switch} ({what}) too, or leave those unset", names))
     return out
 
 

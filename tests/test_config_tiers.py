@@ -64,3 +64,20 @@ def test_environment_variables_that_set_a_tier_left_off_are_an_error_naming_the_
     cfg = CacheConfig.from_env(environ={"ECTIER_REMOTE__ADDRESSES": "127.0.0.1:6379", "ECTIER_REMOTE__BACKEND": "redis"})
     assert cfg.remote.enabled
     assert CacheConfig.from_env(environ={"ECTIER_NVME__CAPACITY_BYTES": "1GiB", "ECTIER_NVME__PATH": "/tmp/x"}).nvme.enabled
+
+
+def test_a_file_whose_tier_an_environment_variable_switches_on_loads(tmp_path, monkeypatch):
+    import click
+
+    from ectier.commands.daemon_cmd import load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("nvme: {capacity_bytes: 1GiB}\n")
+    monkeypatch.setenv("ECTIER_NVME__PATH", str(tmp_path / "store"))
+    cfg = load_config(str(path))  # what `ectier serve --config` reads
+    assert cfg.nvme.enabled and cfg.nvme.capacity_bytes == 1 << 30
+    monkeypatch.delenv("ECTIER_NVME__PATH")
+    with pytest.raises(click.BadParameter, match="nvme.path: not set"):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match="nvme.path: not set"):
+        CacheConfig.load(path)  # read alone, the file is still judged as it is

@@ -50,6 +50,7 @@ LAYERS: tuple[Layer, ...] = (
         (
             "ectier.config",
             "ectier.config_checks",
+            "ectier.config_remote",
             "ectier.config_daemon",
             "ectier.config_modes",
             "ectier.config_sources",

@@ -427,3 +427,10 @@ def test_a_tls_ca_path_needs_tls_and_a_file(tmp_path):
     (tmp_path / "ca.pem").write_text("-----BEGIN CERTIFICATE-----\n")
     cfg = CacheConfig.from_dict({"remote": {**base, "tls": True, "tls_ca_path": str(tmp_path / "ca.pem")}})
     assert cfg.remote.tls_ca_path == str(tmp_path / "ca.pem")
+
+
+def test_a_tls_ca_path_under_the_home_directory_is_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "ca.pem").write_text("-----BEGIN CERTIFICATE-----\n")
+    cfg = CacheConfig.from_dict({"remote": {"backend": "redis", "addresses": "h:1", "tls": True, "tls_ca_path": "~/ca.pem"}})
+    assert cfg.remote.tls_ca_path == str(tmp_path / "ca.pem")  # what the client is given

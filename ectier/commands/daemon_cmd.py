@@ -18,6 +18,7 @@ from rich.table import Table
 from ..config import CacheConfig, format_bytes
 from ..errors import ConfigError, EctierError
 from .params import console as _console, not_empty
+from ..config_sources import tiers_judged_after_env
 
 __all__ = ["serve", "stats", "load_config", "TIER_ROWS", "tier_rows"]
 
@@ -28,7 +29,8 @@ def load_config(path: Optional[str]) -> CacheConfig:
     base = None
     if path is not None:
         try:
-            base = CacheConfig.load(path)
+            with tiers_judged_after_env():  # ECTIER_NVME__PATH & co. may switch on a tier the file sets up
+                base = CacheConfig.load(path)
         except ConfigError as exc:
             raise click.BadParameter(str(exc), param_hint="--config") from None
     try:
