@@ -4,6 +4,7 @@ and the Mooncake fields, on top of the value checks of :mod:`ectier.config_check
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from .config_checks import (REMOTE_BACKENDS, Problems, check_bool, check_int, check_seconds, check_text,
@@ -70,16 +71,26 @@ def check_address(item: str) -> None:
     Raises:
         ConfigError: naming ``remote.addresses`` and what is wrong with ``item``.
     """
-    if any(c.isspace() for c in item):
-        raise ConfigError(f"remote.addresses: {item!r}: separate addresses with commas")
+    words = item.split()
+    if len(words) > 1:
+        raise ConfigError(f"remote.addresses: {item!r}: " + (
+            "separate addresses with commas" if all(":" in w for w in words) else "no spaces inside an address"))
     if "/" in item:
         raise ConfigError(f"remote.addresses: {item!r}: 'host:port' without a scheme or path "
                           "(TLS is remote.tls: true)")
-    host, _, port = item.rpartition(":")
-    if ":" in host and not (host.startswith("[") and host.endswith("]")):
-        raise ConfigError(f"remote.addresses: {item!r}: an IPv6 host goes in brackets, e.g. '[::1]:6379'")
-    if not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"remote.addresses: {item!r} is not 'host:port'")
+    if item.startswith("["):
+        m = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d+)", item)
+        if m is None:
+            raise ConfigError(f"remote.addresses: {item!r}: an IPv6 address is '[address]:port', e.g. '[::1]:6379'")
+        host, port = m.groups()
+    else:
+        host, _, port = item.rpartition(":")
+        if ":" in host:
+            raise ConfigError(f"remote.addresses: {item!r}: an IPv6 host goes in brackets, e.g. '[::1]:6379'")
+    if not host or not port.isascii() or not port.isdigit():
+        raise ConfigError(f"remote.addresses: {item!r}: expected 'host:port' (a host, a colon, a port number)")
+    if not 0 < int(port) < 65536:
+        raise ConfigError(f"remote.addresses: {item!r}: port {int(port)} is outside 1..65535")
 
 
 def check_remote_mooncake(cfg: Any, p: Problems) -> None:

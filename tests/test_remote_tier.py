@@ -409,7 +409,9 @@ def test_an_object_the_backend_finds_damaged_is_a_counted_miss_without_back_off(
     ("rediss://h:6379", "without a scheme"),
     ("10.0.0.1:7000 10.0.0.2:7001", "separate addresses with commas"),
     ("::1:6379", "IPv6 host goes in brackets"),
-    ("[]:6379", "is not 'host:port'"),
+    ("[]:6379", "an IPv6 address is '[address]:port'"),
+    ("127.0.0.1:99999", "outside 1..65535"),
+    ("127.0.0.1 :6379", "no spaces inside an address"),
 ])
 def test_an_address_a_client_could_never_reach_is_a_config_error_saying_why(addresses, says):
     with pytest.raises(ConfigError, match="remote.addresses") as info:
