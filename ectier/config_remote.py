@@ -50,11 +50,11 @@ def check_remote(cfg: Any) -> None:
         check_int("remote.chunk_bytes", cfg.chunk_bytes, minimum=64 * 1024)
         if cfg.chunk_bytes > 512 * 1024 * 1024:
             raise ConfigError(f"remote.chunk_bytes: at most 512 MiB (a Redis value's cap), got {cfg.chunk_bytes}")
+    fspath(cfg, "tls_ca_path")  # (a Path, or a leading ~)
     for name in ("username", "password", "tls_ca_path"):
         if getattr(cfg, name) is not None:
             with p.check(f"remote.{name}"):
                 check_text(f"remote.{name}", getattr(cfg, name), "a string or null")
-    fspath(cfg, "tls_ca_path")
     if isinstance(cfg.tls_ca_path, str) and cfg.tls_ca_path:
         with p.check("remote.tls_ca_path"):
             if cfg.tls is not True:

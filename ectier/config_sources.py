@@ -246,8 +246,10 @@ def config_from_env(cls: type, env: Mapping[str, str], prefix: str, base: CacheC
         ConfigError: every unknown variable and bad value at once; ``env_vars`` names the
             variables at fault (``<prefix>CONFIG`` when the file it names is bad).
     """
+    file_read = None
     if base is None:
         file = env.get(prefix + "CONFIG")
+        file_read = file or None
         try:
             with tiers_judged_after_env():
                 base = load_config(cls, file) if file else cls()
@@ -275,27 +277,29 @@ def config_from_env(cls: type, env: Mapping[str, str], prefix: str, base: CacheC
             problems.append(message)
             bad_vars.extend(var for dotted, var in set_by.items() if _names(message, dotted))
         config = None
-    if config is not None and cls is CacheConfig:
-        for message, names in _env_tiers_left_off(config, set_by):
-            problems.append(message)
-            bad_vars.extend(names)
+    if config is not None and cls is CacheConfig:  # the file under them judged here (deferred), not a program's base
+        judge_base = _TIERS_JUDGED_LATER.get() or (file_read is not None)
+        for message, names in _env_tiers_left_off(config, set_by, judge_base):
+            problems.append(message + (f" (in {file_read!r})" if file_read and not names else ""))
+            bad_vars.extend(names or ([prefix + "CONFIG"] if file_read else []))
     if problems:
         raise ConfigError(problems=problems, env_vars=tuple(dict.fromkeys(bad_vars)))
     return config
 
 
-def _env_tiers_left_off(config: CacheConfig, set_by: dict[str, str]) -> list[tuple[str, list[str]]]:
-    """``(problem, variables)`` per tier left off whose fields the variables (``set_by``: dotted
-    field -> variable) or the file under them set away from their defaults: as
-    :func:`tiers_left_off` for a file's section, judged on the config they make together."""
+def _env_tiers_left_off(config: CacheConfig, set_by: dict[str, str], judge_base: bool) -> list[tuple[str, list[str]]]:
+    """``(problem, variables)`` per tier left off whose fields the variables set (``set_by``:
+    dotted field -> variable) or, with ``judge_base`` (a file read under them), set away from
+    their defaults: as :func:`tiers_left_off` for a file's section, judged on the config they
+    make together."""
     out = []
     for section, (switch, what, off) in TIER_SWITCHES.items():
         tier = getattr(config, section)
         if tier.enabled:
             continue
         default = type(tier)()
-        changed = [f"{section}.{f.name}" for f in dataclasses.fields(tier)
-                   if f.name != switch and getattr(tier, f.name) != getattr(default, f.name)]
+        changed = [f"{section}.{f.name}" for f in dataclasses.fields(tier) if f.name != switch and (
+            f"{section}.{f.name}" in set_by or judge_base and getattr(tier, f.name) != getattr(default, f.name))]
         if changed:
             names = [var for dotted, var in set_by.items() if dotted in changed]
             out.append((f"{section}.{switch}: not set, so there is no {section} tier and {', '.join(names or changed)} "

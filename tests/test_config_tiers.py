@@ -81,3 +81,16 @@ def test_a_file_whose_tier_an_environment_variable_switches_on_loads(tmp_path, m
         load_config(str(path))
     with pytest.raises(ConfigError, match="nvme.path: not set"):
         CacheConfig.load(path)  # read alone, the file is still judged as it is
+
+
+def test_a_programs_base_is_not_judged_by_from_env_only_what_the_variables_set(tmp_path):
+    base = CacheConfig.from_dict({"nvme": {"capacity_bytes": "1GiB"}})  # from_dict accepts it
+    assert CacheConfig.from_env(environ={}, base=base).nvme.capacity_bytes == 1 << 30
+    with pytest.raises(ConfigError, match="nvme.path: not set") as info:
+        CacheConfig.from_env(environ={"ECTIER_NVME__SYNC": "false"}, base=base)
+    assert info.value.env_vars == ("ECTIER_NVME__SYNC",)
+    path = tmp_path / "c.yaml"
+    path.write_text("remote: {timeout_s: 7}\n")
+    with pytest.raises(ConfigError, match="remote.backend: not set") as info:
+        CacheConfig.from_env(environ={"ECTIER_CONFIG": str(path)})
+    assert info.value.env_vars == ("ECTIER_CONFIG",) and str(path) in str(info.value)

@@ -247,3 +247,19 @@ def test_puts_skipped_for_the_backlog_queue_nothing_more(nodes):
     gate.open()
     assert testing.drain(cache, 60)
     assert be.calls.count("put") + be.calls.count("delete") <= MAX_BACKLOG + 4  # bounded work, not one call per skip
+
+
+def test_a_delete_that_waited_out_its_turn_still_keeps_fetches_from_bringing_the_key_back(nodes):
+    be, make = nodes
+    cache = make(_cfg(timeout_s=0.3))
+    cache.put("k", _t(30))
+    assert testing.drain(cache)  # the store holds the old object
+    gate = Gate(be, "put")
+    cache.put("k", _t(31))
+    gate.wait_entered()  # the newer write is held: the delete below queues behind it ...
+    assert cache.delete("k")  # ... and returns after its bounded wait, its store call not run yet
+    cache.get("k")  # a miss here fetches the old object: served maybe, never kept
+    assert not testing.where(cache, "k")
+    gate.open()
+    assert testing.drain(cache)
+    assert cache.get("k") is None and make().get("k") is None and not be.objects

@@ -436,3 +436,11 @@ def test_a_tls_ca_path_under_the_home_directory_is_expanded(tmp_path, monkeypatc
     (tmp_path / "ca.pem").write_text("-----BEGIN CERTIFICATE-----\n")
     cfg = CacheConfig.from_dict({"remote": {"backend": "redis", "addresses": "h:1", "tls": True, "tls_ca_path": "~/ca.pem"}})
     assert cfg.remote.tls_ca_path == str(tmp_path / "ca.pem")  # what the client is given
+
+
+def test_a_tls_ca_path_may_be_a_path_object(tmp_path):
+    (tmp_path / "ca.pem").write_text("-----BEGIN CERTIFICATE-----\n")
+    from ectier.config import RemoteTierConfig
+
+    cfg = RemoteTierConfig(backend="redis", addresses="h:1", tls=True, tls_ca_path=tmp_path / "ca.pem")
+    assert cfg.tls_ca_path == str(tmp_path / "ca.pem")

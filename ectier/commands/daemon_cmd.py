@@ -34,9 +34,11 @@ def load_config(path: Optional[str]) -> CacheConfig:
         except ConfigError as exc:
             raise click.BadParameter(str(exc), param_hint="--config") from None
     try:
-        return CacheConfig.from_env(base=base)
+        with tiers_judged_after_env():  # (the file's tier sections, with the variables over them)
+            return CacheConfig.from_env(base=base)
     except ConfigError as exc:
-        raise click.BadParameter(str(exc), param_hint=", ".join(exc.env_vars) or "ECTIER_* variables") from None
+        hint = ", ".join(exc.env_vars) or ("--config" if path is not None else "ECTIER_* variables")
+        raise click.BadParameter(str(exc), param_hint=hint) from None
 
 
 # ========================================================================================= serve

@@ -8,9 +8,10 @@ Ordering (docs/reliability.md, remote tier): the store's calls for one key run o
 the order of the puts and deletes that asked for them (:class:`_KeyQueue`: the one running, and
 the latest asked for since; an older one not yet started is obsolete). A write whose version is
 no longer the key's current one when it lands (a newer put, or a delete, came meanwhile) removes
-its object again; a put that is not written (too large for the store, backlog, store down, a
-failed write, evicted before its turn) removes the key's older object, so no node reads bytes
-older than this node's latest put. A fetch is not placed locally when a delete (of any key) or a
+its object again; a put that is not written (too large for the store, store down, a failed
+write, evicted before its turn; skipped for the backlog while another call of the key is queued)
+removes the key's older object, so no node reads bytes older than this node's latest put (but a
+put skipped for a full backlog while no call of its key is queued leaves the older one). A fetch is not placed locally when a delete (of any key) or a
 put of the key ran since it began, and is taken out again when a delete ran while it was placed;
 the local version counter moves past every fetched version (a node whose clock runs ahead never
 wins over a later put made here). Between nodes there is no order: the store keeps the write that
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..entry import EntryMeta, advance_version, next_version
+from ..entry import EntryMeta, advance_version
 from ..errors import TierWriteError
 from ..tiers.nvme import RAW_CODEC_ID
 from ..tiers.nvme_reader import mark_background
@@ -59,8 +60,11 @@ class _KeyQueue:
 
 
 def _version(call: tuple) -> int:
-    """The version a queued call is about (a delete's: the version counter at the delete)."""
-    return call[2] if call[0] in ("write", "delete-now") else call[1]
+    """The version a queued call is about; -1 for a delete() (whatever is asked after it, even
+    of a version drawn before it, replaces it: ``_write`` removes what is stale when it lands)."""
+    if call[0] == "delete-now":
+        return -1
+    return call[2] if call[0] == "write" else call[1]
 
 
 class RemoteMoves:
@@ -74,14 +78,15 @@ class RemoteMoves:
         self._queued = 0
         self._idle = threading.Condition(self._lock)
         self._keys: dict[bytes, _KeyQueue] = {}  # keys with a store call running; guarded by _lock
+        self._deletes: dict[bytes, int] = {}  # keys with a delete() not run yet: fetches not kept
         self._closed = False
 
     # ------------------------------------------------------------------------- write-through
     def write_later(self, src: "ArenaTier | Tier", digest: bytes, version: int, nbytes: int) -> None:
         """Queue the write of ``version`` of ``digest`` (committed in ``src``: a memory tier, or the
         NVMe tier for a put that went straight there) to the remote tier; when it cannot be
-        written (too large for ``remote.max_entry_bytes``, backlog full), queue the removal of the
-        key's older object instead. Never waits on the store."""
+        written (too large for ``remote.max_entry_bytes``; backlog full while a call of the key is
+        queued), queue the removal of the key's older object instead. Never waits on the store."""
         if not self.tier.config.write_through:
             return
         if not self.tier.fits(nbytes):
@@ -106,7 +111,7 @@ class RemoteMoves:
         with self._lock:
             if self._closed:
                 if call[0] == "delete-now":
-                    call[1].set()
+                    self._delete_done_locked(digest, call)
                 return
             q = self._keys.get(digest)
             if q is None:
@@ -120,7 +125,7 @@ class RemoteMoves:
             if old is None:
                 self._queued += 1
             elif old[0] == "delete-now":
-                old[1].set()
+                self._delete_done_locked(digest, old)
             q.next = call
 
     def _submit_locked(self, digest: bytes, call: tuple) -> None:
@@ -140,25 +145,38 @@ class RemoteMoves:
         except Exception as exc:  # noqa: BLE001 - a background move: logged, never raised into anyone
             log.warning("remote write-through failed: %s", exc)
         finally:
+            self._next(digest, call)
+
+    def _next(self, digest: bytes, call: tuple) -> None:
+        """``call`` of ``digest`` ended: start the next one asked for, if any."""
+        with self._lock:
             if call[0] == "delete-now":
-                call[1].set()
-            with self._lock:
-                q = self._keys.get(digest)
-                if q is None:  # closed meanwhile: close() dropped the bookkeeping
-                    return
+                self._delete_done_locked(digest, call)
+            q = self._keys.get(digest)
+            if q is None:  # closed meanwhile: close() dropped the bookkeeping
+                return
+            self._queued -= 1
+            nxt, q.next = q.next, None
+            if nxt is None:
+                del self._keys[digest]
+                self._idle.notify_all()
+            elif self._pool is None:  # closed meanwhile: the rest is dropped
+                del self._keys[digest]
                 self._queued -= 1
-                nxt, q.next = q.next, None
-                if nxt is None:
-                    del self._keys[digest]
-                    self._idle.notify_all()
-                elif self._pool is None:  # closed meanwhile: the rest is dropped
-                    del self._keys[digest]
-                    self._queued -= 1
-                    if nxt[0] == "delete-now":
-                        nxt[1].set()
-                    self._idle.notify_all()
-                else:
-                    self._submit_locked(digest, nxt)
+                if nxt[0] == "delete-now":
+                    self._delete_done_locked(digest, nxt)
+                self._idle.notify_all()
+            else:
+                self._submit_locked(digest, nxt)
+
+    def _delete_done_locked(self, digest: bytes, call: tuple) -> None:
+        """A delete() call ran, or was replaced by a later call (or dropped at close)."""
+        call[1].set()
+        left = self._deletes.get(digest, 0) - 1
+        if left > 0:
+            self._deletes[digest] = left
+        else:
+            self._deletes.pop(digest, None)
 
     def _write(self, src: "ArenaTier | Tier", digest: bytes, version: int) -> None:
         m = self.m
@@ -180,12 +198,27 @@ class RemoteMoves:
             finally:
                 m.unpin(src, slot)
         with m.cond:
-            current = m.catalog.is_current(digest, version)
-        if not (done and current):
-            # landed after a newer put or a delete: take it out; not written (replaced, deleted,
-            # evicted everywhere, a failure): the key's older object goes (calls of one key run
-            # one at a time: a newer put's write comes after this)
-            self.tier.delete(digest)
+            now = m.catalog.version(digest)
+        if done and now == version:
+            return
+        if not done and now is not None and now > version:
+            return  # a newer put: it asks for its own write (maybe already made: leave it)
+        # landed after a newer put or a delete, or not written (deleted, evicted everywhere, a
+        # failure): this object, or the key's older one, goes
+        self.tier.delete(digest)
+        if done and now is not None and now > version:
+            self._rewrite(digest, now)  # this write may have landed over the newer one's
+
+    def _rewrite(self, digest: bytes, version: int) -> None:
+        """Ask again for the write of ``version`` of ``digest`` (current, held here), from the
+        tier that holds it."""
+        m = self.m
+        with m.cond:
+            src = next((t for t in m.stack.arenas() if t.current(digest, version) is not None), None)
+            if src is None and m.nvme is not None and m.nvme.tier.holds(digest, version):
+                src = m.nvme.tier
+        if src is not None:
+            self._ask(digest, ("write", src, version))
 
     def _remove_if_current(self, digest: bytes, version: int) -> None:
         """A put of ``version`` was not written to the store: remove the key's older object there,
@@ -235,9 +268,9 @@ class RemoteMoves:
         self.drain(timeout_s=2 * self.tier.config.timeout_s + 1)
         with self._lock:
             pool, self._pool, self._closed = self._pool, None, True
-            for q in self._keys.values():  # (their calls are cancelled below, or end and stop)
+            for digest, q in self._keys.items():  # (their calls are cancelled below, or end and stop)
                 if q.next is not None and q.next[0] == "delete-now":
-                    q.next[1].set()
+                    self._delete_done_locked(digest, q.next)
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
@@ -263,14 +296,20 @@ class RemoteMoves:
         meta = EntryMeta(header.namespace, header.key, header.dtype, tuple(header.shape), header.raw_nbytes)
         m.counters.count("remote", hits=1, hit_bytes=meta.nbytes)
         with m.cond:  # a delete ran, or runs, or a put here came, since the fetch began: not placed
-            stale = cat.deletes != deletes or digest in cat.deleting or cat.version(digest) != before
+            stale = (cat.deletes != deletes or digest in cat.deleting or cat.version(digest) != before
+                     or self._delete_pending(digest))
         if not stale:
             self._place(digest, meta, header.version, data, target)
             with m.cond:
-                deleted = cat.deletes != deletes or digest in cat.deleting
+                deleted = cat.deletes != deletes or digest in cat.deleting or self._delete_pending(digest)
             if deleted:  # a delete ran while it was placed
                 self._unplace(digest, header.version)
         return meta, data
+
+    def _delete_pending(self, digest: bytes) -> bool:
+        """A delete() of ``digest`` whose store call has not run yet (it may have timed out)."""
+        with self._lock:
+            return digest in self._deletes
 
     def _place(self, digest: bytes, meta: EntryMeta, version: int, data: torch.Tensor, target) -> None:
         m = self.m
@@ -306,6 +345,18 @@ class RemoteMoves:
         runs now, which would otherwise land after): returns once done, or after the running call
         and this one had their deadlines (``2 * remote.timeout_s``). Best effort: a store that is
         down keeps the object until overwritten."""
-        done = threading.Event()
-        self._ask(digest, ("delete-now", done, next_version()))
-        done.wait(2 * self.tier.config.timeout_s + 1)
+        call = ("delete-now", threading.Event())
+        with self._lock:
+            self._deletes[digest] = self._deletes.get(digest, 0) + 1
+            inline = not self._closed and digest not in self._keys
+            if inline:  # no call of the key runs: this one, on the caller's thread
+                self._keys[digest] = _KeyQueue()
+                self._queued += 1
+        if not inline:
+            self._ask(digest, call)
+            call[1].wait(2 * self.tier.config.timeout_s + 1)  # (fetches meanwhile stay misses)
+            return
+        try:
+            self.tier.delete(digest)
+        finally:
+            self._next(digest, call)
