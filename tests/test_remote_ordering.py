@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import pytest
 import torch
@@ -263,3 +264,25 @@ def test_a_delete_that_waited_out_its_turn_still_keeps_fetches_from_bringing_the
     gate.open()
     assert testing.drain(cache)
     assert cache.get("k") is None and make().get("k") is None and not be.objects
+
+
+def test_a_delete_asked_while_a_write_is_queued_replaces_it(nodes):
+    be, make = nodes
+    cache = make()
+    gate = Gate(be, "put")
+    cache.put("k", _t(40))
+    gate.wait_entered()  # the first write runs (held) ...
+    cache.put("k", _t(41))  # ... a second is queued behind it ...
+    deleting = threading.Thread(target=lambda: cache.delete("k"))
+    started = time.monotonic()
+    deleting.start()  # ... and the delete takes its place
+    time.sleep(0.2)
+    gate.open()
+    deleting.join(30)
+    assert time.monotonic() - started < 8  # done when its call ran, not after its 21 s bound
+    assert testing.drain(cache)
+    assert not be.objects and make().get("k") is None
+    cache.put("k", _t(42))  # the key is not left marked as being deleted: a later put is served elsewhere
+    assert testing.drain(cache)
+    other = make()
+    assert _same(other.get("k"), _t(42)) and testing.where(other, "k")

@@ -106,8 +106,8 @@ class RemoteMoves:
     def _ask(self, digest: bytes, call: tuple) -> None:
         """Run ``call`` for ``digest`` after the one running for it, if any, replacing the call
         asked for meanwhile (obsolete) unless that one is of a newer version (a put superseded by
-        a newer one still asks for its write: it is ignored). A replaced synchronous delete is
-        told it is done: what replaces it is newer."""
+        a newer one still asks for its write: it is ignored); a delete() always replaces it. A
+        replaced delete() is told it is done: what replaces it was asked after it."""
         with self._lock:
             if self._closed:
                 if call[0] == "delete-now":
@@ -120,8 +120,8 @@ class RemoteMoves:
                 self._submit_locked(digest, call)
                 return
             old = q.next
-            if old is not None and _version(call) < _version(old):
-                return
+            if old is not None and call[0] != "delete-now" and _version(call) < _version(old):
+                return  # (a delete() always takes the place: what was asked before it is obsolete)
             if old is None:
                 self._queued += 1
             elif old[0] == "delete-now":
