@@ -282,7 +282,7 @@ def test_on_damaged_is_a_checked_config_field():
     assert NvmeTierConfig().on_damaged == "fail"
     with pytest.raises(ConfigError, match="nvme.on_damaged"):
         NvmeTierConfig(on_damaged="ignore")
-    assert CacheConfig.from_env({"ECTIER_NVME__ON_DAMAGED": "reset"}).nvme.on_damaged == "reset"
+    assert CacheConfig.from_env({"ECTIER_NVME__PATH": "/nvme/ec", "ECTIER_NVME__ON_DAMAGED": "reset"}).nvme.on_damaged == "reset"
 
 
 _NEVER_ABORTS = r"""
