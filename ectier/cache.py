@@ -311,6 +311,21 @@ class TieredCache(HostArenaAPI):
         self._mover.completer.drain()  # copies in flight land first
         return self._mover.flush()
 
+    def wait_remote(self, timeout_s: float | None = None) -> bool:
+        """Wait until every write-through to the remote tier asked for so far has run (written,
+        or given up on and counted: ``stats()["tiers"]["remote"]``). True once none is left,
+        False if ``timeout_s`` seconds passed first (``None``: no limit); True at once without a
+        remote tier or with ``remote.write_through`` off. Puts never wait for the remote tier;
+        this is for a producer that must know its entries are in the store before it tells a
+        consumer on another node (or exits).
+
+        Raises:
+            EctierError: the cache is closed.
+        """
+        self._check_open()
+        remote = self._mover.remote
+        return True if remote is None else remote.drain(timeout_s)
+
     def close(self) -> None:
         """Wait for copies and prefetches in flight, flush (if ``nvme.flush_on_close``), close the
         NVMe tier and free the arenas. Idempotent. In a forked child it only marks the cache closed

@@ -444,3 +444,27 @@ def test_a_tls_ca_path_may_be_a_path_object(tmp_path):
 
     cfg = RemoteTierConfig(backend="redis", addresses="h:1", tls=True, tls_ca_path=tmp_path / "ca.pem")
     assert cfg.tls_ca_path == str(tmp_path / "ca.pem")
+
+
+def test_wait_remote_returns_once_the_write_throughs_ran(nodes):
+    be, make = nodes
+    producer = make()
+    gate = threading.Event()
+    put = be.put
+
+    def held(*a, **kw):
+        assert gate.wait(10)
+        return put(*a, **kw)
+
+    be.put = held
+    producer.put("k", _t(60))
+    assert producer.wait_remote(0.2) is False  # the write is held at the store
+    gate.set()
+    assert producer.wait_remote(10) is True
+    assert _same(make().get("k"), _t(60))
+    local = testing.make_cache(CacheConfig.from_dict({"host": {"capacity_bytes": "4MiB", "pin_memory": False}}))
+    assert local.wait_remote(0) is True  # no remote tier
+    local.close()
+    producer.close()
+    with pytest.raises(Exception, match="closed"):
+        producer.wait_remote()
