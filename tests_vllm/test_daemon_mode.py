@@ -100,7 +100,7 @@ PER_CALL_S = 0.5  # generous: a lookup or save against a missing daemon takes ab
 def test_no_daemon_lookups_and_saves_are_fast_misses_with_one_warning(engine, caplog):
     """No daemon at socket_path (not started, or a wrong path): the engine starts with ONE warning
     naming ec_connector_extra_config.socket_path, and every lookup and save is a miss at once, not
-    a DaemonClient connect_retry_s wait (5 s) per call. Default daemon_timeout_s (30 s)."""
+    a DaemonClient connect_retry_s wait (5 s) per call. Default daemon_timeout_s (10 s)."""
     d = short_tmpdir()
     sock = os.path.join(d, "nobody-listens.sock")
     with caplog.at_level(logging.WARNING):
@@ -324,7 +324,7 @@ def test_a_daemon_without_prefetch_is_asked_as_before(engine, daemon, monkeypatc
 
 def test_a_stopped_daemon_never_blocks_the_scheduler_and_the_item_loads_a_later_step(engine, daemon):
     """SIGSTOP of the daemon once the consumer is connected: ``schedule()`` (and so
-    ``ensure_cache_available``) returns at once, far below daemon_timeout_s (30 s), with the
+    ``ensure_cache_available``) returns at once, far below daemon_timeout_s (10 s), with the
     request deferred; after SIGCONT the daemon's answer arrives, the item loads a later step
     (not encoded), and once the worker reported the load and vLLM dropped it nothing stays
     pinned. Before issue 14, the step's ``prefetch`` round trip blocked ``schedule()`` until the

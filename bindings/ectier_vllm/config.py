@@ -15,7 +15,7 @@ Keys (see docs/vllm.md for the full table)::
                     shared by every node (two-node EPD: the same remote section on both engines)
     config_path     in-process mode: an ectier .yaml/.json config file (instead of host/nvme/gpu/remote)
     socket_path     daemon mode: the socket of `ectier serve` (default: DaemonConfig's default)
-    daemon_timeout_s  daemon mode: seconds per daemon call (default 30, at least 0.01)
+    daemon_timeout_s  daemon mode: seconds per daemon call (default 10, at least 0.01)
     daemon_answer_wait_s  daemon mode: seconds a scheduler step may wait for the daemon's answers
     load_timeout_s  how long a request may wait for a promotion before the item counts as a miss
                     and is re-encoded (default 10)
@@ -61,6 +61,10 @@ KEYS = (
 MODES = ("inprocess", "daemon")
 #: default of ``daemon_answer_wait_s``, seconds (docs/vllm.md: chosen by daemon_sched_step_bench)
 DEFAULT_ANSWER_WAIT_S = 0.0
+#: default of ``daemon_timeout_s``, seconds: far above any call of a healthy daemon (a 256 MiB
+#: commit with write-through to a slow disk included), and the one wait a hung daemon costs a
+#: worker's load before calls fail fast (it was 30 s: docs/vllm.md)
+DEFAULT_DAEMON_TIMEOUT_S = 10.0
 TIER_KEYS = ("host", "nvme", "gpu", "remote")
 
 
@@ -94,7 +98,7 @@ class ConnectorSettings:
     namespace: str = "default"
     cache: CacheConfig | None = field(default_factory=CacheConfig)
     socket_path: str | None = None
-    daemon_timeout_s: float = 30.0
+    daemon_timeout_s: float = DEFAULT_DAEMON_TIMEOUT_S
     daemon_answer_wait_s: float = DEFAULT_ANSWER_WAIT_S
     load_timeout_s: float = 10.0
     config_path: str | None = None
@@ -230,7 +234,7 @@ def _socket_path(value: Any) -> str | None:
 
 def _daemon_settings(extra: Mapping[str, Any], common: dict[str, Any]) -> ConnectorSettings:
     """Daemon mode: the socket and its timeouts; tier sub-configs and ``config_path`` refused."""
-    daemon_timeout_s = _seconds("daemon_timeout_s", extra.get("daemon_timeout_s", 30.0))
+    daemon_timeout_s = _seconds("daemon_timeout_s", extra.get("daemon_timeout_s", DEFAULT_DAEMON_TIMEOUT_S))
     if daemon_timeout_s < MIN_DAEMON_TIMEOUT_S:
         raise ConfigError(f"{PREFIX}.daemon_timeout_s: at least {MIN_DAEMON_TIMEOUT_S} s (one call to the daemon "
                           f"must have time to be answered, else every lookup and save fails), got {daemon_timeout_s!r}")
