@@ -183,9 +183,11 @@ class DaemonClient(Transport, ViewCalls):
             from ..tensors import cuda_available
             from ..tiers.populate import populate_mapping_later
 
-            if not cuda_available():  # pageable for good: no fault per page in the puts (tiers/populate.py)
-                self._arena_registered = False
-                populate_mapping_later(self._arena_mmap)
+            if not cuda_available():
+                self._arena_registered = False  # pageable for good
+            # no fault per page in the puts (tiers/populate.py); a registration later pins pages
+            # already there
+            populate_mapping_later(self._arena_mmap)
         return self._arena
 
     def _page_locked(self, device) -> bool:
@@ -196,12 +198,9 @@ class DaemonClient(Transport, ViewCalls):
         (ectier/pinning.py)."""
         if self._arena_registered is None:
             from ..pinning import register_host
-            from ..tiers.populate import populate_mapping_later
 
             self._arena_registered = register_host(self._arena, device=device, what="the daemon's arena")
             self._arena_device = device
-            if not self._arena_registered:
-                populate_mapping_later(self._arena_mmap)
         return bool(self._arena_registered)
 
     def _direct(self) -> dict[str, bool]:
