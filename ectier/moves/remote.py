@@ -6,17 +6,18 @@ outside the cache lock, bounded by ``remote.timeout_s`` per call.
 
 Ordering (docs/reliability.md, remote tier): the store's calls for one key run one at a time, in
 the order of the puts and deletes that asked for them (:class:`_KeyQueue`: the one running, and
-the latest asked for since; an older one not yet started is obsolete). A write whose version is
-no longer the key's current one when it lands (a newer put, or a delete, came meanwhile) removes
-its object again; a put that is not written (too large for the store, store down, a failed
-write, evicted before its turn; skipped for the backlog while another call of the key is queued)
-removes the key's older object, so no node reads bytes older than this node's latest put (but a
-put skipped for a full backlog while no call of its key is queued leaves the older one). A fetch is not placed locally when a delete (of any key) or a
-put of the key ran since it began, and is taken out again when a delete ran while it was placed;
-the local version counter moves past every fetched version (a node whose clock runs ahead never
-wins over a later put made here). Between nodes there is no order: the store keeps the write that
-reaches it last, and another node's fetched copy is not invalidated (docs/operations.md, remote
-tier: an ``mm_hash`` names fixed bytes, so vLLM never notices).
+the latest asked for since; an older one not yet started is obsolete, a delete always replaces
+it). A write whose version is no longer the key's current one when it lands (a newer put, or a
+delete, came meanwhile) removes its object again; a put that is not written (too large for the
+store, store down, a failed write, evicted before its turn; skipped for the backlog while another
+call of the key is queued) removes the key's older object, so no node reads bytes older than this
+node's latest put (a put skipped for a full backlog while no call of its key is queued leaves the
+older one). A fetch is not kept locally when a delete (of any key) or a put of the key ran since
+it began, or a delete of the key has not run its store call yet; the local version counter moves
+past every fetched version (a node whose clock runs ahead never wins over a later put made here).
+Between nodes there is no order: the store keeps the write that reaches it last, and another
+node's fetched copy is not invalidated (docs/operations.md, remote tier: an ``mm_hash`` names
+fixed bytes, so vLLM never notices).
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ MAX_BACKLOG = 256
 
 class _KeyQueue:
     """The store calls of one key: whether one runs, and the latest one asked for since
-    (``("write", src, version)`` or ``("delete", version)``; ``None``: nothing more)."""
+    (``("write", src, version)``, ``("delete", version)``: remove the older object if ``version``
+    is still current, or ``("delete-now", event)``: a :meth:`RemoteMoves.delete`; ``None``:
+    nothing more)."""
 
     __slots__ = ("next",)
 
