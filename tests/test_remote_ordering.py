@@ -85,8 +85,12 @@ def test_a_delete_while_the_write_runs_leaves_the_key_absent_everywhere(nodes):
     gate = Gate(be, "put")
     producer.put("k", _t(1))
     gate.wait_entered()  # the write-through is inside the store's put
-    assert producer.delete("k")
+    deleted = []
+    deleting = threading.Thread(target=lambda: deleted.append(producer.delete("k")))
+    deleting.start()  # its store call waits for the write's
     gate.open()
+    deleting.join(10)
+    assert deleted == [True]
     assert testing.drain(producer)
     assert not be.objects
     assert make().get("k") is None and producer.get("k") is None
