@@ -18,12 +18,13 @@ from .copy import CopyEngine, CopyHandle, Engines, InlineCopyEngine, Pairs
 from .entry import entry_digest
 from .tiers.arena import ArenaTier
 from .tiers.base import Tier
+from .testing_order import SyncOrderCheck, check_sync_order
 from .tiers.remote.backend import RemoteBackend, RemoteTimeout
 
 __all__ = ["MemoryBackend", "DeferredCopyEngine", "make_cache", "tier", "where", "holds", "version_of", "versions", "drop_copy", "record_of",
            "pins", "drain", "check_invariants", "fail_writes", "fail_after_writes", "watch_nvme_records", "lmdb_of", "set_lmdb_env", "NvmeLmdb", "copy_engine_of",
            "write_behind_idle", "write_behind_enabled", "hold_writes", "WriteGate", "WRITE_BEHIND_THREAD",
-           "versions_from_another_clock"]
+           "versions_from_another_clock", "check_sync_order", "SyncOrderCheck"]
 
 
 class DeferredCopyEngine(CopyEngine):

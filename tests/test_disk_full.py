@@ -12,6 +12,7 @@ again; a restart serves everything that was stored, nothing quarantined. Disk us
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -19,7 +20,7 @@ import subprocess
 import pytest
 import torch
 
-from ectier import TieredCache, TierWriteError
+from ectier import TieredCache, TierWriteError, testing
 
 from conftest import KiB, MiB, assert_same, check_quiescent, filled, host_holds, make_config, nvme_holds
 
@@ -94,10 +95,13 @@ def test_disk_full_evicts_old_entries_for_new_ones(small_fs, sync, entry_bytes):
     (small_fs / "filler").write_bytes(b"\0" * (3 * MiB))
     stored = {}
     with TieredCache(cfg) as cache:
-        for i in range(60):  # 11-15 MiB of puts into ~4.5 MiB of free space
-            t = filled(entry_bytes, i)
-            cache.put(f"a{i}", t)  # TierWriteError("disk full") here on the old code
-            stored[f"a{i}"] = t
+        # with sync, the evict-and-retry keeps the write order a power loss relies on (test_sync_order.py)
+        with testing.check_sync_order(cache) if sync else contextlib.nullcontext() as order:
+            for i in range(60):  # 11-15 MiB of puts into ~4.5 MiB of free space
+                t = filled(entry_bytes, i)
+                cache.put(f"a{i}", t)  # TierWriteError("disk full") here on the old code
+                stored[f"a{i}"] = t
+        assert order is None or (order.violations == [] and order.writes >= 60)
         st = cache.stats()["tiers"]["nvme"]
         assert st["disk_full_evictions"] > 0 and st["write_failures"] == 0
         held = [k for k in stored if cache.contains(k)]

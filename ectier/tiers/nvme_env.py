@@ -33,7 +33,7 @@ from .nvme_reserve import LmdbReserve, reserve_bytes
 from .nvme_scan import gc_paused, scan_index
 from .nvme_segment import BLOCK_BYTES, SEGMENT_NAME, ExtentSpace, SegmentFile, blocks_for, check_capacity
 from .storedir import (check_local_filesystem, check_space, drop_store_lock, missing_dirs, move_aside, remove_created,
-                       take_store_lock)
+                       sync_dirs, take_store_lock)
 from .storedir import free_bytes as free_disk_bytes
 
 __all__ = ["NvmeEnv", "RWLock", "STORE_FORMAT", "RELEASE_MARKER", "write_error_text", "lmdb_write_error", "free_disk_bytes",
@@ -177,6 +177,8 @@ class NvmeEnv:
                     raise
                 self._reset_damaged(exc)
             self._check_space()
+            if self.config.sync:
+                sync_dirs(self.path, created)
         except BaseException:
             self.close()
             remove_created(created)  # a refused open leaves no directory it made

@@ -37,7 +37,7 @@ from ..errors import ConfigError
 
 __all__ = ["Mount", "NETWORK_FS_TYPES", "parse_mountinfo", "mount_of", "is_network_fs",
            "check_local_filesystem", "move_aside", "damaged_copies", "MOUNTINFO_PATH", "free_bytes", "probe_subdir",
-           "check_space", "missing_dirs", "remove_created", "STORE_FILES", "take_store_lock", "drop_store_lock"]
+           "check_space", "missing_dirs", "remove_created", "STORE_FILES", "take_store_lock", "drop_store_lock", "sync_dirs"]
 
 MOUNTINFO_PATH = "/proc/self/mountinfo"
 
@@ -316,6 +316,17 @@ def drop_store_lock(lock_file) -> None:
     if _HELD.get(key) == os.getpid():
         _HELD.pop(key, None)
     fcntl.flock(lock_file.fileno(), fcntl.LOCK_UN)
+
+
+def sync_dirs(store_dir: str | os.PathLike, created: list[Path]) -> None:
+    """Make the store's directory entries durable (``fsync`` of each directory): ``lmdb/`` (its
+    files), the store directory (``segment.0``, ``lmdb/``, the lock file) and the parent of each
+    directory in ``created`` (:func:`missing_dirs` before the open). With ``nvme.sync`` a put is
+    durable across power loss when it returns; a file whose name is not yet on disk would take every
+    record with it. A directory that cannot be opened or synced is skipped (never raises)."""
+    d = Path(store_dir)
+    for target in [d / "lmdb", d, *(c.parent for c in created)]:
+        _fsync_dir(target)
 
 
 def _fsync_dir(d: Path) -> None:
