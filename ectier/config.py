@@ -11,13 +11,17 @@
     │     policy
     ├── nvme: NvmeTierConfig           LMDB store under a directory (disabled when path is None)
     │     path, capacity_bytes, codec, zstd_level, sync, write_through, flush_on_close,
-    │     map_initial_bytes, map_max_bytes, policy
+    │     map_initial_bytes, map_max_bytes, policy, group_commit_s, read_threads,
+    │     allow_network_fs, on_damaged, thin_provisioning
     ├── remote: RemoteTierConfig       a distributed store shared by every node (off by default)
     │     backend, addresses, prefix, timeout_s, backoff_s, write_through, max_entry_bytes,
-    │     chunk_bytes, username, password, tls, tls_ca_path
+    │     chunk_bytes, username, password, tls, tls_ca_path, mooncake_metadata_server,
+    │     mooncake_local_hostname, mooncake_global_segment_bytes, mooncake_local_buffer_bytes,
+    │     mooncake_buffer_pool_bytes, mooncake_protocol, mooncake_device_name
     ├── daemon: DaemonConfig           the standalone daemon (``ectier serve``) only (config_daemon.py)
     │     socket_path, socket_mode, allowed_group, shm_dir, lease_s, max_frame_bytes,
-    │     max_clients, max_clients_per_uid, idle_timeout_s, metrics_port, metrics_host
+    │     max_clients, max_clients_per_uid, idle_timeout_s, metrics_port, metrics_host,
+    │     view_pin_bytes, view_pin_total_bytes
     └── prefetch_threads: int | None   background promotions at once (ectier.cpus)
 
 Every field is checked in ``__post_init__`` (the checks are in :mod:`ectier.config_checks`); a bad
@@ -166,8 +170,9 @@ class NvmeTierConfig:
     Fields:
         path: directory of the store (created if missing; a leading ``~`` is the home directory).
             ``None`` (default) disables the tier.
-        capacity_bytes: byte budget of stored records (payload after compression plus header).
-            Default 16 GiB. A budget below one 64 KiB block of the segment file (the least an
+        capacity_bytes: byte budget of stored records: each counts its header plus the whole
+            64 KiB blocks of the segment file its payload (after compression) takes, so a tiny
+            entry costs one block. Default 16 GiB. A budget below one 64 KiB block of the segment file (the least an
             entry takes on disk), but not 0, is a ``ConfigError`` at open.
         codec: ``"raw"`` (default), ``"zstd"`` or ``"zstd-planes"`` (byte planes split before zstd;
             ~1.46x on bf16 encoder outputs vs ~1.29x for plain zstd at level 1, docs/benchmarks.md).
@@ -181,9 +186,10 @@ class NvmeTierConfig:
             serves them. Default ``True``.
         map_initial_bytes: LMDB map size at first open; grows by doubling when full. Default 256 MiB.
         map_max_bytes: ceiling of map growth. Default ``None`` = ``2 * capacity_bytes + 256 MiB``
-            (LMDB stores large values in contiguous pages; the headroom absorbs its fragmentation).
-            Set it below ``capacity_bytes`` and writes fail with ``TierWriteError`` once the map is
-            full, before the budget evicts anything.
+            (a ceiling of the sparse map, not disk taken). The map holds the index only (layout v2:
+            one header and location per entry, a few hundred bytes; the payloads live in the
+            segment file), so even 1 MiB holds thousands of entries; a map too small for the index
+            fails the writes that do not fit with ``TierWriteError`` (map full).
         policy: eviction policy of the tier, ``"lru"`` (default) or ``"gdsf"`` (as ``host.policy``).
         group_commit_s: group commit: how long a write whose payload is on disk waits, at most, for
             other writes still copying theirs, so that they share one ``fdatasync`` and one LMDB

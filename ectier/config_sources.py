@@ -219,7 +219,7 @@ def tiers_left_off(data: Mapping[str, Any], judged: list[str] | tuple[str, ...] 
         fields = data.get(section)
         if not isinstance(fields, Mapping) or not fields or switch in fields:
             continue
-        if any(_names(m, section) for m in judged):
+        if any(_names(_judged(m), section) for m in judged):
             continue
         given = ", ".join(f"{section}.{key}" for key in fields)
         problems.append(

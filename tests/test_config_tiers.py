@@ -49,6 +49,19 @@ def test_another_problem_of_the_section_is_reported_alone():
     assert [m.split(":")[0] for m in info.value.problems] == ["nvme.zstd_level"]
 
 
+def test_an_unknown_key_elsewhere_does_not_hide_the_switch_left_off(tmp_path):
+    """A typo's message lists the known sections ("did you mean host? (known: ... remote ...)");
+    that list is not a problem of the remote section, which is still reported (every bad field of
+    a file at once, docs/operations.md). It was hidden until the typo was fixed."""
+    path = tmp_path / "c.yaml"
+    path.write_text("hots: 1\nremote:\n  addresses: a:1\n")
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.load(path)
+    problems = info.value.problems
+    assert len(problems) == 2, problems
+    assert problems[0].startswith("hots: unknown setting") and problems[1].startswith("remote.backend: not set")
+
+
 def test_a_programs_mapping_is_not_judged_so():
     """CacheConfig.from_dict (a program's mapping, e.g. tests that inject a remote backend) keeps
     accepting a section without its switch; files and the vLLM connector's inline sections refuse it."""

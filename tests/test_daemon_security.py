@@ -23,11 +23,15 @@ import pytest
 from daemon_helpers import (
     MiB,
     IS_ROOT,
+    DaemonProcess,
     RawConn,
     daemon_config,
     daemon_stats,
     nogroup,
+    remove_dir,
+    short_tmpdir,
     wait_for,
+    write_config,
 )
 from ectier import CacheConfig
 from ectier.daemon.client import DaemonClient
@@ -180,6 +184,30 @@ def test_allowed_group_lets_its_members_in(restricted):
     assert stat.S_IMODE(arena.st_mode) == 0o660 and arena.st_gid == gid
     r = _as_nobody(restricted.socket_path)
     assert r is not None and r["ok"] and r["id"] == 1 and r["version"] == PROTOCOL_VERSION, r
+
+
+@needs_root
+def test_allowed_group_alone_opens_the_socket_to_the_group():
+    """``daemon.allowed_group`` with ``socket_mode`` left at its default ``"0600"``: the socket
+    becomes ``0660`` and group-owned (docs/operations.md, Security), so a member can connect; it
+    stayed ``0600`` before (every member refused with EACCES)."""
+    if nogroup() is None:
+        pytest.skip("no group 65534 on this machine")
+    d = short_tmpdir()
+    os.chmod(d, 0o711)
+    try:
+        cfg = daemon_config(d, host_bytes=8 * MiB, nvme=False, allowed_group=nogroup())
+        proc = DaemonProcess(write_config(os.path.join(d, "cfg.json"), cfg), cfg["daemon"]["socket_path"])
+        proc.start()
+        try:
+            st = os.stat(proc.socket_path)
+            assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == 65534
+            r = _as_nobody(proc.socket_path)
+            assert r is not None and r["ok"], r
+        finally:
+            proc.stop()
+    finally:
+        remove_dir(d)
 
 
 # ==================================================================================== limits

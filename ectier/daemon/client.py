@@ -130,15 +130,29 @@ class DaemonClient(Transport, ViewCalls):
         return time.perf_counter() - t0
 
     def contains(self, key: str, *, namespace: str | None = None) -> bool:
-        """True if the daemon stores ``key``. Never renews any lease."""
+        """True if the daemon stores ``key`` (from its memory, no I/O). Never renews any lease.
+
+        Raises:
+            InvalidKeyError: a bad key or namespace (the daemon's answer). DaemonUnavailableError:
+            the daemon is unreachable, refused this client, or did not answer within ``timeout_s``.
+        """
         return self.call("contains", key=key, **_ns(namespace))["found"]
 
     def delete(self, key: str, *, namespace: str | None = None) -> bool:
-        """Remove ``key`` from every tier; True if it was stored."""
+        """Remove ``key`` from every tier; True if it was stored.
+
+        Raises:
+            InvalidKeyError, DaemonUnavailableError: as :meth:`contains`.
+        """
         return self.call("delete", key=key, **_ns(namespace))["deleted"]
 
     def stats(self) -> dict[str, Any]:
-        """The daemon's stats: tiers, bytes, hits/misses/evictions, clients, leases."""
+        """The daemon's stats: tiers, bytes, hits/misses/evictions, clients, leases (every key:
+        docs/protocol.md, ``stats``).
+
+        Raises:
+            DaemonUnavailableError: as :meth:`contains`.
+        """
         return self.call("stats")["stats"]
 
     def prefetch(self, keys: list[str], *, namespace: str | None = None) -> list[str]:
@@ -284,6 +298,10 @@ class DaemonClient(Transport, ViewCalls):
         from NVMe through a scratch file.
 
         ``device``: ``None``/``"cpu"`` or an explicit ``"cuda:<index>"``.
+
+        Raises:
+            InvalidKeyError: a bad key or namespace. InvalidDeviceError: a bad ``device`` (before
+            anything is sent). DaemonUnavailableError: as :meth:`contains`.
         """
         from ..tensors import parse_device
 

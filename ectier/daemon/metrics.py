@@ -50,7 +50,8 @@ metric                                      type       meaning
                                                        ``checksum`` (an object failed its checks)
 ``ectier_remote_skipped_total{reason}``     counter    remote work not done: ``degraded`` (calls
                                                        in a back-off), ``backlog``, ``too_large``
-                                                       (write-throughs)
+                                                       (write-throughs), ``node_down`` (its node
+                                                       known down)
 ``ectier_remote_backoffs_total``            counter    back-offs started after a failed call
 ``ectier_remote_degraded``                  gauge      1 while the remote tier is in a back-off
 ``ectier_remote_op_seconds{op}``            histogram  latency of remote calls (``put``, ``get``,

@@ -160,7 +160,10 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
                 listener.bind(self.socket_path)
             finally:
                 os.umask(old_umask)
-            os.chmod(self.socket_path, self.config.daemon.socket_mode_bits)
+            mode = self.config.daemon.socket_mode_bits
+            if self.allowed_gid is not None:
+                mode |= 0o060  # the group's members must be able to connect (docs/operations.md, Security)
+            os.chmod(self.socket_path, mode)
             if self.allowed_gid is not None:
                 os.chown(self.socket_path, -1, self.allowed_gid)
                 os.chown(self.arena_path, -1, self.allowed_gid)
