@@ -88,7 +88,9 @@ class HostTierConfig:
     """Host-memory tier: one arena allocated once at start-up, carved into fixed blocks.
 
     Fields:
-        capacity_bytes: byte budget of the arena (0 disables the tier). Default 1 GiB.
+        capacity_bytes: byte budget of the arena (0 disables the tier), used in whole
+            ``block_bytes`` blocks: a budget that is no multiple of it is rounded down
+            (``stats()["tiers"]["host"]["capacity_bytes"]`` says what is used). Default 1 GiB.
         block_bytes: allocation unit; an entry occupies ``ceil(nbytes / block_bytes)`` blocks,
             possibly in several runs, so the arena never fragments. Power of two, 4 KiB..64 MiB.
             Default 256 KiB (< 25 % waste at the smallest Qwen3-VL entry, 1 MiB).
@@ -133,7 +135,8 @@ class GpuTierConfig:
         device: ``"cuda:<index>"`` of the worker that owns the cache (never a bare ``"cuda"``:
             CUDA ordering rule 6 of docs/architecture.md). Whether the index exists is checked
             when the cache opens. Default ``"cuda:0"``.
-        capacity_bytes: byte budget of the device arena; 0 (default) disables the tier. Checked
+        capacity_bytes: byte budget of the device arena, in whole ``block_bytes`` blocks (rounded
+            down); 0 (default) disables the tier. Checked
             against the device's free memory when the cache opens (``ConfigError`` naming this field).
         block_bytes: allocation unit, a power of two between 64 KiB and 64 MiB. Default 1 MiB
             (the smallest Qwen3-VL entry, N=64 tokens x 8192 x bf16).
@@ -172,7 +175,8 @@ class NvmeTierConfig:
             ``None`` (default) disables the tier.
         capacity_bytes: byte budget of stored records: each counts its header plus the whole
             64 KiB blocks of the segment file its payload (after compression) takes, so a tiny
-            entry costs one block. Default 16 GiB. A budget below one 64 KiB block of the segment file (the least an
+            entry costs one block. Default 16 GiB. 0 with a ``path`` opens a tier that stores
+            nothing (every put too large for it; drop ``path`` to have no NVMe tier). A budget below one 64 KiB block of the segment file (the least an
             entry takes on disk), but not 0, is a ``ConfigError`` at open.
         codec: ``"raw"`` (default), ``"zstd"`` or ``"zstd-planes"`` (byte planes split before zstd;
             ~1.46x on bf16 encoder outputs vs ~1.29x for plain zstd at level 1, docs/benchmarks.md).

@@ -41,16 +41,21 @@ TIER_SWITCHES = {
 
 
 #: set while a file is read as the base of environment variables (``config_from_env``, ``ectier
-#: serve --config``): its tier sections are judged after the variables are overlaid
-_TIERS_JUDGED_LATER: contextvars.ContextVar[bool] = contextvars.ContextVar("tiers_judged_later", default=False)
+#: serve --config``): its tier sections are judged after the variables are overlaid. The set holds
+#: the sections whose switch such a file gives (even as its off value: that section is not judged)
+_TIERS_JUDGED_LATER: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("tiers_judged_later", default=None)
 
 
 @contextlib.contextmanager
 def tiers_judged_after_env() -> Iterator[None]:
     """Inside: a config file read is not refused for a tier section that switches nothing on,
     because environment variables (``ECTIER_NVME__PATH``, ...) may switch it on; the config they
-    make (:func:`config_from_env`) is judged instead."""
-    token = _TIERS_JUDGED_LATER.set(True)
+    make (:func:`config_from_env`) is judged instead. Nested: one context (what the file
+    switched, seen by the judgement)."""
+    if _TIERS_JUDGED_LATER.get() is not None:
+        yield
+        return
+    token = _TIERS_JUDGED_LATER.set(set())
     try:
         yield
     finally:
@@ -197,8 +202,12 @@ def _build_from_file(cls: type, data: Mapping[str, Any], dups: list[tuple[str, t
     except ConfigError as exc:  # every other problem, named with the file it is in
         problems.extend(f"{m}{where_from}" for m in exc.problems
                         if not any(_names(_judged(m), d) for d, _ in dups))
-    if cls is CacheConfig and not _TIERS_JUDGED_LATER.get():  # a tier section that switches nothing on
+    later = _TIERS_JUDGED_LATER.get()
+    if cls is CacheConfig and later is None:  # a tier section that switches nothing on
         problems.extend(f"{m}{where_from}" for m in tiers_left_off(data, problems))
+    elif later is not None:  # judged with the variables over it; a switch given here counts then
+        later.update(section for section, (switch, _, _) in TIER_SWITCHES.items()
+                     if isinstance(data.get(section), Mapping) and switch in data[section])
     if problems:
         raise ConfigError(problems=problems) from None
     return config
@@ -246,13 +255,18 @@ def config_from_env(cls: type, env: Mapping[str, str], prefix: str, base: CacheC
         ConfigError: every unknown variable and bad value at once; ``env_vars`` names the
             variables at fault (``<prefix>CONFIG`` when the file it names is bad).
     """
+    outer = _TIERS_JUDGED_LATER.get() is not None  # the caller read ``base`` from a file under the context
+    with tiers_judged_after_env():  # (one context: what a file read here or by the caller switched)
+        return _config_from_env(cls, env, prefix, base, outer)
+
+
+def _config_from_env(cls: type, env: Mapping[str, str], prefix: str, base: CacheConfig | None, outer: bool) -> Any:
     file_read = None
     if base is None:
         file = env.get(prefix + "CONFIG")
         file_read = file or None
         try:
-            with tiers_judged_after_env():
-                base = load_config(cls, file) if file else cls()
+            base = load_config(cls, file) if file else cls()
         except ConfigError as exc:
             raise ConfigError(problems=exc.problems, env_vars=(prefix + "CONFIG",)) from exc
     data = base.to_dict()
@@ -278,8 +292,9 @@ def config_from_env(cls: type, env: Mapping[str, str], prefix: str, base: CacheC
             bad_vars.extend(var for dotted, var in set_by.items() if _names(message, dotted))
         config = None
     if config is not None and cls is CacheConfig:  # the file under them judged here (deferred), not a program's base
-        judge_base = _TIERS_JUDGED_LATER.get() or (file_read is not None)
-        for message, names in _env_tiers_left_off(config, set_by, judge_base):
+        judge_base = outer or (file_read is not None)
+        switched = _TIERS_JUDGED_LATER.get() or set()
+        for message, names in _env_tiers_left_off(config, set_by, judge_base, switched):
             problems.append(message + (f" (in {file_read!r})" if file_read and not names else ""))
             bad_vars.extend(names or ([prefix + "CONFIG"] if file_read else []))
     if problems:
@@ -287,19 +302,22 @@ def config_from_env(cls: type, env: Mapping[str, str], prefix: str, base: CacheC
     return config
 
 
-def _env_tiers_left_off(config: CacheConfig, set_by: dict[str, str], judge_base: bool) -> list[tuple[str, list[str]]]:
+def _env_tiers_left_off(config: CacheConfig, set_by: dict[str, str], judge_base: bool,
+                        switched: set[str] = frozenset()) -> list[tuple[str, list[str]]]:
     """``(problem, variables)`` per tier left off whose fields the variables set (``set_by``:
     dotted field -> variable) or, with ``judge_base`` (a file read under them), set away from
     their defaults: as :func:`tiers_left_off` for a file's section, judged on the config they
-    make together."""
+    make together. A switch a variable sets (``ECTIER_NVME__PATH=null``: the tier off on purpose)
+    passes the section; one the file gives (``switched``) passes the file's fields."""
     out = []
     for section, (switch, what, off) in TIER_SWITCHES.items():
         tier = getattr(config, section)
-        if tier.enabled:
+        if tier.enabled or f"{section}.{switch}" in set_by:
             continue
         default = type(tier)()
+        from_file = judge_base and section not in switched
         changed = [f"{section}.{f.name}" for f in dataclasses.fields(tier) if f.name != switch and (
-            f"{section}.{f.name}" in set_by or judge_base and getattr(tier, f.name) != getattr(default, f.name))]
+            f"{section}.{f.name}" in set_by or from_file and getattr(tier, f.name) != getattr(default, f.name))]
         if changed:
             names = [var for dotted, var in set_by.items() if dotted in changed]
             out.append((f"{section}.{switch}: not set, so there is no {section} tier and {', '.join(names or changed)} "

@@ -107,3 +107,50 @@ def test_a_programs_base_is_not_judged_by_from_env_only_what_the_variables_set(t
     with pytest.raises(ConfigError, match="remote.backend: not set") as info:
         CacheConfig.from_env(environ={"ECTIER_CONFIG": str(path)})
     assert info.value.env_vars == ("ECTIER_CONFIG",) and str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("via", ["ECTIER_CONFIG", "serve --config"])
+def test_a_variable_that_switches_a_files_tier_off_loads(tmp_path, monkeypatch, via):
+    """``ECTIER_NVME__PATH=null`` / ``ECTIER_REMOTE__BACKEND=none`` over a file that sets the tier
+    up: the tier off for this run (the file untouched), as a file's own ``path: null`` is. It was
+    refused ("nvme.path: not set ... (in the file)") although the variable set it."""
+    from ectier.commands.daemon_cmd import load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text(f"nvme: {{path: {tmp_path / 'store'}, capacity_bytes: 1GiB, codec: zstd}}\n"
+                    "remote: {backend: redis, addresses: '127.0.0.1:6379'}\n")
+    monkeypatch.setenv("ECTIER_NVME__PATH", "null")
+    monkeypatch.setenv("ECTIER_REMOTE__BACKEND", "none")
+    if via == "ECTIER_CONFIG":
+        monkeypatch.setenv("ECTIER_CONFIG", str(path))
+        cfg = CacheConfig.from_env()
+    else:
+        cfg = load_config(str(path))
+    assert not cfg.nvme.enabled and not cfg.remote.enabled
+
+
+@pytest.mark.parametrize("via", ["ECTIER_CONFIG", "serve --config"])
+def test_a_file_that_gives_the_switch_off_loads_under_variables_as_alone(tmp_path, monkeypatch, via):
+    """A file whose section gives the switch as its off value (``nvme: {path: null, ...}``) loads
+    through ``ECTIER_CONFIG`` and ``ectier serve --config`` as it does through ``CacheConfig.load``;
+    a variable that sets a field of that tier, without its switch, is still refused."""
+    import click
+
+    from ectier.commands.daemon_cmd import load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("nvme: {path: null, capacity_bytes: 1GiB}\n")
+    assert not CacheConfig.load(path).nvme.enabled
+    monkeypatch.setenv("ECTIER_HOST__CAPACITY_BYTES", "1MiB")
+    if via == "ECTIER_CONFIG":
+        monkeypatch.setenv("ECTIER_CONFIG", str(path))
+        load = CacheConfig.from_env
+        refused = ConfigError
+    else:
+        load = lambda: load_config(str(path))  # noqa: E731
+        refused = click.BadParameter
+    cfg = load()
+    assert not cfg.nvme.enabled and cfg.host.capacity_bytes == 1 << 20
+    monkeypatch.setenv("ECTIER_NVME__CODEC", "zstd")
+    with pytest.raises(refused, match="nvme.path: not set"):
+        load()

@@ -172,6 +172,16 @@ def test_typed_errors_map_back_to_ectier_errors(client):
     assert client.ping() < 1.0  # the connection is still fine
 
 
+def test_a_too_large_non_contiguous_put_is_refused_before_any_copy(client):
+    """``put`` of an expanded (stride-0) tensor of 4 TiB logical bytes: the daemon's refusal
+    (``EntryTooLargeError``) comes first, as in-process; the client copied it into one contiguous
+    tensor before asking, which failed with an untyped allocation error (or copied gigabytes for
+    an entry that was then refused)."""
+    with pytest.raises(EntryTooLargeError):
+        client.put("huge-view", torch.zeros(1).expand(1 << 40))
+    assert not client.contains("huge-view") and client.ping() < 1.0
+
+
 def test_hello_with_a_wrong_version_is_a_protocol_error(main_daemon, client):
     with pytest.raises(ProtocolError, match="protocol"):
         client.call("hello", version=PROTOCOL_VERSION + 1)

@@ -27,18 +27,19 @@ def load_config(path: Optional[str]) -> CacheConfig:
     """``--config`` (if given) overlaid with ``ECTIER_*``; a bad value is a usage error naming
     the input at fault: ``--config``, or the variables (``ECTIER_CONFIG`` for the file it names)."""
     base = None
-    if path is not None:
-        try:
-            with tiers_judged_after_env():  # ECTIER_NVME__PATH & co. may switch on a tier the file sets up
+    # one context: ECTIER_NVME__PATH & co. may switch on a tier the file sets up, and the file's
+    # tier sections are judged with the variables over them (a switch the file gives counts)
+    with tiers_judged_after_env():
+        if path is not None:
+            try:
                 base = CacheConfig.load(path)
-        except ConfigError as exc:
-            raise click.BadParameter(str(exc), param_hint="--config") from None
-    try:
-        with tiers_judged_after_env():  # (the file's tier sections, with the variables over them)
+            except ConfigError as exc:
+                raise click.BadParameter(str(exc), param_hint="--config") from None
+        try:
             return CacheConfig.from_env(base=base)
-    except ConfigError as exc:
-        hint = ", ".join(exc.env_vars) or ("--config" if path is not None else "ECTIER_* variables")
-        raise click.BadParameter(str(exc), param_hint=hint) from None
+        except ConfigError as exc:
+            hint = ", ".join(exc.env_vars) or ("--config" if path is not None else "ECTIER_* variables")
+            raise click.BadParameter(str(exc), param_hint=hint) from None
 
 
 # ========================================================================================= serve

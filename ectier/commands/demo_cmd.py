@@ -68,7 +68,7 @@ def demo(ctx: click.Context, requests: int, zipf: float, seed: int, host_bytes: 
         with sigterm_exits():  # the run's stores are removed on SIGTERM too (as on Ctrl-C)
             summary = demo_mod.run_demo(opts, console=console, quiet=quiet)
     except ConfigError as exc:
-        raise click.UsageError(str(exc), ctx=ctx) from None
+        raise click.UsageError(_by_flag(str(exc)), ctx=ctx) from None
     except (EctierError, OSError) as exc:
         raise click.ClickException(f"demo failed: {exc}") from None
     _report(summary, console, quiet, err=json_path == "-")
@@ -121,3 +121,11 @@ def _report(summary: dict, console, quiet: bool, err: bool = False) -> None:
         )
     else:
         demo_mod.print_summary(summary, console)
+
+
+def _by_flag(text: str) -> str:
+    """A config error's text with the demo's flag named before the knob it sets."""
+    for flag, knob in (("--nvme-bytes", "nvme.capacity_bytes"), ("--host-bytes", "host.capacity_bytes")):
+        if flag not in text:
+            text = text.replace(knob, f"{flag} ({knob})")
+    return text

@@ -257,7 +257,7 @@ class DaemonClient(Transport, ViewCalls):
             raise errors.InvalidTensorError(f"tensor: {len(meta.shape)} dimensions; the daemon stores at most "
                                             f"{MAX_DIMS} (in-process caches have no such cap)")
         on_device = tensor.device.type == "cuda"
-        src = None if on_device else byte_view(tensor)
+        src = None  # (made once the daemon reserved room: a non-contiguous tensor is copied there)
         with self._lock:
             if on_device:  # the first CUDA put page-locks the mapping (~0.45 s per GiB) now, before
                 if self._sock is None:  # it holds a reservation that could expire meanwhile
@@ -274,7 +274,7 @@ class DaemonClient(Transport, ViewCalls):
                             _copy_from_device(arena, reply["extents"], tensor, after)
                         else:
                             if src is None:
-                                src = _device_to_host(tensor, after)
+                                src = _device_to_host(tensor, after) if on_device else byte_view(tensor)
                             off = 0
                             for start, length in reply["extents"]:
                                 arena[start : start + length].copy_(src[off : off + length])

@@ -121,10 +121,10 @@ class Transport(Submissions):
                 break
             except OSError as exc:
                 sock.close()
-                if time.monotonic() >= deadline:
-                    reason = exc.strerror or str(exc)
-                    if _not_a_socket(self.socket_path):  # (a plain file or a directory: "Connection refused")
-                        reason = "it is not a socket"
+                not_socket = _not_a_socket(self.socket_path)  # (a plain file or a directory: "Connection refused")
+                # a path that is no socket, or one too long for AF_UNIX (no errno), cannot come right by waiting
+                if time.monotonic() >= deadline or not_socket or exc.errno is None:
+                    reason = "it is not a socket" if not_socket else (exc.strerror or str(exc))
                     raise self._fail(
                         f"cannot reach the ectier daemon at {self.socket_path!r}: {reason}; "
                         "is `ectier serve` running (daemon.socket_path)?"
