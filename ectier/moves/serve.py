@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,6 +34,10 @@ if TYPE_CHECKING:
 __all__ = ["Reads", "Located"]
 
 log = logging.getLogger(__name__)
+
+#: how long a lookup waits for a put straight to NVMe whose record replaced the older one to
+#: become the key's current version (seconds; the put's clean-up after its commit, normally µs)
+LANDING_WAIT_S = 2.0
 
 
 @dataclass
@@ -62,11 +67,19 @@ class Reads:
 
     def locate(self, digest: bytes, *, start: Tier | None = None):
         """The highest tier (from ``start`` down) holding ``digest``'s current version, its slot
-        pinned and touched; ``None`` on a miss; ``RETRY`` if a write of the key is in flight."""
+        pinned and touched; ``None`` on a miss; ``RETRY`` if a write of the key is in flight.
+
+        A put that went straight to NVMe (too large for the memory tiers, or no host tier) replaces
+        the older record before it becomes the key's current version: in that instant no tier
+        holds the current version, and this waits (at most :data:`LANDING_WAIT_S`) for the put to
+        finish instead of answering a miss for a key that is stored all along."""
         m = self.m
+        deadline = None
         with m.lock:
-            v = m.catalog.versions.get(digest)
-            if v is not None:
+            while True:
+                v = m.catalog.versions.get(digest)
+                if v is None:
+                    return None
                 for t in (m.stack.from_(start) if start is not None else self._tiers):
                     if t.is_arena:
                         s = t.current(digest, v)
@@ -79,7 +92,14 @@ class Reads:
                         return Located(t, v)
                 if m.catalog.has_pending(digest):
                     return RETRY  # a demotion to host started meanwhile
-            return None
+                stored = m.nvme.tier.stored_version(digest) if m.nvme is not None else None
+                if stored is None or stored <= v:
+                    return None
+                deadline = deadline or time.monotonic() + LANDING_WAIT_S  # (the put's own clean-up is next)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                m.cond.wait(remaining)  # NvmeMoves._finish_store notifies once the version is current
 
     def get(self, digest: bytes, ns: str, key: str, dev: torch.device, out: torch.Tensor | None):
         """A copy of the entry on ``dev`` (or in ``out``), or ``None`` on a miss."""
