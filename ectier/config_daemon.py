@@ -27,7 +27,9 @@ class DaemonConfig:
             (checked with SO_PEERCRED on every connection). Default ``None``.
         shm_dir: directory of the shared host arena file that clients map. Default ``/dev/shm``.
         lease_s: seconds a client holds a put reservation or a get lease before it expires and its
-            arena space is reclaimed (a disconnect reclaims at once). Default 30.
+            arena space is reclaimed (a disconnect reclaims at once); a put reservation of a client
+            process still alive keeps its blocks until that process aborts it or exits
+            (docs/protocol.md, "Leases"). Default 30.
         max_frame_bytes: cap of one protocol frame (control messages only; tensor bytes move
             through shared memory). Default 1 MiB.
         max_clients: concurrent connections. Default 64. At the cap, a new connection takes the

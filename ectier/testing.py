@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from typing import Any, Iterator, NamedTuple
 
 import torch
@@ -24,7 +25,7 @@ from .tiers.remote.backend import RemoteBackend, RemoteTimeout
 __all__ = ["MemoryBackend", "DeferredCopyEngine", "make_cache", "tier", "where", "holds", "version_of", "versions", "drop_copy", "record_of",
            "pins", "drain", "check_invariants", "fail_writes", "fail_after_writes", "watch_nvme_records", "lmdb_of", "set_lmdb_env", "NvmeLmdb", "copy_engine_of",
            "write_behind_idle", "write_behind_enabled", "hold_writes", "WriteGate", "WRITE_BEHIND_THREAD",
-           "versions_from_another_clock", "check_sync_order", "SyncOrderCheck"]
+           "versions_from_another_clock", "check_sync_order", "SyncOrderCheck", "stall_daemon_copy"]
 
 
 class DeferredCopyEngine(CopyEngine):
@@ -291,6 +292,27 @@ def hold_writes(cache: TieredCache, tier_name: str, *, thread_name: str | None =
     finally:
         gate.open()
         del t.write
+
+
+@contextlib.contextmanager
+def stall_daemon_copy(client: Any, seconds: float) -> Iterator[None]:
+    """Make the next copy of ``client`` (a :class:`~ectier.daemon.client.DaemonClient`) into or
+    out of the daemon's bytes (its arena, or a scratch file) start ``seconds`` late, as a client
+    stalled by a GC pause, swap or ``SIGSTOP`` would: once, while the context is open."""
+    real = client._bytes_of
+    armed = [True]
+
+    def late(reply):
+        if armed[0]:
+            armed[0] = False
+            time.sleep(seconds)
+        return real(reply)
+
+    client._bytes_of = late
+    try:
+        yield
+    finally:
+        del client._bytes_of
 
 
 class _WatchedRecords(dict):

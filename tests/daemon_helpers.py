@@ -348,14 +348,16 @@ def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02, what: str 
         time.sleep(interval)
 
 
-def idle(socket_path: str, *, absent: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Wait until the daemon holds no leases and no client named in ``absent`` is connected;
-    returns those stats."""
+def idle(socket_path: str, *, absent: tuple[str, ...] = (), orphans: int = 0) -> dict[str, Any]:
+    """Wait until the daemon holds no leases, ``orphans`` orphaned put reservations (those of a
+    killed client end once the daemon's reaper sees its process gone) and no client named in
+    ``absent`` is connected; returns those stats."""
     def check():
         s = daemon_stats(socket_path)
         d = s["daemon"]
         names = {c["name"] for c in d["clients"]}
-        return s if d["leases"] == {"put": 0, "get": 0} and not names & set(absent) else None
+        return s if (d["leases"] == {"put": 0, "get": 0} and d["orphaned_puts"]["leases"] == orphans
+                     and not names & set(absent)) else None
     return wait_for(check, what="the daemon to hold no leases")
 
 

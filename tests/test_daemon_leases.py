@@ -144,10 +144,18 @@ def test_overrun_put_lease_closes_the_connection(restricted):
         assert r["ok"]
         assert raw.reply() is None  # the daemon closed the connection when the lease expired
         elapsed = time.monotonic() - t0
+        run = raw.hello_reply["instance"]
     assert 0.4 <= elapsed <= 3.0, elapsed
+    after = idle(sock, orphans=1)
+    assert after["daemon"]["leases_expired"] == before["daemon"]["leases_expired"] + 1
+    # this process lives on: the reservation's blocks stay reserved (an orphan) until it says its
+    # copy is over (test_daemon_orphans.py), then the bytes used are what they were
+    assert after["daemon"]["orphaned_puts"] == {"leases": 1, "bytes": 256 * KiB}
+    with RawConn(sock, timeout=5) as raw:
+        assert raw.request({"id": 2, "op": "abort", "lease": r["lease"], "instance": run})["aborted"]
     after = idle(sock)
     assert after["tiers"]["host"]["used_bytes"] == before["tiers"]["host"]["used_bytes"]
-    assert after["daemon"]["leases_expired"] == before["daemon"]["leases_expired"] + 1
+    assert after["daemon"]["orphaned_puts"] == {"leases": 0, "bytes": 0}
 
 
 def test_commit_after_the_lease_expired_fails(restricted):
@@ -161,6 +169,8 @@ def test_commit_after_the_lease_expired_fails(restricted):
         with pytest.raises(EctierError, match="unknown or expired"):  # and the lease is gone
             c.call("commit", lease=r["lease"])
         assert not c.contains("late-commit")
+        # its blocks stay reserved for this process until it says its copy is over
+        assert c.call("abort", lease=r["lease"], instance=c.server_info["instance"]) == {"aborted": True}
         c.put("late-commit", make_tensor(3, "uint8", (10,)))  # the client object still works
         assert c.contains("late-commit")
     finally:

@@ -264,10 +264,14 @@ class DaemonClient(Transport, ViewCalls):
                     self.connect()
                 self._arena_tensor()
                 self._page_locked(tensor.device)
+            stale = None  # (lease, daemon run) of a first attempt whose connection was lost
             for attempt in (0, 1):
+                if stale is not None:
+                    self._abort_orphan(*stale)
                 reply = self.call("reserve", key=key, dtype=meta.dtype, shape=list(meta.shape), **_ns(namespace),
                                   **self._direct())
                 lease = reply["lease"]
+                run = self.server_info.get("instance")
                 try:
                     with self._bytes_of(reply) as arena:
                         if on_device and reply.get("path") is None and self._page_locked(tensor.device):
@@ -285,12 +289,28 @@ class DaemonClient(Transport, ViewCalls):
                 except DaemonUnavailableError:
                     if attempt == 1:
                         raise  # the daemon restarted mid-put twice; give up
+                    stale = (lease, run)
                 except BaseException:
                     try:
                         self.call("abort", retry=False, lease=lease)
                     except errors.EctierError:
                         pass
                     raise
+
+    def _abort_orphan(self, lease: int, run: str | None) -> None:
+        """Tell the daemon (run ``run``, when it is still the one reached) that the copy into
+        ``lease``'s blocks is over: a put whose connection was lost mid-way (its lease expired
+        while this client stalled, say) keeps its blocks reserved until then (docs/protocol.md,
+        ``abort``). Errors are ignored: the blocks come back when this process exits."""
+        try:
+            if self._sock is None:
+                self.connect()
+            if "orphans" in self.features and run is not None and self.server_info.get("instance") == run:
+                self.call("abort", retry=False, lease=lease, instance=run)
+        except DaemonUnavailableError:
+            raise  # (the put's retry would fail the same way)
+        except errors.EctierError:
+            pass
 
     def get(self, key: str, *, namespace: str | None = None, device: str | None = None):
         """A copy of the entry under ``key`` (shape and dtype as put), or ``None`` on a miss. An

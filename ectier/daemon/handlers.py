@@ -170,12 +170,13 @@ def _op_commit(server: DaemonServer, conn: Connection, lease: int) -> dict[str, 
     return {}
 
 
-def _op_abort(server: DaemonServer, conn: Connection, lease: int) -> dict[str, Any]:
+def _op_abort(server: DaemonServer, conn: Connection, lease: int, instance: str | None = None) -> dict[str, Any]:
     held = server.leases.take(conn, lease, "put")
-    if held is not None:
-        assert server.cache is not None
-        end_lease(server.cache, held, commit=False)
-    return {"aborted": held is not None}
+    if held is None:  # an orphan of this process (this daemon run's): its copy is over
+        return {"aborted": instance == server.instance and server.end_orphan(conn, lease)}
+    assert server.cache is not None
+    end_lease(server.cache, held, commit=False)
+    return {"aborted": True}
 
 
 def _op_get(server: DaemonServer, conn: Connection, key: str, namespace: str | None = None,

@@ -70,6 +70,11 @@ class Holders:
             return f"the daemon cannot watch client process {pid} (another pid namespace, or gone)"
         return None
 
+    def watch_locked(self, pid: int) -> bool:
+        """Start watching ``pid`` (a process that keeps arena blocks: views, an orphaned put);
+        False when it cannot be watched (gone, or 0: another pid namespace)."""
+        return pid > 0 and self._watch(pid)
+
     def _watch(self, pid: int) -> bool:
         if pid in self._fds:
             return True

@@ -8,6 +8,13 @@ dies. :class:`LeaseBook` keeps the live ones by id; :func:`end_lease` ends one o
 cache (commit or abort a reservation, release a pin). Who ends which lease when (disconnect,
 expiry, shutdown) is the server's business (:mod:`ectier.daemon.server`).
 
+A put reservation that ends without a commit while its client process lives on (its deadline
+passed, or its connection closed) becomes an *orphan*: its blocks stay reserved, so no other entry
+is written into them while the process may still be copying into its writable mapping of the
+arena (a stalled client resuming after ``daemon.lease_s`` would otherwise overwrite another
+entry's bytes). An orphan ends, and its blocks return, when the process says it is done (an
+``abort`` naming the lease and this daemon run, from any of its connections) or exits.
+
 Locking: the book is guarded by the server's lock, which also guards the connections, so that a
 connection's lease set and the book change together. :meth:`LeaseBook.grant`,
 :meth:`LeaseBook.take` and :meth:`LeaseBook.take_all` take that lock; the methods named
@@ -89,6 +96,7 @@ class LeaseBook:
         #: arena bytes (whole blocks) pinned through views, summed over the processes (an entry
         #: that two processes view counts twice)
         self.held_total = 0
+        self._orphans: dict[int, Lease] = {}  # id -> put lease ended uncommitted, its process alive
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -180,10 +188,47 @@ class LeaseBook:
         """Processes holding at least one process-held lease."""
         return set(self._held)
 
+    # ----------------------------------------------------------------------- orphaned puts
+
+    @staticmethod
+    def may_be_written(lease: Lease) -> bool:
+        """Whether ``lease`` is a put reservation in the arena (its client writes the blocks
+        through its own mapping), which must become an orphan rather than end while the client
+        process lives (module docstring)."""
+        return lease.kind == "put" and isinstance(lease.handle, WriteLease) and lease.conn is not None
+
+    def orphan_locked(self, lease: Lease) -> None:
+        """Keep ``lease`` (taken from the book) reserved for its process (module docstring)."""
+        lease.pid = lease.conn.pid
+        self._orphans[lease.id] = lease
+
+    def take_orphan_locked(self, pid: int, lease_id: int) -> Lease | None:
+        """Remove and return orphan ``lease_id`` if process ``pid`` holds it."""
+        lease = self._orphans.get(lease_id)
+        if lease is None or lease.pid != pid:
+            return None
+        return self._orphans.pop(lease_id)
+
+    def take_orphans_of_locked(self, pid: int) -> list[Lease]:
+        """Remove and return the orphans of process ``pid`` (it exited)."""
+        out = [l for l in self._orphans.values() if l.pid == pid]
+        for lease in out:
+            del self._orphans[lease.id]
+        return out
+
+    def orphan_pids_locked(self) -> set[int]:
+        return {l.pid for l in self._orphans.values()}
+
+    def orphan_counts_locked(self) -> dict[str, int]:
+        """``{"leases": n, "bytes": b}``: orphaned reservations and the arena bytes (whole blocks) they keep."""
+        return {"leases": len(self._orphans),
+                "bytes": sum(arena_footprint(l.arena_nbytes, self.block_bytes) for l in self._orphans.values())}
+
     def take_all(self) -> list[Lease]:
-        """Remove and return every lease (at shutdown)."""
+        """Remove and return every lease, orphans included (at shutdown)."""
         with self._lock:
-            leases = list(self._by_id.values())
+            leases = list(self._by_id.values()) + list(self._orphans.values())
+            self._orphans.clear()
             self._by_id.clear()
             self._held.clear()
             self._held_bytes.clear()
@@ -206,11 +251,12 @@ class LeaseBook:
         return expired
 
     def arena_blocks(self, block_bytes: int | None = None) -> int:
-        """Host-arena blocks (of ``block_bytes``, default the book's) that the live leases hold
-        (each lease's entry in whole blocks; an entry two leases pin counts twice)."""
+        """Host-arena blocks (of ``block_bytes``, default the book's) that the live leases and the
+        orphaned reservations hold (each lease's entry in whole blocks; an entry two leases pin
+        counts twice)."""
         block = self.block_bytes if block_bytes is None else block_bytes
         with self._lock:
-            return sum(-(-l.arena_nbytes // block) for l in self._by_id.values())
+            return sum(-(-l.arena_nbytes // block) for l in (*self._by_id.values(), *self._orphans.values()))
 
     def counts_locked(self) -> dict[str, int]:
         """``{"put": n, "get": n}``: live leases by kind (process-held read leases count as ``get``)."""

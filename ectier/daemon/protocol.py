@@ -149,8 +149,11 @@ MAX_DIMS = 32
 #: ``prefetch`` (the batched ``prefetch`` op), ``direct`` (``direct: true`` on ``reserve``/``get``/
 #: ``prefetch``: entries the arena cannot hold move through a scratch file), ``view`` (``hold:
 #: true`` on ``get`` and ``pin`` on ``prefetch``: process-held leases for zero-copy views, released
-#: in batches with ``release``'s ``leases``; see :mod:`ectier.daemon.holders`)
-FEATURES = ("prefetch", "direct", "view")
+#: in batches with ``release``'s ``leases``; see :mod:`ectier.daemon.holders`), ``orphans``
+#: (``instance`` on ``abort``: a put whose lease expired, or whose connection closed, keeps its
+#: blocks reserved until its process aborts it from any connection or exits; see
+#: :mod:`ectier.daemon.leases`)
+FEATURES = ("prefetch", "direct", "view", "orphans")
 
 #: op -> {argument: (types, required)}
 OPS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
@@ -159,7 +162,7 @@ OPS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     "reserve": {"key": (_STR, True), "namespace": (_STR, False), "dtype": (_STR, True), "shape": (_LIST, True),
                 "direct": (_BOOL, False)},
     "commit": {"lease": (_INT, True)},
-    "abort": {"lease": (_INT, True)},
+    "abort": {"lease": (_INT, True), "instance": (_STR, False)},
     "get": {"key": (_STR, True), "namespace": (_STR, False), "direct": (_BOOL, False), "hold": (_BOOL, False)},
     "prefetch": {"keys": (_LIST, True), "namespace": (_STR, False), "direct": (_BOOL, False), "pin": (_LIST, False)},
     "release": {"lease": (_INT, False), "leases": (_LIST, False), "instance": (_STR, False)},

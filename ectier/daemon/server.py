@@ -124,7 +124,7 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
         self.metrics_address: tuple[str, int] | None = None  # (host, bound port) when metrics are on
         self._arena_lock_fd: int | None = None
         self.counters = {"connections": 0, "refused": 0, "protocol_errors": 0, "leases_expired": 0,
-                         "idle_closed": 0, "evicted": 0}
+                         "idle_closed": 0, "evicted": 0, "orphans": 0, "orphans_ended": 0}
 
     # --------------------------------------------------------------------------- lifecycle
 
@@ -324,6 +324,7 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
                 "metrics": ({"host": self.metrics_address[0], "port": self.metrics_address[1]}
                             if self.metrics_address else None),
                 "leases": self.leases.counts_locked(),
+                "orphaned_puts": self.leases.orphan_counts_locked(),
                 "views": {**self.leases.held_counts_locked(), "limit_bytes": self.holders.limit_bytes,
                           "total_limit_bytes": self.holders.total_limit_bytes,
                           **self.holders.counters},

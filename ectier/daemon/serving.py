@@ -203,7 +203,8 @@ class ConnectionServing:
             self._conns.pop(conn.id, None)
             leases = self.leases.take_of_locked(conn)
             conn.closed = True
-        for lease in leases:
+            ending = self.keep_or_end_locked(leases)  # (a live process's arena puts: orphans)
+        for lease in ending:
             end_lease(self.cache, lease, commit=False)
         try:
             conn.sock.close()

@@ -57,33 +57,67 @@ class LeaseUpkeep:
         return out
 
     def reap_dead_holders(self) -> int:
-        """Release the process-held leases of client processes that exited (pidfd readable), and
-        stop watching processes that hold none. Returns how many leases were released."""
+        """Release the process-held leases and the orphaned reservations of client processes
+        that exited (pidfd readable), and stop watching processes that keep none. Returns how many
+        leases were released."""
         with self._lock:
             dead = self.holders.dead_locked()
             leases = [l for pid in dead for l in self.leases.take_held_of_locked(pid)]
             self.holders.counters["released_dead"] += len(leases)
-            holding = self.leases.held_pids_locked()
+            orphans = [l for pid in dead for l in self.leases.take_orphans_of_locked(pid)]
+            self.counters["orphans_ended"] += len(orphans)
+            holding = self.leases.held_pids_locked() | self.leases.orphan_pids_locked()
             for pid in list(self.holders.watched_pids_locked()):
                 if pid not in holding:
                     self.holders.forget_locked(pid)
-        for lease in leases:
+        for lease in leases + orphans:
             end_lease(self.cache, lease, commit=False)
-        if leases:
-            log.info("client process(es) %s exited holding %d view lease(s); reclaimed",
-                     ", ".join(map(str, dead)), len(leases))
-        return len(leases)
+        if leases or orphans:
+            log.info("client process(es) %s exited holding %d view lease(s) and %d orphaned put(s); reclaimed",
+                     ", ".join(map(str, dead)), len(leases), len(orphans))
+        return len(leases) + len(orphans)
+
+    def keep_or_end_locked(self, leases: list) -> list:
+        """Of ``leases`` taken from the book without a commit (expired, or their connection
+        closed): keep each arena put reservation whose process lives on as an orphan (its blocks
+        reserved until it says it is done or exits: :mod:`ectier.daemon.leases`); returns the
+        others, for the caller to end."""
+        end = []
+        for lease in leases:
+            if self.leases.may_be_written(lease) and self.holders.watch_locked(lease.conn.pid):
+                self.leases.orphan_locked(lease)
+                self.counters["orphans"] += 1
+            else:
+                end.append(lease)
+        return end
+
+    def end_orphan(self, conn: Connection, lease_id: int) -> bool:
+        """End orphan ``lease_id`` if ``conn``'s process holds it (it says its copy is over: an
+        ``abort`` naming it); True if it did."""
+        with self._lock:
+            lease = self.leases.take_orphan_locked(conn.pid, lease_id)
+            if lease is not None:
+                self.counters["orphans_ended"] += 1
+        if lease is None:
+            return False
+        end_lease(self.cache, lease, commit=False)
+        return True
 
     def expire_leases(self, now: float | None = None) -> int:
-        """End every lease past its deadline and close its connection. Returns how many expired."""
+        """End every lease past its deadline and close its connection (an arena put of a live
+        process is kept as an orphan instead: :meth:`keep_or_end_locked`). Returns how many expired."""
         now = time.monotonic() if now is None else now
         with self._lock:
             expired = self.leases.take_expired_locked(now)
             self.counters["leases_expired"] += len(expired)
+            ending = self.keep_or_end_locked(expired)
         for lease in expired:  # never a process-held lease (no deadline)
-            log.warning("lease %d (%s) of client %s (pid %d) expired after daemon.lease_s=%s; reclaimed",
-                        lease.id, lease.kind, lease.conn.name, lease.conn.pid, self.config.daemon.lease_s)
-            end_lease(self.cache, lease, commit=False)
+            kept = lease not in ending
+            log.warning("lease %d (%s) of client %s (pid %d) expired after daemon.lease_s=%s; %s",
+                        lease.id, lease.kind, lease.conn.name, lease.conn.pid, self.config.daemon.lease_s,
+                        "its blocks stay reserved until the client aborts it or exits" if kept else "reclaimed")
+            if not kept:
+                end_lease(self.cache, lease, commit=False)
             lease.conn.closed = True
             shutdown_socket(lease.conn.sock)
         return len(expired)

@@ -1,0 +1,130 @@
+"""A put whose lease ends without a commit while its client process lives on (its deadline passed
+while the client stalled, or its connection closed) keeps its arena blocks reserved: the client
+still holds a writable mapping of the arena and the extents, and a late copy into blocks given to
+another entry would hand that entry's readers foreign bytes (docs/protocol.md, ``abort``; found by
+a probe, 2026-12-07: a client stalled past ``daemon.lease_s`` overwrote another client's entry).
+The blocks come back when the process aborts the lease (any connection, naming the daemon run) or
+exits.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from daemon_helpers import MiB, daemon_config, daemon_stats, remove_dir, serve_in_thread, short_tmpdir, wait_for
+from ectier import CacheConfig, testing
+from ectier.daemon.client import DaemonClient
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENTRY = 6 * MiB
+
+
+@pytest.fixture
+def daemon():
+    """A daemon in this process: 16 MiB arena, no NVMe, leases of 0.5 s."""
+    d = short_tmpdir()
+    server, t = serve_in_thread(CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=16 * MiB, lease_s=0.5)))
+    try:
+        yield server
+    finally:
+        server.stop()
+        t.join(10)
+        remove_dir(d)
+
+
+def _orphans(sock: str) -> dict:
+    return daemon_stats(sock)["daemon"]["orphaned_puts"]
+
+
+def _scribble(arena_path: str, extents) -> None:
+    """What a stalled client's late copy does: write into its reservation's extents."""
+    with open(arena_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        for start, length in extents:
+            m[start:start + length] = b"\xff" * length
+
+
+def test_a_put_stalled_past_its_lease_never_lands_on_another_entry(daemon):
+    sock = daemon.socket_path
+    stalled, other = DaemonClient(sock), DaemonClient(sock)
+    try:
+        r = stalled.call("reserve", key="stalled", dtype="uint8", shape=[ENTRY])
+        wait_for(lambda: daemon_stats(sock)["daemon"]["leases_expired"] >= 1, what="the lease to expire")
+        assert _orphans(sock) == {"leases": 1, "bytes": ENTRY}  # its blocks stay reserved
+        good = torch.arange(ENTRY // 8, dtype=torch.int64)
+        other.put("good", good)
+        _scribble(stalled.server_info["arena"]["path"], r["extents"])  # the stalled client resumes
+        assert torch.equal(other.get("good"), good)  # on the old code: 0xff from the other client
+        # the stalled client says its copy is over (a new connection: its old one was closed)
+        assert stalled.call("abort", lease=r["lease"], instance=stalled.server_info["instance"]) == {"aborted": True}
+        assert _orphans(sock) == {"leases": 0, "bytes": 0}
+        assert not stalled.contains("stalled") and torch.equal(other.get("good"), good)
+        other.put("after", torch.ones(ENTRY, dtype=torch.uint8))  # the blocks are usable again
+    finally:
+        stalled.close()
+        other.close()
+
+
+def test_an_abort_of_another_run_or_process_ends_no_orphan(daemon):
+    sock = daemon.socket_path
+    c = DaemonClient(sock)
+    try:
+        r = c.call("reserve", key="stalled", dtype="uint8", shape=[ENTRY])
+        wait_for(lambda: _orphans(sock)["leases"] == 1, what="the orphan")
+        assert c.call("abort", lease=r["lease"], instance="another-run") == {"aborted": False}
+        assert c.call("abort", lease=r["lease"]) == {"aborted": False}  # (no run named: an old client)
+        child = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+            from ectier.daemon.client import DaemonClient
+            c = DaemonClient({sock!r})
+            c.connect()
+            print(c.call("abort", lease={r["lease"]}, instance=c.server_info["instance"])["aborted"])
+        """)], capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO})
+        assert child.stdout.strip() == "False", child.stderr  # another process's abort
+        assert _orphans(sock)["leases"] == 1
+    finally:
+        c.close()
+
+
+def test_a_client_stalled_mid_put_retries_and_gives_its_orphan_back(daemon):
+    """``DaemonClient.put`` whose copy starts after its lease expired: the commit fails, the client
+    reconnects, aborts the orphan (its copy is over) and puts again; nothing stays reserved."""
+    sock = daemon.socket_path
+    c = DaemonClient(sock)
+    try:
+        t = torch.arange(ENTRY // 8, dtype=torch.int64)
+        with testing.stall_daemon_copy(c, 1.0):
+            c.put("k", t)
+        st = daemon_stats(sock)["daemon"]
+        assert st["leases_expired"] == 1 and st["orphans"] == 1 and st["orphans_ended"] == 1
+        assert st["orphaned_puts"] == {"leases": 0, "bytes": 0}
+        assert torch.equal(c.get("k"), t)
+    finally:
+        c.close()
+
+
+def test_the_orphan_of_a_process_that_exits_is_reclaimed(daemon):
+    sock = daemon.socket_path
+    code = textwrap.dedent(f"""
+        import time
+        from daemon_helpers import wait_for, daemon_stats
+        from ectier.daemon.client import DaemonClient
+        c = DaemonClient({sock!r})
+        c.call("reserve", key="dies", dtype="uint8", shape=[{ENTRY}])
+        wait_for(lambda: daemon_stats({sock!r})["daemon"]["orphaned_puts"]["leases"] == 1, what="the orphan")
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert child.returncode == 0, child.stderr
+    wait_for(lambda: _orphans(sock)["leases"] == 0, what="the reaper to end the dead process's orphan")
+    assert daemon_stats(sock)["daemon"]["orphans_ended"] == 1
+    c = DaemonClient(sock)
+    try:
+        c.put("room", torch.ones(2 * ENTRY, dtype=torch.uint8))  # 12 of 16 MiB: the blocks came back
+    finally:
+        c.close()
