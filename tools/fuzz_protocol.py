@@ -17,7 +17,8 @@ one, where everything before a valid ``hello`` must be refused. The oracle:
 - the decoder raises nothing but a fatal ``ProtocolError``; ``parse_request`` nothing but ``ProtocolError``;
 - ``handle`` never answers ``InternalError`` (an exception a handler did not expect) and every reply
   encodes as a frame; before a successful ``hello`` every request is refused (``ProtocolError``);
-- after the connection is gone: no lease, reservation or pin is left; every known entry is either
+- after the connection is gone (and its reservations, orphans of this live process, ended as the
+  process's exit would end them): no lease, reservation or pin is left; every known entry is either
   absent (a valid ``delete`` may remove it; it is put back) or byte-exact, unless the input held a
   valid ``reserve`` of its key (a commit may then overwrite it: it is put back).
 
@@ -129,6 +130,10 @@ def one_input(data: bytes) -> None:
     finally:
         server._disconnect(conn)
         b.close()
+        # this process lives on, so its reservations became orphans (docs/protocol.md, "Leases"):
+        # end them as its exit would
+        for lease in list(server.leases._orphans):
+            assert server.end_orphan(conn, lease), "an orphan of another process"
     host = testing.tier(cache, "host")
     assert host.index.reserved_bytes == 0, "a reservation outlived its connection"
     assert testing.pins(cache, "host") == 0, "a pin outlived its connection"

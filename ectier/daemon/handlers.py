@@ -53,7 +53,7 @@ def handle(server: DaemonServer, conn: Connection, msg: dict[str, Any] | Protoco
                                 f"(version {PROTOCOL_VERSION}); send it before anything else")
         return ok_reply(req.id, **HANDLERS[req.op](server, conn, **req.args))
     except ProtocolError as exc:
-        server.counters["protocol_errors"] += 1
+        server.count("protocol_errors")
         return error_reply(rid, "ProtocolError", str(exc))
     except EctierError as exc:
         return error_reply(rid, type(exc).__name__, str(exc))
@@ -225,7 +225,9 @@ def _op_prefetch(server: DaemonServer, conn: Connection, keys: list, namespace: 
     late = [key for key in wanted if key not in pins and states.get(key) == "ready"]
     if late:
         pins.update(_pin_many(server, conn, late, namespace))
-    return {"states": ["ready" if k in pins else states[k] for k in keys], "pins": [pins.get(k) for k in pin]}
+    seen: set = set()  # a key named twice in pin is pinned once: one lease, one release (the repeat: null)
+    return {"states": ["ready" if k in pins else states[k] for k in keys],
+            "pins": [None if k in seen or seen.add(k) else pins.get(k) for k in pin]}
 
 
 def _pin_many(server: DaemonServer, conn: Connection, keys: list[str], namespace: str | None) -> dict[str, Any]:
@@ -264,7 +266,7 @@ def _op_release(server: DaemonServer, conn: Connection, lease: int | None = None
     for held in taken:
         end_lease(server.cache, held, commit=False)
     released = len(taken)
-    server.holders.counters["released"] += sum(1 for held in taken if held.conn is None)
+    server.count("released", sum(1 for held in taken if held.conn is None), of=server.holders.counters)
     if leases is not None:
         return {"released": released}
     # valid=False: the lease expired before release, so the bytes copied may be foreign

@@ -40,6 +40,13 @@ class ConnectionServing:
     """The connection threads of :class:`~ectier.daemon.server.DaemonServer` (module docstring);
     uses its ``config``, ``_lock``, ``_conns``, ``leases``, ``cache``, ``counters``, ``_stop``."""
 
+    def count(self, name: str, n: int = 1, *, of: dict | None = None) -> None:
+        """Add ``n`` to counter ``name`` of ``of`` (default: the server's ``counters``) under the
+        server's lock (connection threads count concurrently: ``+=`` on a dict item is a
+        read-modify-write that can lose increments)."""
+        with self._lock:
+            (self.counters if of is None else of)[name] += n
+
     def _admit(self, sock: socket.socket) -> None:
         pid, uid, gid = peer_credentials(sock)
         victim = None
@@ -66,7 +73,7 @@ class ConnectionServing:
                     break
                 time.sleep(0.02)
         if reason is not None:
-            self.counters["refused"] += 1
+            self.count("refused")
             log.warning("refused connection from pid %d: %s", pid, reason)
             try:
                 sock.sendall(encode_frame(error_reply(None, "PermissionError", reason)))
@@ -157,7 +164,7 @@ class ConnectionServing:
         try:
             messages = decoder.feed(data)
         except ProtocolError as exc:  # framing lost: answer once, then drop this client
-            self.counters["protocol_errors"] += 1
+            self.count("protocol_errors")
             self._send(conn, error_reply(None, "ProtocolError", str(exc)))
             conn.closed = True
             return
