@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -258,6 +259,9 @@ def test_get_while_an_overwrite_lands_on_nvme_directly_waits_for_it(tmp_path, wr
         with testing.hold_writes(c, "nvme", after=True) as gate:
             writer = start(c.put, "k", new)
             assert gate.wait_held(1)  # the new record is stored; the put has not finished
+            t0 = time.monotonic()  # callers that take only what the host tier holds never wait
+            assert c.acquire("k", promote=False) is None and c.acquire_many(["k"]) == [None]
+            assert time.monotonic() - t0 < 0.5
             reader = start(c.get, "k")
             reader[0].join(0.3)
             assert reader[0].is_alive(), f"the get returned {reader[1]} before the put finished"

@@ -65,14 +65,16 @@ class Reads:
         self.background = threading.BoundedSemaphore(self.background_n)
         self._tiers, self._gpu = tuple(m.stack), m.stack.device_tier()  # fixed once open (every get)
 
-    def locate(self, digest: bytes, *, start: Tier | None = None):
+    def locate(self, digest: bytes, *, start: Tier | None = None, wait: bool = True):
         """The highest tier (from ``start`` down) holding ``digest``'s current version, its slot
         pinned and touched; ``None`` on a miss; ``RETRY`` if a write of the key is in flight.
 
         A put that went straight to NVMe (too large for the memory tiers, or no host tier) replaces
         the older record before it becomes the key's current version: in that instant no tier
         holds the current version, and this waits (at most :data:`LANDING_WAIT_S`) for the put to
-        finish instead of answering a miss for a key that is stored all along."""
+        finish instead of answering a miss for a key that is stored all along. ``wait=False``
+        (callers that take only what a memory tier holds, and never wait: the entry lands on NVMe
+        anyway): ``None`` then."""
         m = self.m
         deadline = None
         with m.lock:
@@ -92,7 +94,7 @@ class Reads:
                         return Located(t, v)
                 if m.catalog.has_pending(digest):
                     return RETRY  # a demotion to host started meanwhile
-                stored = m.nvme.tier.stored_version(digest) if m.nvme is not None else None
+                stored = m.nvme.tier.stored_version(digest) if wait and m.nvme is not None else None
                 if stored is None or stored <= v:
                     return None
                 deadline = deadline or time.monotonic() + LANDING_WAIT_S  # (the put's own clean-up is next)
@@ -163,7 +165,7 @@ class Reads:
         nothing counted otherwise): the pinned slot, or ``None``."""
         m = self.m
         for _ in range(m.RETRIES):
-            loc = self.locate(digest, start=host)
+            loc = self.locate(digest, start=host, wait=promote)  # (promote=False never waits)
             if loc is RETRY:
                 continue
             if loc is None:
