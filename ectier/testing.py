@@ -295,16 +295,16 @@ def hold_writes(cache: TieredCache, tier_name: str, *, thread_name: str | None =
 
 
 @contextlib.contextmanager
-def stall_daemon_copy(client: Any, seconds: float) -> Iterator[None]:
-    """Make the next copy of ``client`` (a :class:`~ectier.daemon.client.DaemonClient`) into or
-    out of the daemon's bytes (its arena, or a scratch file) start ``seconds`` late, as a client
-    stalled by a GC pause, swap or ``SIGSTOP`` would: once, while the context is open."""
+def stall_daemon_copy(client: Any, seconds: float, *, times: int = 1) -> Iterator[None]:
+    """Make the next ``times`` copies of ``client`` (a :class:`~ectier.daemon.client.DaemonClient`)
+    into or out of the daemon's bytes (its arena, or a scratch file) start ``seconds`` late, as a
+    client stalled by a GC pause, swap or ``SIGSTOP`` would, while the context is open."""
     real = client._bytes_of
-    armed = [True]
+    left = [times]
 
     def late(reply):
-        if armed[0]:
-            armed[0] = False
+        if left[0] > 0:
+            left[0] -= 1
             time.sleep(seconds)
         return real(reply)
 

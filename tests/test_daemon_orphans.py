@@ -128,3 +128,49 @@ def test_the_orphan_of_a_process_that_exits_is_reclaimed(daemon):
         c.put("room", torch.ones(2 * ENTRY, dtype=torch.uint8))  # 12 of 16 MiB: the blocks came back
     finally:
         c.close()
+
+
+def test_a_reservation_whose_reply_never_reached_its_client_is_no_orphan(daemon, monkeypatch):
+    """The client gave up waiting for ``reserve``'s reply (its ``timeout_s``) and closed the
+    connection: it never learnt the extents, so it writes nothing there, and the reservation is
+    ended at once (it stayed an orphan for the life of the client process)."""
+    import time
+
+    import threading
+
+    sock = daemon.socket_path
+    real, granted = daemon.cache.reserve, threading.Event()
+
+    def slow(*a, **kw):
+        time.sleep(0.6)
+        try:
+            return real(*a, **kw)
+        finally:
+            granted.set()
+
+    monkeypatch.setattr(daemon.cache, "reserve", slow)
+    c = DaemonClient(sock, timeout_s=0.3, client_name="gives-up")
+    try:
+        with pytest.raises(Exception, match="did not answer"):
+            c.put("slow", torch.ones(ENTRY, dtype=torch.uint8))
+        assert granted.wait(10)
+        wait_for(lambda: not [x for x in daemon_stats(sock)["daemon"]["clients"] if x["name"] == "gives-up"],
+                 what="the daemon to close the connection whose reply failed")
+        monkeypatch.undo()
+        st = daemon_stats(sock)["daemon"]
+        assert st["leases"] == {"put": 0, "get": 0} and st["orphaned_puts"] == {"leases": 0, "bytes": 0}
+    finally:
+        c.close()
+
+
+def test_a_put_that_loses_its_connection_twice_gives_both_reservations_back(daemon):
+    sock = daemon.socket_path
+    c = DaemonClient(sock)
+    try:
+        with testing.stall_daemon_copy(c, 1.0, times=2):  # both attempts outlive their lease (0.5 s)
+            with pytest.raises(Exception):
+                c.put("k", torch.ones(ENTRY, dtype=torch.uint8))
+        st = daemon_stats(sock)["daemon"]
+        assert st["orphans"] == 2 and st["orphans_ended"] == 2 and st["orphaned_puts"] == {"leases": 0, "bytes": 0}
+    finally:
+        c.close()

@@ -288,14 +288,24 @@ class DaemonClient(Transport, ViewCalls):
                     return
                 except DaemonUnavailableError:
                     if attempt == 1:
-                        raise  # the daemon restarted mid-put twice; give up
+                        self._give_back(lease, run)
+                        raise  # the daemon restarted mid-put twice, or keeps losing the connection; give up
                     stale = (lease, run)
                 except BaseException:
-                    try:
-                        self.call("abort", retry=False, lease=lease)
-                    except errors.EctierError:
-                        pass
+                    self._give_back(lease, run)
                     raise
+
+    def _give_back(self, lease: int, run: str | None) -> None:
+        """Abort ``lease`` after a put failed: on its connection if it is still there, else as an
+        orphan from a new one (:meth:`_abort_orphan`). Never raises: a reservation not given back
+        is the daemon's to end (its deadline, or this process's exit)."""
+        try:
+            if run is not None and "orphans" in self.features:
+                self._abort_orphan(lease, run)
+            else:
+                self.call("abort", retry=False, lease=lease)
+        except errors.EctierError:
+            pass
 
     def _abort_orphan(self, lease: int, run: str | None) -> None:
         """Tell the daemon (run ``run``, when it is still the one reached) that the copy into
@@ -306,7 +316,9 @@ class DaemonClient(Transport, ViewCalls):
             if self._sock is None:
                 self.connect()
             if "orphans" in self.features and run is not None and self.server_info.get("instance") == run:
-                self.call("abort", retry=False, lease=lease, instance=run)
+                # (retry: a connection the daemon closed is replaced; the run named keeps a
+                # restarted daemon from ending another lease of the same id)
+                self.call("abort", lease=lease, instance=run)
         except DaemonUnavailableError:
             raise  # (the put's retry would fail the same way)
         except errors.EctierError:

@@ -53,10 +53,12 @@ def copy_from_device(arena, extents, tensor, after) -> None:
     stream = _put_stream(tensor.device)
     if after is None:
         stream.wait_stream(torch.cuda.current_stream(tensor.device))
-    with torch.cuda.stream(stream):
-        src = device_bytes(tensor, after)
-        off = 0
-        for start, length in extents:
-            arena[start : start + length].copy_(src[off : off + length], non_blocking=True)
-            off += length
-    stream.synchronize()
+    try:
+        with torch.cuda.stream(stream):
+            src = device_bytes(tensor, after)
+            off = 0
+            for start, length in extents:
+                arena[start : start + length].copy_(src[off : off + length], non_blocking=True)
+                off += length
+    finally:  # also on an error: the caller's abort gives the extents back, so no copy may be left running
+        stream.synchronize()

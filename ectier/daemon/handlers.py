@@ -109,11 +109,13 @@ def _op_reserve(server: DaemonServer, conn: Connection, key: str, dtype: str, sh
             raise TierWriteError(
                 f"{exc}: {server.leases.arena_blocks(block) * block} bytes of the {server.cache.host_arena_bytes}-byte "
                 f"arena are held by daemon clients' open put reservations, get leases and zero-copy view pins "
-                f"(view pins: at most daemon.view_pin_bytes={server.holders.limit_bytes} per process)"
+                f"(view pins: at most daemon.view_pin_bytes={server.holders.limit_bytes} per process), and the orphaned "
+                f"reservations of live clients whose puts were cut ({server.stats_orphans()['bytes']} bytes)"
                 + ("" if server.config.nvme.enabled else ", and there is no NVMe tier (nvme.path) to store it on")
             ) from None
         raise
     lease_id = server.leases.grant(conn, "put", handle)
+    conn.granted_now.append(lease_id)  # (a reply that never reaches the client ends it: no orphan)
     return {"lease": lease_id, "nbytes": handle.meta.nbytes, "extents": [list(e) for e in handle.extents]}
 
 

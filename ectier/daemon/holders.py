@@ -25,6 +25,10 @@ them. A ``get`` beyond either bound is answered with an ordinary connection leas
 reason, naming the knob; counted in the stats' ``daemon.views.refused``): the client copies, as
 before. A holder whose pid the daemon cannot see (0: another pid namespace) is refused the same way.
 
+The same watch serves *orphaned* put reservations (:mod:`ectier.daemon.leases`): a live client
+process's reservation that ended uncommitted keeps its blocks until the process aborts it or the
+reaper finds it exited.
+
 Locking: every method expects the server's lock held (the one of the lease book).
 """
 

@@ -177,13 +177,15 @@ class ConnectionServing:
                 return
 
     def _revoke(self, conn: Connection, lease_ids: list[int]) -> None:
-        """End the process-held leases granted by a request whose reply never reached its client."""
+        """End the process-held leases and the put reservations granted by a request whose reply
+        never reached its client (it never learnt of them, so it writes nothing into a reservation:
+        no orphan)."""
         for lease_id in lease_ids:
-            lease = self.leases.take(conn, lease_id, "get")
+            lease = self.leases.take(conn, lease_id, "get") or self.leases.take(conn, lease_id, "put")
             if lease is not None:
                 end_lease(self.cache, lease, commit=False)
         if lease_ids:
-            log.info("client %s (pid %d) went away before the reply granting %d view lease(s); revoked",
+            log.info("client %s (pid %d) went away before the reply granting %d lease(s); revoked",
                      conn.name, conn.pid, len(lease_ids))
 
     def _close_if_idle(self, conn: Connection) -> bool:
@@ -218,7 +220,9 @@ class ConnectionServing:
         except OSError:
             pass
         if leases:
-            log.info("client %s (pid %d) disconnected holding %d lease(s); reclaimed", conn.name, conn.pid, len(leases))
+            log.info("client %s (pid %d) disconnected holding %d lease(s); %d reclaimed, %d kept as orphaned "
+                     "put reservations (their process lives on)", conn.name, conn.pid, len(leases), len(ending),
+                     len(leases) - len(ending))
 
 
 def batch_scheduling() -> None:

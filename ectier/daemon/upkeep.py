@@ -91,6 +91,11 @@ class LeaseUpkeep:
                 end.append(lease)
         return end
 
+    def stats_orphans(self) -> dict[str, int]:
+        """``{"leases", "bytes"}`` of the orphaned put reservations now."""
+        with self._lock:
+            return self.leases.orphan_counts_locked()
+
     def end_orphan(self, conn: Connection, lease_id: int) -> bool:
         """End orphan ``lease_id`` if ``conn``'s process holds it (it says its copy is over: an
         ``abort`` naming it); True if it did."""
