@@ -329,8 +329,10 @@ def _env_tiers_left_off(config: CacheConfig, set_by: dict[str, str], judge_base:
 
 
 def _judged(message: str) -> str:
-    """``message`` without an unknown key's suggestions ("did you mean host?", "(known: ...)"):
-    the names it is about."""
+    """``message`` without an unknown key's suggestions ("did you mean host?", "(known: ...)")
+    and the file it was found in ("(in '<path>')", whose name may be a section's): the names it
+    is about."""
+    message = re.sub(r" \(in '.*'\)$", "", message)
     return re.sub(r"; did you mean [^?]*\?", "", message.split(" (known:")[0])
 
 

@@ -3,8 +3,8 @@
 With ``nvme.sync`` a put is durable when it returns; a power cut at any instant must leave every
 committed index entry over payload bytes that are on disk, and never over bytes being rewritten
 (docs/reliability.md, "Power loss"). A killed process cannot test this (its writes stay in the
-page cache), so :func:`check_sync_order` watches the segment file's writes and syncs and, at each
-of them, compares with what LMDB has committed (with ``sync`` a committed transaction is durable):
+page cache), so :func:`check_sync_order` watches the segment file's writes and syncs and the index's
+commits and, at each of them, compares with what LMDB has committed (with ``sync`` a committed transaction is durable):
 
 1. *synced before committed*: no committed entry points at a block written since the last
    ``fdatasync`` (a cut would leave the entry over bytes that never reached the disk);
@@ -25,7 +25,7 @@ from .errors import CorruptRecordError
 from .tiers.nvme_record import parse_index_value
 from .tiers.nvme_segment import Location
 
-__all__ = ["SyncOrderCheck", "check_sync_order"]
+__all__ = ["SyncOrderCheck", "check_sync_order", "Location"]
 
 
 class SyncOrderCheck:
@@ -67,6 +67,20 @@ class SyncOrderCheck:
                 self._violation(f"{where}: entry {digest.hex()[:16]} committed over blocks {sorted(bad)[:8]} "
                                 "written since the last sync")
 
+    def committing(self, values: list[bytes]) -> None:
+        """Rule 1 at the commit itself: the index entries ``values`` about to commit point at no
+        block written since the last sync."""
+        with self._lock:
+            unsynced = set(self._unsynced)
+        for raw in values:
+            try:
+                _, loc = parse_index_value(raw)
+            except CorruptRecordError:
+                continue
+            bad = _blocks(loc) & unsynced
+            if bad:
+                self._violation(f"commit: an entry commits over blocks {sorted(bad)[:8]} written since the last sync")
+
     def before_write(self, loc: Location) -> None:
         self.check("write")
         blocks = _blocks(loc)
@@ -107,6 +121,46 @@ def _blocks(loc: Location) -> set[int]:
     return {b for start, n in loc.extents for b in range(start, start + n)}
 
 
+class _Env:
+    """The tier's LMDB environment, its write transactions watched (:meth:`SyncOrderCheck.committing`)."""
+
+    def __init__(self, env, check: SyncOrderCheck, meta_db) -> None:
+        self._env, self._check, self._meta = env, check, meta_db
+
+    def begin(self, *args, **kwargs):
+        txn = self._env.begin(*args, **kwargs)
+        return _Txn(txn, self._check, self._meta) if kwargs.get("write") else txn
+
+    def __getattr__(self, name):
+        return getattr(self._env, name)
+
+
+class _Txn:
+    def __init__(self, txn, check: SyncOrderCheck, meta_db) -> None:
+        self._txn, self._check, self._meta, self._values = txn, check, meta_db, []
+
+    def put(self, key, value, *args, **kwargs):
+        if kwargs.get("db") is self._meta:
+            self._values.append(bytes(value))
+        return self._txn.put(key, value, *args, **kwargs)
+
+    def commit(self):
+        self._check.committing(self._values)
+        return self._txn.commit()
+
+    def __enter__(self):
+        self._txn.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self._check.committing(self._values)
+        return self._txn.__exit__(exc_type, exc, tb)
+
+    def __getattr__(self, name):
+        return getattr(self._txn, name)
+
+
 @contextlib.contextmanager
 def check_sync_order(cache: TieredCache) -> Iterator[SyncOrderCheck]:
     """Watch the NVMe tier's segment writes and syncs while the context is open (the store must
@@ -140,6 +194,8 @@ def check_sync_order(cache: TieredCache) -> Iterator[SyncOrderCheck]:
         check.truncated(nblocks)
 
     seg.write, seg.flush, seg.truncate_blocks = write, flush, truncate_blocks
+    real_env = nvme._env
+    nvme._env = _Env(real_env, check, store.meta_db)  # the index commits of puts (_commit_group)
     try:
         yield check
         with store.rw.shared():
@@ -148,3 +204,5 @@ def check_sync_order(cache: TieredCache) -> Iterator[SyncOrderCheck]:
     finally:
         for name in ("write", "flush", "truncate_blocks"):
             seg.__dict__.pop(name, None)
+        if isinstance(nvme._env, _Env):
+            nvme._env = real_env

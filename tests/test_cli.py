@@ -294,3 +294,9 @@ def test_stats_against_another_programs_socket_says_it_is_not_an_ectier_daemon(t
         server.close()
     assert r.exit_code != 0 and "Traceback" not in r.output
     assert "did not answer 'hello' as an ectier daemon does" in r.output, r.output  # (a bare frame-size error)
+
+
+def test_demo_nvme_budget_below_one_block_names_its_own_option(runner, tmp_path):
+    result = runner.invoke(main, ["demo", "--images", "2", "--quiet", "--dir", str(tmp_path), "--nvme-bytes", "1000"])
+    assert result.exit_code == 2, result.output
+    assert "--nvme-bytes (nvme.capacity_bytes): 1000 bytes is below one" in result.output, result.output

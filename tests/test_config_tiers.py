@@ -62,6 +62,16 @@ def test_an_unknown_key_elsewhere_does_not_hide_the_switch_left_off(tmp_path):
     assert problems[0].startswith("hots: unknown setting") and problems[1].startswith("remote.backend: not set")
 
 
+def test_a_file_named_after_a_section_does_not_hide_its_switch_left_off(tmp_path):
+    """Another problem's "(in '.../remote.yaml')" named the remote section, so the remote
+    section's own problem was taken as reported already and left out."""
+    path = tmp_path / "remote.yaml"
+    path.write_text("host:\n  capacity_bytes: lots\nremote:\n  addresses: '10.0.0.1:6379'\n")
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.load(path)
+    assert [m.split(":")[0] for m in info.value.problems] == ["host.capacity_bytes", "remote.backend"]
+
+
 def test_a_programs_mapping_is_not_judged_so():
     """CacheConfig.from_dict (a program's mapping, e.g. tests that inject a remote backend) keeps
     accepting a section without its switch; files and the vLLM connector's inline sections refuse it."""
@@ -154,3 +164,20 @@ def test_a_file_that_gives_the_switch_off_loads_under_variables_as_alone(tmp_pat
     monkeypatch.setenv("ECTIER_NVME__CODEC", "zstd")
     with pytest.raises(refused, match="nvme.path: not set"):
         load()
+
+
+def test_the_module_docstring_tree_names_every_field():
+    """ectier/config.py's tree of fields (what a reader sees first) names every field of every
+    section: a field added to a dataclass and not to the tree fails here."""
+    import dataclasses
+    import re
+
+    import ectier.config as config_module
+
+    tree = config_module.__doc__.split("Every field is checked")[0]
+    words = set(re.findall(r"\w+", tree))
+    cfg = config_module.CacheConfig()
+    missing = [f"{top.name}.{f.name}" for top in dataclasses.fields(cfg) if dataclasses.is_dataclass(getattr(cfg, top.name))
+               for f in dataclasses.fields(getattr(cfg, top.name)) if f.name not in words]
+    missing += [f.name for f in dataclasses.fields(cfg) if f.name not in words]
+    assert missing == []

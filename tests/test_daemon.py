@@ -409,3 +409,29 @@ def test_a_closed_client_stays_closed(main_daemon):
     assert c.connect_in_background() is False
     with DaemonClient(main_daemon.socket_path) as fresh:
         assert fresh.contains("closed-k")
+
+
+@pytest.mark.parametrize("kind", ["file", "directory", "too long"])
+def test_a_socket_path_that_can_never_work_fails_at_once(tmp_path, kind):
+    """A path that is no socket (a file, a directory) or is too long for AF_UNIX cannot come
+    right by waiting: the first call fails at once, naming why, instead of retrying for
+    ``connect_retry_s`` (5 s by default) as for a daemon not up yet."""
+    import time
+
+    from ectier.daemon.client import DaemonUnavailableError
+
+    path = tmp_path / "ectier.sock"
+    if kind == "file":
+        path.write_text("")
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path = tmp_path / ("x" * 120) / "ectier.sock"
+    c = DaemonClient(str(path), connect_retry_s=5.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailableError, match="not a socket" if kind != "too long" else "too long"):
+            c.contains("k")
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        c.close()

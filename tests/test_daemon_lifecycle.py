@@ -190,28 +190,6 @@ def test_client_of_an_unreachable_daemon_fails_fast_then_reconnects():
         remove_dir(d)
 
 
-@pytest.mark.parametrize("kind", ["file", "directory", "too long"])
-def test_a_socket_path_that_can_never_work_fails_at_once(tmp_path, kind):
-    """A path that is no socket (a file, a directory) or is too long for AF_UNIX cannot come
-    right by waiting: the first call fails at once, naming why, instead of retrying for
-    ``connect_retry_s`` (5 s by default) as for a daemon not up yet."""
-    path = tmp_path / "ectier.sock"
-    if kind == "file":
-        path.write_text("")
-    elif kind == "directory":
-        path.mkdir()
-    else:
-        path = tmp_path / ("x" * 120) / "ectier.sock"
-    c = DaemonClient(str(path), connect_retry_s=5.0)
-    try:
-        t0 = time.monotonic()
-        with pytest.raises(DaemonUnavailableError, match="not a socket" if kind != "too long" else "too long"):
-            c.contains("k")
-        assert time.monotonic() - t0 < 1.0
-    finally:
-        c.close()
-
-
 def test_client_lets_go_of_a_stopped_daemons_arena_at_its_next_call():
     """A client idle across a daemon stop keeps the old (unlinked) arena mapped, so its pages stay
     allocated in daemon.shm_dir; at its next call, which cannot reach the daemon, it unmaps it, so

@@ -119,12 +119,6 @@ def test_demo_nvme_budget_above_the_free_space_names_its_own_option(runner, tmp_
     assert list(tmp_path.iterdir()) == []
 
 
-def test_demo_nvme_budget_below_one_block_names_its_own_option(runner, tmp_path):
-    result = runner.invoke(main, ["demo", "--images", "2", "--quiet", "--dir", str(tmp_path), "--nvme-bytes", "1000"])
-    assert result.exit_code == 2, result.output
-    assert "--nvme-bytes (nvme.capacity_bytes): 1000 bytes is below one" in result.output, result.output
-
-
 @pytest.mark.parametrize("args, option", [
     (["--seed", "-1"], "--seed"),
     (["--requests", "100000000000"], "--requests"),

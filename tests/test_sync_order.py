@@ -15,7 +15,7 @@ import threading
 import pytest
 
 from ectier import testing
-from ectier.tiers.nvme_segment import Location
+from ectier.testing_order import Location  # (where a payload lies: what the checker is driven with)
 
 from conftest import KiB, MiB, assert_same, filled
 
@@ -106,6 +106,11 @@ def test_the_checker_catches_each_rule(make_cache):
         check.after_write(loc)  # written again, not synced: rule 1 now fails for the entry
         check.check("test")
         assert len(check.violations) == 2 and "written since the last sync" in check.violations[1]
+        lm = testing.lmdb_of(cache)
+        with lm.env.begin() as txn:
+            raw = bytes(txn.get(digest, db=lm.meta))
+        check.committing([raw])  # an index entry committing over those blocks: caught at the commit
+        assert len(check.violations) == 3 and check.violations[2].startswith("commit:")
         check.after_sync(check.before_sync())
         n = len(check.violations)
         check.check("test")
