@@ -48,7 +48,9 @@ def parse_bytes(value: int | str, *, field_name: str = "value") -> int:
     """Parse a byte count: an ``int`` or a string such as ``"64GiB"``, ``"512 MB"``, ``"1048576"``.
 
     IEC suffixes (KiB, MiB, GiB, TiB, PiB, EiB) are powers of 1024; SI suffixes (KB, MB, GB, TB, PB,
-    EB, or K/M/G/T/P/E) are powers of 1000. Returns bytes as ``int``.
+    EB, or K/M/G/T/P/E) are powers of 1000; units are read case-insensitively, except that an
+    upper-case prefix with a lower-case ``b`` (``"10Mb"``, ``"1Gib"``) is the usual spelling of bits
+    and is refused. Returns bytes as ``int``.
 
     Raises:
         ConfigError: naming ``field_name`` when the value is negative, fractional in bytes, of the
@@ -69,7 +71,13 @@ def parse_bytes(value: int | str, *, field_name: str = "value") -> int:
             raise ConfigError(
                 f"{field_name}: cannot read {value!r} as bytes; use an int or e.g. '512MiB', '4GiB', '2GB'"
             )
-        number = Fraction(m.group(1)) * _UNITS[m.group(2).lower()]  # exact: float loses bytes past 2**53
+        unit = m.group(2)
+        if len(unit) > 1 and unit.endswith("b") and unit != unit.lower():  # "10Mb": megabits, by convention
+            raise ConfigError(
+                f"{field_name}: {value!r} reads as bits (lower-case b after an upper-case prefix); "
+                f"write bytes, e.g. '{m.group(1)}{unit[:-1].upper()}B' or '{m.group(1)}{unit[0].upper()}iB'"
+            )
+        number = Fraction(m.group(1)) * _UNITS[unit.lower()]  # exact: float loses bytes past 2**53
         if number.denominator != 1:
             raise ConfigError(f"{field_name}: {value!r} is not a whole number of bytes")
         return int(number)

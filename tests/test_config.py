@@ -200,6 +200,12 @@ def test_parse_bytes_rejects_bad_strings(bad):
         parse_bytes(bad, field_name="host.capacity_bytes")
 
 
+@pytest.mark.parametrize("bits", ["10Mb", "1Gb", "4 Kb", "2GIb", "3Tib"])
+def test_parse_bytes_refuses_bits_spelling(bits):
+    with pytest.raises(ConfigError, match=r"^host.capacity_bytes: .* reads as bits.*write bytes"):
+        parse_bytes(bits, field_name="host.capacity_bytes")
+
+
 @pytest.mark.parametrize("bad", [-1, -(2**40), True, False, 1.0, 2.5, None, b"4GiB", [4]])
 def test_parse_bytes_rejects_bad_values(bad):
     with pytest.raises(ConfigError, match="^field:"):
