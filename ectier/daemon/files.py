@@ -11,7 +11,7 @@ import stat
 
 from ..errors import EctierError
 
-__all__ = ["claim_socket_path", "reclaim_stale_arenas"]
+__all__ = ["claim_socket_path", "reclaim_stale_arenas", "remove_created_dirs"]
 
 log = logging.getLogger("ectier.daemon")
 
@@ -55,9 +55,10 @@ def reclaim_stale_arenas(shm_dir: str) -> None:
         finally:
             os.close(fd)
 
-def claim_socket_path(path: str) -> None:
+def claim_socket_path(path: str) -> list[str]:
     """Make ``path`` free for a new listening socket: create its directory, or remove a stale
-    socket of a dead daemon.
+    socket of a dead daemon. Returns the directories it created, deepest last (a start that fails
+    later removes them again with :func:`remove_created_dirs`).
 
     Raises:
         EctierError: (naming ``daemon.socket_path``) a daemon listens there, the path is not a
@@ -66,12 +67,18 @@ def claim_socket_path(path: str) -> None:
     try:
         st = os.lstat(path)
     except OSError:
+        created = []
+        parent = os.path.abspath(os.path.dirname(path) or ".")
+        while not os.path.lexists(parent):
+            created.insert(0, parent)
+            parent = os.path.dirname(parent)
         try:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         except OSError as exc:
+            remove_created_dirs(created)
             raise EctierError(f"daemon.socket_path: cannot create the directory of {path!r}: "
                               f"{exc.strerror}") from None
-        return
+        return created
     if not stat.S_ISSOCK(st.st_mode):  # never delete a file that is not a (stale) socket
         raise EctierError(f"daemon.socket_path: {path!r} exists and is not a socket; remove it or "
                           "choose another path")
@@ -80,7 +87,17 @@ def claim_socket_path(path: str) -> None:
         probe.connect(path)
     except OSError:
         os.unlink(path)  # stale socket of a dead daemon
-        return
+        return []
     finally:
         probe.close()
     raise EctierError(f"daemon.socket_path: a daemon is already listening on {path!r}")
+
+
+def remove_created_dirs(created: list[str]) -> None:
+    """Remove the directories :func:`claim_socket_path` created, deepest first, where still empty
+    (a failed start leaves nothing behind; a directory something else wrote into is kept)."""
+    for path in reversed(created):
+        try:
+            os.rmdir(path)
+        except OSError:
+            return

@@ -52,7 +52,7 @@ from ..errors import EctierError
 from ..logutil import RateLimitedLogger
 from .connections import Connection
 from .fdlimit import ACCEPT_RESOURCE_ERRNOS, ClientCap, client_cap, raise_nofile_limit
-from .files import claim_socket_path, reclaim_stale_arenas
+from .files import claim_socket_path, reclaim_stale_arenas, remove_created_dirs
 from .holders import Holders
 from .leases import LeaseBook, end_lease
 from .prefetch import Prefetcher
@@ -123,6 +123,7 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
         self._metrics_server = None
         self.metrics_address: tuple[str, int] | None = None  # (host, bound port) when metrics are on
         self._arena_lock_fd: int | None = None
+        self._created_dirs: list[str] = []  # by claim_socket_path; removed again if start fails
         self.counters = {"connections": 0, "refused": 0, "protocol_errors": 0, "leases_expired": 0,
                          "idle_closed": 0, "evicted": 0, "orphans": 0, "orphans_ended": 0}
 
@@ -151,13 +152,19 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
         connections (:func:`~ectier.daemon.fdlimit.client_cap`)."""
         max_clients = self.config.daemon.max_clients
         self.client_cap = client_cap(max_clients, raise_nofile_limit(max_clients))
-        claim_socket_path(self.socket_path)
-        self._open_arena()
+        self._created_dirs = claim_socket_path(self.socket_path)
+        try:
+            self._open_arena()
+        except BaseException:
+            remove_created_dirs(self._created_dirs)
+            raise
+        listener, bound = None, False
         try:
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             old_umask = os.umask(0o177)
             try:
                 listener.bind(self.socket_path)
+                bound = True
             finally:
                 os.umask(old_umask)
             mode = self.config.daemon.socket_mode_bits
@@ -171,7 +178,9 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
             listener.listen(128)
             listener.settimeout(0.2)
         except OSError as exc:
-            self._abort_start()
+            if listener is not None:
+                listener.close()
+            self._abort_start(unlink_socket=bound)
             raise EctierError(f"daemon.socket_path: cannot listen on {self.socket_path!r}: {exc.strerror}") from None
         if self.config.daemon.metrics_port is not None:
             from .metrics import start_metrics_server
@@ -191,7 +200,7 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
         self._threads.append(reaper)
         remote = self.config.remote
         log.info("ectier daemon %s listening on %s (arena %s, %d bytes; nvme %s; remote %s; metrics %s)", __version__,
-                 self.socket_path, self.arena_path, self.config.host.capacity_bytes,
+                 os.path.abspath(self.socket_path), self.arena_path, self.config.host.capacity_bytes,
                  self.config.nvme.path or "off",
                  "off" if remote.backend == "none" else f"{remote.backend} at {remote.addresses or '-'}",
                  "http://%s:%d/metrics" % self.metrics_address if self.metrics_address else "off")
@@ -211,6 +220,7 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
                     os.unlink(self.socket_path)
                 except FileNotFoundError:
                     pass
+            remove_created_dirs(self._created_dirs)
 
     def _open_arena(self) -> None:
         """Create the cache (and so the arena file) holding an flock on the arena for the daemon's
@@ -319,7 +329,7 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
         with self._lock:
             now = time.time()
             out["daemon"] = {
-                "socket": self.socket_path,
+                "socket": os.path.abspath(self.socket_path),
                 "arena": self.arena_path,
                 "metrics": ({"host": self.metrics_address[0], "port": self.metrics_address[1]}
                             if self.metrics_address else None),

@@ -1,0 +1,85 @@
+"""``ectier serve`` start-up as an operator sees it: a start that fails leaves no directory it
+created behind (the socket's parents), and a socket path given relative to the daemon's working
+directory is logged and reported absolute (a client elsewhere needs the whole path).
+Helpers: tests/daemon_helpers.py."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+from click.testing import CliRunner
+
+from daemon_helpers import MiB, daemon_config, remove_dir, serve_in_thread, short_tmpdir, write_config
+from ectier import CacheConfig
+from ectier.cli import main as cli_main
+from ectier.daemon.client import DaemonClient
+
+
+def _serve(directory: str, cfg: dict) -> tuple[int, str]:
+    r = CliRunner().invoke(cli_main, ["serve", "--config", write_config(os.path.join(directory, "c.json"), cfg)])
+    return r.exit_code, r.output
+
+
+def test_a_start_failing_on_the_metrics_port_removes_the_socket_directories_it_created():
+    d = short_tmpdir()
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        sock = os.path.join(d, "run", "ectier", "d.sock")
+        code, out = _serve(d, daemon_config(d, nvme=False, host_bytes=1 * MiB, socket_path=sock,
+                                            metrics_port=taken.getsockname()[1]))
+        assert code == 1 and "daemon.metrics_port" in out, out
+        assert sorted(os.listdir(d)) == ["c.json"], "a failed start left directories behind"
+    finally:
+        taken.close()
+        remove_dir(d)
+
+
+def test_a_start_failing_on_the_arena_removes_the_socket_directories_it_created():
+    d = short_tmpdir()
+    try:
+        sock = os.path.join(d, "run", "d.sock")
+        code, out = _serve(d, daemon_config(d, nvme=False, host_bytes=1 * MiB, socket_path=sock,
+                                            shm_dir=os.path.join(d, "no-such-shm")))
+        assert code == 1 and "daemon.shm_dir" in out, out
+        assert sorted(os.listdir(d)) == ["c.json"], "a failed start left directories behind"
+    finally:
+        remove_dir(d)
+
+
+def test_a_failed_start_keeps_directories_that_existed_or_were_written_into():
+    """Only what the start itself created, and only while empty, is removed."""
+    d = short_tmpdir()
+    try:
+        os.mkdir(os.path.join(d, "run"))
+        sock = os.path.join(d, "run", "new", "d.sock")
+        code, out = _serve(d, daemon_config(d, nvme=False, host_bytes=1 * MiB, socket_path=sock,
+                                            shm_dir=os.path.join(d, "no-such-shm")))
+        assert code == 1, out
+        assert sorted(os.listdir(d)) == ["c.json", "run"] and os.listdir(os.path.join(d, "run")) == []
+    finally:
+        remove_dir(d)
+
+
+def test_a_relative_socket_path_is_logged_and_reported_absolute(monkeypatch, caplog):
+    d = short_tmpdir()
+    server = t = c = None
+    try:
+        monkeypatch.chdir(d)
+        cfg = CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=4 * MiB, socket_path="rel.sock"))
+        with caplog.at_level(logging.INFO, logger="ectier.daemon"):
+            server, t = serve_in_thread(cfg)
+        where = os.path.join(d, "rel.sock")
+        assert any(f"listening on {where} " in r.getMessage() for r in caplog.records), caplog.text
+        c = DaemonClient(where)
+        assert c.stats()["daemon"]["socket"] == where
+    finally:
+        if c is not None:
+            c.close()
+        if server is not None:
+            server.stop()
+            t.join(10)
+        remove_dir(d)
