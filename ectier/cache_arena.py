@@ -131,13 +131,15 @@ class HostArenaAPI:
              view: bool = False) -> torch.Tensor:
         """The leased entry on ``device``: a copy through the copy engine (H2D lane for CUDA:
         ready on the caller's current stream, no host sync), or, with ``view=True`` on the CPU,
-        a zero-copy **read-only view** of the host arena. The lease stays held either way.
+        a zero-copy view of the host arena, **to be read only**: in-process it is the arena's own
+        memory, not write-protected (a daemon client's views are read-only mappings). The lease
+        stays held either way.
 
         A view holds a pin of its own for as long as its storage lives (any slice or reshape of it
         included), however long that is after the lease is released: the entry's bytes are neither
         evicted nor reused meanwhile, and count against ``host.capacity_bytes`` until the last view
         is gone; an overwrite or delete of the key goes to other bytes. Writing into a view changes
-        the stored entry: don't. After :meth:`close` live views stay valid (the arena's memory is
+        the stored entry for every later hit (the host tier keeps no checksum to notice): don't. After :meth:`close` live views stay valid (the arena's memory is
         freed with the last one). An entry whose bytes are not one run of the arena is copied.
 
         Raises:
