@@ -174,3 +174,18 @@ def test_a_put_that_loses_its_connection_twice_gives_both_reservations_back(daem
         assert st["orphans"] == 2 and st["orphans_ended"] == 2 and st["orphaned_puts"] == {"leases": 0, "bytes": 0}
     finally:
         c.close()
+
+
+def test_an_orphan_is_watched_only_while_its_pid_names_the_client_that_connected():
+    """A client that exits just before its reservation is orphaned may have its pid reused by
+    another process: the start time read at connect tells them apart, so the reservation ends
+    (blocks back) instead of waiting on the stranger's exit."""
+    from ectier.daemon.holders import Holders, process_start
+
+    holders, me = Holders(0), os.getpid()
+    assert process_start(me) is not None and process_start(2**22 + 12345) is None
+    assert not holders.watch_locked(me, process_start(me) + 1)  # the pid now names a later process
+    assert holders.watched_pids_locked() == []
+    assert holders.watch_locked(me, process_start(me)) and holders.watched_pids_locked() == [me]
+    assert holders.watch_locked(me) and not holders.watch_locked(0)
+    holders.close_locked()

@@ -50,6 +50,9 @@ class Connection:
     uid: int
     gid: int
     name: str = ""
+    #: when the peer process started (:func:`~ectier.daemon.holders.process_start`, read at
+    #: connect): the pid with it names one process across pid reuse; None where unreadable
+    pid_start: int | None = None
     since: float = field(default_factory=time.time)
     leases: set[int] = field(default_factory=set)
     requests: int = 0

@@ -12,7 +12,9 @@ keeps it. It ends when
 - the client process dies: :class:`Holders` opens a pidfd (``pidfd_open``) for every holding
   process and the lease reaper polls them (every ``min(1 s, daemon.lease_s / 4)``); a readable
   pidfd is an exited process, whose leases are all released. A pidfd names one process, so a
-  recycled pid is never mistaken for the holder. Where ``pidfd_open`` is missing (Linux < 5.3)
+  recycled pid is never mistaken for the holder; an orphaned put is watched only if the pid's
+  start time still matches the one read at connect (:func:`process_start`), as the client may
+  have exited before the daemon opens the pidfd. Where ``pidfd_open`` is missing (Linux < 5.3)
   the reaper checks ``kill(pid, 0)`` instead.
 
 A process may hold at most ``daemon.view_pin_bytes`` of the arena so (default: half of
@@ -38,7 +40,7 @@ import logging
 import os
 import select
 
-__all__ = ["Holders"]
+__all__ = ["Holders", "process_start"]
 
 log = logging.getLogger("ectier.daemon")
 
@@ -74,10 +76,21 @@ class Holders:
             return f"the daemon cannot watch client process {pid} (another pid namespace, or gone)"
         return None
 
-    def watch_locked(self, pid: int) -> bool:
+    def watch_locked(self, pid: int, start: int | None = None) -> bool:
         """Start watching ``pid`` (a process that keeps arena blocks: views, an orphaned put);
-        False when it cannot be watched (gone, or 0: another pid namespace)."""
-        return pid > 0 and self._watch(pid)
+        False when it cannot be watched (gone, or 0: another pid namespace), or when ``start``
+        (:func:`process_start` read at connect) shows that ``pid`` now names another process
+        (the client exited and its pid was reused before the daemon noticed)."""
+        if pid <= 0:
+            return False
+        new = pid not in self._fds
+        if not self._watch(pid):
+            return False
+        if start is not None and process_start(pid) != start:  # read after the pidfd: it names this one
+            if new:
+                self.forget_locked(pid)
+            return False
+        return True
 
     def _watch(self, pid: int) -> bool:
         if pid in self._fds:
@@ -115,6 +128,18 @@ class Holders:
 
     def watched_pids_locked(self) -> list[int]:
         return list(self._fds)
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, field 22 of ``/proc/PID/stat``):
+    with the pid, names one process across pid reuse. ``None`` when it cannot be read (gone, no
+    procfs, another pid namespace)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[19])  # after "pid (comm) ": fields 3.. of 52
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _alive(pid: int) -> bool:

@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 from .connections import Connection, admission, least_recently_used_idle, peer_credentials
+from .holders import process_start
 from .handlers import handle
 from .leases import end_lease
 from .protocol import FrameDecoder, ProtocolError, encode_frame, error_reply
@@ -49,6 +50,7 @@ class ConnectionServing:
 
     def _admit(self, sock: socket.socket) -> None:
         pid, uid, gid = peer_credentials(sock)
+        pid_start = process_start(pid) if pid > 0 else None
         victim = None
         if not self._peer_allowed(uid, gid):
             reason = f"uid {uid} is not allowed (daemon runs as uid {os.getuid()}; see daemon.allowed_group)"
@@ -64,7 +66,7 @@ class ConnectionServing:
                         if victim is not None:  # idle: no request in progress, no lease; see admission()
                             victim.closed = True
                             self.counters["evicted"] += 1
-                        conn = Connection(self._new_id_locked(), sock, pid, uid, gid)
+                        conn = Connection(self._new_id_locked(), sock, pid, uid, gid, pid_start=pid_start)
                         self._conns[conn.id] = conn
                         self.counters["connections"] += 1
                         break

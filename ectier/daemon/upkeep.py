@@ -84,7 +84,7 @@ class LeaseUpkeep:
         others, for the caller to end."""
         end = []
         for lease in leases:
-            if self.leases.may_be_written(lease) and self.holders.watch_locked(lease.conn.pid):
+            if self.leases.may_be_written(lease) and self.holders.watch_locked(lease.conn.pid, lease.conn.pid_start):
                 self.leases.orphan_locked(lease)
                 self.counters["orphans"] += 1
             else:
