@@ -108,19 +108,25 @@ def test_a_client_stalled_mid_put_retries_and_gives_its_orphan_back(daemon):
         c.close()
 
 
-def test_the_orphan_of_a_process_that_exits_is_reclaimed(daemon):
-    sock = daemon.socket_path
+def _orphan_in_a_child(sock: str, nbytes: int = ENTRY) -> None:
+    """Run a child process that reserves ``nbytes`` and exits once its lease became an orphan."""
+    before = _orphans(sock)["leases"]
     code = textwrap.dedent(f"""
-        import time
         from daemon_helpers import wait_for, daemon_stats
         from ectier.daemon.client import DaemonClient
         c = DaemonClient({sock!r})
-        c.call("reserve", key="dies", dtype="uint8", shape=[{ENTRY}])
-        wait_for(lambda: daemon_stats({sock!r})["daemon"]["orphaned_puts"]["leases"] == 1, what="the orphan")
+        c.call("reserve", key="dies", dtype="uint8", shape=[{nbytes}])
+        wait_for(lambda: daemon_stats({sock!r})["daemon"]["orphaned_puts"]["leases"] == {before + 1},
+                 what="the orphan")
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert child.returncode == 0, child.stderr
+
+
+def test_the_orphan_of_a_process_that_exits_is_reclaimed(daemon):
+    sock = daemon.socket_path
+    _orphan_in_a_child(sock)
     wait_for(lambda: _orphans(sock)["leases"] == 0, what="the reaper to end the dead process's orphan")
     assert daemon_stats(sock)["daemon"]["orphans_ended"] == 1
     c = DaemonClient(sock)
@@ -189,3 +195,41 @@ def test_an_orphan_is_watched_only_while_its_pid_names_the_client_that_connected
     assert holders.watch_locked(me, process_start(me)) and holders.watched_pids_locked() == [me]
     assert holders.watch_locked(me) and not holders.watch_locked(0)
     holders.close_locked()
+
+
+def test_leases_still_expire_when_the_daemon_has_descriptors_past_1024():
+    """A daemon with many clients has descriptor numbers past ``select``'s 1024: watching an
+    orphan's process there killed the lease reaper (ValueError), and no lease expired again, nor
+    was an exited process's orphan ended."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < 1200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    d = short_tmpdir()
+    server, t = serve_in_thread(CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=16 * MiB, lease_s=0.4)))
+    filler = []
+    try:
+        while not filler or filler[-1] < 1030:
+            filler.append(os.open("/dev/null", os.O_RDONLY))
+        a = DaemonClient(server.socket_path)
+        a.call("reserve", key="x", dtype="uint8", shape=[MiB])
+        a.close()  # a put cut by its connection: an orphan of this (live) process, watched by a pidfd > 1024
+        wait_for(lambda: daemon_stats(server.socket_path)["daemon"]["orphaned_puts"]["leases"] == 1, 5)
+        b = DaemonClient(server.socket_path)
+        b.call("reserve", key="y", dtype="uint8", shape=[MiB])
+        wait_for(lambda: daemon_stats(server.socket_path)["daemon"]["leases_expired"] >= 1, 5)
+        assert daemon_stats(server.socket_path)["daemon"]["leases"]["put"] == 0
+        b.close()
+        wait_for(lambda: _orphans(server.socket_path)["leases"] == 2, 5)  # a's and b's: this process lives
+        _orphan_in_a_child(server.socket_path, MiB)
+        wait_for(lambda: _orphans(server.socket_path)["leases"] == 2, 5, what="the exited child's orphan ended")
+        assert daemon_stats(server.socket_path)["daemon"]["orphans_ended"] == 1
+    finally:
+        for fd in filler:
+            os.close(fd)
+        server.stop()
+        t.join(10)
+        remove_dir(d)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -107,8 +107,7 @@ class Holders:
 
     def dead_locked(self) -> list[int]:
         """Watched processes that exited (each reported once, then no longer watched)."""
-        fds = [fd for fd in self._fds.values() if fd >= 0]
-        readable = set(select.select(fds, [], [], 0)[0]) if fds else set()
+        readable = _readable([fd for fd in self._fds.values() if fd >= 0])
         dead = []
         for pid, fd in list(self._fds.items()):
             if fd >= 0 and fd in readable or fd < 0 and not _alive(pid):
@@ -128,6 +127,17 @@ class Holders:
 
     def watched_pids_locked(self) -> list[int]:
         return list(self._fds)
+
+
+def _readable(fds: list[int]) -> set[int]:
+    """Those of ``fds`` readable now (a pidfd: its process exited). ``poll``, not ``select``:
+    a daemon with many clients has descriptors past ``select``'s 1024."""
+    if not fds:
+        return set()
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return {fd for fd, _ in poller.poll(0)}
 
 
 def process_start(pid: int) -> int | None:

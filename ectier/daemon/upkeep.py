@@ -9,6 +9,7 @@ import logging
 import time
 from typing import Any
 
+from ..logutil import RateLimitedLogger
 from .connections import Connection
 from .leases import end_lease, place_of
 from .serving import shutdown_socket
@@ -24,12 +25,21 @@ class LeaseUpkeep:
     ``prefetcher``, ``_stop``."""
 
     def _reap_loop(self) -> None:
+        """Every ``min(1 s, daemon.lease_s / 4)``: expire leases, reclaim what exited processes
+        held, expire prefetch pins. A round that raises is logged (one line per kind per minute)
+        and the next one runs: a reaper that died would let no lease expire again."""
         interval = min(1.0, self.config.daemon.lease_s / 4)
+        errors = RateLimitedLogger(log, 60.0)
         while not self._stop.wait(interval):
-            self.expire_leases()
-            self.reap_dead_holders()
-            if self.prefetcher is not None:
-                self.prefetcher.expire()
+            for step in (self.expire_leases, self.reap_dead_holders,
+                         self.prefetcher.expire if self.prefetcher is not None else None):
+                if step is None:
+                    continue
+                try:
+                    step()
+                except Exception as exc:  # noqa: BLE001 (kept going, logged)
+                    errors.log(logging.ERROR, (step.__name__, type(exc).__name__),
+                               "lease reaper: %s failed: %r; it runs again in %.2f s", step.__name__, exc, interval)
 
     def grant_view(self, conn: Connection, handle: Any) -> tuple[int | None, str | None]:
         """A process-held lease of ``conn``'s process on ``handle`` (a ``ReadLease``), within
