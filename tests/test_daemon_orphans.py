@@ -214,15 +214,15 @@ def test_leases_still_expire_when_the_daemon_has_descriptors_past_1024():
         while not filler or filler[-1] < 1030:
             filler.append(os.open("/dev/null", os.O_RDONLY))
         a = DaemonClient(server.socket_path)
-        a.call("reserve", key="x", dtype="uint8", shape=[MiB])
-        a.close()  # a put cut by its connection: an orphan of this (live) process, watched by a pidfd > 1024
-        wait_for(lambda: daemon_stats(server.socket_path)["daemon"]["orphaned_puts"]["leases"] == 1, 5)
+        a.call("reserve", key="x", dtype="uint8", shape=[MiB])  # expires: an orphan of this (live)
+        wait_for(lambda: _orphans(server.socket_path)["leases"] == 1, 5)  # process, watched by a pidfd > 1024
+        a.close()
         b = DaemonClient(server.socket_path)
         b.call("reserve", key="y", dtype="uint8", shape=[MiB])
-        wait_for(lambda: daemon_stats(server.socket_path)["daemon"]["leases_expired"] >= 1, 5)
+        wait_for(lambda: daemon_stats(server.socket_path)["daemon"]["leases_expired"] >= 2, 5)
         assert daemon_stats(server.socket_path)["daemon"]["leases"]["put"] == 0
         b.close()
-        wait_for(lambda: _orphans(server.socket_path)["leases"] == 2, 5)  # a's and b's: this process lives
+        assert _orphans(server.socket_path)["leases"] == 2  # a's and b's: this process lives
         _orphan_in_a_child(server.socket_path, MiB)
         wait_for(lambda: _orphans(server.socket_path)["leases"] == 2, 5, what="the exited child's orphan ended")
         assert daemon_stats(server.socket_path)["daemon"]["orphans_ended"] == 1

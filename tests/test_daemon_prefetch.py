@@ -316,7 +316,7 @@ def test_without_nvme_the_refusal_names_the_reservations():
 def test_the_hello_reply_lists_the_features():
     with daemon(nvme=False) as proc:
         with RawConn(proc.socket_path) as raw:
-            assert set(raw.hello_reply["features"]) == {"prefetch", "direct", "view", "orphans"}
+            assert set(raw.hello_reply["features"]) == {"prefetch", "direct", "view", "orphans", "bye"}
         assert daemon_stats(proc.socket_path)["daemon"]["prefetch"]["held"] == 0
 
 

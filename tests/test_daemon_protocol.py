@@ -165,6 +165,7 @@ def test_every_op_parses_with_its_required_arguments():
         "reserve": {"key": "k", "dtype": "float32", "shape": [3, 4]},
         "commit": {"lease": 5},
         "abort": {"lease": 5},
+        "bye": {},
         "get": {"key": "k"},
         "prefetch": {"keys": ["a", "b"]},
         "release": {"lease": 5},

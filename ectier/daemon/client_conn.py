@@ -256,7 +256,18 @@ class Transport(Submissions):
             return True
 
     def _drop(self) -> None:
+        """Close the connection. A daemon that offers ``bye`` is told first (one non-blocking
+        write; a hung or gone daemon just misses it) that no copy into this connection's
+        reservations is in flight or will come: it ends them at the close instead of keeping
+        them as orphans (a reply this client never read may have granted one). True here: a
+        put's copy runs under this client's lock, as every caller of this method does."""
         if self._sock is not None:
+            if "bye" in self.features:
+                try:
+                    os.write(self._sock.fileno(), encode_frame({"id": self._next_id, "op": "bye"}))
+                    self._next_id += 1
+                except OSError:
+                    pass
             try:
                 self._sock.close()
             except OSError:
@@ -284,7 +295,10 @@ class Transport(Submissions):
 
     def close(self) -> None:
         """Close the connection (leases held by this client are released by the daemon); later
-        calls raise DaemonUnavailableError (they reconnected silently before)."""
+        calls raise DaemonUnavailableError (they reconnected silently before). The daemon is told
+        (``bye``) that no copy into this connection's put reservations runs any more, so they end
+        rather than stay reserved as orphans: a caller of the low-level ``call("reserve")`` must
+        not close while another of its threads still copies into the extents."""
         with self._lock:
             self._closed = True
             self._drop()
@@ -307,10 +321,11 @@ class Transport(Submissions):
         except UnicodeEncodeError as exc:  # a lone surrogate: the cache refuses such keys too
             raise errors.InvalidKeyError(f"{request.get('op')}: strings must be valid UTF-8: {exc}") from None
         deadline = time.monotonic() + timeout
+        reply = None
         try:
             self._sock.settimeout(timeout)
             self._sock.sendall(frame)
-            while True:
+            while reply is None:
                 self._sock.settimeout(max(deadline - time.monotonic(), 1e-3))
                 data = self._sock.recv(65536)
                 if not data:
@@ -321,13 +336,18 @@ class Transport(Submissions):
                     if msg.get("id") not in (rid, None):
                         self._keep_reply(msg)  # a submitted request's (poll takes it), else stale
                         continue
-                    return _results(msg)
+                    reply = msg
+                    break
         except socket.timeout:
             self._drop()
             raise self._fail(
                 f"the ectier daemon at {self.socket_path!r} did not answer {request.get('op')!r} within "
                 f"{timeout:g} s (hung, stopped or overloaded?)"
             ) from None
+        except BaseException:  # a signal's exception, lost framing, ...: the reply would reach nobody
+            self._drop()  # (and a reservation it granted ends at the close: see _drop)
+            raise
+        return _results(reply)
 
     def call(self, op: str, *, retry: bool = True, **args: Any) -> dict[str, Any]:
         """Send one request and return its results. Raises the daemon's typed error on an error

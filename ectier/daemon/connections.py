@@ -53,6 +53,9 @@ class Connection:
     #: when the peer process started (:func:`~ectier.daemon.holders.process_start`, read at
     #: connect): the pid with it names one process across pid reuse; None where unreadable
     pid_start: int | None = None
+    #: the client said ``bye``: it writes into none of this connection's put reservations any
+    #: more, so at its close they end instead of becoming orphans (:mod:`ectier.daemon.leases`)
+    writes_over: bool = False
     since: float = field(default_factory=time.time)
     leases: set[int] = field(default_factory=set)
     requests: int = 0

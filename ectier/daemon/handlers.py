@@ -181,6 +181,11 @@ def _op_abort(server: DaemonServer, conn: Connection, lease: int, instance: str 
     return {"aborted": True}
 
 
+def _op_bye(server: DaemonServer, conn: Connection) -> dict[str, Any]:
+    server.writes_over(conn)
+    return {}
+
+
 def _op_get(server: DaemonServer, conn: Connection, key: str, namespace: str | None = None,
             direct: bool = False, hold: bool = False) -> dict[str, Any]:
     assert server.cache is not None
@@ -298,6 +303,7 @@ HANDLERS: dict[str, Callable[..., dict[str, Any]]] = {
     "reserve": _op_reserve,
     "commit": _op_commit,
     "abort": _op_abort,
+    "bye": _op_bye,
     "get": _op_get,
     "prefetch": _op_prefetch,
     "release": _op_release,

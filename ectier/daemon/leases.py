@@ -13,7 +13,9 @@ passed, or its connection closed) becomes an *orphan*: its blocks stay reserved,
 is written into them while the process may still be copying into its writable mapping of the
 arena (a stalled client resuming after ``daemon.lease_s`` would otherwise overwrite another
 entry's bytes). An orphan ends, and its blocks return, when the process says it is done (an
-``abort`` naming the lease and this daemon run, from any of its connections) or exits.
+``abort`` naming the lease and this daemon run, from any of its connections) or exits. A client
+that says ``bye`` on a connection writes into none of its reservations any more: they end at its
+close instead (an orphan comes only from a closed connection: expiry closes it).
 
 Locking: the book is guarded by the server's lock, which also guards the connections, so that a
 connection's lease set and the book change together. :meth:`LeaseBook.grant`,
@@ -195,7 +197,8 @@ class LeaseBook:
         """Whether ``lease`` is a put reservation in the arena (its client writes the blocks
         through its own mapping), which must become an orphan rather than end while the client
         process lives (module docstring)."""
-        return lease.kind == "put" and isinstance(lease.handle, WriteLease) and lease.conn is not None
+        return (lease.kind == "put" and isinstance(lease.handle, WriteLease) and lease.conn is not None
+                and not lease.conn.writes_over)
 
     def orphan_locked(self, lease: Lease) -> None:
         """Keep ``lease`` (taken from the book) reserved for its process (module docstring)."""

@@ -152,8 +152,9 @@ MAX_DIMS = 32
 #: in batches with ``release``'s ``leases``; see :mod:`ectier.daemon.holders`), ``orphans``
 #: (``instance`` on ``abort``: a put whose lease expired, or whose connection closed, keeps its
 #: blocks reserved until its process aborts it from any connection or exits; see
-#: :mod:`ectier.daemon.leases`)
-FEATURES = ("prefetch", "direct", "view", "orphans")
+#: :mod:`ectier.daemon.leases`), ``bye`` (the client writes into none of its connection's
+#: reservations any more: they end at the close instead of becoming orphans)
+FEATURES = ("prefetch", "direct", "view", "orphans", "bye")
 
 #: op -> {argument: (types, required)}
 OPS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
@@ -163,6 +164,7 @@ OPS: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
                 "direct": (_BOOL, False)},
     "commit": {"lease": (_INT, True)},
     "abort": {"lease": (_INT, True), "instance": (_STR, False)},
+    "bye": {},
     "get": {"key": (_STR, True), "namespace": (_STR, False), "direct": (_BOOL, False), "hold": (_BOOL, False)},
     "prefetch": {"keys": (_LIST, True), "namespace": (_STR, False), "direct": (_BOOL, False), "pin": (_LIST, False)},
     "release": {"lease": (_INT, False), "leases": (_LIST, False), "instance": (_STR, False)},

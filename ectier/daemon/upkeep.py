@@ -106,6 +106,12 @@ class LeaseUpkeep:
         with self._lock:
             return self.leases.orphan_counts_locked()
 
+    def writes_over(self, conn: Connection) -> None:
+        """``conn``'s client writes into none of its reservations any more (``bye``): at its close
+        they end rather than become orphans."""
+        with self._lock:
+            conn.writes_over = True
+
     def end_orphan(self, conn: Connection, lease_id: int) -> bool:
         """End orphan ``lease_id`` if ``conn``'s process holds it (it says its copy is over: an
         ``abort`` naming it); True if it did."""

@@ -1,0 +1,121 @@
+"""A client that will write into none of its connection's put reservations any more says ``bye``
+before it closes: the daemon then ends those reservations at the close instead of keeping them as
+orphans for the life of the client process (docs/protocol.md, ``bye``). ``DaemonClient`` says it
+whenever it drops a connection, also when an exception (a signal's, say) interrupts its wait for
+``reserve``'s reply: the reply, and the reservation it granted, would reach nobody (found by a
+review, 2026-12-07: such a reservation stayed reserved until the process exited).
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from daemon_helpers import MiB, daemon_config, daemon_stats, remove_dir, serve_in_thread, short_tmpdir, wait_for
+from ectier import CacheConfig
+from ectier.daemon.client import DaemonClient
+from ectier.daemon.protocol import PROTOCOL_VERSION, FrameDecoder, encode_frame
+
+ENTRY = 6 * MiB
+LEASE_S = 0.5
+
+
+@pytest.fixture
+def daemon():
+    """A daemon in this process: 16 MiB arena, no NVMe, leases of 0.5 s."""
+    d = short_tmpdir()
+    server, t = serve_in_thread(CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=16 * MiB,
+                                                                    lease_s=LEASE_S)))
+    try:
+        yield server
+    finally:
+        server.stop()
+        t.join(10)
+        remove_dir(d)
+
+
+def _held(sock: str) -> tuple[dict, dict]:
+    st = daemon_stats(sock)["daemon"]
+    return st["leases"], st["orphaned_puts"]
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_a_put_interrupted_while_waiting_for_its_reservation_leaves_nothing_reserved(daemon, monkeypatch):
+    sock = daemon.socket_path
+    real, granted = daemon.cache.reserve, threading.Event()
+
+    def slow(*a, **kw):
+        time.sleep(0.4)
+        try:
+            return real(*a, **kw)
+        finally:
+            granted.set()
+
+    def interrupt(signum, frame):
+        raise Interrupted("the engine was told to stop")
+
+    monkeypatch.setattr(daemon.cache, "reserve", slow)
+    old = signal.signal(signal.SIGUSR1, interrupt)
+    c = DaemonClient(sock)
+    try:
+        c.connect()
+        main = threading.main_thread().ident
+        threading.Timer(0.1, lambda: signal.pthread_kill(main, signal.SIGUSR1)).start()
+        with pytest.raises(Interrupted):
+            c.put("k", torch.ones(ENTRY, dtype=torch.uint8))
+        assert granted.wait(10)
+        monkeypatch.undo()
+        time.sleep(3 * LEASE_S)  # past the lease's deadline: on the old code, an orphan until exit
+        assert _held(sock) == ({"put": 0, "get": 0}, {"leases": 0, "bytes": 0})
+        t = torch.arange(2 * ENTRY // 8, dtype=torch.int64)  # 12 of 16 MiB: the blocks came back
+        c.put("after", t)
+        assert torch.equal(c.get("after"), t)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        c.close()
+
+
+def _raw(sock_path: str) -> tuple[socket.socket, FrameDecoder]:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(sock_path)
+    dec = FrameDecoder()
+    assert "bye" in _ask(s, dec, 1, "hello", version=PROTOCOL_VERSION, client="raw")["features"]
+    return s, dec
+
+
+def _ask(s: socket.socket, dec: FrameDecoder, rid: int, op: str, **args) -> dict:
+    s.sendall(encode_frame({"id": rid, "op": op, **args}))
+    while True:
+        for msg in dec.feed(s.recv(65536)):
+            assert msg["id"] == rid and msg.get("ok"), msg
+            return msg
+
+
+@pytest.mark.parametrize("says_bye", [True, False])
+def test_a_connection_closed_after_bye_keeps_no_orphan(daemon, says_bye):
+    """The control case (no ``bye``) keeps the orphan: the client may still be copying."""
+    sock = daemon.socket_path
+    s, dec = _raw(sock)
+    _ask(s, dec, 2, "reserve", key="k", dtype="uint8", shape=[ENTRY])
+    if says_bye:
+        _ask(s, dec, 3, "bye")
+    s.close()
+    wait_for(lambda: _held(sock)[0]["put"] == 0, what="the reservation to leave its closed connection")
+    assert _held(sock)[1] == ({"leases": 0, "bytes": 0} if says_bye else {"leases": 1, "bytes": ENTRY})
+
+
+def test_close_after_a_low_level_reserve_keeps_no_orphan(daemon):
+    sock = daemon.socket_path
+    c = DaemonClient(sock)
+    c.call("reserve", key="k", dtype="uint8", shape=[ENTRY])
+    c.close()
+    wait_for(lambda: _held(sock)[0]["put"] == 0, what="the reservation to end")
+    assert _held(sock)[1] == {"leases": 0, "bytes": 0}
