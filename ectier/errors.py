@@ -40,6 +40,7 @@ __all__ = [
     "EntryTooLargeError",
     "InvalidArgumentError",
     "InvalidLeaseError",
+    "LeaseExpiredError",
     "StoreLockedError",
     "StoreOpenError",
     "StoreDamagedError",
@@ -111,6 +112,12 @@ class InvalidLeaseError(InvalidArgumentError, TypeError):
     cache's lease is refused too, and neither cache changes). An :class:`InvalidArgumentError`
     (so a ``ValueError``) and a ``TypeError`` too, as such a wrong type was before. The message
     names the argument and the type given."""
+
+
+class LeaseExpiredError(EctierError):
+    """The daemon answered ``commit`` for a lease it no longer holds: it passed ``daemon.lease_s``
+    (or its connection closed) before the commit arrived, so the put was not stored. Retry the put
+    (``DaemonClient.put`` does, once, giving the old reservation back)."""
 
 
 class StoreLockedError(EctierError):

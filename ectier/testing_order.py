@@ -37,6 +37,7 @@ class SyncOrderCheck:
         self._lock = threading.Lock()
         self._seq = 0
         self._unsynced: dict[int, int] = {}  # block -> sequence number of the write that completed last
+        self._writing: dict[int, int] = {}  # block -> writes into it in progress now
         self.writes = 0
         self.syncs = 0
         self.violations: list[str] = []
@@ -69,9 +70,9 @@ class SyncOrderCheck:
 
     def committing(self, values: list[bytes]) -> None:
         """Rule 1 at the commit itself: the index entries ``values`` about to commit point at no
-        block written since the last sync."""
+        block written since the last sync, nor at one being written now."""
         with self._lock:
-            unsynced = set(self._unsynced)
+            unsynced = set(self._unsynced) | set(self._writing)
         for raw in values:
             try:
                 _, loc = parse_index_value(raw)
@@ -84,6 +85,9 @@ class SyncOrderCheck:
     def before_write(self, loc: Location) -> None:
         self.check("write")
         blocks = _blocks(loc)
+        with self._lock:
+            for b in blocks:
+                self._writing[b] = self._writing.get(b, 0) + 1
         for digest, held in self.committed().items():
             bad = blocks & held
             if bad:
@@ -91,11 +95,16 @@ class SyncOrderCheck:
                                 "is committed over them")
 
     def after_write(self, loc: Location) -> None:
+        """A write into ``loc`` ended (also when it raised: its blocks count as written)."""
         with self._lock:
             self._seq += 1
             self.writes += 1
             for b in _blocks(loc):
                 self._unsynced[b] = self._seq
+                if self._writing.get(b, 0) > 1:
+                    self._writing[b] -= 1
+                else:
+                    self._writing.pop(b, None)
 
     def before_sync(self) -> int:
         self.check("sync")
@@ -107,6 +116,14 @@ class SyncOrderCheck:
         with self._lock:
             self.syncs += 1
             self._unsynced = {b: s for b, s in self._unsynced.items() if s > seq}
+
+    def truncating(self, nblocks: int) -> None:
+        """Rule 2 for a truncation: no committed entry points at a block past ``nblocks``."""
+        for digest, held in self.committed().items():
+            cut = sorted(b for b in held if b >= nblocks)
+            if cut:
+                self._violation(f"truncate: blocks {cut[:8]} cut off while entry {digest.hex()[:16]} "
+                                "is committed over them")
 
     def truncated(self, nblocks: int) -> None:
         with self._lock:
@@ -180,9 +197,10 @@ def check_sync_order(cache: TieredCache) -> Iterator[SyncOrderCheck]:
 
     def write(loc, src):
         check.before_write(loc)
-        result = real_write(loc, src)
-        check.after_write(loc)
-        return result
+        try:
+            return real_write(loc, src)
+        finally:
+            check.after_write(loc)
 
     def flush():
         seq = check.before_sync()
@@ -190,6 +208,7 @@ def check_sync_order(cache: TieredCache) -> Iterator[SyncOrderCheck]:
         check.after_sync(seq)
 
     def truncate_blocks(nblocks):
+        check.truncating(nblocks)
         real_truncate(nblocks)
         check.truncated(nblocks)
 

@@ -36,7 +36,7 @@ from daemon_helpers import (
 from ectier import CacheConfig
 from ectier.daemon.client import DaemonClient, DaemonUnavailableError
 from ectier.daemon.protocol import encode_frame
-from ectier.errors import EctierError
+from ectier.errors import LeaseExpiredError
 
 
 # ================================================================================= ownership
@@ -166,7 +166,7 @@ def test_commit_after_the_lease_expired_fails(restricted):
         time.sleep(1.2)
         with pytest.raises(DaemonUnavailableError):  # its connection was closed
             c.call("commit", retry=False, lease=r["lease"])
-        with pytest.raises(EctierError, match="unknown or expired"):  # and the lease is gone
+        with pytest.raises(LeaseExpiredError, match="unknown or expired"):  # and the lease is gone
             c.call("commit", lease=r["lease"])
         assert not c.contains("late-commit")
         # its blocks stay reserved for this process until it says its copy is over

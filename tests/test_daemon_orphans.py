@@ -233,3 +233,21 @@ def test_leases_still_expire_when_the_daemon_has_descriptors_past_1024():
         t.join(10)
         remove_dir(d)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_without_pidfds_an_exited_child_not_yet_reaped_counts_as_dead(monkeypatch):
+    """Where ``pidfd_open`` is missing (Linux < 5.3) the reaper falls back to ``kill(pid, 0)``,
+    which a zombie passes: an exited client whose parent has not waited for it kept its orphans."""
+    from ectier.daemon.holders import Holders
+
+    monkeypatch.delattr(os, "pidfd_open", raising=False)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    holders = Holders(0)
+    try:
+        assert holders.watch_locked(child.pid)
+        wait_for(lambda: open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", 10,
+                 what="the child to exit (a zombie: not waited for)")
+        assert holders.dead_locked() == [child.pid]
+    finally:
+        child.wait()
+        holders.close_locked()

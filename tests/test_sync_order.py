@@ -115,6 +115,16 @@ def test_the_checker_catches_each_rule(make_cache):
         n = len(check.violations)
         check.check("test")
         assert len(check.violations) == n  # synced: nothing more
+        check.before_write(loc)  # a write in progress: an entry committing over it is caught
+        check.committing([raw])
+        assert check.violations[-1].startswith("commit:")
+        check.after_write(loc)
+        check.after_sync(check.before_sync())
+        n = len(check.violations)
+        check.truncating(min(blocks))  # cutting the segment under a committed entry
+        assert len(check.violations) == n + 1 and check.violations[-1].startswith("truncate:")
+        check.truncating(max(blocks) + 1)
+        assert len(check.violations) == n + 1
         check.violations.clear()
 
 

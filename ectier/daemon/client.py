@@ -249,6 +249,8 @@ class DaemonClient(Transport, ViewCalls):
         Raises:
             InvalidKeyError, InvalidTensorError, EntryTooLargeError, TierWriteError: as
             :meth:`ectier.TieredCache.put`. DaemonUnavailableError: daemon unreachable.
+            LeaseExpiredError: the reservation expired before the commit, twice (the client
+            stalled for longer than ``daemon.lease_s`` on both tries).
         """
         from ..tensors import byte_view, meta_for
 
@@ -286,7 +288,7 @@ class DaemonClient(Transport, ViewCalls):
                         del arena  # before a scratch file's mapping is closed
                     self.call("commit", retry=False, lease=lease)
                     return
-                except DaemonUnavailableError:
+                except (DaemonUnavailableError, errors.LeaseExpiredError):  # (expired: now an orphan)
                     if attempt == 1:
                         self._give_back(lease, run)
                         raise  # the daemon restarted mid-put twice, or keeps losing the connection; give up

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .. import __version__
 from ..cache import ReadLease
-from ..errors import EctierError, EntryTooLargeError, TierWriteError
+from ..errors import EctierError, EntryTooLargeError, LeaseExpiredError, TierWriteError
 from ..logutil import RateLimitedLogger
 from ..tensors import meta_from_spec
 from .connections import Connection
@@ -163,7 +163,7 @@ def _direct_put(server: DaemonServer, conn: Connection, key: str, dtype: str, sh
 def _op_commit(server: DaemonServer, conn: Connection, lease: int) -> dict[str, Any]:
     held = server.leases.take(conn, lease, "put")
     if held is None:
-        raise EctierError(f"commit: lease {lease} is unknown or expired; the put was aborted, retry it")
+        raise LeaseExpiredError(f"commit: lease {lease} is unknown or expired; the put was not stored, retry it")
     assert server.cache is not None
     h = held.handle
     key, ns = (h.key, h.namespace) if isinstance(h, DirectPut) else (h.meta.key, h.meta.namespace)

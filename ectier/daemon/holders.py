@@ -153,10 +153,17 @@ def process_start(pid: int) -> int | None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (the fallback without pidfds): it exists and is not a zombie (an
+    exited child its parent has not reaped yet holds its pid, but writes nothing any more)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2:][:1] not in (b"Z", b"X")
+    except (OSError, ValueError):
         return True
-    return True
