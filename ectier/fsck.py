@@ -43,8 +43,8 @@ import lmdb
 
 from .codec import RecordHeader, header_nbytes, unpack_header
 from .config import GiB, MiB, NvmeTierConfig
-from .errors import CorruptRecordError, StoreLockedError, StoreOpenError
-from .tiers.lmdbcheck import check_tree
+from .errors import CorruptRecordError, StoreDamagedError, StoreLockedError, StoreOpenError
+from .tiers.lmdbcheck import check_tree, lost_index
 from .tiers.nvme import RELEASE_MARKER, STORE_FORMAT, EncodedRecord, NvmeTier, check_record
 from .tiers.nvme_record import parse_index_value
 from .fsck_pages import page_pass
@@ -198,6 +198,11 @@ def repair(path: str | os.PathLike) -> RepairResult:
 def _locked(store: Path) -> Iterator[None]:
     data_file = store / "lmdb" / "data.mdb"
     if not data_file.is_file():
+        lost = lost_index(store, SEGMENT_NAME)
+        if lost is not None:
+            raise StoreDamagedError(f"--path: the store in {str(store)!r} lost its index ({lost}): its payloads "
+                                    "cannot be matched to keys without it, so nothing can be salvaged; remove "
+                                    "the directory to start afresh")
         raise StoreOpenError(f"--path: {str(store)!r} is not an ectier store directory (no lmdb/data.mdb in it)")
     try:
         lock = open(store / "ectier.lock", "a+")
@@ -228,7 +233,8 @@ def _check(store: Path) -> FsckReport:
 
 
 def _open_readonly(lmdb_dir: Path) -> lmdb.Environment:
-    problem = check_tree(lmdb_dir / "data.mdb")  # LMDB would abort the process on a malformed page
+    problem = lost_index(lmdb_dir.parent, SEGMENT_NAME) or check_tree(lmdb_dir / "data.mdb")  # (LMDB would
+    # abort the process on a malformed page, and take a lost index for a new store)
     if problem is not None:
         raise lmdb.CorruptedError(problem)
     # (a live page past the end of data.mdb, a SIGBUS through LMDB's map, is found by the walk)

@@ -27,7 +27,7 @@ import struct
 from .lmdbpages import (_NODE, _OVERFLOW_HEAD, _PAGE_HEAD, _PAGE_SIZES, _PAGEHDRSZ, F_BIGDATA, F_DUPDATA, F_SUBDATA,
                         MDB_MAGIC, P_BRANCH, P_LEAF, P_LEAF2, P_META, P_OVERFLOW, P_SUBP)
 
-__all__ = ["check_tree"]
+__all__ = ["check_tree", "lost_index"]
 
 #: ``MDB_db``: pad (the page size, in the free database's record of a meta page), flags, depth,
 #: branch pages, leaf pages, overflow pages, entries, root
@@ -65,6 +65,27 @@ def check_tree(path: str | os.PathLike) -> str | None:
         return None
     finally:
         os.close(fd)
+
+
+def lost_index(store: str | os.PathLike, segment_name: str = "segment.0") -> str | None:
+    """Why the store in directory ``store`` lost its index, or ``None``: ``lmdb/data.mdb`` is
+    missing or empty (what :func:`check_tree` takes for a new store) while the payload segment
+    holds bytes, which only a store that had an index can have (payloads are written before the
+    index entries that point at them, docs/reliability.md). Opening it as new would drop them all."""
+    store = os.fspath(store)
+    try:
+        seg_bytes = os.stat(os.path.join(store, segment_name)).st_size
+    except OSError:
+        return None
+    if seg_bytes == 0:
+        return None
+    try:
+        size = os.stat(os.path.join(store, "lmdb", "data.mdb")).st_size
+    except FileNotFoundError:
+        return f"lmdb/data.mdb is missing while {segment_name} holds {seg_bytes} bytes of payloads"
+    if size == 0:
+        return f"lmdb/data.mdb is empty while {segment_name} holds {seg_bytes} bytes of payloads"
+    return None
 
 
 class _Walk:

@@ -25,7 +25,7 @@ from ..config import NvmeTierConfig
 from ..entry import entry_digest
 from ..errors import (ConfigError, CorruptRecordError, EctierError, StoreDamagedError, StoreLockedError,
                       StoreOpenError, TierWriteError)
-from .lmdbcheck import check_tree
+from .lmdbcheck import check_tree, lost_index
 from .nvme_index import NvmeIndex, NvmeRecord
 from .nvme_errors import NvmeDiskFullError, lmdb_write_error, write_error, write_error_text  # noqa: F401 (re-exported)
 from .nvme_migrate import migrate_v1
@@ -237,7 +237,7 @@ class NvmeEnv:
             StoreOpenError: another LMDB error, or a store of another format.
         """
         try:  # before LMDB walks a page: it aborts the process on a malformed one
-            problem = check_tree(self.path / "lmdb" / "data.mdb")
+            problem = lost_index(self.path, SEGMENT_NAME) or check_tree(self.path / "lmdb" / "data.mdb")
         except OSError as exc:
             raise StoreOpenError(f"nvme.path: cannot read {str(self.path / 'lmdb' / 'data.mdb')!r}: "
                                  f"{exc.strerror or exc}") from None

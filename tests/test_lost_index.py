@@ -1,0 +1,78 @@
+"""A store whose LMDB index is gone (``lmdb/data.mdb`` emptied or deleted, ``lmdb/`` removed) while
+``segment.0`` still holds payloads is damaged, not new: opening it as a new store cut the segment
+to 0 bytes without a word (found by a newcomer run, 2026-12-07). Now the open is refused with
+``StoreDamagedError`` and nothing is changed; ``nvme.on_damaged: reset`` starts afresh (the old
+store moved aside); ``ectier fsck`` calls it damaged.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import MiB, assert_same, filled, make_config
+from ectier import StoreDamagedError, TieredCache
+from ectier.cli import main
+
+
+def _store(path):
+    cfg = make_config(path, host_bytes=0, nvme_bytes=64 * MiB)
+    with TieredCache(cfg) as cache:
+        for i in range(5):
+            cache.put(f"k{i}", filled(300_000, i))
+    return cfg
+
+
+LOSSES = {
+    "emptied": lambda store: open(store / "lmdb" / "data.mdb", "w").close(),
+    "deleted": lambda store: os.unlink(store / "lmdb" / "data.mdb"),
+    "lmdb dir removed": lambda store: shutil.rmtree(store / "lmdb"),
+}
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_a_store_that_lost_its_index_is_refused_and_left_as_it_is(tmp_path, loss):
+    store = tmp_path / "nvme"
+    cfg = _store(store)
+    seg_bytes = (store / "segment.0").stat().st_size
+    LOSSES[loss](store)
+    with pytest.raises(StoreDamagedError, match=r"lmdb/data.mdb is (empty|missing) while segment.0 holds"):
+        TieredCache(cfg)
+    assert (store / "segment.0").stat().st_size == seg_bytes  # on the old code: cut to 0
+
+
+def test_on_damaged_reset_starts_afresh_and_keeps_the_old_store_aside(tmp_path):
+    store = tmp_path / "nvme"
+    _store(store)
+    LOSSES["emptied"](store)
+    with TieredCache(make_config(store, host_bytes=0, nvme_bytes=64 * MiB, on_damaged="reset")) as cache:
+        assert len(cache) == 0 and cache.stats()["tiers"]["nvme"]["damaged_resets"] == 1
+        cache.put("new", filled(1000, 7))
+        assert_same(cache.get("new"), filled(1000, 7))
+    assert len(list(store.glob("damaged-*"))) == 1
+
+
+def test_fsck_calls_a_lost_index_damaged(tmp_path):
+    runner = CliRunner()
+    emptied, removed = tmp_path / "a", tmp_path / "b"
+    for store, loss in ((emptied, "emptied"), (removed, "lmdb dir removed")):
+        _store(store)
+        LOSSES[loss](store)
+    r = runner.invoke(main, ["fsck", "--path", str(emptied)])
+    assert r.exit_code == 1 and "data.mdb is empty while segment.0 holds" in r.output, r.output
+    r = runner.invoke(main, ["fsck", "--path", str(removed)])
+    assert r.exit_code == 2 and "lost its index" in r.output and "nothing can be salvaged" in r.output, r.output
+
+
+def test_a_new_store_and_an_emptied_store_without_payloads_still_open(tmp_path):
+    with TieredCache(make_config(tmp_path / "new", host_bytes=0, nvme_bytes=64 * MiB)) as cache:
+        cache.put("x", filled(10, 1))
+    store = tmp_path / "empty"
+    with TieredCache(make_config(store, host_bytes=0, nvme_bytes=64 * MiB)):
+        pass  # (no put: segment.0 holds nothing)
+    LOSSES["emptied"](store)
+    with TieredCache(make_config(store, host_bytes=0, nvme_bytes=64 * MiB)) as cache:
+        assert len(cache) == 0
