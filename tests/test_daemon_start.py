@@ -83,3 +83,32 @@ def test_a_relative_socket_path_is_logged_and_reported_absolute(monkeypatch, cap
             server.stop()
             t.join(10)
         remove_dir(d)
+
+
+def test_sighup_stops_the_daemon_cleanly_and_flushes():
+    """A foreground ``ectier serve`` whose terminal or ssh session closes gets SIGHUP: it used to
+    die at once (exit 129), leaving its socket and arena and losing write-back entries."""
+    import signal
+
+    import torch
+
+    from daemon_helpers import DaemonProcess, wait_for
+
+    d = short_tmpdir()
+    proc = None
+    try:
+        cfg = daemon_config(d, nvme=True, host_bytes=4 * MiB)
+        sock = cfg["daemon"]["socket_path"]
+        proc = DaemonProcess(write_config(os.path.join(d, "cfg.json"), cfg), sock, via="script").start()
+        with DaemonClient(sock) as c:
+            c.put("kept", torch.arange(1000, dtype=torch.int32))  # write-back: only in the arena
+        proc.proc.send_signal(signal.SIGHUP)
+        assert proc.proc.wait(30) == 0, proc.log()
+        assert not os.path.exists(sock) and [f for f in os.listdir(d) if f.endswith(".arena")] == []
+        proc = DaemonProcess(os.path.join(d, "cfg.json"), sock).start()
+        with DaemonClient(sock) as c:
+            assert torch.equal(c.get("kept"), torch.arange(1000, dtype=torch.int32))
+    finally:
+        if proc is not None:
+            proc.stop()
+        remove_dir(d)

@@ -54,7 +54,7 @@ def load_config(path: Optional[str]) -> CacheConfig:
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 def serve(config_path: Optional[str], socket_path: Optional[str], log_level: str) -> None:
-    """Run the cache daemon in the foreground (stop with SIGTERM or Ctrl-C).
+    """Run the cache daemon in the foreground (stop with SIGTERM, SIGHUP or Ctrl-C).
 
     It owns the host tier (an arena in daemon.shm_dir that clients map) and the NVMe tier, and
     serves engines over a Unix socket (msgpack; see docs/protocol.md).

@@ -245,7 +245,7 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
             os.close(dir_fd)
 
     def serve_forever(self) -> None:
-        """Accept connections until :meth:`stop` (or SIGTERM/SIGINT via :func:`run_daemon`), then
+        """Accept connections until :meth:`stop` (or SIGTERM/SIGINT/SIGHUP via :func:`run_daemon`), then
         shut down (also when this raises: the cache is flushed and the socket file removed).
 
         Out of descriptors or memory at ``accept`` (EMFILE, ENFILE, ENOBUFS, ENOMEM) the daemon
@@ -363,7 +363,9 @@ def _metrics_bind_error(cfg: Any, exc: OSError) -> str:
 
 
 def run_daemon(config: CacheConfig) -> int:
-    """Run a daemon in the foreground until SIGTERM/SIGINT; returns the exit code (0)."""
+    """Run a daemon in the foreground until SIGTERM, SIGINT or SIGHUP (each a clean stop: requests
+    in flight finished, host entries flushed when ``nvme.flush_on_close``, socket and arena
+    removed); returns the exit code (0)."""
     server = DaemonServer(config)
 
     def _on_signal(signum: int, frame: object) -> None:
@@ -371,7 +373,9 @@ def run_daemon(config: CacheConfig) -> int:
         server.stop()
 
     # before start(): a SIGTERM that arrives once the socket exists must still clean up
-    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    # SIGHUP too: the terminal or ssh session of a foreground `ectier serve` closed (its default
+    # ends the process with no flush: write-back entries only in the arena were lost)
+    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         server.start()
         server.serve_forever()
