@@ -76,3 +76,18 @@ def test_a_new_store_and_an_emptied_store_without_payloads_still_open(tmp_path):
     LOSSES["emptied"](store)
     with TieredCache(make_config(store, host_bytes=0, nvme_bytes=64 * MiB)) as cache:
         assert len(cache) == 0
+
+
+def test_a_missing_segment_quarantines_its_records_with_one_line(tmp_path, caplog):
+    """The payloads gone, the index kept: every record is quarantined (a miss, counted) and the
+    log says so in one line per reason, not one per record (100,000 records: 100,000 lines)."""
+    import logging
+
+    store = tmp_path / "nvme"
+    cfg = _store(store)
+    os.unlink(store / "segment.0")
+    with caplog.at_level(logging.WARNING, logger="ectier"), TieredCache(cfg) as cache:
+        assert cache.get("k0") is None and len(cache) == 0
+        assert cache.stats()["tiers"]["nvme"]["quarantined"] == 5
+    lines = [r.getMessage() for r in caplog.records if "quarantined" in r.getMessage()]
+    assert len(lines) == 1 and "quarantined 5 record(s)" in lines[0] and "past the end" in lines[0], lines

@@ -373,8 +373,12 @@ class NvmeEnv:
             with self.env.begin(write=True) as txn:
                 for digest, raw, reason in bad:
                     self.quarantine_in(txn, digest, raw, reason)
+            by_reason: dict[str, list[str]] = {}
             for digest, _, reason in bad:
-                log.warning("nvme tier: quarantined record %s at open: %s", digest.hex()[:16], reason)
+                by_reason.setdefault(reason, []).append(digest.hex()[:16])
+            for reason, digests in by_reason.items():  # one line per reason, however many records
+                log.warning("nvme tier: quarantined %d record(s) at open in %s: %s (%s%s)", len(digests), self.path,
+                            reason, ", ".join(digests[:3]), ", ..." if len(digests) > 3 else "")
         log.info("nvme tier: opened %s with %d records, %d bytes", self.path, len(self.index), self.index.used_bytes)
 
     def _overlaps(self, found: dict[bytes, NvmeRecord]) -> tuple[list[tuple[bytes, bytes, str]], list[tuple[int, int]]]:
