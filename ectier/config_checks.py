@@ -40,28 +40,32 @@ _UNITS = {
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
     "t": 1000**4, "tb": 1000**4, "p": 1000**5, "pb": 1000**5, "e": 1000**6, "eb": 1000**6,
     "kib": KiB, "mib": MiB, "gib": GiB, "tib": 1 << 40, "pib": 1 << 50, "eib": 1 << 60,
+    # Kubernetes' quantities ("64Gi"): IEC too
+    "ki": KiB, "mi": MiB, "gi": GiB, "ti": 1 << 40, "pi": 1 << 50, "ei": 1 << 60,
 }
+#: the largest byte count a config takes (what a signed 64-bit size holds: 8 EiB, past any machine)
+MAX_BYTES = (1 << 63) - 1
 _BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(value: int | str, *, field_name: str = "value") -> int:
     """Parse a byte count: an ``int`` or a string such as ``"64GiB"``, ``"512 MB"``, ``"1048576"``.
 
-    IEC suffixes (KiB, MiB, GiB, TiB, PiB, EiB) are powers of 1024; SI suffixes (KB, MB, GB, TB, PB,
+    IEC suffixes (KiB, MiB, GiB, TiB, PiB, EiB, or Kubernetes' Ki/Mi/Gi/Ti/Pi/Ei) are powers of 1024; SI suffixes (KB, MB, GB, TB, PB,
     EB, or K/M/G/T/P/E) are powers of 1000; units are read case-insensitively, except that an
     upper-case prefix with a lower-case ``b`` (``"10Mb"``, ``"1Gib"``) is the usual spelling of bits
     and is refused. Returns bytes as ``int``.
 
     Raises:
-        ConfigError: naming ``field_name`` when the value is negative, fractional in bytes, of the
-            wrong type, or has an unknown unit.
+        ConfigError: naming ``field_name`` when the value is negative, above :data:`MAX_BYTES`,
+            fractional in bytes, of the wrong type, or has an unknown unit.
     """
     if isinstance(value, bool):
         raise ConfigError(f"{field_name}: expected a byte count, got bool {value!r}")
     if isinstance(value, int):
         if value < 0:
             raise ConfigError(f"{field_name}: must be >= 0 bytes, got {value}")
-        return value
+        return _at_most_max(value, field_name)
     if isinstance(value, str):
         m = _BYTES_RE.match(value)
         neg = _BYTES_RE.match(value.strip()[1:]) if m is None and value.strip().startswith("-") else None
@@ -75,13 +79,19 @@ def parse_bytes(value: int | str, *, field_name: str = "value") -> int:
         if len(unit) > 1 and unit.endswith("b") and unit != unit.lower():  # "10Mb": megabits, by convention
             raise ConfigError(
                 f"{field_name}: {value!r} reads as bits (lower-case b after an upper-case prefix); "
-                f"write bytes, e.g. '{m.group(1)}{unit[:-1].upper()}B' or '{m.group(1)}{unit[0].upper()}iB'"
+                f"write bytes, e.g. '{m.group(1)}{unit[0].upper()}iB' or '{m.group(1)}{unit[0].upper()}B'"
             )
         number = Fraction(m.group(1)) * _UNITS[unit.lower()]  # exact: float loses bytes past 2**53
         if number.denominator != 1:
             raise ConfigError(f"{field_name}: {value!r} is not a whole number of bytes")
-        return int(number)
+        return _at_most_max(int(number), field_name)
     raise ConfigError(f"{field_name}: expected int or str byte count, got {type(value).__name__}")
+
+
+def _at_most_max(n: int, field_name: str) -> int:
+    if n > MAX_BYTES:
+        raise ConfigError(f"{field_name}: {n} bytes is more than any machine has; at most {MAX_BYTES} (2**63 - 1)")
+    return n
 
 
 def format_bytes(n: int | float) -> str:
@@ -135,10 +145,11 @@ def check_bool(name: str, value: Any) -> None:
 
 
 def coerce_bytes(obj: Any, section: str, problems: Problems) -> None:
-    """Let ``*_bytes`` fields of a frozen config take strings such as ``"4GiB"`` too."""
+    """Let ``*_bytes`` fields of a frozen config take strings such as ``"4GiB"`` too; refuse any
+    above :data:`MAX_BYTES` (a torch or OS call would overflow on it later)."""
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        if f.name.endswith("_bytes") and isinstance(value, str):
+        if f.name.endswith("_bytes") and (isinstance(value, str) or isinstance(value, int) and value > MAX_BYTES):
             with problems.check(f"{section}.{f.name}"):
                 object.__setattr__(obj, f.name, parse_bytes(value, field_name=f"{section}.{f.name}"))
 
