@@ -288,8 +288,9 @@ def _config_from_env(cls: type, env: Mapping[str, str], prefix: str, base: Cache
         config = cls.from_dict(data)
     except ConfigError as exc:
         for message in exc.problems:
-            problems.append(message)
-            bad_vars.extend(var for dotted, var in set_by.items() if _names(message, dotted))
+            names = [var for dotted, var in set_by.items() if _names(message, dotted)]
+            problems.append(message + (f" (from {', '.join(names)})" if names else ""))
+            bad_vars.extend(names)
         config = None
     if config is not None and cls is CacheConfig:  # the file under them judged here (deferred), not a program's base
         judge_base = outer or (file_read is not None)
@@ -344,14 +345,20 @@ def _names(message: str, dotted: str) -> bool:
 def _env_target(data: dict[str, Any], name: str, path: list[str], prefix: str) -> dict[str, Any]:
     """The section dict of ``data`` that the variable ``name`` (split into ``path``) sets a field of."""
     target = data
+    sections = [k for k, v in data.items() if isinstance(v, dict)]
     for part in path[:-1]:
         if not isinstance(target.get(part), dict):
-            raise ConfigError(f"{name}: no config section {part!r}")
+            hint = difflib.get_close_matches(part, sections, n=1) if target is data else []
+            raise ConfigError(f"{name}: no config section {part!r}" + (
+                f"; did you mean {prefix}{'__'.join([hint[0], *path[1:]]).upper()}?" if hint else
+                f" (sections: {', '.join(sections)})" if target is data else ""))
         target = target[part]
     leaf = path[-1]
     if leaf not in target or isinstance(target[leaf], dict):
         known = [k for k, v in target.items() if not isinstance(v, dict)]
         hint = difflib.get_close_matches(leaf, known, n=1)
+        if not hint and len(path) == 1:  # ECTIER_HOST_CAPACITY_BYTES: a section and a field, one "_" apart
+            hint = [f"{s}__{leaf[len(s) + 1:]}" for s in sections if leaf.startswith(s + "_")][:1]
         raise ConfigError(
             f"{name}: unknown setting {'.'.join(path)!r}"
             + (f"; did you mean {prefix}{'__'.join(path[:-1] + hint).upper()}?" if hint else "")

@@ -195,6 +195,29 @@ def test_serve_reports_all_problems_of_its_config_file(runner, tmp_path, monkeyp
     _usage_error(result, "Invalid value for --config", "host.capacity_bytes", "nvme.codec", "daemon.max_clients")
 
 
+def test_serve_reports_a_bad_file_and_bad_variables_together(runner, tmp_path, monkeypatch):
+    """A bad --config hid the variables' problems: a second run then showed new ones."""
+    _clean_env(monkeypatch)
+    path = tmp_path / "c.yaml"
+    path.write_text("host:\n  capacity_bytes: lots\n")
+    env = {"ECTIER_DAEMON__LEASE_S": "-3", "ECTIER_HOST__CAPACITY_BYTE": "1"}
+    result = runner.invoke(main, ["serve", "--config", str(path)], env=env)
+    error = _usage_error(result, "--config", "ECTIER_DAEMON__LEASE_S", "ECTIER_HOST__CAPACITY_BYTE",
+                         "host.capacity_bytes", "(from ECTIER_DAEMON__LEASE_S)", "did you mean ECTIER_HOST__CAPACITY_BYTES?")
+    assert "would do nothing" not in error
+
+
+@pytest.mark.parametrize("name, hint", [
+    ("ECTIER_HOST_CAPACITY_BYTES", "did you mean ECTIER_HOST__CAPACITY_BYTES?"),  # one "_" for "__"
+    ("ECTIER_HOSTS__CAPACITY_BYTES", "did you mean ECTIER_HOST__CAPACITY_BYTES?"),
+    ("ECTIER_XYZ__A", "(sections: host, "),
+])
+def test_a_misspelt_variable_gets_a_hint(name, hint):
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.from_env({name: "1"})
+    assert info.value.env_vars == (name,) and hint in str(info.value), str(info.value)
+
+
 # ------------------------------------------------------------------------ daemon.socket_mode
 
 

@@ -34,12 +34,27 @@ def load_config(path: Optional[str]) -> CacheConfig:
             try:
                 base = CacheConfig.load(path)
             except ConfigError as exc:
-                raise click.BadParameter(str(exc), param_hint="--config") from None
+                env_problems, env_vars = _env_problems_alone()  # every bad input at once, the variables' too
+                raise click.BadParameter(str(ConfigError(problems=[*exc.problems, *env_problems])),
+                                         param_hint=", ".join(["--config", *env_vars])) from None
         try:
             return CacheConfig.from_env(base=base)
         except ConfigError as exc:
             hint = ", ".join(exc.env_vars) or ("--config" if path is not None else "ECTIER_* variables")
             raise click.BadParameter(str(exc), param_hint=hint) from None
+
+
+def _env_problems_alone() -> tuple[list[str], tuple[str, ...]]:
+    """``(problems, variables)``: the ``ECTIER_*`` variables' own problems, judged over the
+    defaults (reported beside a bad ``--config`` file, which would otherwise hide them): bad
+    values and unknown names; a tier that only the file would have switched on is not judged."""
+    try:
+        with tiers_judged_after_env():
+            CacheConfig.from_env(base=CacheConfig())
+    except ConfigError as exc:
+        kept = [m for m in exc.problems if "would do nothing" not in m]
+        return kept, (exc.env_vars if kept else ())
+    return [], ()
 
 
 # ========================================================================================= serve
