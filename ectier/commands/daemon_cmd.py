@@ -64,7 +64,7 @@ def _env_problems_alone() -> tuple[list[str], tuple[str, ...]]:
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True), default=None,
               help="YAML or JSON config (namespace, prefetch_threads; sections host, gpu, nvme, remote, daemon; "
                    "docs/operations.md); ECTIER_* variables override it.")
-@click.option("--socket", "socket_path", type=click.Path(), default=None, callback=not_empty,
+@click.option("--socket", "socket_path", type=click.Path(readable=False), default=None, callback=not_empty,
               help="Unix socket to listen on (overrides daemon.socket_path).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
@@ -191,7 +191,7 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 
 
 @click.command()
-@click.option("--socket", "socket_path", type=click.Path(), default=None, callback=not_empty,
+@click.option("--socket", "socket_path", type=click.Path(readable=False), default=None, callback=not_empty,
               help="The daemon's socket (default: daemon.socket_path of ECTIER_* / the per-user default).")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw stats as JSON.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, max=3600, min_open=True), default=5.0,

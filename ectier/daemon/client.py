@@ -74,6 +74,10 @@ class DaemonClient(Transport, ViewCalls):
             ``timeout_s``. A healthy daemon answers ``hello`` at once, so a probe of a hung one
             costs this much per ``backoff_s`` window, not ``timeout_s``.
 
+    Raises (at construction): ValueError naming the argument (a time that is not a finite number
+    of seconds >= 0, or not > 0 for ``timeout_s``/``probe_timeout_s``); TypeError (a
+    ``socket_path`` or ``client_name`` that is not a string).
+
     Errors raised by calls: the daemon's typed errors map back onto :mod:`ectier.errors` classes
     (``InvalidKeyError``, ``EntryTooLargeError``, ...); protocol violations raise
     :class:`~ectier.daemon.protocol.ProtocolError`; an unreachable daemon raises
@@ -90,10 +94,18 @@ class DaemonClient(Transport, ViewCalls):
         backoff_s: float = 1.0,
         probe_timeout_s: float = 1.0,
     ) -> None:
-        for name, value in (("timeout_s", timeout_s), ("probe_timeout_s", probe_timeout_s)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"DaemonClient {name}: expected a positive number of seconds, got {value!r}")
-        self.socket_path = socket_path or DaemonConfig().resolved_socket_path()
+        for name, value in (("timeout_s", timeout_s), ("probe_timeout_s", probe_timeout_s),
+                            ("connect_retry_s", connect_retry_s), ("backoff_s", backoff_s)):
+            positive = name in ("timeout_s", "probe_timeout_s")
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not (value > 0 if positive else 0 <= value < float("inf"))):
+                raise ValueError(f"DaemonClient {name}: expected a {'positive' if positive else 'finite, >= 0'} "
+                                 f"number of seconds, got {value!r}")
+        if socket_path is not None and not isinstance(socket_path, (str, os.PathLike)):
+            raise TypeError(f"DaemonClient socket_path: expected a str path, got {type(socket_path).__name__}")
+        if client_name is not None and not isinstance(client_name, str):
+            raise TypeError(f"DaemonClient client_name: expected a str, got {type(client_name).__name__}")
+        self.socket_path = os.fspath(socket_path) if socket_path else DaemonConfig().resolved_socket_path()
         self.client_name = client_name or f"{os.path.basename(os.sys.argv[0] or 'python')}:{os.getpid()}"
         self.timeout_s = timeout_s
         self.connect_retry_s = connect_retry_s

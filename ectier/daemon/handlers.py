@@ -71,7 +71,7 @@ def handle(server: DaemonServer, conn: Connection, msg: dict[str, Any] | Protoco
 def _op_hello(server: DaemonServer, conn: Connection, version: int, client: str = "") -> dict[str, Any]:
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"hello: client speaks protocol {version}, daemon speaks {PROTOCOL_VERSION}")
-    conn.name = client[:200]
+    conn.name = client[:200] or "(unnamed)"
     conn.greeted = True
     return {
         "version": PROTOCOL_VERSION,
