@@ -1,6 +1,7 @@
 """``ectier serve`` start-up as an operator sees it: a start that fails leaves no directory it
-created behind (the socket's parents), and a socket path given relative to the daemon's working
-directory is logged and reported absolute (a client elsewhere needs the whole path).
+created behind (the socket's parents), a socket path or ``nvme.path`` given relative to the
+daemon's working directory is logged and reported absolute (a client elsewhere needs the whole
+path), and SIGHUP stops it cleanly.
 Helpers: tests/daemon_helpers.py."""
 
 from __future__ import annotations
@@ -69,13 +70,17 @@ def test_a_relative_socket_path_is_logged_and_reported_absolute(monkeypatch, cap
     server = t = c = None
     try:
         monkeypatch.chdir(d)
-        cfg = CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=4 * MiB, socket_path="rel.sock"))
-        with caplog.at_level(logging.INFO, logger="ectier.daemon"):
+        raw = daemon_config(d, nvme=True, host_bytes=4 * MiB, socket_path="rel.sock")
+        raw["nvme"]["path"] = "relstore"
+        cfg = CacheConfig.from_dict(raw)
+        with caplog.at_level(logging.INFO, logger="ectier"):
             server, t = serve_in_thread(cfg)
-        where = os.path.join(d, "rel.sock")
-        assert any(f"listening on {where} " in r.getMessage() for r in caplog.records), caplog.text
+        where, store = os.path.join(d, "rel.sock"), os.path.join(d, "relstore")
+        assert any(f"listening on {where} " in r.getMessage() and f"nvme {store};" in r.getMessage()
+                   for r in caplog.records), caplog.text
         c = DaemonClient(where)
-        assert c.stats()["daemon"]["socket"] == where
+        stats = c.stats()
+        assert stats["daemon"]["socket"] == where and stats["tiers"]["nvme"]["path"] == store
     finally:
         if c is not None:
             c.close()

@@ -201,7 +201,7 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
         remote = self.config.remote
         log.info("ectier daemon %s listening on %s (arena %s, %d bytes; nvme %s; remote %s; metrics %s)", __version__,
                  os.path.abspath(self.socket_path), self.arena_path, self.config.host.capacity_bytes,
-                 self.config.nvme.path or "off",
+                 os.path.abspath(self.config.nvme.path) if self.config.nvme.path else "off",
                  "off" if remote.backend == "none" else f"{remote.backend} at {remote.addresses or '-'}",
                  "http://%s:%d/metrics" % self.metrics_address if self.metrics_address else "off")
 

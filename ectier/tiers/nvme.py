@@ -105,7 +105,7 @@ class NvmeTier(Tier):
         if config.path is None:
             raise StoreOpenError("nvme.path: not set; the NVMe tier needs a directory")
         self.config = config
-        self.path = Path(config.path)
+        self.path = Path(os.path.abspath(config.path))  # (logs, stats: whole; a later chdir changes nothing)
         self.codec: Codec = self._make_codec(config)
         self.index = NvmeIndex(config.capacity_bytes, make_policy(config.policy))
         self.counters = {"checksum_failures": 0, "quarantined": 0, "orphans_reclaimed": 0,

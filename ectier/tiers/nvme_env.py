@@ -144,7 +144,7 @@ class NvmeEnv:
 
     def __init__(self, config: NvmeTierConfig, index: NvmeIndex, counters: dict[str, int]) -> None:
         self.config = config
-        self.path = Path(config.path)
+        self.path = Path(os.path.abspath(config.path))
         self.index = index
         self.counters = counters
         self.env: lmdb.Environment | None = None
