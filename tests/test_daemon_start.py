@@ -34,6 +34,10 @@ def test_a_start_failing_on_the_metrics_port_removes_the_socket_directories_it_c
                                             metrics_port=taken.getsockname()[1]))
         assert code == 1 and "daemon.metrics_port" in out, out
         assert sorted(os.listdir(d)) == ["c.json"], "a failed start left directories behind"
+        cfg = daemon_config(d, nvme=True, host_bytes=1 * MiB, metrics_port=taken.getsockname()[1])
+        cfg["nvme"]["path"] = os.path.join(d, "store")
+        code, out = _serve(d, cfg)  # the port is tried first: no NVMe store was created either
+        assert code == 1 and "nvme tier: opened" not in out and sorted(os.listdir(d)) == ["c.json"], out
     finally:
         taken.close()
         remove_dir(d)

@@ -73,12 +73,14 @@ class StatsCollector:
     """A prometheus-client collector that turns ``stats()`` into metric families."""
 
     def __init__(self, stats_fn) -> None:
-        self._stats = stats_fn
+        self._stats = stats_fn  # () -> the stats dict, or None while there are none
 
     def collect(self) -> Iterable[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         s = self._stats()
+        if s is None:  # the daemon is still opening its tiers: no metrics yet
+            return
         tiers = s.get("tiers", {})
         lookups = CounterMetricFamily("ectier_lookups", "Gets by result", labels=["result"])
         lookups.add_metric(["hit"], s.get("hits", 0))
@@ -180,6 +182,6 @@ def start_metrics_server(server, host: str, port: int):
     except ImportError as exc:  # pragma: no cover - a declared dependency
         raise ImportError("daemon.metrics_port needs the prometheus-client package") from exc
     registry = CollectorRegistry()
-    registry.register(StatsCollector(server.stats))
+    registry.register(StatsCollector(lambda: server.stats() if server.cache is not None else None))
     httpd, _thread = start_http_server(port, addr=host, registry=registry)
     return httpd

@@ -146,18 +146,62 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
                                      scratch_dir=self.config.daemon.shm_dir, gid=self.allowed_gid)
 
     def start(self) -> None:
-        """Open the tiers, bind the socket, start the reaper (and metrics). Returns at once.
-        Raises the soft ``RLIMIT_NOFILE`` first where ``daemon.max_clients`` needs it
+        """Start the metrics endpoint, open the tiers, bind the socket, start the reaper. Returns
+        at once. Raises the soft ``RLIMIT_NOFILE`` first where ``daemon.max_clients`` needs it
         (:mod:`ectier.daemon.fdlimit`), and admits at most that limit less ``FD_MARGIN`` client
-        connections (:func:`~ectier.daemon.fdlimit.client_cap`)."""
+        connections (:func:`~ectier.daemon.fdlimit.client_cap`). A start that fails leaves nothing
+        it made behind (metrics first: a port in use fails before any file or store is created).
+
+        Raises:
+            EctierError: naming the knob at fault (``daemon.metrics_port``/``metrics_host``,
+                ``daemon.socket_path``, ``daemon.shm_dir``, ...)."""
         max_clients = self.config.daemon.max_clients
         self.client_cap = client_cap(max_clients, raise_nofile_limit(max_clients))
-        self._created_dirs = claim_socket_path(self.socket_path)
+        self._start_metrics()
         try:
-            self._open_arena()
+            self._created_dirs = claim_socket_path(self.socket_path)
+            try:
+                self._open_arena()
+            except BaseException:
+                remove_created_dirs(self._created_dirs)
+                raise
+            self._listener = self._listen()
         except BaseException:
-            remove_created_dirs(self._created_dirs)
+            self._stop_metrics()
             raise
+        reaper = threading.Thread(target=self._reap_loop, name="ectier-lease-reaper", daemon=True)
+        reaper.start()
+        self._threads.append(reaper)
+        remote = self.config.remote
+        log.info("ectier daemon %s listening on %s (arena %s, %d bytes; nvme %s; remote %s; metrics %s)", __version__,
+                 os.path.abspath(self.socket_path), self.arena_path, self.config.host.capacity_bytes,
+                 os.path.abspath(self.config.nvme.path) if self.config.nvme.path else "off",
+                 "off" if remote.backend == "none" else f"{remote.backend} at {remote.addresses or '-'}",
+                 "http://%s:%d/metrics" % self.metrics_address if self.metrics_address else "off")
+
+    def _start_metrics(self) -> None:
+        """Serve ``/metrics`` when ``daemon.metrics_port`` is set (empty until the cache is open)."""
+        if self.config.daemon.metrics_port is None:
+            return
+        from .metrics import start_metrics_server
+
+        try:
+            self._metrics_server = start_metrics_server(self, self.config.daemon.metrics_host,
+                                                        self.config.daemon.metrics_port)
+        except OSError as exc:
+            raise EctierError(_metrics_bind_error(self.config.daemon, exc)) from None
+        # metrics_port 0 binds an ephemeral port: say which (log and stats)
+        self.metrics_address = (self.config.daemon.metrics_host, self._metrics_server.server_address[1])
+
+    def _stop_metrics(self) -> None:
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
+
+    def _listen(self) -> socket.socket:
+        """The listening socket at ``daemon.socket_path`` (mode, group); on failure the start is
+        undone (:meth:`_abort_start`) and EctierError names ``daemon.socket_path``."""
         listener, bound = None, False
         try:
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -177,33 +221,12 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
                 os.chmod(self.arena_path, 0o660)
             listener.listen(128)
             listener.settimeout(0.2)
+            return listener
         except OSError as exc:
             if listener is not None:
                 listener.close()
             self._abort_start(unlink_socket=bound)
             raise EctierError(f"daemon.socket_path: cannot listen on {self.socket_path!r}: {exc.strerror}") from None
-        if self.config.daemon.metrics_port is not None:
-            from .metrics import start_metrics_server
-
-            try:
-                self._metrics_server = start_metrics_server(self, self.config.daemon.metrics_host,
-                                                            self.config.daemon.metrics_port)
-            except OSError as exc:
-                listener.close()
-                self._abort_start(unlink_socket=True)
-                raise EctierError(_metrics_bind_error(self.config.daemon, exc)) from None
-            # metrics_port 0 binds an ephemeral port: say which (log and stats)
-            self.metrics_address = (self.config.daemon.metrics_host, self._metrics_server.server_address[1])
-        self._listener = listener
-        reaper = threading.Thread(target=self._reap_loop, name="ectier-lease-reaper", daemon=True)
-        reaper.start()
-        self._threads.append(reaper)
-        remote = self.config.remote
-        log.info("ectier daemon %s listening on %s (arena %s, %d bytes; nvme %s; remote %s; metrics %s)", __version__,
-                 os.path.abspath(self.socket_path), self.arena_path, self.config.host.capacity_bytes,
-                 os.path.abspath(self.config.nvme.path) if self.config.nvme.path else "off",
-                 "off" if remote.backend == "none" else f"{remote.backend} at {remote.addresses or '-'}",
-                 "http://%s:%d/metrics" % self.metrics_address if self.metrics_address else "off")
 
     def _abort_start(self, *, unlink_socket: bool = False) -> None:
         """Undo a start that failed after the arena was created: close the cache (which removes
@@ -297,9 +320,7 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
             self.holders.close_locked()
         if self.prefetcher is not None:
             self.prefetcher.close()
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-            self._metrics_server.server_close()
+        self._stop_metrics()
         if self.cache is not None:
             self.cache.close()  # flushes host entries to NVMe when nvme.flush_on_close
         for path in (self.socket_path, self.arena_path):
