@@ -25,7 +25,8 @@ class DaemonConfig:
             (an int is taken as the mode's value: YAML's unquoted ``0600``, JSON's 384).
         allowed_group: name of a group whose members may connect besides the daemon's own user
             (checked with SO_PEERCRED on every connection). Default ``None``.
-        shm_dir: directory of the shared host arena file that clients map. Default ``/dev/shm``.
+        shm_dir: directory of the shared host arena file that clients map; belongs on a tmpfs
+            (one on a disk filesystem works, with a warning at start). Default ``/dev/shm``.
         lease_s: seconds a client holds a put reservation or a get lease before it expires and its
             arena space is reclaimed (a disconnect reclaims at once); a put reservation of a client
             process still alive keeps its blocks until that process aborts it or exits

@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 
+import pytest
 from click.testing import CliRunner
 
 from daemon_helpers import MiB, daemon_config, remove_dir, serve_in_thread, short_tmpdir, write_config
@@ -120,4 +121,29 @@ def test_sighup_stops_the_daemon_cleanly_and_flushes():
     finally:
         if proc is not None:
             proc.stop()
+        remove_dir(d)
+
+
+def test_an_arena_on_a_disk_filesystem_is_warned_about(caplog):
+    """``daemon.shm_dir`` on ext4 & co. works, but the arena is then a disk file the kernel writes
+    back (a newcomer ran a whole session so, told nothing)."""
+    from ectier.tiers.storedir import mount_of
+
+    cases = [("/dev/shm", False)] if os.path.isdir("/dev/shm") and mount_of("/dev/shm").fstype == "tmpfs" else []
+    d = short_tmpdir()
+    if mount_of(d).fstype not in ("tmpfs", "ramfs"):
+        cases.append((d, True))
+    if not cases:
+        pytest.skip("no tmpfs at /dev/shm and /tmp in memory")
+    try:
+        for shm_dir, warned in cases:
+            caplog.clear()
+            cfg = CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=1 * MiB, shm_dir=shm_dir))
+            with caplog.at_level(logging.WARNING, logger="ectier.daemon"):
+                server, t = serve_in_thread(cfg)
+            server.stop()
+            t.join(10)
+            lines = [r.getMessage() for r in caplog.records if "not in memory" in r.getMessage()]
+            assert len(lines) == int(warned) and all("daemon.shm_dir" in x and "/dev/shm" in x for x in lines), lines
+    finally:
         remove_dir(d)

@@ -52,6 +52,7 @@ from ..errors import EctierError
 from ..logutil import RateLimitedLogger
 from .connections import Connection
 from .fdlimit import ACCEPT_RESOURCE_ERRNOS, ClientCap, client_cap, raise_nofile_limit
+from ..tiers.storedir import mount_of
 from .files import claim_socket_path, reclaim_stale_arenas, remove_created_dirs
 from .holders import Holders
 from .leases import LeaseBook, end_lease
@@ -60,6 +61,9 @@ from .serving import ConnectionServing
 from .upkeep import LeaseUpkeep
 
 __all__ = ["DaemonServer", "run_daemon", "unpinned", "view_pin_bounds"]
+
+#: filesystems whose files live in memory (``daemon.shm_dir`` belongs on one)
+MEMORY_FS_TYPES = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
 
 log = logging.getLogger("ectier.daemon")
 
@@ -257,6 +261,11 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
             dir_fd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY)
         except OSError as exc:
             raise EctierError(f"daemon.shm_dir: cannot open {shm_dir!r}: {exc.strerror}") from None
+        mount = mount_of(shm_dir)
+        if mount is not None and mount.fstype not in MEMORY_FS_TYPES:
+            log.warning("daemon.shm_dir %r is on a %s filesystem, not in memory: the arena (%d bytes) is a file the "
+                        "kernel writes back to that disk; use a tmpfs such as /dev/shm", os.path.abspath(shm_dir),
+                        mount.fstype, self.config.host.capacity_bytes)
         try:
             fcntl.flock(dir_fd, fcntl.LOCK_EX)
             reclaim_stale_arenas(shm_dir)
