@@ -26,7 +26,7 @@ from .config import CacheConfig
 from .config_sources import as_config
 from .copy import CopyEngine, Engines
 from .entry import entry_digest, next_version, validate_cost, validate_key, validate_keys, validate_namespace
-from .errors import (EctierError, EntryTooLargeError, InvalidDeviceError,
+from .errors import (CacheClosedError, EctierError, EntryTooLargeError, InvalidDeviceError,
                      InvalidTensorError, TierWriteError)
 from .forks import ForkMark
 from .handles import LoadHandle, PutHandle, ReadLease, WriteLease
@@ -370,5 +370,5 @@ class TieredCache(HostArenaAPI):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise EctierError("cache is closed")
+            raise CacheClosedError("cache is closed")
         self._fork.check("TieredCache")

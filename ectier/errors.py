@@ -41,6 +41,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidLeaseError",
     "LeaseExpiredError",
+    "CacheClosedError",
     "StoreLockedError",
     "StoreOpenError",
     "StoreDamagedError",
@@ -112,6 +113,12 @@ class InvalidLeaseError(InvalidArgumentError, TypeError):
     cache's lease is refused too, and neither cache changes). An :class:`InvalidArgumentError`
     (so a ``ValueError``) and a ``TypeError`` too, as such a wrong type was before. The message
     names the argument and the type given."""
+
+
+class CacheClosedError(EctierError):
+    """The cache was closed (``close()``, or the end of its ``with`` block): a call made after it,
+    or a move (demotion, promotion) still under way in another thread, fails with this. An
+    :class:`EctierError`, as before."""
 
 
 class LeaseExpiredError(EctierError):

@@ -34,7 +34,7 @@ from .catalog import Catalog, PendingWrite
 from .config import CacheConfig
 from .copy import Completer, CopyEngine, CopyHandle
 from .entry import EntryMeta, next_version
-from .errors import EctierError
+from .errors import CacheClosedError, EctierError
 from .handles import PutHandle
 from .index import Slot
 from .moves.arena import ArenaMoves
@@ -161,7 +161,8 @@ class Mover:
         try:
             return fn(*args, **kwargs)
         except MOVE_ERRORS as exc:
-            log.warning("%s failed (%s: %s); entry not moved", what, type(exc).__name__, exc)
+            level = logging.DEBUG if isinstance(exc, CacheClosedError) else logging.WARNING  # (close() raced it)
+            log.log(level, "%s failed (%s: %s); entry not moved", what, type(exc).__name__, exc)
             return None
 
     # ------------------------------------------------------------------------- admission

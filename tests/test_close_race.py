@@ -172,3 +172,27 @@ def test_close_returns_while_threads_keep_prefetching_and_leaves_no_prefetch_thr
     assert not [t.name for t in threading.enumerate() if t.name.startswith("ectier-prefetch") and t.ident not in before]
     with pytest.raises(EctierError, match="closed"):
         cache.prefetch(KEYS[:1])
+
+
+def test_a_demotion_cut_by_close_is_no_warning(tmp_path, caplog):
+    """A put's demotion of a victim still under way when another thread closes the cache fails
+    with ``CacheClosedError``: expected, so logged at DEBUG, not as a WARNING per entry (a newcomer
+    saw several WARNINGs for one close())."""
+    import logging
+
+    from ectier import CacheClosedError, testing
+
+    cache = TieredCache(make_config(tmp_path / "nvme", host_bytes=1 * MiB, nvme_bytes=64 * MiB,
+                                    write_behind_fraction=0, flush_on_close=False))
+    for i in range(4):
+        cache.put(f"a{i}", filled(256 * KiB, i))
+    with caplog.at_level(logging.DEBUG, logger="ectier"):
+        with testing.hold_writes(cache, "nvme", thread_name="putter") as gate:
+            putter = threading.Thread(target=cache.put, args=("b", filled(256 * KiB, 9)), name="putter")
+            putter.start()
+            assert gate.wait_held(1)
+            cache.close()
+        putter.join(10)
+    cut = [r for r in caplog.records if "CacheClosedError" in r.getMessage()]
+    assert cut and all(r.levelno == logging.DEBUG for r in cut), [(r.levelname, r.getMessage()) for r in cut]
+    assert issubclass(CacheClosedError, EctierError)

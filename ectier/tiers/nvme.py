@@ -63,7 +63,7 @@ import numpy as np
 from ..codec import Codec, RecordHeader, checksum, get_codec
 from ..config import NvmeTierConfig
 from ..entry import DTYPE_ITEMSIZE, EntryMeta
-from ..errors import CorruptRecordError, EctierError, StoreOpenError, TierWriteError
+from ..errors import CacheClosedError, CorruptRecordError, StoreOpenError, TierWriteError
 from ..policy import make_policy
 from .base import Tier
 from .nvme_env import (RELEASE_MARKER, STORE_FORMAT, NvmeDiskFullError, NvmeEnv, free_disk_bytes, write_error,
@@ -237,7 +237,7 @@ class NvmeTier(Tier):
     def _check_open(self) -> None:
         """With ``rw`` held shared (close takes it exclusively): raise once the store is closed."""
         if self._store.env is None:
-            raise EctierError("cache is closed")
+            raise CacheClosedError("cache is closed")
 
     def _segment_io(self, op: str, *args: object, need: int = 0) -> int | None:
         """``segment.<op>(*args)`` (``write``, ``flush``) with the store held open; an OSError is a write error."""

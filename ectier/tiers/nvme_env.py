@@ -23,7 +23,7 @@ import numpy as np
 
 from ..config import NvmeTierConfig
 from ..entry import entry_digest
-from ..errors import (ConfigError, CorruptRecordError, EctierError, StoreDamagedError, StoreLockedError,
+from ..errors import (CacheClosedError, ConfigError, CorruptRecordError, StoreDamagedError, StoreLockedError,
                       StoreOpenError, TierWriteError)
 from .lmdbcheck import check_tree, lost_index
 from .nvme_index import NvmeIndex, NvmeRecord
@@ -461,7 +461,7 @@ class NvmeEnv:
         ceiling = self.config.map_ceiling_bytes
         with self.rw.exclusive():
             if self.env is None:
-                raise EctierError("cache is closed")
+                raise CacheClosedError("cache is closed")
             current = self.env.info()["map_size"]
             if current >= ceiling:
                 self.counters["write_errors"] += 1
