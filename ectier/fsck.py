@@ -118,7 +118,8 @@ class FsckReport:
 class RepairResult:
     """What :func:`repair` did: the ``report`` of the check before it; ``repaired`` (False when the
     store was healthy: nothing changed); ``salvaged`` records (``salvaged_bytes``) in the fresh
-    store; ``lost`` (records found but not salvaged); ``moved_to`` (the ``damaged-*`` directory
+    store; ``lost`` (records found but not salvaged: a page scan does not find, so cannot count,
+    records whose index entries were on destroyed pages); ``moved_to`` (the ``damaged-*`` directory
     now holding the old environment, or ``None``)."""
 
     report: FsckReport

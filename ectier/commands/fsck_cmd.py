@@ -89,8 +89,11 @@ def _print_fsck(report: Any, result: Any) -> None:
                       "(payloads, and space freed earlier) carry no keys and cannot be salvaged", soft_wrap=True)
     if result is not None:
         if result.repaired:
+            lost = (f"{result.lost} lost" if report.mode == "lmdb" else
+                    f"{result.lost} of the {report.entries} found lost, and any whose index entries were on the "
+                    f"{report.damaged_pages} damaged page(s): a page scan cannot count those")
             console.print(f"[bold]repaired[/]: {result.salvaged} records ({format_bytes(result.salvaged_bytes)}) in a fresh "
-                          f"store, {result.lost} lost; the damaged store is in {result.moved_to} (delete it when done)",
+                          f"store, {lost}; the damaged store is in {result.moved_to} (delete it when done)",
                           soft_wrap=True)
         else:
             console.print("nothing to repair")
