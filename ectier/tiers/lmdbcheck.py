@@ -22,6 +22,7 @@ pages in range that no tree uses. Layout: see
 from __future__ import annotations
 
 import os
+import stat
 import struct
 
 from .lmdbpages import (_NODE, _OVERFLOW_HEAD, _PAGE_HEAD, _PAGE_SIZES, _PAGEHDRSZ, F_BIGDATA, F_DUPDATA, F_SUBDATA,
@@ -74,10 +75,11 @@ def lost_index(store: str | os.PathLike, segment_name: str = "segment.0") -> str
     index entries that point at them, docs/reliability.md). Opening it as new would drop them all."""
     store = os.fspath(store)
     try:
-        seg_bytes = os.stat(os.path.join(store, segment_name)).st_size
+        st = os.stat(os.path.join(store, segment_name))
     except OSError:
         return None
-    if seg_bytes == 0:
+    seg_bytes = st.st_size
+    if not stat.S_ISREG(st.st_mode) or seg_bytes == 0:  # (not a file: the open says so itself)
         return None
     try:
         size = os.stat(os.path.join(store, "lmdb", "data.mdb")).st_size
