@@ -91,3 +91,19 @@ def test_a_missing_segment_quarantines_its_records_with_one_line(tmp_path, caplo
         assert cache.stats()["tiers"]["nvme"]["quarantined"] == 5
     lines = [r.getMessage() for r in caplog.records if "quarantined" in r.getMessage()]
     assert len(lines) == 1 and "quarantined 5 record(s)" in lines[0] and "past the end" in lines[0], lines
+
+
+def test_on_damaged_reset_recovers_a_store_whose_lmdb_dir_is_gone(tmp_path):
+    """``lmdb/`` removed (or moved away by a reset that a kill cut before it moved ``segment.0``):
+    the reset moves the segment aside and the store starts afresh, every time (review, 2026-12-07:
+    the move aside failed on the missing ``lmdb/`` and the cache could never start)."""
+    store = tmp_path / "nvme"
+    _store(store)
+    LOSSES["lmdb dir removed"](store)
+    reset = make_config(store, host_bytes=0, nvme_bytes=64 * MiB, on_damaged="reset")
+    for _ in range(2):
+        with TieredCache(reset) as cache:
+            cache.put("new", filled(1000, 7))
+            assert_same(cache.get("new"), filled(1000, 7))
+    moved = list(store.glob("damaged-*"))
+    assert len(moved) == 1 and (moved[0] / "segment.0").stat().st_size > 0

@@ -256,7 +256,9 @@ def damaged_copies(store_dir: str | os.PathLike, prefix: str = "damaged-") -> li
 
 def move_aside(store_dir: str | os.PathLike) -> Path:
     """Rename ``store_dir/lmdb`` to ``store_dir/damaged-<YYYYmmddTHHMMSSZ>[-n]/lmdb`` (and the
-    segment file ``store_dir/segment.0`` next to it, when there is one).
+    segment file ``store_dir/segment.0`` next to it, when there is one). A store that lost its
+    ``lmdb/`` (deleted, or moved by a move aside a kill cut between its two renames) has only its
+    segment moved.
 
     The caller holds the store's directory lock and has closed the LMDB environment.
 
@@ -275,7 +277,8 @@ def move_aside(store_dir: str | os.PathLike) -> Path:
         target = d / f"damaged-{stamp}-{n}"
     target.mkdir()
     try:
-        os.rename(d / "lmdb", target / "lmdb")
+        if (d / "lmdb").exists() or not (d / "segment.0").exists():
+            os.rename(d / "lmdb", target / "lmdb")
     except OSError:
         target.rmdir()
         raise
