@@ -124,6 +124,34 @@ def test_sighup_stops_the_daemon_cleanly_and_flushes():
         remove_dir(d)
 
 
+def test_under_nohup_sighup_leaves_the_daemon_running():
+    """``nohup ectier serve &`` is meant to outlive its session: an ignored SIGHUP stays ignored."""
+    import signal
+    import subprocess
+
+    from daemon_helpers import ECTIER_SCRIPT, clean_env, wait_for
+
+    d = short_tmpdir()
+    proc = None
+    try:
+        cfg = daemon_config(d, nvme=False, host_bytes=1 * MiB)
+        sock = cfg["daemon"]["socket_path"]
+        proc = subprocess.Popen(["nohup", ECTIER_SCRIPT, "serve", "--config", write_config(os.path.join(d, "c.json"), cfg)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_env(), cwd=d)
+        wait_for(lambda: os.path.exists(sock) or proc.poll() is not None, 30, what="the socket")
+        proc.send_signal(signal.SIGHUP)
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(1.5)
+        with DaemonClient(sock) as c:
+            assert c.stats()["daemon"]["socket"] == sock
+        proc.terminate()
+        assert proc.wait(30) == 0
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        remove_dir(d)
+
+
 def test_an_arena_on_a_disk_filesystem_is_warned_about(caplog):
     """``daemon.shm_dir`` on ext4 & co. works, but the arena is then a disk file the kernel writes
     back (a newcomer ran a whole session so, told nothing)."""

@@ -393,9 +393,9 @@ def _metrics_bind_error(cfg: Any, exc: OSError) -> str:
 
 
 def run_daemon(config: CacheConfig) -> int:
-    """Run a daemon in the foreground until SIGTERM, SIGINT or SIGHUP (each a clean stop: requests
-    in flight finished, host entries flushed when ``nvme.flush_on_close``, socket and arena
-    removed); returns the exit code (0)."""
+    """Run a daemon in the foreground until SIGTERM, SIGINT or SIGHUP (unless ignored, as under
+    ``nohup``), each a clean stop (requests in flight finished, host entries flushed when
+    ``nvme.flush_on_close``, socket and arena removed); returns the exit code (0)."""
     server = DaemonServer(config)
 
     def _on_signal(signum: int, frame: object) -> None:
@@ -404,8 +404,11 @@ def run_daemon(config: CacheConfig) -> int:
 
     # before start(): a SIGTERM that arrives once the socket exists must still clean up
     # SIGHUP too: the terminal or ssh session of a foreground `ectier serve` closed (its default
-    # ends the process with no flush: write-back entries only in the arena were lost)
-    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    # ends the process with no flush: write-back entries only in the arena were lost), unless it
+    # is ignored (`nohup ectier serve`: it is to outlive the session)
+    stops = (signal.SIGTERM, signal.SIGINT) + (() if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+                                               else (signal.SIGHUP,))
+    previous = {sig: signal.signal(sig, _on_signal) for sig in stops}
     try:
         server.start()
         server.serve_forever()
