@@ -119,3 +119,25 @@ def test_close_after_a_low_level_reserve_keeps_no_orphan(daemon):
     c.close()
     wait_for(lambda: _held(sock)[0]["put"] == 0, what="the reservation to end")
     assert _held(sock)[1] == {"leases": 0, "bytes": 0}
+
+
+def test_a_forked_child_closing_the_client_says_no_bye_for_its_parent(daemon):
+    """The child shares the parent's socket but not its copies: its ``close()`` must not tell the
+    daemon that the parent's reservations are done with (review, 2026-12-07)."""
+    import os
+
+    sock = daemon.socket_path
+    c = DaemonClient(sock)
+    try:
+        c.call("reserve", key="parent", dtype="uint8", shape=[ENTRY])
+        pid = os.fork()
+        if pid == 0:  # the child: close, and leave at once
+            try:
+                c.close()
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        time.sleep(3 * LEASE_S)  # the parent stalls past its lease: an orphan, kept for it
+        assert _held(sock)[1] == {"leases": 1, "bytes": ENTRY}
+    finally:
+        c.close()

@@ -162,6 +162,7 @@ class Transport(Submissions):
     def _install(self, sock: socket.socket, decoder: FrameDecoder, info: dict[str, Any]) -> None:
         """Make an opened socket the connection (under the lock)."""
         self._sock, self._decoder = sock, decoder
+        self._sock_pid = os.getpid()  # (a forked child shares the socket: it says no ``bye`` on it)
         self._failed_at = None
         self.server_info = info
         # map the arena afresh unless it is the very file already mapped: a restarted daemon may
@@ -260,9 +261,10 @@ class Transport(Submissions):
         write; a hung or gone daemon just misses it) that no copy into this connection's
         reservations is in flight or will come: it ends them at the close instead of keeping
         them as orphans (a reply this client never read may have granted one). True here: a
-        put's copy runs under this client's lock, as every caller of this method does."""
+        put's copy runs under this client's lock, as every caller of this method does; not in a
+        forked child, which shares the socket but not the parent's copies (it says nothing)."""
         if self._sock is not None:
-            if "bye" in self.features:
+            if "bye" in self.features and getattr(self, "_sock_pid", None) == os.getpid():
                 try:
                     os.write(self._sock.fileno(), encode_frame({"id": self._next_id, "op": "bye"}))
                     self._next_id += 1
