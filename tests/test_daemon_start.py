@@ -175,3 +175,21 @@ def test_an_arena_on_a_disk_filesystem_is_warned_about(caplog):
             assert len(lines) == int(warned) and all("daemon.shm_dir" in x and "/dev/shm" in x for x in lines), lines
     finally:
         remove_dir(d)
+
+
+def test_a_second_daemon_with_the_same_config_is_told_a_daemon_listens_not_the_port():
+    """Started twice with one config (a fixed metrics port), the second is told the socket is
+    live, as before the metrics port was bound first (review, 2026-12-07)."""
+    d = short_tmpdir()
+    server = t = None
+    try:
+        raw = daemon_config(d, nvme=False, host_bytes=1 * MiB, metrics_port=0)
+        server, t = serve_in_thread(CacheConfig.from_dict(raw))
+        raw["daemon"]["metrics_port"] = server.metrics_address[1]
+        code, out = _serve(d, raw)
+        assert code == 1 and "already listening" in out and "metrics_port" not in out, out
+    finally:
+        if server is not None:
+            server.stop()
+            t.join(10)
+        remove_dir(d)

@@ -154,21 +154,26 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
         at once. Raises the soft ``RLIMIT_NOFILE`` first where ``daemon.max_clients`` needs it
         (:mod:`ectier.daemon.fdlimit`), and admits at most that limit less ``FD_MARGIN`` client
         connections (:func:`~ectier.daemon.fdlimit.client_cap`). A start that fails leaves nothing
-        it made behind (metrics first: a port in use fails before any file or store is created).
+        it made behind (the socket path is claimed first, then the metrics port: a port in use fails
+        before the arena or the NVMe store is created).
 
         Raises:
             EctierError: naming the knob at fault (``daemon.metrics_port``/``metrics_host``,
                 ``daemon.socket_path``, ``daemon.shm_dir``, ...)."""
         max_clients = self.config.daemon.max_clients
         self.client_cap = client_cap(max_clients, raise_nofile_limit(max_clients))
-        self._start_metrics()
+        self._created_dirs = claim_socket_path(self.socket_path)  # (first: "a daemon is already listening")
         try:
-            self._created_dirs = claim_socket_path(self.socket_path)
+            self._start_metrics()
             try:
                 self._open_arena()
             except BaseException:
-                remove_created_dirs(self._created_dirs)
+                self._stop_metrics()
                 raise
+        except BaseException:
+            remove_created_dirs(self._created_dirs)
+            raise
+        try:
             self._listener = self._listen()
         except BaseException:
             self._stop_metrics()
