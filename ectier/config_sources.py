@@ -358,7 +358,8 @@ def _env_target(data: dict[str, Any], name: str, path: list[str], prefix: str) -
         known = [k for k, v in target.items() if not isinstance(v, dict)]
         hint = difflib.get_close_matches(leaf, known, n=1)
         if not hint and len(path) == 1:  # ECTIER_HOST_CAPACITY_BYTES: a section and a field, one "_" apart
-            hint = [f"{s}__{leaf[len(s) + 1:]}" for s in sections if leaf.startswith(s + "_")][:1]
+            hint = [f"{s}__{leaf[len(s) + 1:]}" for s in sections
+                    if leaf.startswith(s + "_") and not isinstance(data[s].get(leaf[len(s) + 1:], {}), dict)][:1]
         raise ConfigError(
             f"{name}: unknown setting {'.'.join(path)!r}"
             + (f"; did you mean {prefix}{'__'.join(path[:-1] + hint).upper()}?" if hint else "")

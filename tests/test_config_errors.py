@@ -207,15 +207,28 @@ def test_serve_reports_a_bad_file_and_bad_variables_together(runner, tmp_path, m
     assert "would do nothing" not in error
 
 
+def test_beside_a_bad_file_a_variable_good_with_that_file_is_not_blamed(runner, tmp_path, monkeypatch):
+    """The variables are judged alone over the defaults: a check across fields (view_pin_bytes
+    against a host arena the file makes larger) must not blame a variable that is fine (review)."""
+    _clean_env(monkeypatch)
+    path = tmp_path / "c.yaml"
+    path.write_text("host:\n  capacity_bytes: 64GiB\n  capcity: 1\n")
+    result = runner.invoke(main, ["serve", "--config", str(path)], env={"ECTIER_DAEMON__VIEW_PIN_BYTES": "40GiB"})
+    error = _usage_error(result, "host.capcity")
+    assert "view_pin_bytes" not in error and "ECTIER_DAEMON__VIEW_PIN_BYTES" not in error, error
+
+
 @pytest.mark.parametrize("name, hint", [
     ("ECTIER_HOST_CAPACITY_BYTES", "did you mean ECTIER_HOST__CAPACITY_BYTES?"),  # one "_" for "__"
     ("ECTIER_HOSTS__CAPACITY_BYTES", "did you mean ECTIER_HOST__CAPACITY_BYTES?"),
     ("ECTIER_XYZ__A", "(sections: host, "),
+    ("ECTIER_GPU_X", "unknown setting 'gpu_x'"),  # no hint naming a setting that does not exist either
 ])
 def test_a_misspelt_variable_gets_a_hint(name, hint):
     with pytest.raises(ConfigError) as info:
         CacheConfig.from_env({name: "1"})
     assert info.value.env_vars == (name,) and hint in str(info.value), str(info.value)
+    assert "GPU__X" not in str(info.value)
 
 
 # ------------------------------------------------------------------------ daemon.socket_mode

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 from typing import Any, Callable, Optional
 
@@ -44,6 +45,9 @@ def load_config(path: Optional[str]) -> CacheConfig:
             raise click.BadParameter(str(exc), param_hint=hint) from None
 
 
+_DOTTED = re.compile(r"\b(?:host|gpu|nvme|remote|daemon)\.[a-z_]+\b")
+
+
 def _env_problems_alone() -> tuple[list[str], tuple[str, ...]]:
     """``(problems, variables)``: the ``ECTIER_*`` variables' own problems, judged over the
     defaults (reported beside a bad ``--config`` file, which would otherwise hide them): bad
@@ -52,8 +56,13 @@ def _env_problems_alone() -> tuple[list[str], tuple[str, ...]]:
         with tiers_judged_after_env():
             CacheConfig.from_env(base=CacheConfig())
     except ConfigError as exc:
-        kept = [m for m in exc.problems if "would do nothing" not in m]
-        return kept, (exc.env_vars if kept else ())
+        # only what the variables are wrong about alone: a check across fields (view_pin_bytes
+        # against host.capacity_bytes, say) judged against defaults would blame a good variable
+        mine = {v[len("ECTIER_"):].lower().replace("__", ".") for v in exc.env_vars}
+        kept = [m for m in exc.problems if m.startswith("ECTIER_")
+                or "would do nothing" not in m and set(_DOTTED.findall(m)) <= mine]
+        return kept, tuple(v for v in exc.env_vars if any(v in m or v[len("ECTIER_"):].lower().replace("__", ".") in m
+                                                           for m in kept))
     return [], ()
 
 
