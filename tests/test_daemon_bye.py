@@ -141,3 +141,37 @@ def test_a_forked_child_closing_the_client_says_no_bye_for_its_parent(daemon):
         assert _held(sock)[1] == {"leases": 1, "bytes": ENTRY}
     finally:
         c.close()
+
+
+def test_close_from_a_signal_handler_during_a_put_waits_for_its_copy(daemon):
+    """An engine's signal handler that shuts its client down while a put of the same thread is
+    between its reservation and the end of its copy: closing at once would unmap the arena under
+    the copy (a crash) and say ``bye`` while the copy still writes (the daemon frees the blocks;
+    the late bytes land in another entry). The close waits for the put; the put completes."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = textwrap.dedent(f"""
+        import os, signal, threading, torch
+        from ectier import testing
+        from ectier.daemon.client import DaemonClient
+        c = DaemonClient({daemon.socket_path!r})
+        c.connect()
+        signal.signal(signal.SIGUSR1, lambda *a: c.close())
+        main = threading.main_thread().ident
+        threading.Timer(0.1, lambda: signal.pthread_kill(main, signal.SIGUSR1)).start()
+        t = torch.arange({ENTRY} // 8, dtype=torch.int64)
+        with testing.stall_daemon_copy(c, 0.3):  # (within daemon.lease_s: no expiry)
+            c.put("k", t)
+        other = DaemonClient({daemon.socket_path!r})
+        print("stored", torch.equal(other.get("k"), t))
+        other.close()
+    """)
+    env = {**os.environ, "PYTHONPATH": repo}
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert child.returncode == 0 and "stored True" in child.stdout, (child.returncode, child.stdout, child.stderr[-2000:])
+    wait_for(lambda: _held(daemon.socket_path) == ({"put": 0, "get": 0}, {"leases": 0, "bytes": 0}), 5,
+             what="nothing held once the child is gone")

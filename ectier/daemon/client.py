@@ -124,6 +124,8 @@ class DaemonClient(Transport, ViewCalls):
         self._arrived: dict[int, Any] = {}  # id of a submitted request -> its reply (or the error)
         self.server_info: dict[str, Any] = {}
         self._closed = False  # close() was called: no new connection
+        self._copies = 0  # puts/gets of this thread copying to or from the daemon's bytes now (_copying)
+        self._close_deferred = False  # close() came from a signal handler during one: done after it
         self._arena_mmap: mmap.mmap | None = None
         self._arena = None  # torch uint8 tensor over the mapping, made on first data call
         self._arena_path: str | None = None
@@ -278,36 +280,37 @@ class DaemonClient(Transport, ViewCalls):
                     self.connect()
                 self._arena_tensor()
                 self._page_locked(tensor.device)
-            stale = None  # (lease, daemon run) of a first attempt whose connection was lost
-            for attempt in (0, 1):
-                if stale is not None:
-                    self._abort_orphan(*stale)
-                reply = self.call("reserve", key=key, dtype=meta.dtype, shape=list(meta.shape), **_ns(namespace),
-                                  **self._direct())
-                lease = reply["lease"]
-                run = self.server_info.get("instance")
-                try:
-                    with self._bytes_of(reply) as arena:
-                        if on_device and reply.get("path") is None and self._page_locked(tensor.device):
-                            _copy_from_device(arena, reply["extents"], tensor, after)
-                        else:
-                            if src is None:
-                                src = _device_to_host(tensor, after) if on_device else byte_view(tensor)
-                            off = 0
-                            for start, length in reply["extents"]:
-                                arena[start : start + length].copy_(src[off : off + length])
-                                off += length
-                        del arena  # before a scratch file's mapping is closed
-                    self.call("commit", retry=False, lease=lease)
-                    return
-                except (DaemonUnavailableError, errors.LeaseExpiredError):  # (expired: now an orphan)
-                    if attempt == 1:
+            with self._copying():  # (a close() from a signal handler meanwhile waits for it)
+                stale = None  # (lease, daemon run) of a first attempt whose connection was lost
+                for attempt in (0, 1):
+                    if stale is not None:
+                        self._abort_orphan(*stale)
+                    reply = self.call("reserve", key=key, dtype=meta.dtype, shape=list(meta.shape), **_ns(namespace),
+                                      **self._direct())
+                    lease = reply["lease"]
+                    run = self.server_info.get("instance")
+                    try:
+                        with self._bytes_of(reply) as arena:
+                            if on_device and reply.get("path") is None and self._page_locked(tensor.device):
+                                _copy_from_device(arena, reply["extents"], tensor, after)
+                            else:
+                                if src is None:
+                                    src = _device_to_host(tensor, after) if on_device else byte_view(tensor)
+                                off = 0
+                                for start, length in reply["extents"]:
+                                    arena[start : start + length].copy_(src[off : off + length])
+                                    off += length
+                            del arena  # before a scratch file's mapping is closed
+                        self.call("commit", retry=False, lease=lease)
+                        return
+                    except (DaemonUnavailableError, errors.LeaseExpiredError):  # (expired: now an orphan)
+                        if attempt == 1:
+                            self._give_back(lease, run)
+                            raise  # the daemon restarted mid-put twice, or keeps losing the connection; give up
+                        stale = (lease, run)
+                    except BaseException:
                         self._give_back(lease, run)
-                        raise  # the daemon restarted mid-put twice, or keeps losing the connection; give up
-                    stale = (lease, run)
-                except BaseException:
-                    self._give_back(lease, run)
-                    raise
+                        raise
 
     def _give_back(self, lease: int, run: str | None) -> None:
         """Abort ``lease`` after a put failed: on its connection if it is still there, else as an
@@ -366,7 +369,7 @@ class DaemonClient(Transport, ViewCalls):
 
         out = torch.empty(reply["nbytes"], dtype=torch.uint8)
         try:
-            with self._bytes_of(reply) as arena:
+            with self._copying(), self._bytes_of(reply) as arena:
                 off = 0
                 for start, length in reply["extents"]:
                     out[off : off + length].copy_(arena[start : start + length])

@@ -23,6 +23,7 @@ vLLM scheduler step does, so a daemon that is down or stopped never blocks it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -30,7 +31,7 @@ import socket
 import stat
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from .. import errors
 from ..entry import validate_key, validate_namespace
@@ -300,11 +301,31 @@ class Transport(Submissions):
         calls raise DaemonUnavailableError (they reconnected silently before). The daemon is told
         (``bye``) that no copy into this connection's put reservations runs any more, so they end
         rather than stay reserved as orphans: a caller of the low-level ``call("reserve")`` must
-        not close while another of its threads still copies into the extents."""
+        not close while another of its threads still copies into the extents. Called from a
+        signal handler while this thread is in the middle of a put or get, it takes effect when
+        that call is done."""
         with self._lock:
             self._closed = True
+            if self._copies:  # re-entered from a signal handler while this thread copies: after it
+                self._close_deferred = True
+                return
             self._drop()
             self._unmap()
+
+    @contextlib.contextmanager
+    def _copying(self) -> Iterator[None]:
+        """Around a put or get from its reservation or lease to the end of its copy (under the
+        lock): a :meth:`close` that a signal handler makes meanwhile, in this thread, waits for
+        the end of it. Closing at once would unmap the arena under the copy (a crash) and say
+        ``bye`` while the copy still writes (the daemon would free its blocks for other entries)."""
+        self._copies += 1
+        try:
+            yield
+        finally:
+            self._copies -= 1
+            if not self._copies and self._close_deferred:
+                self._close_deferred = False
+                self.close()
 
     def __enter__(self) -> "Transport":
         return self
