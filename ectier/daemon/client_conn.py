@@ -267,7 +267,8 @@ class Transport(Submissions):
         if self._sock is not None:
             if "bye" in self.features and getattr(self, "_sock_pid", None) == os.getpid():
                 try:
-                    os.write(self._sock.fileno(), encode_frame({"id": self._next_id, "op": "bye"}))
+                    self._sock.setblocking(False)  # (never waits; closed next) and no SIGPIPE if it is gone
+                    self._sock.send(encode_frame({"id": self._next_id, "op": "bye"}), socket.MSG_NOSIGNAL)
                     self._next_id += 1
                 except OSError:
                     pass
