@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -46,3 +47,19 @@ def test_bench_connectors_small_size(tmp_path):
 
     assert open_stores() == 0
     assert [p for p in os.listdir(tmp_path) if p != "out"] == []
+
+
+def test_bench_connectors_runs_without_vllm_target_device_on_a_cpu_machine(tmp_path):
+    """A user without a GPU runs the command as the docs say, without setting VLLM_TARGET_DEVICE:
+    vLLM then failed with "Failed to infer device type" and a traceback."""
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine: vLLM infers its device")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_TARGET_DEVICE"}
+    r = subprocess.run([sys.executable, "-m", "ectier.cli", "bench", "connectors", "--sizes", "16", "--min-reps", "1",
+                        "--variants", "example,ectier-host", "--quiet", "--out", str(tmp_path / "out"),
+                        "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "Failed to infer device type" not in r.stderr

@@ -31,7 +31,15 @@ VARIANT_NAMES = ("example", "cpu", "ectier-host", "ectier-nvme", "ectier-daemon"
 
 
 def _driver():
-    """:mod:`.connector_driver`, or a one-line ClickException saying what is missing."""
+    """:mod:`.connector_driver`, or a one-line ClickException saying what is missing. Without
+    CUDA and without ``VLLM_TARGET_DEVICE``, sets it to ``cpu`` first (vLLM cannot infer a device
+    then, and its config raises "Failed to infer device type")."""
+    import os
+
+    import torch
+
+    if "VLLM_TARGET_DEVICE" not in os.environ and not torch.cuda.is_available():
+        os.environ["VLLM_TARGET_DEVICE"] = "cpu"  # (before vLLM is imported: it reads it then)
     try:
         import vllm  # noqa: F401
     except ImportError as exc:
