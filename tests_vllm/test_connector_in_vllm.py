@@ -503,7 +503,8 @@ def test_inprocess_mode_is_refused_when_workers_are_other_processes(model_dir, t
     cfg = H.make_vllm_config(model_dir, "ec_consumer", inproc(tmp_path))
     assert cfg.parallel_config.distributed_executor_backend == "uni"
     cfg.parallel_config.distributed_executor_backend = "mp"  # as with --tensor-parallel-size 2
-    with pytest.raises(ConfigError, match=r'ec_connector_extra_config\.mode: "inprocess" needs .* "mode": "daemon"'):
+    with pytest.raises(ConfigError, match=r'ec_connector_extra_config\.mode: "inprocess" \(the default\) needs .* '
+                                          r'"mode": "daemon", .*VLLM_ENABLE_V1_MULTIPROCESSING=0'):
         ECTierConnector(cfg, ECConnectorRole.SCHEDULER)
     from ectier_vllm.store import open_stores
 

@@ -3,14 +3,39 @@ encoder output widths."""
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 from vllm.logger import init_logger
 
 from ectier.errors import EctierError
 
-#: one logger for the connector's modules (``ectier_vllm.connector``: what operators filter on)
-logger = init_logger("ectier_vllm.connector")
+#: one logger for the connector's modules, a child of vLLM's (``vllm.ectier``): vLLM's handler,
+#: format and ``VLLM_LOGGING_LEVEL`` apply to it (a logger outside ``vllm`` was never shown: vLLM
+#: configures only its own)
+logger = init_logger("vllm.ectier")
+
+
+def route_core_logs() -> None:
+    """Let ectier's core loggers (``ectier.*``: the tiers, the daemon client) write through vLLM's
+    handler when nothing else would: the process configured no logging of its own (no handler on
+    the root logger or on ``ectier``) and vLLM configured its ``vllm`` logger
+    (``VLLM_CONFIGURE_LOGGING``). Without it their INFO lines were dropped and their warnings
+    printed bare, without time or process."""
+    core, vllm_logger = logging.getLogger("ectier"), logging.getLogger("vllm")
+    if core.handlers or logging.getLogger().handlers or not vllm_logger.handlers:
+        return
+    for handler in vllm_logger.handlers:
+        core.addHandler(handler)
+    if core.level == logging.NOTSET:
+        core.setLevel(vllm_logger.level or logging.INFO)
+
+
+def ectier_variables_ignored() -> list[str]:
+    """The ``ECTIER_*`` environment variables set in this process: the connector does not read them
+    (its settings come from ``ec_connector_extra_config``, or the file its ``config_path`` names)."""
+    return sorted(name for name in os.environ if name.startswith("ECTIER_"))
 
 #: errors that become misses: ectier's own, OS-level trouble talking to the daemon, and torch's
 #: device errors while copying an entry (RuntimeError: torch.OutOfMemoryError, CUDA errors)

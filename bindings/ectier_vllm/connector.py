@@ -64,7 +64,8 @@ from ectier.errors import ConfigError, StoreLockedError, StoreOpenError
 from ectier.logutil import RateLimitedLogger
 from ectier.tensors import dtype_name
 
-from .common import STORE_ERRORS, WARN_INTERVAL_S, encoder_output_widths, logger
+from .common import (STORE_ERRORS, WARN_INTERVAL_S, ectier_variables_ignored, encoder_output_widths, logger,
+                     route_core_logs)
 from .config import PREFIX, ConnectorSettings, default_namespace, operator_key, settings_from_extra_config
 from .gpubudget import check_gpu_arena_fits
 from .metrics import ECTierConnectorStats, ECTierPromMetrics
@@ -84,6 +85,7 @@ class ECTierConnector(SchedulerSide, WorkerSide, ECConnectorBase):
 
     def __init__(self, vllm_config: "VllmConfig", role: ECConnectorRole):
         super().__init__(vllm_config=vllm_config, role=role)
+        route_core_logs()
         model_config = vllm_config.model_config
         self._model_dtype: torch.dtype = model_config.dtype
         self._model_dtype_name = dtype_name(self._model_dtype)
@@ -99,9 +101,10 @@ class ECTierConnector(SchedulerSide, WorkerSide, ECConnectorBase):
             # only these run the scheduler and the worker in one process; elsewhere each process
             # would get its own, different in-process store
             raise ConfigError(
-                f"ec_connector_extra_config.mode: \"inprocess\" needs the scheduler and the worker in "
-                f"one process (distributed_executor_backend \"uni\", i.e. one GPU per engine); this "
-                f"engine uses {backend!r}: run `ectier serve` and set \"mode\": \"daemon\""
+                f"ec_connector_extra_config.mode: \"inprocess\" (the default) needs the scheduler and the "
+                f"worker in one process (distributed_executor_backend \"uni\", i.e. one GPU per engine); "
+                f"this engine uses {backend!r}: run `ectier serve` and set \"mode\": \"daemon\", or run "
+                f"the engine in one process (on a CPU-only engine: VLLM_ENABLE_V1_MULTIPROCESSING=0)"
             )
         self._device: str | None = None
         self._store_obj: DaemonStore | InProcessStore | None = None
@@ -126,6 +129,11 @@ class ECTierConnector(SchedulerSide, WorkerSide, ECConnectorBase):
             role.name.lower(), ec_config.ec_role, self.settings.namespace, self.settings.mode,
             self._width_text(),
         )
+        ignored = ectier_variables_ignored()
+        if ignored:
+            logger.warning("ectier: %s set in the environment but not read by the vLLM connector: its settings "
+                           "come from ec_connector_extra_config (or the file its config_path names)",
+                           ", ".join(ignored))
         if self._widths is None:
             logger.warning(
                 "ectier: cannot determine the encoder output width of %s; stored entries are "

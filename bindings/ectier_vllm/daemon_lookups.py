@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 from .store import Pin
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.ectier." + __name__.rsplit(".", 1)[-1])  # (under vLLM's logger: common.py)
 
 ABSENT, READY, PROMOTING = "absent", "ready", "promoting"
 #: not answered yet (no reply in, or no connection yet): a wait, and nothing known of the key

@@ -20,7 +20,7 @@ from .config import DEFAULT_ANSWER_WAIT_S
 from .daemon_lookups import ABSENT, DaemonLoad, StepLookups, StoredQueries
 from .store import NOT_STORED, Pin
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.ectier." + __name__.rsplit(".", 1)[-1])  # (under vLLM's logger: common.py)
 
 #: longest a daemon-mode call waits for a daemon that went away (a restart) before it is a miss;
 #: bounded further by the connector's ``daemon_timeout_s``

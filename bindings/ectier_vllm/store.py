@@ -44,7 +44,7 @@ from typing import Any
 
 from ectier.config import CacheConfig
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.ectier." + __name__.rsplit(".", 1)[-1])  # (under vLLM's logger: common.py)
 
 
 @dataclass(frozen=True)
