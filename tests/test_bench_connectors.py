@@ -44,6 +44,10 @@ def test_summary_medians_p90_and_ratios():
     assert ("ectier-host: whole consumer side faster than ECExampleConnector at N = 64; not faster at N = 1024; "
             "worker blocked saving p50 3000-20000 us per item (goal <= 100 us on CPU: NOT met)") in lines
     assert "cpu: skipped (ECCPUConnector needs CUDA)" in lines
+    one = verdict(summarize(RESULTS[:1] + [_result("ectier-nvme", 64, [50, 60])]))
+    assert any(x.startswith("ectier-nvme: whole consumer side faster than ECExampleConnector at no N; not faster "
+                            "at N = 64; worker blocked saving p50 ") and " us per item" in x and "-" not in
+               x.split("p50 ")[1].split(" us")[0] for x in one), one  # ("at N = none", "p50 27-27 us" before)
     headers, cells = table(summarize(RESULTS))
     assert len(cells) == 4 and cells[1][headers.index("consumer vs example")] == "10.00x"
 

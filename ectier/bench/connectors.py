@@ -126,11 +126,14 @@ def verdict(rows: list[dict[str, Any]]) -> list[str]:
                   and r["consumer_s_vs_example"] <= 1]
         if not faster and not slower:
             continue
-        text = f"{name}: whole consumer side faster than ECExampleConnector at N = {_list(faster)}"
+        text = (f"{name}: whole consumer side faster than ECExampleConnector at N = {_list(faster)}" if faster
+                else f"{name}: whole consumer side faster than ECExampleConnector at no N")
         if slower:
             text += f"; not faster at N = {_list(slower)}"
         blocked = [r["save_calls_s_p50"] * 1e6 for r in rs]
-        text += (f"; worker blocked saving p50 {min(blocked):.0f}-{max(blocked):.0f} us per item "
+        spread = (f"{min(blocked):.0f}" if f"{min(blocked):.0f}" == f"{max(blocked):.0f}"
+                  else f"{min(blocked):.0f}-{max(blocked):.0f}")
+        text += (f"; worker blocked saving p50 {spread} us per item "
                  f"(goal <= {SAVE_GOAL_S * 1e6:.0f} us on CPU: {'met' if max(blocked) <= SAVE_GOAL_S * 1e6 else 'NOT met'})")
         lines.append(text)
     bad = [r for r in rows if r.get("mismatches")]

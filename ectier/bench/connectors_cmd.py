@@ -95,16 +95,18 @@ def _measure(console, quiet, sizes, variants, budget_bytes, min_reps, workdir, t
 @click.command("connectors")
 @click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False),
               callback=_out_dir, help="directory for JSON, markdown and PNG results")
-@workdir_option("existing directory for the connectors' files (safetensors files, NVMe stores)")
+@workdir_option("existing directory for the connectors' files (safetensors files, in-process NVMe stores; "
+                "a daemon's socket and store go under /tmp, for a short socket path)")
 @click.option("--quiet", "-q", is_flag=True, help="no progress bars")
 @click.option("--sizes", default=",".join(map(str, DEFAULT_SIZES)), show_default=True, callback=_tokens_list,
               help="comma-separated N (tokens; each entry is N x 8192 bf16), each 1..16384")
 @click.option("--variants", default=",".join(VARIANT_NAMES), show_default=True, callback=_variants,
               help="connectors to run")
 @click.option("--budget-bytes", default="256MiB", show_default=True, callback=_budget,
-              help="about how many bytes each (connector, N) moves: items = budget / entry size")
+              help="about how many bytes each (connector, N) moves: items = budget / entry size, "
+                   "between --min-reps and 30")
 @click.option("--min-reps", default=5, show_default=True, type=click.IntRange(1, 30),
-              help="fewest items per (connector, N), after one warm-up item")
+              help="fewest items per (connector, N), after one warm-up item (at most 30 are timed)")
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(1),
               help="torch intra-op threads of this process (on a busy machine a second thread makes a 1 MiB "
                    "copy wait for the scheduler: 6 ms instead of 0.05 ms on the 2-core dev VM)")
