@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import subprocess
 
 import pytest
+import torch
 from click.testing import CliRunner
 
-from daemon_helpers import MiB, daemon_config, remove_dir, serve_in_thread, short_tmpdir, write_config
+from daemon_helpers import (ECTIER_SCRIPT, MiB, DaemonProcess, clean_env, daemon_config, remove_dir, serve_in_thread,
+                            short_tmpdir, wait_for, write_config)
 from ectier import CacheConfig
 from ectier.cli import main as cli_main
 from ectier.daemon.client import DaemonClient
@@ -98,27 +102,28 @@ def test_a_relative_socket_path_is_logged_and_reported_absolute(monkeypatch, cap
 def test_sighup_stops_the_daemon_cleanly_and_flushes():
     """A foreground ``ectier serve`` whose terminal or ssh session closes gets SIGHUP: it used to
     die at once (exit 129), leaving its socket and arena and losing write-back entries."""
-    import signal
-
-    import torch
-
-    from daemon_helpers import DaemonProcess, wait_for
-
     d = short_tmpdir()
-    proc = None
+    proc = first = None
     try:
         cfg = daemon_config(d, nvme=True, host_bytes=4 * MiB)
         sock = cfg["daemon"]["socket_path"]
-        proc = DaemonProcess(write_config(os.path.join(d, "cfg.json"), cfg), sock, via="script").start()
+        # SIGHUP at its default, as in a terminal (this test may itself run under nohup, which the
+        # daemon keeps: test_under_nohup_sighup_leaves_the_daemon_running)
+        first = subprocess.Popen([ECTIER_SCRIPT, "serve", "--config", write_config(os.path.join(d, "cfg.json"), cfg)],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_env(),
+                                 preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
+        wait_for(lambda: os.path.exists(sock) or first.poll() is not None, 30, what="the socket")
         with DaemonClient(sock) as c:
             c.put("kept", torch.arange(1000, dtype=torch.int32))  # write-back: only in the arena
-        proc.proc.send_signal(signal.SIGHUP)
-        assert proc.proc.wait(30) == 0, proc.log()
+        first.send_signal(signal.SIGHUP)
+        assert first.wait(30) == 0
         assert not os.path.exists(sock) and [f for f in os.listdir(d) if f.endswith(".arena")] == []
         proc = DaemonProcess(os.path.join(d, "cfg.json"), sock).start()
         with DaemonClient(sock) as c:
             assert torch.equal(c.get("kept"), torch.arange(1000, dtype=torch.int32))
     finally:
+        if first is not None and first.poll() is None:
+            first.kill()
         if proc is not None:
             proc.stop()
         remove_dir(d)
@@ -126,11 +131,6 @@ def test_sighup_stops_the_daemon_cleanly_and_flushes():
 
 def test_under_nohup_sighup_leaves_the_daemon_running():
     """``nohup ectier serve &`` is meant to outlive its session: an ignored SIGHUP stays ignored."""
-    import signal
-    import subprocess
-
-    from daemon_helpers import ECTIER_SCRIPT, clean_env, wait_for
-
     d = short_tmpdir()
     proc = None
     try:
