@@ -25,7 +25,8 @@ from .tiers.remote.backend import RemoteBackend, RemoteTimeout
 __all__ = ["MemoryBackend", "DeferredCopyEngine", "make_cache", "tier", "where", "holds", "version_of", "versions", "drop_copy", "record_of",
            "pins", "drain", "check_invariants", "fail_writes", "fail_after_writes", "watch_nvme_records", "lmdb_of", "set_lmdb_env", "NvmeLmdb", "copy_engine_of",
            "write_behind_idle", "write_behind_enabled", "hold_writes", "WriteGate", "WRITE_BEHIND_THREAD",
-           "versions_from_another_clock", "check_sync_order", "SyncOrderCheck", "stall_daemon_copy"]
+           "versions_from_another_clock", "check_sync_order", "SyncOrderCheck", "stall_daemon_copy",
+           "slow_daemon_reserve"]
 
 
 class DeferredCopyEngine(CopyEngine):
@@ -292,6 +293,27 @@ def hold_writes(cache: TieredCache, tier_name: str, *, thread_name: str | None =
     finally:
         gate.open()
         del t.write
+
+
+@contextlib.contextmanager
+def slow_daemon_reserve(server: Any, seconds: float) -> Iterator[threading.Event]:
+    """Make every reservation of ``server`` (a :class:`~ectier.daemon.server.DaemonServer` in
+    this process) start ``seconds`` late while the context is open, as a daemon busy making room
+    would. Yields an event set once a reservation so delayed has been made (or failed)."""
+    real, granted = server.cache.reserve, threading.Event()
+
+    def late(*args, **kwargs):
+        time.sleep(seconds)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            granted.set()
+
+    server.cache.reserve = late
+    try:
+        yield granted
+    finally:
+        del server.cache.reserve
 
 
 @contextlib.contextmanager

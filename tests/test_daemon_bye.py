@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from daemon_helpers import MiB, daemon_config, daemon_stats, remove_dir, serve_in_thread, short_tmpdir, wait_for
-from ectier import CacheConfig
+from ectier import CacheConfig, testing
 from ectier.daemon.client import DaemonClient
 from ectier.daemon.protocol import PROTOCOL_VERSION, FrameDecoder, encode_frame
 
@@ -48,31 +48,22 @@ class Interrupted(Exception):
     pass
 
 
-def test_a_put_interrupted_while_waiting_for_its_reservation_leaves_nothing_reserved(daemon, monkeypatch):
+def test_a_put_interrupted_while_waiting_for_its_reservation_leaves_nothing_reserved(daemon):
     sock = daemon.socket_path
-    real, granted = daemon.cache.reserve, threading.Event()
-
-    def slow(*a, **kw):
-        time.sleep(0.4)
-        try:
-            return real(*a, **kw)
-        finally:
-            granted.set()
 
     def interrupt(signum, frame):
         raise Interrupted("the engine was told to stop")
 
-    monkeypatch.setattr(daemon.cache, "reserve", slow)
     old = signal.signal(signal.SIGUSR1, interrupt)
     c = DaemonClient(sock)
     try:
         c.connect()
-        main = threading.main_thread().ident
-        threading.Timer(0.1, lambda: signal.pthread_kill(main, signal.SIGUSR1)).start()
-        with pytest.raises(Interrupted):
-            c.put("k", torch.ones(ENTRY, dtype=torch.uint8))
-        assert granted.wait(10)
-        monkeypatch.undo()
+        with testing.slow_daemon_reserve(daemon, 0.4) as granted:
+            main = threading.main_thread().ident
+            threading.Timer(0.1, lambda: signal.pthread_kill(main, signal.SIGUSR1)).start()
+            with pytest.raises(Interrupted):
+                c.put("k", torch.ones(ENTRY, dtype=torch.uint8))
+            assert granted.wait(10)
         time.sleep(3 * LEASE_S)  # past the lease's deadline: on the old code, an orphan until exit
         assert _held(sock) == ({"put": 0, "get": 0}, {"leases": 0, "bytes": 0})
         t = torch.arange(2 * ENTRY // 8, dtype=torch.int64)  # 12 of 16 MiB: the blocks came back

@@ -136,33 +136,19 @@ def test_the_orphan_of_a_process_that_exits_is_reclaimed(daemon):
         c.close()
 
 
-def test_a_reservation_whose_reply_never_reached_its_client_is_no_orphan(daemon, monkeypatch):
+def test_a_reservation_whose_reply_never_reached_its_client_is_no_orphan(daemon):
     """The client gave up waiting for ``reserve``'s reply (its ``timeout_s``) and closed the
     connection: it never learnt the extents, so it writes nothing there, and the reservation is
     ended at once (it stayed an orphan for the life of the client process)."""
-    import time
-
-    import threading
-
     sock = daemon.socket_path
-    real, granted = daemon.cache.reserve, threading.Event()
-
-    def slow(*a, **kw):
-        time.sleep(0.6)
-        try:
-            return real(*a, **kw)
-        finally:
-            granted.set()
-
-    monkeypatch.setattr(daemon.cache, "reserve", slow)
     c = DaemonClient(sock, timeout_s=0.3, client_name="gives-up")
     try:
-        with pytest.raises(Exception, match="did not answer"):
-            c.put("slow", torch.ones(ENTRY, dtype=torch.uint8))
-        assert granted.wait(10)
-        wait_for(lambda: not [x for x in daemon_stats(sock)["daemon"]["clients"] if x["name"] == "gives-up"],
-                 what="the daemon to close the connection whose reply failed")
-        monkeypatch.undo()
+        with testing.slow_daemon_reserve(daemon, 0.6) as granted:
+            with pytest.raises(Exception, match="did not answer"):
+                c.put("slow", torch.ones(ENTRY, dtype=torch.uint8))
+            assert granted.wait(10)
+            wait_for(lambda: not [x for x in daemon_stats(sock)["daemon"]["clients"] if x["name"] == "gives-up"],
+                     what="the daemon to close the connection whose reply failed")
         st = daemon_stats(sock)["daemon"]
         assert st["leases"] == {"put": 0, "get": 0} and st["orphaned_puts"] == {"leases": 0, "bytes": 0}
     finally:
