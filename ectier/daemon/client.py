@@ -124,6 +124,7 @@ class DaemonClient(Transport, ViewCalls):
         self._arrived: dict[int, Any] = {}  # id of a submitted request -> its reply (or the error)
         self.server_info: dict[str, Any] = {}
         self._closed = False  # close() was called: no new connection
+        self._sock_pid: int | None = None  # the process that opened the connection (_install; _drop)
         self._copies = 0  # puts/gets of this thread copying to or from the daemon's bytes now (_copying)
         self._close_deferred = False  # close() came from a signal handler during one: done after it
         self._arena_mmap: mmap.mmap | None = None

@@ -265,7 +265,7 @@ class Transport(Submissions):
         put's copy runs under this client's lock, as every caller of this method does; not in a
         forked child, which shares the socket but not the parent's copies (it says nothing)."""
         if self._sock is not None:
-            if "bye" in self.features and getattr(self, "_sock_pid", None) == os.getpid():
+            if "bye" in self.features and self._sock_pid == os.getpid():
                 try:
                     self._sock.setblocking(False)  # (never waits; closed next) and no SIGPIPE if it is gone
                     self._sock.send(encode_frame({"id": self._next_id, "op": "bye"}), socket.MSG_NOSIGNAL)

@@ -232,9 +232,11 @@ def _op_prefetch(server: DaemonServer, conn: Connection, keys: list, namespace: 
     late = [key for key in wanted if key not in pins and states.get(key) == "ready"]
     if late:
         pins.update(_pin_many(server, conn, late, namespace))
-    seen: set = set()  # a key named twice in pin is pinned once: one lease, one release (the repeat: null)
-    return {"states": ["ready" if k in pins else states[k] for k in keys],
-            "pins": [None if k in seen or seen.add(k) else pins.get(k) for k in pin]}
+    out, seen = [], set()  # a key named twice in pin is pinned once: one lease, one release (the repeat: null)
+    for k in pin:
+        out.append(None if k in seen else pins.get(k))
+        seen.add(k)
+    return {"states": ["ready" if k in pins else states[k] for k in keys], "pins": out}
 
 
 def _pin_many(server: DaemonServer, conn: Connection, keys: list[str], namespace: str | None) -> dict[str, Any]:

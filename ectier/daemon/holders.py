@@ -140,15 +140,25 @@ def _readable(fds: list[int]) -> set[int]:
     return {fd for fd, _ in poller.poll(0)}
 
 
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """Fields 3.. of ``/proc/PID/stat`` (after ``pid (comm)``; ``comm`` may hold spaces and
+    parentheses), or ``None`` when it cannot be read (gone, no procfs)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2:].split()
+    except (OSError, ValueError):
+        return None
+
+
 def process_start(pid: int) -> int | None:
     """When process ``pid`` started (clock ticks since boot, field 22 of ``/proc/PID/stat``):
     with the pid, names one process across pid reuse. ``None`` when it cannot be read (gone, no
     procfs, another pid namespace)."""
+    fields = _stat_fields(pid)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return int(stat[stat.rindex(b")") + 2:].split()[19])  # after "pid (comm) ": fields 3.. of 52
-    except (OSError, ValueError, IndexError):
+        return int(fields[19]) if fields is not None else None
+    except (ValueError, IndexError):
         return None
 
 
@@ -161,9 +171,5 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         pass
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return stat[stat.rindex(b")") + 2:][:1] not in (b"Z", b"X")
-    except (OSError, ValueError):
-        return True
+    fields = _stat_fields(pid)
+    return not fields or fields[0] not in (b"Z", b"X")  # (state; unreadable: alive, as kill said)

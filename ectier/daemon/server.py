@@ -165,18 +165,11 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
         self._created_dirs = claim_socket_path(self.socket_path)  # (first: "a daemon is already listening")
         try:
             self._start_metrics()
-            try:
-                self._open_arena()
-            except BaseException:
-                self._stop_metrics()
-                raise
-        except BaseException:
-            remove_created_dirs(self._created_dirs)
-            raise
-        try:
-            self._listener = self._listen()
+            self._open_arena()
+            self._listener = self._listen()  # (undoes the arena itself when it fails)
         except BaseException:
             self._stop_metrics()
+            remove_created_dirs(self._created_dirs)
             raise
         reaper = threading.Thread(target=self._reap_loop, name="ectier-lease-reaper", daemon=True)
         reaper.start()
@@ -252,7 +245,6 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
                     os.unlink(self.socket_path)
                 except FileNotFoundError:
                     pass
-            remove_created_dirs(self._created_dirs)
 
     def _open_arena(self) -> None:
         """Create the cache (and so the arena file) holding an flock on the arena for the daemon's
