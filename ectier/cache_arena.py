@@ -139,8 +139,9 @@ class HostArenaAPI:
         included), however long that is after the lease is released: the entry's bytes are neither
         evicted nor reused meanwhile, and count against ``host.capacity_bytes`` until the last view
         is gone; an overwrite or delete of the key goes to other bytes. Writing into a view changes
-        the stored entry for every later hit (the host tier keeps no checksum to notice): don't. After :meth:`close` live views stay valid (the arena's memory is
-        freed with the last one). An entry whose bytes are not one run of the arena is copied.
+        the stored entry for every later hit (the host tier keeps no checksum to notice): don't.
+        After :meth:`close` live views stay valid (the arena's memory is freed with the last one).
+        An entry whose bytes are not one run of the arena is copied.
 
         Raises:
             InvalidArgumentError: ``lease`` was released. InvalidLeaseError: not a :class:`ReadLease` of this cache.

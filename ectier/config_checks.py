@@ -51,10 +51,10 @@ _BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 def parse_bytes(value: int | str, *, field_name: str = "value") -> int:
     """Parse a byte count: an ``int`` or a string such as ``"64GiB"``, ``"512 MB"``, ``"1048576"``.
 
-    IEC suffixes (KiB, MiB, GiB, TiB, PiB, EiB, or Kubernetes' Ki/Mi/Gi/Ti/Pi/Ei) are powers of 1024; SI suffixes (KB, MB, GB, TB, PB,
-    EB, or K/M/G/T/P/E) are powers of 1000; units are read case-insensitively, except that an
-    upper-case prefix with a lower-case ``b`` (``"10Mb"``, ``"1Gib"``) is the usual spelling of bits
-    and is refused. Returns bytes as ``int``.
+    IEC suffixes (KiB, MiB, GiB, TiB, PiB, EiB, or Kubernetes' Ki/Mi/Gi/Ti/Pi/Ei) are powers of
+    1024; SI suffixes (KB, MB, GB, TB, PB, EB, or K/M/G/T/P/E) are powers of 1000; units are read
+    case-insensitively, except that an upper-case prefix with a lower-case ``b`` (``"10Mb"``,
+    ``"1Gib"``) is the usual spelling of bits and is refused. Returns bytes as ``int``.
 
     Raises:
         ConfigError: naming ``field_name`` when the value is negative, above :data:`MAX_BYTES`,

@@ -151,6 +151,22 @@ def client(main_daemon):
         yield c
 
 
+@pytest.fixture
+def short_lease_daemon():
+    """A daemon server in this process, one per test: 16 MiB arena, no NVMe, ``daemon.lease_s``
+    0.5 s (orphan and ``bye`` tests let leases expire)."""
+    from daemon_helpers import daemon_config, remove_dir, serve_in_thread, short_tmpdir
+
+    d = short_tmpdir()
+    server, t = serve_in_thread(CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=16 * MiB, lease_s=0.5)))
+    try:
+        yield server
+    finally:
+        server.stop()
+        t.join(10)
+        remove_dir(d)
+
+
 @pytest.fixture(scope="module")
 def restricted():
     """The ``restricted`` daemon process (daemon_helpers.restricted_daemon_process), one per module."""

@@ -16,27 +16,19 @@ import time
 import pytest
 import torch
 
-from daemon_helpers import MiB, daemon_config, daemon_stats, remove_dir, serve_in_thread, short_tmpdir, wait_for
-from ectier import CacheConfig, testing
+from daemon_helpers import MiB, daemon_stats, wait_for
+from ectier import testing
 from ectier.daemon.client import DaemonClient
 from ectier.daemon.protocol import PROTOCOL_VERSION, FrameDecoder, encode_frame
 
 ENTRY = 6 * MiB
-LEASE_S = 0.5
+LEASE_S = 0.5  # the daemon.lease_s of conftest.py's short_lease_daemon
 
 
 @pytest.fixture
-def daemon():
-    """A daemon in this process: 16 MiB arena, no NVMe, leases of 0.5 s."""
-    d = short_tmpdir()
-    server, t = serve_in_thread(CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=16 * MiB,
-                                                                    lease_s=LEASE_S)))
-    try:
-        yield server
-    finally:
-        server.stop()
-        t.join(10)
-        remove_dir(d)
+def daemon(short_lease_daemon):
+    """conftest.py's: 16 MiB arena, no NVMe, leases of LEASE_S."""
+    return short_lease_daemon
 
 
 def _held(sock: str) -> tuple[dict, dict]:

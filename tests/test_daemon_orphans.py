@@ -27,16 +27,9 @@ ENTRY = 6 * MiB
 
 
 @pytest.fixture
-def daemon():
-    """A daemon in this process: 16 MiB arena, no NVMe, leases of 0.5 s."""
-    d = short_tmpdir()
-    server, t = serve_in_thread(CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=16 * MiB, lease_s=0.5)))
-    try:
-        yield server
-    finally:
-        server.stop()
-        t.join(10)
-        remove_dir(d)
+def daemon(short_lease_daemon):
+    """conftest.py's: 16 MiB arena, no NVMe, leases of 0.5 s."""
+    return short_lease_daemon
 
 
 def _orphans(sock: str) -> dict:

@@ -131,8 +131,8 @@ def verdict(rows: list[dict[str, Any]]) -> list[str]:
         if slower:
             text += f"; not faster at N = {_list(slower)}"
         blocked = [r["save_calls_s_p50"] * 1e6 for r in rs]
-        spread = (f"{min(blocked):.0f}" if f"{min(blocked):.0f}" == f"{max(blocked):.0f}"
-                  else f"{min(blocked):.0f}-{max(blocked):.0f}")
+        lo, hi = f"{min(blocked):.0f}", f"{max(blocked):.0f}"
+        spread = lo if lo == hi else f"{lo}-{hi}"
         text += (f"; worker blocked saving p50 {spread} us per item "
                  f"(goal <= {SAVE_GOAL_S * 1e6:.0f} us on CPU: {'met' if max(blocked) <= SAVE_GOAL_S * 1e6 else 'NOT met'})")
         lines.append(text)
