@@ -63,6 +63,23 @@ def test_an_unpinned_host_arena_becomes_resident_without_a_put():
         tier.close()
 
 
+def test_a_shared_host_arena_becomes_resident_in_its_mapping_without_a_put(tmp_path):
+    """The daemon's arena (a file in ``daemon.shm_dir`` mapped shared): its pages exist from
+    ``posix_fallocate`` on, but each first touch through the mapping still faults. Unpopulated,
+    a 32 MiB NVMe promotion into it took ~12 ms instead of ~5 (docs/benchmarks.md)."""
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else str(tmp_path)
+    path = os.path.join(shm, f"ectier-test-shared-arena-{os.getpid()}")
+    tier = HostTier(HostTierConfig(capacity_bytes=ARENA, block_bytes=MiB, pin_memory=False), shm_path=path)
+    try:
+        assert not tier.pinned
+        # before: only the pages a put or a promotion wrote were mapped in
+        assert _resident_within(tier.buffer.data_ptr(), ARENA) > ARENA - MiB
+        assert int(tier.buffer.sum()) == 0  # nothing written
+    finally:
+        tier.close()
+    assert not os.path.exists(path)
+
+
 def test_populating_keeps_what_the_arena_holds_and_lets_it_go():
     buf = torch.empty(ARENA, dtype=torch.uint8)
     buf[: 3 * MiB].fill_(7)

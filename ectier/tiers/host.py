@@ -88,7 +88,7 @@ class HostTier(ArenaTier):
             self.pinned = bool(want_pin) and self._register(self.buffer)
         self._populate_stop = threading.Event()
         self._populating = None
-        if not self.pinned and shm_path is None:  # faulted in now, not by each first put (tiers/populate.py)
+        if not self.pinned:  # faulted in now, not by each first put or promotion (tiers/populate.py)
             self._populating = populate_later(self.buffer, stop=self._populate_stop)
         log.info("host tier: %d bytes in %d-byte blocks, pinned=%s, shared=%s",
                  nbytes, config.block_bytes, self.pinned, shm_path or "no")

@@ -1,6 +1,6 @@
-"""Faulting a CPU arena's pages in ahead of its copies: :func:`populate_later` (a private,
-pageable host arena) and :func:`populate_mapping_later` (a daemon client's mapping of the
-daemon's arena file), each in a background thread.
+"""Faulting a CPU arena's pages in ahead of its copies: :func:`populate_later` (an unpinned
+host arena, private or the daemon's shared one) and :func:`populate_mapping_later` (a daemon
+client's mapping of the daemon's arena file), each in a background thread.
 
 A fresh pageable arena is only reserved address space: without this, the first write into each
 4 KiB page (a save) faults and the kernel zeroes the page, and a 64 MiB save ran 2.5-20x slower
@@ -57,12 +57,16 @@ def _madvise(address: int, length: int, advice: int) -> int:
 
 def populate_later(buffer: torch.Tensor, *, chunk_bytes: int = _CHUNK,
                    stop: threading.Event | None = None) -> threading.Thread | None:
-    """Fault in every page of a private CPU arena, in a background thread, so copies into it
-    (the saves) pay no first-touch page faults.
+    """Fault in every page of an unpinned CPU arena, in a background thread, so copies into it
+    (saves, NVMe promotions) pay no first-touch page faults.
 
-    Why: a fresh unpinned arena is only reserved address space; the first write to each 4 KiB
+    Why: a fresh private arena is only reserved address space; the first write to each 4 KiB
     page faults and the kernel zeroes it. Measured on the 2-core dev VM: a 64 MiB ``copy_`` into
     fresh pages ran at ~0.4-1.8 GB/s, into faulted-in pages at ~2.5-7 GB/s (load-dependent).
+    The daemon's shared arena (a file in ``daemon.shm_dir``) has its pages from
+    ``posix_fallocate`` on, but each first touch through the mapping still faults to map one
+    page: a 32 MiB NVMe promotion into it took ~12 ms p50, ~5 ms populated (~0.3 s per GiB to
+    populate; docs/benchmarks.md, "Daemon over NVMe").
     ``MADV_POPULATE_WRITE`` (Linux >= 5.14), 256 KiB per call: contents are never changed, so puts
     racing the thread are safe. Off the opening thread because it costs ~0.6 s per GiB (quiet) to
     ~1.5 s per GiB (loaded VM). Not at a lower priority: a thread descheduled inside a call
