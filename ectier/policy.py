@@ -165,8 +165,10 @@ class GDSFPolicy(EvictionPolicy):
     advance ``clock``: the cache evicts every victim it is given. If it does not, the only effect
     is that entries added later age a little faster.
 
-    ``add``/``touch`` are O(log n); ``remove`` is O(1) (lazy heap deletion, compacted when stale
-    heap items outnumber live ones); ``victims`` is O((victims + protected skipped) log n).
+    ``add``/``touch`` are O(log n); ``remove`` is O(1) (lazy heap deletion; the stale items a
+    ``touch`` or ``remove`` leaves are compacted away once they outnumber the live ones, so the
+    heap stays under ~2x the entries however many hits come); ``victims`` is
+    O((victims + protected skipped) log n).
 
     Args:
         default_cost: seconds for an entry added without a cost. The default, 1.0, makes every
@@ -205,8 +207,7 @@ class GDSFPolicy(EvictionPolicy):
 
     def remove(self, key: Hashable) -> None:
         self._entries.pop(key, None)  # its heap items turn stale
-        if len(self._heap) > 2 * len(self._entries) + 64:
-            self._compact()
+        self._compact_if_stale()
 
     def priority(self, key: Hashable) -> float:
         """Current priority of ``key`` (higher = kept longer). Raises ``KeyError`` if unknown."""
@@ -220,7 +221,14 @@ class GDSFPolicy(EvictionPolicy):
         e[0] = self.clock + e[4] * e[3] / max(e[2], 1)
         e[1] = next(self._seq)
         self._entries[key] = e
-        heapq.heappush(self._heap, (e[0], e[1], key))
+        heapq.heappush(self._heap, (e[0], e[1], key))  # (a touch leaves the key's older item stale)
+        self._compact_if_stale()
+
+    def _compact_if_stale(self) -> None:
+        """Drop the stale heap items once they outnumber the live ones (amortised O(1) per update):
+        the heap stays under ~2x the entries however many hits come."""
+        if len(self._heap) > 2 * len(self._entries) + 64:
+            self._compact()
 
     def _live(self, item: tuple[float, int, Hashable]) -> bool:
         e = self._entries.get(item[2])

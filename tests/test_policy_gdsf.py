@@ -137,3 +137,26 @@ def test_cache_gdsf_keeps_costly_entries(tmp_path):
         assert "dear" in c and "new" in c and "cheap1" not in c
         with pytest.raises(ValueError, match="cost_s"):
             c.put("bad", t, cost_s=float("nan"))
+
+
+def test_memory_stays_bounded_under_hits_alone():
+    """A warm cache whose entries all fit: only hits, no evictions or removals. Each touch used to
+    leave a stale heap item that only a remove or a victims() pass dropped: ~130 bytes per hit,
+    without bound (80 MiB per 600k hits)."""
+    import tracemalloc
+
+    p = GDSFPolicy()
+    for i in range(8):
+        p.add(f"k{i}", 1024)
+    for n in range(2000):  # past the first compaction
+        p.touch(f"k{n % 8}")
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for n in range(40000):
+            p.touch(f"k{n % 8}")
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 64 * 1024, f"{grown} bytes kept by 40,000 hits on 8 entries"
+    assert sorted(p) == sorted(f"k{i}" for i in range(8)) and p.victims(1024) == [list(p)[0]]
