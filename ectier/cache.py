@@ -327,7 +327,8 @@ class TieredCache(HostArenaAPI):
         return True if remote is None else remote.drain(timeout_s)
 
     def close(self) -> None:
-        """Wait for copies and prefetches in flight, flush (if ``nvme.flush_on_close``), close the
+        """Wait for copies and prefetches in flight (a prefetch queued but not started finishes
+        False with ``EctierError``, unrun), flush (if ``nvme.flush_on_close``), close the
         NVMe tier and free the arenas. Idempotent. In a forked child it only marks the cache closed
         (the parent's files and memory are the parent's). Afterwards every call raises EctierError,
         except ``close`` itself, :meth:`release` and :meth:`abort` (they end the lease, nothing

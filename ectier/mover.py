@@ -167,12 +167,14 @@ class Mover:
 
     # ------------------------------------------------------------------------- admission
     def admit(self, tier: ArenaTier, digest: bytes, meta: EntryMeta, version: int, *, promotion: bool,
-              protect: bytes | None = None) -> Slot | None:
+              protect: bytes | None = None, wait: bool | None = None) -> Slot | None:
         """Reserve room for an entry in a memory tier, moving its victims down as needed.
 
         Returns the reserved (invisible) slot, or ``None``: no room within ``host.admit_wait_s``
-        (at once for a promotion, unless the host's write-behind holds a pin: one write, waited
-        for), or a promotion became pointless. With
+        (at once for a promotion, or with ``wait=False``, unless the host's write-behind holds a
+        pin: one write, waited for), or a promotion became pointless. ``wait``: whether to wait
+        for readers' pins (default: not for a promotion; a remote hit placed locally, which the
+        caller is served from its own bytes, passes False). With
         ``host.promote_clean_only`` a promotion into the host evicts only entries a lower tier
         already holds, so a get never waits on demotion writes.
         """
@@ -180,6 +182,7 @@ class Mover:
         # progress, e.g. a daemon client's) is not waited for, the caller tries the next tier
         started = time.monotonic()  # admit_wait_s counts from here, evictions included
         clean_only = promotion and tier.name == "host" and self.config.host.promote_clean_only
+        wait = not promotion if wait is None else wait
         while True:
             with self.lock:
                 if promotion and (self.catalog.version(digest) != version or tier.lookup(digest) is not None):
@@ -196,7 +199,7 @@ class Mover:
                     # a promotion waits only for the write-behind's pin (one write), never for readers
                     wb = self.write_behind
                     writing = wb is not None and tier is wb.host and wb.writing is not None
-                    if (promotion and not writing) or remaining <= 0 or _held_by_reservations(tier, meta.nbytes):
+                    if (not wait and not writing) or remaining <= 0 or _held_by_reservations(tier, meta.nbytes):
                         self.counters.count(tier.name, admission_timeouts=1)
                         return None
                     self.cond.wait(timeout=min(remaining, step))

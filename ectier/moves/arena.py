@@ -47,16 +47,18 @@ class ArenaMoves:
 
     # ------------------------------------------------------------------------- host puts
     def store(self, tier: ArenaTier, digest: bytes, meta: EntryMeta, version: int, src: torch.Tensor, *,
-              promotion: bool, protect: bytes | None = None, reserved: Slot | None = None) -> "Commit | None":
+              promotion: bool, protect: bytes | None = None, reserved: Slot | None = None,
+              wait: bool | None = None) -> "Commit | None":
         """Admit an entry into a host-like tier synchronously: reserve (evicting), copy, commit.
 
         For a promotion nothing happens unless ``version`` is still current and the tier does not
         hold the key. ``reserved``: a slot the caller reserved already (``Mover.put_host``), or
-        ``None``: admitted here. Returns the :class:`~ectier.mover.Commit` outcome, ``None`` if no room.
+        ``None``: admitted here (``wait``: as :meth:`Mover.admit`). Returns the
+        :class:`~ectier.mover.Commit` outcome, ``None`` if no room.
         """
         m = self.m
         slot = reserved if reserved is not None else m.admit(
-            tier, digest, meta, version, promotion=promotion, protect=protect if promotion else None)
+            tier, digest, meta, version, promotion=promotion, protect=protect if promotion else None, wait=wait)
         if slot is None:
             return None
         try:

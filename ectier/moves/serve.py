@@ -334,6 +334,11 @@ class Reads:
     def _prefetch_one(self, fetching: bool, handle: "LoadHandle", digest: bytes, ns: str, key: str,
                       target: Tier | None) -> None:
         try:
+            with self.m.cond:
+                closing = self._closing
+            if closing:  # queued when close() began: not run (each could take remote.timeout_s)
+                handle.finish(False, EctierError("cache is closed"))
+                return
             self.m.catalog.wait_inflight(digest)
             with self.m.cond:
                 local = self.m.catalog.version(digest) is not None  # (stored here since it was asked)
@@ -350,8 +355,9 @@ class Reads:
 
     def quiesce(self, timeout_s: float | None = None, *, closing: bool = False) -> bool:
         """Wait for prefetches and copy completions in flight (the pool restarts on the next
-        prefetch; with ``closing`` it does not: later prefetches finish at once, not found, with
-        ``EctierError``). False if the completions did not all run within ``timeout_s``."""
+        prefetch; with ``closing`` it does not: later prefetches, and those queued but not
+        started, finish at once, not found, with ``EctierError``). False if the completions did
+        not all run within ``timeout_s``."""
         if closing:
             with self.m.cond:
                 self._closing = True
