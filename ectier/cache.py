@@ -191,7 +191,12 @@ class TieredCache(HostArenaAPI):
             namespace: override of ``config.namespace``.
             out: a contiguous CPU tensor of the entry's shape and dtype to copy into; on a hit ``out``
                 itself is returned. Another shape (even with as many bytes) or dtype raises, before
-                any read: ``out`` is left untouched and nothing stored changes. A miss leaves it untouched.
+                any read: ``out`` is left untouched and nothing stored changes (a key held only by
+                the remote tier is known only once fetched: the fetched entry is then placed here,
+                as a hit's is, before the error). A key stored nowhere leaves ``out`` untouched;
+                after any other miss its contents are **undefined**: an NVMe payload is read
+                straight into ``out`` while its checksum is computed (one pass, no second buffer),
+                so a record that then fails the check has already overwritten it.
 
         Raises:
             InvalidKeyError; InvalidDeviceError (bare ``"cuda"``, an index this machine lacks);
