@@ -118,3 +118,31 @@ def test_a_write_refused_for_memory_leaves_reads_going(redis_single_fn):
     finally:
         raw.config_set("maxmemory", 0)
         raw.close()
+
+
+def test_a_key_of_another_type_under_the_prefix_is_one_miss_not_a_back_off(redis_single_fn):
+    """Another tool writing a list where an entry's manifest would be: Redis answers WRONGTYPE.
+    That used to count as the store failing: the whole tier backed off (every key a miss for
+    ``remote.backoff_s``); now it is a miss of that key, counted in ``checksum_failures``."""
+    from ectier.entry import entry_digest
+
+    cfg = _cfg(redis_single_fn, timeout_s=5.0, backoff_s=30.0)
+    producer, consumer = TieredCache(cfg), None
+    try:
+        want = _t(1, rows=64)
+        producer.put("good", want)
+        assert testing.drain(producer) and producer.wait_remote(10)
+        raw = redis_single_fn.raw()
+        try:
+            raw.rpush(f"ectier:m:{entry_digest('qwen3-vl', 'bad').hex()}", b"x")
+        finally:
+            raw.close()
+        consumer = TieredCache(cfg)
+        assert consumer.get("bad") is None
+        assert _same(consumer.get("good"), want)
+        st = consumer.stats()["tiers"]["remote"]
+        assert st["checksum_failures"] == 1 and st["backoffs"] == 0 and not st["degraded"], st
+    finally:
+        producer.close()
+        if consumer is not None:
+            consumer.close()

@@ -178,7 +178,7 @@ def test_chunks_without_a_manifest_are_a_miss(servers, b):
 
 
 @pytest.mark.parametrize("damage", ["chunk deleted", "chunk altered", "chunk truncated", "manifest cut",
-                                    "manifest garbage"])
+                                    "manifest garbage", "manifest a list"])
 def test_a_damaged_entry_is_a_miss_or_a_corrupt_record(servers, b, damage):
     """A missing chunk is a plain miss (the server evicts chunks; an overwrite removes them); a
     damaged object raises CorruptRecordError (the tier counts it in checksum_failures)."""
@@ -198,6 +198,9 @@ def test_a_damaged_entry_is_a_miss_or_a_corrupt_record(servers, b, damage):
             raw.set(middle, raw.get(middle)[:-1])
         elif damage == "manifest cut":
             raw.set(f"{prefix}:m:k", raw.get(f"{prefix}:m:k")[:-1])
+        elif damage == "manifest a list":  # another tool writing under the prefix (WRONGTYPE)
+            raw.delete(f"{prefix}:m:k")
+            raw.rpush(f"{prefix}:m:k", b"x")
         else:
             raw.set(f"{prefix}:m:k", b"\0" * MANIFEST.size)
     finally:
@@ -209,6 +212,9 @@ def test_a_damaged_entry_is_a_miss_or_a_corrupt_record(servers, b, damage):
             b.get("k", deadline_s=D)
     if damage in ("chunk deleted", "manifest cut", "manifest garbage"):
         assert b.exists("k", deadline_s=D) is False
+    if damage == "manifest a list":  # one key's fault, not the store's: the next key is served
+        b.put("other", data, deadline_s=D)
+        assert b.get("other", deadline_s=D) == data
 
 
 def test_concurrent_writers_and_readers_never_see_mixed_bytes(b):

@@ -249,7 +249,9 @@ class RedisBackend(NodeBackoff, RemoteBackend):
                                       require_full_coverage=False, **self._client_kwargs())
 
     def _call(self, what: str, dl: _Deadline, fn: Callable[[Any], Any]) -> Any:
-        """``fn(client)`` with redis-py's errors mapped to RemoteTimeout / RemoteError."""
+        """``fn(client)`` with redis-py's errors mapped to RemoteTimeout / RemoteError, or to
+        CorruptRecordError for a key of another type than a string (``WRONGTYPE``: a miss of that
+        key, not an outage of the store)."""
         try:
             return fn(self._connect(dl))
         except RemoteError:
@@ -259,6 +261,9 @@ class RedisBackend(NodeBackoff, RemoteBackend):
         except (RedisTimeoutError, TimeoutError) as exc:
             raise RemoteTimeout(f"redis {what} on {self._cfg.addresses}: timed out ({exc})") from exc
         except ResponseError as exc:
+            if str(exc).startswith("WRONGTYPE"):  # another writer's key under the prefix: this key's fault
+                raise CorruptRecordError(f"redis {what}: a key under prefix {self._prefix!r} is not a string "
+                                         f"({exc}); is another tool writing under remote.prefix?") from exc
             if type(exc).__name__ == "OutOfMemoryError" or "maxmemory" in str(exc):  # noeviction: refused, not down
                 raise RemoteRefused(f"redis {what} on {self._cfg.addresses}: {exc} (maxmemory; "
                                     "docs/remote-redis.md recommends maxmemory-policy allkeys-lru)") from exc
