@@ -21,9 +21,10 @@ balanced and a large object does not fill one node); docs/benchmarks.md ("Remote
 Cluster") has the measurement.
 
 Deadlines: every socket operation is bounded by ``remote.timeout_s`` (``socket_timeout`` and
-``socket_connect_timeout`` of the client; redis-py's own retries are off), and a call checks its
-``deadline_s`` before each command, so a call ends within ``deadline_s`` plus at most one socket
-timeout. Commands go one at a time (one chunk each), not in redis-py's cluster pipelines: a
+``socket_connect_timeout`` of the client; redis-py's own retries are off), a call checks its
+``deadline_s`` before each command, and each read and send of a command ends by that deadline too
+(``redis_deadline``: a reply that trickles in slowly is cut off), so a call ends within
+``deadline_s`` (a connect within at most one socket timeout more). Commands go one at a time (one chunk each), not in redis-py's cluster pipelines: a
 cluster pipeline resends every command that failed on a dead node one by one, each waiting its
 own socket timeout, which no deadline bounds. At chunks of a few MiB a round trip per chunk costs
 little (docs/benchmarks.md).
@@ -60,6 +61,8 @@ try:  # the ``remote`` extra; RedisBackend() says how to install it when it is m
     from redis.exceptions import ResponseError
     from redis.exceptions import TimeoutError as RedisTimeoutError
     from redis.retry import Retry
+
+    from .redis_deadline import DeadlineConnection, DeadlineSSLConnection, command_deadline
 except ImportError as _exc:  # pragma: no cover - exercised only without the extra
     redis = None
     _IMPORT_ERROR: ImportError | None = _exc
@@ -235,7 +238,7 @@ class RedisBackend(NodeBackoff, RemoteBackend):
                     seeds = [first] + [a for a in self._addresses if a != first]
                     self._client = self._cluster_client(seeds)
                 else:
-                    self._client = redis.Redis(*first, **self._client_kwargs())
+                    self._client = self._single_client(first)
                 self._mode = "cluster" if is_cluster else "single"
             return self._client
         finally:
@@ -246,7 +249,18 @@ class RedisBackend(NodeBackoff, RemoteBackend):
         that answered first (``seeds[0]``): redis-py sends it to its default node, which may be a
         dead one, and then no client could be made while that node is down."""
         return _OneNodeCommandCluster(first=f"{seeds[0][0]}:{seeds[0][1]}", startup_nodes=[ClusterNode(h, p) for h, p in seeds],
-                                      require_full_coverage=False, **self._client_kwargs())
+                                      require_full_coverage=False, connection_class=self._connection_class(),
+                                      **self._client_kwargs())
+
+    def _connection_class(self) -> type:
+        """Connections whose commands end by their call's deadline (``redis_deadline``)."""
+        return DeadlineSSLConnection if self._cfg.tls else DeadlineConnection
+
+    def _single_client(self, address: tuple[str, int]) -> Any:
+        """A client of one server on :meth:`_connection_class` (``Redis(ssl=True)`` would not be)."""
+        kw = {k: v for k, v in self._client_kwargs().items() if k != "ssl"}
+        return redis.Redis(connection_pool=redis.ConnectionPool(
+            host=address[0], port=address[1], connection_class=self._connection_class(), **kw))
 
     def _call(self, what: str, dl: _Deadline, fn: Callable[[Any], Any]) -> Any:
         """``fn(client)`` with redis-py's errors mapped to RemoteTimeout / RemoteError, or to
@@ -287,10 +301,12 @@ class RedisBackend(NodeBackoff, RemoteBackend):
         dl.check(what)
         node = self._node_of(client, args[0])
         if node is None:
-            return getattr(client, method)(*args, **kw)
+            with command_deadline(dl.end):
+                return getattr(client, method)(*args, **kw)
         self._check_node(client, node, what)
         try:
-            out = getattr(client, method)(*args, **kw)
+            with command_deadline(dl.end):
+                out = getattr(client, method)(*args, **kw)
         except AuthenticationError:
             raise
         except (RedisConnectionError, RedisTimeoutError, TimeoutError, OSError) as exc:
