@@ -27,7 +27,7 @@ from .config import CacheConfig
 from .config_checks import Problems, parse_bytes
 from .errors import ConfigError
 
-__all__ = ["config_from_dict", "config_from_json", "config_from_yaml", "load_config", "config_from_env",
+__all__ = ["env_problems_alone", "config_from_dict", "config_from_json", "config_from_yaml", "load_config", "config_from_env",
            "as_config", "tiers_left_off", "tiers_judged_after_env", "TIER_SWITCHES"]
 
 #: The field that switches each optional tier on: (field, what to set it to, its "off" value). A
@@ -470,3 +470,25 @@ def _expect_mapping(data: Any, source: str | os.PathLike) -> Mapping[str, Any]:
         kind = words.get(type(data), type(data).__name__)
         raise ConfigError(f"config: {_describe(source)} must hold a mapping at top level, got {kind}")
     return data
+
+
+_DOTTED = re.compile(r"\b(?:host|gpu|nvme|remote|daemon)\.[a-z_]+\b")
+
+
+def env_problems_alone() -> tuple[list[str], tuple[str, ...]]:
+    """``(problems, variables)``: the ``ECTIER_*`` variables' own problems, judged over the
+    defaults (reported beside a bad config file, which would otherwise hide them): bad values and
+    unknown names; a tier that only the file would have switched on is not judged. A problem is
+    kept when every dotted field it names (``host.capacity_bytes``) is one a variable sets."""
+    try:
+        with tiers_judged_after_env():
+            CacheConfig.from_env(base=CacheConfig())
+    except ConfigError as exc:
+        # only what the variables are wrong about alone: a check across fields (view_pin_bytes
+        # against host.capacity_bytes, say) judged against defaults would blame a good variable
+        mine = {v[len("ECTIER_"):].lower().replace("__", ".") for v in exc.env_vars}
+        kept = [m for m in exc.problems if m.startswith("ECTIER_")
+                or "would do nothing" not in m and set(_DOTTED.findall(m)) <= mine]
+        return kept, tuple(v for v in exc.env_vars if any(v in m or v[len("ECTIER_"):].lower().replace("__", ".") in m
+                                                           for m in kept))
+    return [], ()

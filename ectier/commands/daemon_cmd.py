@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import sys
 from typing import Any, Callable, Optional
 
@@ -19,7 +18,7 @@ from rich.table import Table
 from ..config import CacheConfig, format_bytes
 from ..errors import ConfigError, EctierError
 from .params import console as _console, not_empty
-from ..config_sources import tiers_judged_after_env
+from ..config_sources import env_problems_alone, tiers_judged_after_env
 
 __all__ = ["serve", "stats", "load_config", "TIER_ROWS", "tier_rows"]
 
@@ -35,7 +34,7 @@ def load_config(path: Optional[str]) -> CacheConfig:
             try:
                 base = CacheConfig.load(path)
             except ConfigError as exc:
-                env_problems, env_vars = _env_problems_alone()  # every bad input at once, the variables' too
+                env_problems, env_vars = env_problems_alone()  # every bad input at once, the variables' too
                 raise click.BadParameter(str(ConfigError(problems=[*exc.problems, *env_problems])),
                                          param_hint=", ".join(["--config", *env_vars])) from None
         try:
@@ -43,27 +42,6 @@ def load_config(path: Optional[str]) -> CacheConfig:
         except ConfigError as exc:
             hint = ", ".join(exc.env_vars) or ("--config" if path is not None else "ECTIER_* variables")
             raise click.BadParameter(str(exc), param_hint=hint) from None
-
-
-_DOTTED = re.compile(r"\b(?:host|gpu|nvme|remote|daemon)\.[a-z_]+\b")
-
-
-def _env_problems_alone() -> tuple[list[str], tuple[str, ...]]:
-    """``(problems, variables)``: the ``ECTIER_*`` variables' own problems, judged over the
-    defaults (reported beside a bad ``--config`` file, which would otherwise hide them): bad
-    values and unknown names; a tier that only the file would have switched on is not judged."""
-    try:
-        with tiers_judged_after_env():
-            CacheConfig.from_env(base=CacheConfig())
-    except ConfigError as exc:
-        # only what the variables are wrong about alone: a check across fields (view_pin_bytes
-        # against host.capacity_bytes, say) judged against defaults would blame a good variable
-        mine = {v[len("ECTIER_"):].lower().replace("__", ".") for v in exc.env_vars}
-        kept = [m for m in exc.problems if m.startswith("ECTIER_")
-                or "would do nothing" not in m and set(_DOTTED.findall(m)) <= mine]
-        return kept, tuple(v for v in exc.env_vars if any(v in m or v[len("ECTIER_"):].lower().replace("__", ".") in m
-                                                           for m in kept))
-    return [], ()
 
 
 # ========================================================================================= serve
