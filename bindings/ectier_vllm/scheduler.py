@@ -325,9 +325,20 @@ class SchedulerSide:
         self._store.new_step()  # the daemon's answers of this step are spent
         # items vLLM's encoder-cache manager evicted this step: it will encode or load them again
         self._poisoned.difference_update(scheduler_output.free_encoder_mm_hashes)
+        self._add_sharers(scheduler_output.num_scheduled_tokens)
         meta = ECTierConnectorMetadata(loads=list(self._to_load.values()))
         self._to_load = {}
         return meta
+
+    def _add_sharers(self, scheduled: dict[str, int]) -> None:
+        """Every request of this step that holds an item's pin goes with its load: vLLM calls
+        ``update_state_after_alloc`` for the first request that needs an item in a step only, and
+        a failed load must fail each request that runs on its placeholder this step."""
+        for mm_hash, item in self._to_load.items():
+            state = self._pins.get(mm_hash)
+            for req_id in state.req_ids if state is not None else ():
+                if req_id in scheduled and req_id not in item.req_ids:
+                    item.req_ids.append(req_id)
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         meta = connector_output.ec_connector_worker_meta
