@@ -247,3 +247,29 @@ def test_v1_producer_stops_counting_once_worker_reports_arrive(model_dir, tmp_pa
     finally:
         worker.connector.shutdown()
         sched.ec_connector.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["inprocess", "daemon"])
+def test_external_launcher_over_several_ranks_is_refused(model_dir, tmp_path, mode):
+    """With ``external_launcher`` each rank runs a scheduler of its own. In-process, only the lead
+    worker saves into its own store, so a later request was loaded on rank 0 and encoded on rank 1
+    (shown with two rank processes): the ranks' schedules diverge. The connector refuses it."""
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+    from ectier.errors import ConfigError
+    from ectier_vllm.connector import ECTierConnector
+    from ectier_vllm.store import open_stores
+
+    extra = inproc(tmp_path) if mode == "inprocess" else {"mode": "daemon", "socket_path": str(tmp_path / "d.sock")}
+    cfg = H.make_vllm_config(model_dir, "ec_both", extra)
+    cfg.parallel_config.distributed_executor_backend = "external_launcher"
+    cfg.parallel_config.tensor_parallel_size = cfg.parallel_config.world_size = 2
+    for role in (ECConnectorRole.SCHEDULER, ECConnectorRole.WORKER):
+        with pytest.raises(ConfigError, match=r'"external_launcher" with a world size of 2 .* not supported.*'
+                                              r'"mode": "daemon", or with one rank per engine'):
+            ECTierConnector(cfg, role)
+    assert open_stores() == 0
+    cfg.parallel_config.tensor_parallel_size = cfg.parallel_config.world_size = 1  # one rank: accepted
+    if mode == "inprocess":
+        ECTierConnector(cfg, ECConnectorRole.SCHEDULER).shutdown()
+        assert open_stores() == 0

@@ -97,6 +97,7 @@ class ECTierConnector(SchedulerSide, WorkerSide, ECConnectorBase):
             default_ns=default_namespace(model_config.model, model_config.revision, model_config.dtype),
         )
         backend = vllm_config.parallel_config.distributed_executor_backend
+        _refuse_ranks_with_own_schedulers(backend, vllm_config.parallel_config.world_size)
         if self.settings.mode == "inprocess" and backend not in ("uni", "external_launcher"):
             # only these run the scheduler and the worker in one process; elsewhere each process
             # would get its own, different in-process store
@@ -252,3 +253,22 @@ class ECTierConnector(SchedulerSide, WorkerSide, ECConnectorBase):
                     store.close()
             except STORE_ERRORS as exc:
                 logger.warning("ectier: closing the store failed (%s: %s)", type(exc).__name__, exc)
+
+
+def _refuse_ranks_with_own_schedulers(backend: Any, world_size: int) -> None:
+    """With ``external_launcher`` every rank is a process of its own, with a scheduler of its own,
+    and vLLM needs every rank's scheduler to take the same decisions. Over more than one rank the
+    connector cannot promise that: its answers (found, or encode) depend on what each rank's store
+    held and on when each rank's daemon answer came in; only the lead worker saves. One rank's
+    scheduler would then load an item that another's encodes (collectives hang or mix data).
+
+    Raises:
+        ConfigError: ``external_launcher`` with ``parallel_config.world_size`` > 1.
+    """
+    if backend == "external_launcher" and world_size > 1:
+        raise ConfigError(
+            f"ECTierConnector: distributed_executor_backend \"external_launcher\" with a world size of "
+            f"{world_size} (tensor x pipeline parallel) is not supported: each rank runs its own scheduler, and "
+            f"the connector's answers (load or encode) could differ between ranks. Run the engine with "
+            f"vLLM's own executor (\"mp\" or \"ray\") and \"mode\": \"daemon\", or with one rank per engine"
+        )
