@@ -291,3 +291,24 @@ def test_an_explored_item_stays_loaded_until_its_promotion_is_done():
     assert not lor.check("z", "ready", MiB, 64)
     assert reads() == 5
     assert lor.policy.bandwidth.bytes_per_s("promote") > MiB / 0.03
+
+
+def test_a_promotion_given_up_teaches_that_the_tier_is_slow():
+    """A tier measured fast (0.08 s per MiB) turns so slow that promotions pass ``load_timeout_s``
+    (1 s here). A timeout used to teach nothing: every later item waited the full second before it
+    was encoded (an encoder at 0.2 s per item); now the time waited counts as a lower bound of the
+    promotion's, and the next item is recomputed at once."""
+    clock = Clock()
+    lor = LoadOrRecompute(True, 0.2 / 64, explore_every=0, now=clock)
+    for _ in range(3):  # host reads known
+        lor.observe_report({"load_bytes": MiB, "load_seconds": [0.001]})
+    _slow_promotions(lor, clock, 3, MiB, 0.08)
+    assert not lor.check("fast", "wait", MiB, 64)  # 0.08 s to load < 0.2 s to encode
+    before = lor.policy.bandwidth.bytes_per_s("promote")
+    waited = 0
+    while not lor.check(f"slow{waited}", "wait", MiB, 64):  # recomputed without a wait, in the end
+        clock.t += 1.0
+        assert not lor.check(f"slow{waited}", "timeout", MiB, 64)
+        waited += 1
+        assert waited <= 6, f"still waiting for a promotion after {waited} timeouts"
+    assert lor.policy.bandwidth.bytes_per_s("promote") < before / 2

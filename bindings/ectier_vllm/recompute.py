@@ -216,6 +216,9 @@ class LoadOrRecompute:
     lies between the last step that saw it pending and the step that saw it ready; the lower end
     is observed (an optimistic bandwidth: recompute is chosen only when even that is too slow), and a
     promotion done within one step gives no observation (a tier that fast is never worth skipping).
+    A promotion given up (``"timeout"``: past ``load_timeout_s``) is observed as taking at least
+    as long as it was waited for: a tier that turned that slow is then recomputed at once, instead
+    of each later item waiting ``load_timeout_s`` first.
     An item the policy *explores* (loaded although the estimates said recompute) stays loaded until
     its promotion is done, and if that took one step its upper end is observed (from the step
     that started it to the one that saw it ready): an estimate that went stale is refreshed.
@@ -258,9 +261,9 @@ class LoadOrRecompute:
                 self._pending[mm_hash] = (first, now, nbytes, True)
             return False
         seen = self._pending.pop(mm_hash, None)
-        if status == "ready" and seen is not None:
+        if status in ("ready", "timeout") and seen is not None:
             first, last, size, explored = seen
-            if explored and last == first:  # done within one step: its upper end
+            if status == "timeout" or (explored and last == first):  # waited for all along / its upper end
                 last = now
             self.policy.bandwidth.observe(PROMOTED_PATH[0], size, last - first)
         return False
