@@ -82,7 +82,8 @@ def test_without_vllm_one_line_and_exit_1(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("args, needle", [(["--sizes", "0"], "--sizes"), (["--variants", "examp"], "examp"),
-                                          (["--budget-bytes", "lots"], "--budget-bytes")])
+                                          (["--budget-bytes", "lots"], "--budget-bytes"),
+                                          (["--budget-bytes", "0"], "--budget-bytes")])
 def test_bad_options_name_the_option(tmp_path, args, needle):
     res = CliRunner().invoke(main, ["bench", "connectors", *args, "--out", str(tmp_path)])
     assert res.exit_code == 2 and needle in res.output, res.output

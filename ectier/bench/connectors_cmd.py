@@ -66,9 +66,12 @@ def _variants(ctx, param, value):
 
 def _budget(ctx, param, value):
     try:
-        return parse_bytes(value, field_name="--budget-bytes")
+        nbytes = parse_bytes(value, field_name="--budget-bytes")
     except ConfigError as exc:
         raise click.BadParameter(str(exc)) from None
+    if nbytes <= 0:  # (the repetitions per size are this budget over the item's bytes)
+        raise click.BadParameter(f"expected more than 0 bytes, got {value!r}")
+    return nbytes
 
 
 def _measure(console, quiet, sizes, variants, budget_bytes, min_reps, workdir, threads,
