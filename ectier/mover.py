@@ -37,6 +37,7 @@ from .entry import EntryMeta, next_version
 from .errors import CacheClosedError, EctierError
 from .handles import PutHandle
 from .index import Slot
+from .logutil import RateLimitedLogger
 from .moves.arena import ArenaMoves
 from .moves.nvme import RETRY, NvmeMoves
 from .moves.promote import Promotions
@@ -97,6 +98,7 @@ class Mover:
     def __init__(self, config: CacheConfig, stack: TierStack, catalog: Catalog, counters: Counters,
                  engine_for: Callable[[torch.device], CopyEngine | None]) -> None:
         self.config = config
+        self._warn = RateLimitedLogger(log)  # failed moves: one line per kind per 10 s, with a count
         self.stack = stack
         self.catalog = catalog
         self.cond = catalog.cond
@@ -162,7 +164,8 @@ class Mover:
             return fn(*args, **kwargs)
         except MOVE_ERRORS as exc:
             level = logging.DEBUG if isinstance(exc, CacheClosedError) else logging.WARNING  # (close() raced it)
-            log.log(level, "%s failed (%s: %s); entry not moved", what, type(exc).__name__, exc)
+            self._warn.log(level, (what, type(exc).__name__), "%s failed (%s: %s); entry not moved",
+                           what, type(exc).__name__, exc)
             return None
 
     # ------------------------------------------------------------------------- admission
@@ -171,10 +174,8 @@ class Mover:
         """Reserve room for an entry in a memory tier, moving its victims down as needed.
 
         Returns the reserved (invisible) slot, or ``None``: no room within ``host.admit_wait_s``
-        (at once for a promotion, or with ``wait=False``, unless the host's write-behind holds a
-        pin: one write, waited for), or a promotion became pointless. ``wait``: whether to wait
-        for readers' pins (default: not for a promotion; a remote hit placed locally, which the
-        caller is served from its own bytes, passes False). With
+        (at once with ``wait`` False, the default for a promotion, unless the host's write-behind
+        holds a pin: one write, waited for), or a promotion became pointless. With
         ``host.promote_clean_only`` a promotion into the host evicts only entries a lower tier
         already holds, so a get never waits on demotion writes.
         """

@@ -17,6 +17,7 @@ from ..copy import CopyEngine, CopyHandle
 from ..entry import EntryMeta
 from ..handles import PutHandle
 from ..index import Slot
+from ..logutil import RateLimitedLogger
 from ..tensors import byte_view, empty_for, output_for, torch_dtype
 from ..tiers.arena import ArenaTier, run_pairs
 from .views import Releaser, pinned_view
@@ -43,6 +44,7 @@ class ArenaMoves:
 
     def __init__(self, m: "Mover") -> None:
         self.m = m
+        self._warn = RateLimitedLogger(log)  # per-entry failures: one line per kind per 10 s
         self.releaser = Releaser(m.cond)  # view pins released from finalizers, never blocking
 
     # ------------------------------------------------------------------------- host puts
@@ -97,7 +99,8 @@ class ArenaMoves:
         error = copy_error(h, source)
         try:
             if error is not None:
-                log.warning("copy into the %s tier failed (%s); entry not stored", tier.name, error)
+                self._warn.warning(("copy into", tier.name), "copy into the %s tier failed (%s); entry not stored",
+                                   tier.name, error)
                 m.counters.count("cache", copy_failures=1)
                 m.abort(tier, slot)
             else:
@@ -138,7 +141,7 @@ class ArenaMoves:
     def after_device_write(self, gpu, slot: Slot, h: CopyHandle, handle: PutHandle | None) -> None:
         m = self.m
         if h.error is not None:
-            log.warning("copy into the GPU tier failed (%s); entry dropped from it", h.error)
+            self._warn.warning("copy into gpu", "copy into the GPU tier failed (%s); entry dropped from it", h.error)
             m.counters.count("gpu", copy_failures=1)
             m.drop_slot(gpu, slot)
         if handle is not None:
@@ -167,7 +170,8 @@ class ArenaMoves:
             else:
                 h = gpu.write(slot, data)
         except RuntimeError as exc:  # torch.cuda.OutOfMemoryError and other device errors
-            log.warning("promotion of an entry to the GPU tier failed (%s); served from the lower tier", exc)
+            self._warn.warning(("promotion to gpu", type(exc).__name__), "promotion of an entry to the GPU tier "
+                               "failed (%s); served from the lower tier", exc)
             m.counters.count("gpu", promotion_failures=1)
             m.abort(gpu, slot)
             if src_slot is not None:
@@ -298,7 +302,7 @@ class ArenaMoves:
         h.wait()
         err = copy_error(h, slot)
         if err is not None:
-            log.warning("copy out of the GPU tier failed (%s); read as a miss there", err)
+            self._warn.warning("copy out of gpu", "copy out of the GPU tier failed (%s); read as a miss there", err)
             m.counters.count("gpu", copy_failures=1)
             m.drop_slot(gpu, slot)
             return None

@@ -46,6 +46,7 @@ class NvmeMoves:
 
     def __init__(self, m: "Mover", tier: NvmeTier) -> None:
         self.m = m
+        self._warn = RateLimitedLogger(log)  # per-entry failures: one line per kind per 10 s
         self.tier = tier
         self.index = tier.index
         # digest -> versions being copied to NVMe by store(register=False) now; guarded by m.cond
@@ -132,7 +133,8 @@ class NvmeMoves:
                 # the record committed before the failure (e.g. freeing the replaced record's
                 # blocks raised): it is stored, so it is this key's newest NVMe version and must be
                 # registered or dropped like any finished write, never left unaccounted for
-                log.warning("nvme tier: a write failed after its record committed (%r); the record is kept", exc)
+                self._warn.warning(("failed after commit", type(exc).__name__), "nvme tier: a write failed "
+                                   "after its record committed (%r); the record is kept", exc)
                 return self._finish_store(digest, meta, version, size, True, register=register)
             with self.m.cond:
                 self.index.end_write(digest, size)
@@ -378,10 +380,11 @@ class NvmeMoves:
             if write_behind:
                 log.debug("write-behind of an entry to NVMe failed (%s); the entry stays in host memory", exc)
             elif write_through:
-                log.warning("write-through of an entry to NVMe failed (%s); the entry stays in host "
-                            "memory only (not durable)", exc)
+                self._warn.warning(("write-through", type(exc).__name__), "write-through of an entry to NVMe "
+                                   "failed (%s); the entry stays in host memory only (not durable)", exc)
             else:
-                log.warning("demotion of an entry to NVMe failed (%s); entry dropped", exc)
+                self._warn.warning(("demotion", type(exc).__name__), "demotion of an entry to NVMe failed (%s); "
+                                   "entry dropped", exc)
             return False
         if ok:
             with self.m.cond:

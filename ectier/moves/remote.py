@@ -31,6 +31,7 @@ import torch
 
 from ..entry import EntryMeta, advance_version
 from ..errors import TierWriteError
+from ..logutil import RateLimitedLogger
 from ..tiers.nvme import RAW_CODEC_ID
 from ..tiers.nvme_reader import mark_background
 from ..tiers.remote.tier import RemoteTier
@@ -75,6 +76,7 @@ class RemoteMoves:
 
     def __init__(self, m: "Mover", tier: RemoteTier) -> None:
         self.m = m
+        self._warn = RateLimitedLogger(log)  # per-entry failures: one line per kind per 10 s
         self.tier = tier
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -146,7 +148,7 @@ class RemoteMoves:
             else:  # "delete-now": a delete() waits for it
                 self.tier.delete(digest)
         except Exception as exc:  # noqa: BLE001 - a background move: logged, never raised into anyone
-            log.warning("remote write-through failed: %s", exc)
+            self._warn.warning(("write-through", type(exc).__name__), "remote write-through failed: %s", exc)
         finally:
             self._next(digest, call)
 
@@ -327,7 +329,7 @@ class RemoteMoves:
             try:
                 placed = m.nvme.store(digest, meta, version, data, register=True)
             except TierWriteError as exc:
-                log.warning("promotion remote -> nvme failed: %s", exc)
+                self._warn.warning(("to nvme", type(exc).__name__), "promotion remote -> nvme failed: %s", exc)
         if placed and target is not None:
             m.promote.from_data(target, digest, meta, version, data)
 

@@ -21,6 +21,7 @@ import torch
 from ..cpus import background_threads
 from ..errors import EctierError
 from ..index import Slot
+from ..logutil import RateLimitedLogger
 from ..tensors import output_for, tensor_from_bytes, torch_dtype
 from ..tiers.arena import ArenaTier
 from ..tiers.base import Tier
@@ -54,6 +55,7 @@ class Reads:
 
     def __init__(self, m: "Mover") -> None:
         self.m = m
+        self._warn = RateLimitedLogger(log)  # per-key failures: one line per kind per 10 s
         self._prefetch_pool: ThreadPoolExecutor | None = None
         # prefetches of keys stored nowhere here (a remote fetch: network-bound, maybe hung until
         # remote.timeout_s): threads of their own, so they never hold a background slot or the
@@ -350,7 +352,7 @@ class Reads:
                 done = self.promote(digest, ns, key, target)
             handle.finish(done)
         except Exception as exc:  # noqa: BLE001 - reported through the handle, and logged
-            log.warning("prefetch of a key failed: %s", exc)
+            self._warn.warning(("prefetch", type(exc).__name__), "prefetch of a key failed: %s", exc)
             handle.finish(False, exc)
 
     def quiesce(self, timeout_s: float | None = None, *, closing: bool = False) -> bool:
