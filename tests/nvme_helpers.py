@@ -1,16 +1,62 @@
-"""Damage a closed (or open) NVMe store of layout v2 the way a disk would: in the segment file at the
-bytes of one record's payload, or in its LMDB index entry. Used by the NVMe corruption tests."""
+"""Helpers of the NVMe tier tests (tests/test_nvme*.py, the corruption tests).
+
+Stores: reopen a closed store with changed ``nvme`` settings (:func:`reopen`), three entries put
+and closed (:func:`_put_three`), a child interpreter (:func:`run_child`). Damage: a closed (or
+open) NVMe store of layout v2 damaged the way a disk would, in the segment file at the bytes of
+one record's payload, or in its LMDB index entry."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
+import torch
+
+from ectier import TieredCache
 from ectier.entry import entry_digest
 from ectier.tiers.nvme_record import pack_index_value, parse_index_value
 from ectier.tiers.nvme_segment import BLOCK_BYTES, SEGMENT_NAME, Location
 
-from conftest import open_lmdb
+from conftest import MiB, open_lmdb, random_tensor
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ------------------------------------------------------------------------------------ stores
+
+
+def normal_bf16(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(torch.bfloat16)
+
+
+def reopen(cfg, **nvme_changes):
+    if nvme_changes:
+        cfg = cfg.replace(nvme=dataclasses.replace(cfg.nvme, **nvme_changes))
+    return TieredCache(cfg)
+
+
+def run_child(code: str, *args: str, **kw) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], env=env, cwd=REPO,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kw)
+
+
+def _put_three(make_cache, **kw):
+    cache, cfg = make_cache(host_bytes=0, nvme_bytes=2 * MiB, **kw)
+    vals = {k: random_tensor((4, 8192), torch.bfloat16, i) for i, k in enumerate("abc")}
+    for k, t in vals.items():
+        cache.put(k, t)
+    cache.close()
+    return cfg, vals
+
+
+# ------------------------------------------------------------------------------------ damage
 
 
 def digest(key: str, namespace: str = "test") -> bytes:

@@ -5,9 +5,9 @@ closed or open, for every codec.
 
 Promise (``docs/operations.md``, "Corruption"): every damaged entry is detected on read (or at
 open, for index entries), quarantined, counted and served as a miss; every undamaged entry is still
-served byte-exact; the key can be stored again afterwards. ``tests/test_nvme.py`` covers the fixed
-cases (a flip at one position, truncations, a record under another digest, orphaned space, a
-truncated data file); this file draws the damage at random.
+served byte-exact; the key can be stored again afterwards. ``tests/test_nvme_damage.py`` covers
+the fixed cases (a flip at one position, truncations, a record under another digest, orphaned
+space; a truncated data file: ``tests/test_nvme_open.py``); this file draws the damage at random.
 """
 
 from __future__ import annotations

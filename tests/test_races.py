@@ -5,7 +5,7 @@ and inside the read), a delete racing a promotion, two threads putting one key w
 
 Complements ``tests/test_concurrency.py`` (random stress; pinned slot vs eviction; late demotion vs
 overwrite; NVMe read vs delete + rewrite). Two processes opening one NVMe directory directly: one
-gets ``StoreLockedError`` (``tests/test_nvme.py::test_directory_held_by_another_process_is_locked``).
+gets ``StoreLockedError`` (``tests/test_nvme_open.py::test_directory_held_by_another_process_is_locked``).
 
 Versions decide: every put takes a write version when it starts; of two overlapping puts of one
 key, the one that started later stands, whichever finishes last (both orders are linearizable).
