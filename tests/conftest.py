@@ -174,3 +174,54 @@ def restricted():
 
     with restricted_daemon_process() as proc:
         yield proc
+
+
+# ------------------------------------------------------------------- daemon fixtures (per test)
+
+
+@pytest.fixture
+def daemon_dir():
+    """A fresh short directory under ``/tmp`` (daemon_helpers.short_tmpdir: room for a socket
+    path), removed after the test, once the daemons of :func:`thread_daemon` and
+    :func:`process_daemon` are stopped."""
+    from daemon_helpers import remove_dir, short_tmpdir
+
+    d = short_tmpdir()
+    yield d
+    remove_dir(d)
+
+
+@pytest.fixture
+def thread_daemon(daemon_dir):
+    """``thread_daemon(cfg) -> (server, thread)``: a daemon server for ``cfg`` (a ``CacheConfig``)
+    serving in a thread of this process (daemon_helpers.serve_in_thread). Each one started is
+    stopped and its thread joined after the test (one the test stopped already, too: harmless)."""
+    from daemon_helpers import serve_in_thread
+
+    started = []
+
+    def start(cfg):
+        started.append(serve_in_thread(cfg))
+        return started[-1]
+
+    yield start
+    for server, t in started:
+        server.stop()
+        t.join(10)
+
+
+@pytest.fixture
+def process_daemon(daemon_dir):
+    """``process_daemon(config_path, socket_path, **kw) -> DaemonProcess`` (not launched yet: call
+    ``.start()`` or ``.launch()``). Each one made is stopped after the test."""
+    from daemon_helpers import DaemonProcess
+
+    made = []
+
+    def make(*args, **kw):
+        made.append(DaemonProcess(*args, **kw))
+        return made[-1]
+
+    yield make
+    for proc in made:
+        proc.stop()

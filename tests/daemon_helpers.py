@@ -235,13 +235,16 @@ def nogroup() -> str | None:
 @contextlib.contextmanager
 def daemon_process(config_name: str = "cfg.json", *, via: str = "module", nofile: tuple[int, int] | None = None,
                    nvme_read_delay_s: float = 0.0, edit: Callable[[dict], None] | None = None,
-                   **config: Any) -> Iterator[DaemonProcess]:
+                   dir_mode: int | None = None, **config: Any) -> Iterator[DaemonProcess]:
     """A started daemon of ``daemon_config(<fresh directory>, **config)`` (``edit``: changes that
-    mapping first), its config written to ``config_name`` there, launched as :class:`DaemonProcess`
-    takes ``via`` / ``nofile`` / ``nvme_read_delay_s``. Yields the process with ``.dir``, ``.cfg``
-    and ``.path`` (the config file); stopped and its directory removed after."""
+    mapping first; ``dir_mode``: the directory's mode), its config written to ``config_name``
+    there, launched as :class:`DaemonProcess` takes ``via`` / ``nofile`` / ``nvme_read_delay_s``.
+    Yields the process with ``.dir``, ``.cfg`` and ``.path`` (the config file); stopped and its
+    directory removed after."""
     d = short_tmpdir()
     try:
+        if dir_mode is not None:
+            os.chmod(d, dir_mode)
         cfg = daemon_config(d, **config)
         if edit is not None:
             edit(cfg)
@@ -262,35 +265,22 @@ def main_daemon_process() -> Iterator[DaemonProcess]:
     """The ``main`` daemon (via the ``ectier`` script): 32 MiB host, 64 MiB NVMe, metrics on an
     ephemeral port, 64 KiB frame cap, default lease (30 s). Yields the running process, with
     ``.dir`` (its directory) and ``.cfg`` (its config mapping); stopped and removed after."""
-    d = short_tmpdir()
-    try:
-        cfg = daemon_config(d, host_bytes=32 * MiB, nvme_bytes=64 * MiB, metrics_port=0, max_frame_bytes=64 * KiB)
-        proc = DaemonProcess(write_config(os.path.join(d, "cfg.yaml"), cfg), cfg["daemon"]["socket_path"],
-                             via="script")
-        proc.dir, proc.cfg = d, cfg
-        try:
-            proc.start()
-            yield proc
-        finally:
-            proc.stop()
-    finally:
-        remove_dir(d)
+    with daemon_process("cfg.yaml", via="script", host_bytes=32 * MiB, nvme_bytes=64 * MiB, metrics_port=0,
+                        max_frame_bytes=64 * KiB) as proc:
+        yield proc
 
 
 @contextlib.contextmanager
-def host_daemon_process(host_bytes: int) -> Iterator[DaemonProcess]:
-    """A started daemon with a host tier of ``host_bytes`` and no NVMe; after the test it is
-    continued (a test may have stopped it with SIGSTOP), stopped and its directory removed."""
-    d = short_tmpdir()
-    cfg = daemon_config(d, host_bytes=host_bytes, nvme=False)
-    proc = DaemonProcess(write_config(os.path.join(d, "daemon.json"), cfg), cfg["daemon"]["socket_path"]).start()
-    try:
-        yield proc
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # a test may have killed it
-            os.kill(proc.pid, signal.SIGCONT)
-        proc.stop()
-        remove_dir(d)
+def host_daemon_process(host_bytes: int, config_name: str = "daemon.json", **daemon: Any) -> Iterator[DaemonProcess]:
+    """A started daemon with a host tier of ``host_bytes``, no NVMe and the ``daemon`` knobs given;
+    after the test it is continued (a test may have stopped it with SIGSTOP), stopped and its
+    directory removed."""
+    with daemon_process(config_name, host_bytes=host_bytes, nvme=False, **daemon) as proc:
+        try:
+            yield proc
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # a test may have killed it
+                os.kill(proc.pid, signal.SIGCONT)
 
 
 @contextlib.contextmanager
@@ -298,21 +288,12 @@ def restricted_daemon_process() -> Iterator[DaemonProcess]:
     """The ``restricted`` daemon: 8 MiB host, no NVMe, lease_s 0.5, max_clients 4, socket mode
     0660 (group :func:`nogroup` when run as root: ``.group``, else None). Its directory is 0711,
     so the socket's own mode decides who may connect."""
-    d = short_tmpdir()
-    os.chmod(d, 0o711)  # other users may traverse (not list) it: the socket's own mode decides
     group = nogroup() if IS_ROOT else None
-    try:
-        cfg = daemon_config(d, host_bytes=8 * MiB, nvme=False, lease_s=0.5, max_clients=4, socket_mode="0660",
-                            allowed_group=group)
-        proc = DaemonProcess(write_config(os.path.join(d, "cfg.json"), cfg), cfg["daemon"]["socket_path"])
-        proc.dir, proc.cfg, proc.group = d, cfg, group
-        try:
-            proc.start()
-            yield proc
-        finally:
-            proc.stop()
-    finally:
-        remove_dir(d)
+    # other users may traverse (not list) the directory: the socket's own mode decides
+    with daemon_process(dir_mode=0o711, host_bytes=8 * MiB, nvme=False, lease_s=0.5, max_clients=4,
+                        socket_mode="0660", allowed_group=group) as proc:
+        proc.group = group
+        yield proc
 
 
 def serve_in_thread(cfg):

@@ -26,10 +26,10 @@ from click.testing import CliRunner
 from daemon_helpers import (
     KiB,
     MiB,
-    DaemonProcess,
     RawConn,
     daemon_config,
     daemon_stats,
+    host_daemon_process,
     make_tensor,
     remove_dir,
     short_tmpdir,
@@ -45,60 +45,28 @@ from ectier.daemon.client import DaemonClient, DaemonUnavailableError
 from ectier.daemon.protocol import PROTOCOL_VERSION
 
 
-def _daemon(**daemon):
-    d = short_tmpdir()
-    cfg = daemon_config(d, host_bytes=8 * MiB, nvme=False, **daemon)
-    proc = DaemonProcess(write_config(os.path.join(d, "cfg.yaml"), cfg), cfg["daemon"]["socket_path"])
-    proc.dir = d
-    return proc
-
-
 @pytest.fixture(scope="module")
 def hung():
-    proc = _daemon()
-    try:
-        proc.start()
+    with host_daemon_process(8 * MiB, "cfg.yaml") as proc:
         yield proc
-    finally:
-        try:
-            os.kill(proc.pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-        proc.stop()
-        remove_dir(proc.dir)
 
 
 @pytest.fixture(scope="module")
 def capped():
-    proc = _daemon(max_clients=4)
-    try:
-        proc.start()
+    with host_daemon_process(8 * MiB, "cfg.yaml", max_clients=4) as proc:
         yield proc
-    finally:
-        proc.stop()
-        remove_dir(proc.dir)
 
 
 @pytest.fixture(scope="module")
 def per_uid():
-    proc = _daemon(max_clients=8, max_clients_per_uid=2)
-    try:
-        proc.start()
+    with host_daemon_process(8 * MiB, "cfg.yaml", max_clients=8, max_clients_per_uid=2) as proc:
         yield proc
-    finally:
-        proc.stop()
-        remove_dir(proc.dir)
 
 
 @pytest.fixture(scope="module")
 def idler():
-    proc = _daemon(idle_timeout_s=1.0)
-    try:
-        proc.start()
+    with host_daemon_process(8 * MiB, "cfg.yaml", idle_timeout_s=1.0) as proc:
         yield proc
-    finally:
-        proc.stop()
-        remove_dir(proc.dir)
 
 
 def _sigstop(proc) -> None:
@@ -486,45 +454,41 @@ def test_admission_rule_across_users():
     assert admission(mine, 7, max_clients=10, max_per_uid=2) == (None, None)
 
 
-def test_a_connection_is_as_recent_as_its_last_request_not_its_last_reply():
+def test_a_connection_is_as_recent_as_its_last_request_not_its_last_reply(daemon_dir, process_daemon):
     """The idle victim is the connection whose last request arrived first. Its stamp used to be
     taken at the reply: a client whose slow get (an NVMe read, 2 s late) was answered after
     three other connections opened looked newer than they did, and one of them was closed for
     a newcomer instead of it."""
-    d = short_tmpdir()
+    d = daemon_dir
+    cfg = daemon_config(d, host_bytes=8 * MiB, max_clients=4)
+    path = write_config(os.path.join(d, "cfg.json"), cfg)
+    sock = cfg["daemon"]["socket_path"]
+    seed = process_daemon(path, sock).start()
     try:
-        cfg = daemon_config(d, host_bytes=8 * MiB, max_clients=4)
-        path = write_config(os.path.join(d, "cfg.json"), cfg)
-        sock = cfg["daemon"]["socket_path"]
-        seed = DaemonProcess(path, sock).start()
-        try:
-            with DaemonClient(sock, client_name="seed") as c:
-                c.put("k", make_tensor(4, "bfloat16", (64, 8192)))
-        finally:
-            assert seed.terminate() == 0, seed.log()  # flushed: "k" is on NVMe only after the restart
-        proc = DaemonProcess(path, sock, via="slow-nvme", nvme_read_delay_s=2.0).start()
-        raws: list[RawConn] = []
-        try:
-            first = RawConn(sock, name="first")
-            raws.append(first)
-            # arrives now, answered ~2 s later; a process-held lease (hold): the connection holds none
-            first.send_msg({"id": 1, "op": "get", "key": "k", "hold": True})
-            time.sleep(1.0)  # (the daemon has read it, on a loaded machine too; its reply comes at ~2 s)
-            raws += [RawConn(sock, name=f"idle-{i}") for i in range(3)]  # 4 = max_clients
-            got = first.reply()
-            assert got is not None and got.get("hit"), got
-            # the daemon's thread marks the connection idle just after the reply goes out (it is
-            # never a victim while busy); on a loaded machine that can come late
-            time.sleep(0.5)
-            newcomer = RawConn(sock, name="newcomer")
-            raws.append(newcomer)
-            assert newcomer.request({"id": 2, "op": "ping"})["ok"]
-            assert first.reply() is None  # closed: its request came before the others connected
-            for r in raws[1:4]:  # idle-1 and idle-2 connected after first's get: kept
-                assert r.request({"id": 3, "op": "ping"})["ok"]
-        finally:
-            for r in raws:
-                r.close()
-            proc.stop()
+        with DaemonClient(sock, client_name="seed") as c:
+            c.put("k", make_tensor(4, "bfloat16", (64, 8192)))
     finally:
-        remove_dir(d)
+        assert seed.terminate() == 0, seed.log()  # flushed: "k" is on NVMe only after the restart
+    process_daemon(path, sock, via="slow-nvme", nvme_read_delay_s=2.0).start()
+    raws: list[RawConn] = []
+    try:
+        first = RawConn(sock, name="first")
+        raws.append(first)
+        # arrives now, answered ~2 s later; a process-held lease (hold): the connection holds none
+        first.send_msg({"id": 1, "op": "get", "key": "k", "hold": True})
+        time.sleep(1.0)  # (the daemon has read it, on a loaded machine too; its reply comes at ~2 s)
+        raws += [RawConn(sock, name=f"idle-{i}") for i in range(3)]  # 4 = max_clients
+        got = first.reply()
+        assert got is not None and got.get("hit"), got
+        # the daemon's thread marks the connection idle just after the reply goes out (it is
+        # never a victim while busy); on a loaded machine that can come late
+        time.sleep(0.5)
+        newcomer = RawConn(sock, name="newcomer")
+        raws.append(newcomer)
+        assert newcomer.request({"id": 2, "op": "ping"})["ok"]
+        assert first.reply() is None  # closed: its request came before the others connected
+        for r in raws[1:4]:  # idle-1 and idle-2 connected after first's get: kept
+            assert r.request({"id": 3, "op": "ping"})["ok"]
+    finally:
+        for r in raws:
+            r.close()

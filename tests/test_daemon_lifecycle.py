@@ -7,8 +7,9 @@ one line. Helpers: tests/daemon_helpers.py.
 Daemons:
 - ``main``: 32 MiB host, NVMe, metrics on an ephemeral port, 64 KiB frame cap, lease 30 s (only
   for "a second daemon on its socket").
-- one-off daemon processes for kill -9 / SIGTERM restarts, and servers in a thread of this
-  process (:func:`daemon_helpers.serve_in_thread`) where a test looks inside one.
+- one-off daemon processes for kill -9 / SIGTERM restarts (the ``process_daemon`` fixture), and
+  servers in a thread of this process (``thread_daemon``) where a test looks inside one; both
+  live in a ``daemon_dir`` and are stopped after the test (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -26,16 +27,12 @@ from daemon_helpers import (
     KiB,
     MiB,
     PYTHON,
-    DaemonProcess,
     assert_same,
     clean_env,
     daemon_config,
     daemon_stats,
     make_tensor,
     raw_bytes,
-    remove_dir,
-    serve_in_thread,
-    short_tmpdir,
     spec_digest,
     tensor_digest,
     wait_for,
@@ -60,69 +57,56 @@ DURABLE = [
 ]
 
 
-def test_daemon_killed_mid_put_serves_committed_entries_after_restart():
-    d = short_tmpdir()
-    daemons: list[DaemonProcess] = []
-    c = fresh = None
-    try:
-        cfg = daemon_config(d, write_through=True, host_bytes=16 * MiB)
-        path = write_config(os.path.join(d, "cfg.json"), cfg)
-        sock = cfg["daemon"]["socket_path"]
-        daemons.append(DaemonProcess(path, sock).start())
-        c = DaemonClient(sock, connect_retry_s=10)
+def test_daemon_killed_mid_put_serves_committed_entries_after_restart(daemon_dir, process_daemon):
+    d = daemon_dir
+    cfg = daemon_config(d, write_through=True, host_bytes=16 * MiB)
+    path = write_config(os.path.join(d, "cfg.json"), cfg)
+    sock = cfg["daemon"]["socket_path"]
+    first = process_daemon(path, sock).start()
+    with DaemonClient(sock, connect_retry_s=10) as c:
         for key, seed, dtype, shape in DURABLE:
             c.put(key, make_tensor(seed, dtype, shape))
         assert c.stats()["tiers"]["nvme"]["entries"] == len(DURABLE)  # written through
         r = c.call("reserve", key="uncommitted", dtype="uint8", shape=[MiB])
         old_arena = c.server_info["arena"]["path"]
         write_arena(old_arena, r["extents"], b"\xcd" * (MiB // 2))  # half written
-        daemons[0].kill9()
+        first.kill9()
         assert stat.S_ISSOCK(os.stat(sock).st_mode)  # a stale socket file is left behind
 
-        daemons.append(DaemonProcess(path, sock).start())  # same socket path, same NVMe store
-        fresh = DaemonClient(sock)
-        for spec in DURABLE:
-            got = fresh.get(spec[0])
-            assert got is not None and tensor_digest(got) == spec_digest(spec), spec[0]
-        assert not fresh.contains("uncommitted")
-        assert fresh.get("uncommitted") is None
-        # the client that lost its daemon reconnects by itself
-        assert tensor_digest(c.get("d-bf16")) == spec_digest(DURABLE[0])
-        # the dead daemon's arena file does not leak (it would hold host.capacity_bytes of RAM in /dev/shm)
-        assert not os.path.exists(old_arena)
-        arenas = [f for f in os.listdir(d) if f.endswith(".arena")]
-        assert arenas == [os.path.basename(fresh.server_info["arena"]["path"])]
-    finally:
-        for x in (c, fresh):
-            if x is not None:
-                x.close()
-        for dp in daemons:
-            dp.stop()
-        remove_dir(d)
+        process_daemon(path, sock).start()  # same socket path, same NVMe store
+        with DaemonClient(sock) as fresh:
+            for spec in DURABLE:
+                got = fresh.get(spec[0])
+                assert got is not None and tensor_digest(got) == spec_digest(spec), spec[0]
+            assert not fresh.contains("uncommitted")
+            assert fresh.get("uncommitted") is None
+            # the client that lost its daemon reconnects by itself
+            assert tensor_digest(c.get("d-bf16")) == spec_digest(DURABLE[0])
+            # the dead daemon's arena file does not leak (it would hold host.capacity_bytes of RAM in /dev/shm)
+            assert not os.path.exists(old_arena)
+            arenas = [f for f in os.listdir(d) if f.endswith(".arena")]
+            assert arenas == [os.path.basename(fresh.server_info["arena"]["path"])]
 
 
-def test_sigterm_flushes_and_the_same_client_reconnects():
-    d = short_tmpdir()
-    daemons: list[DaemonProcess] = []
-    c = None
-    try:
-        cfg = daemon_config(d, write_through=False, flush_on_close=True)
-        path = write_config(os.path.join(d, "cfg.yaml"), cfg)
-        sock = cfg["daemon"]["socket_path"]
-        daemons.append(DaemonProcess(path, sock).start())
-        c = DaemonClient(sock, connect_retry_s=30)
+def test_sigterm_flushes_and_the_same_client_reconnects(daemon_dir, process_daemon):
+    d = daemon_dir
+    cfg = daemon_config(d, write_through=False, flush_on_close=True)
+    path = write_config(os.path.join(d, "cfg.yaml"), cfg)
+    sock = cfg["daemon"]["socket_path"]
+    first = process_daemon(path, sock).start()
+    with DaemonClient(sock, connect_retry_s=30) as c:
         for key, seed, dtype, shape in DURABLE:
             c.put(key, make_tensor(seed, dtype, shape))
         assert c.stats()["tiers"]["nvme"]["entries"] == 0  # host only: only the flush saves them
         arena = c.server_info["arena"]["path"]
 
-        assert daemons[0].terminate() == 0
+        assert first.terminate() == 0
         assert not os.path.exists(sock)
         assert not os.path.exists(arena)
-        assert "Traceback" not in daemons[0].log()
+        assert "Traceback" not in first.log()
 
         # the next call waits for the new daemon (connect_retry_s) and goes on with the same object
-        daemons.append(DaemonProcess(path, sock).launch())
+        second = process_daemon(path, sock).launch()
         assert c.contains("d-bf16")
         for spec in DURABLE:
             got = c.get(spec[0])
@@ -131,23 +115,15 @@ def test_sigterm_flushes_and_the_same_client_reconnects():
         t = make_tensor(205, "float16", (33, 77))
         c.put("after-restart", t)
         assert_same(c.get("after-restart"), t)
-        assert daemons[1].terminate() == 0
-    finally:
-        if c is not None:
-            c.close()
-        for dp in daemons:
-            dp.stop()
-        remove_dir(d)
+        assert second.terminate() == 0
 
 
-def test_client_of_an_unreachable_daemon_fails_fast_then_reconnects():
+def test_client_of_an_unreachable_daemon_fails_fast_then_reconnects(daemon_dir, thread_daemon):
     """A daemon that is down (or a wrong socket path) costs one connect_retry_s wait, not one per
     call: after a failed attempt calls raise at once for backoff_s, then each makes one immediate
     attempt; a daemon that comes up is used by the first call after the window."""
-    d = short_tmpdir()
-    server = t = None
-    c = DaemonClient(os.path.join(d, "d.sock"), connect_retry_s=0.5, backoff_s=1.0)
-    try:
+    d = daemon_dir
+    with DaemonClient(os.path.join(d, "d.sock"), connect_retry_s=0.5, backoff_s=1.0) as c:
         t0 = time.monotonic()
         with pytest.raises(DaemonUnavailableError, match="cannot reach"):
             c.contains("k")
@@ -175,123 +151,82 @@ def test_client_of_an_unreachable_daemon_fails_fast_then_reconnects():
         assert time.monotonic() - t0 < 0.5 and probe.unreachable
         probe.close()
 
-        server, t = serve_in_thread(CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=4 * MiB)))
+        thread_daemon(CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=4 * MiB)))
         with pytest.raises(DaemonUnavailableError):
             c.contains("k")  # still inside the window opened by the last failure
         c.backoff_s = 0.2
         time.sleep(0.3)
         c.put("k", torch.ones(8, dtype=torch.uint8))  # the first call after the window connects
         assert not c.unreachable and c.contains("k")
-    finally:
-        c.close()
-        if server is not None:
-            server.stop()
-            t.join(10)
-        remove_dir(d)
 
 
-def test_client_lets_go_of_a_stopped_daemons_arena_at_its_next_call():
+def test_client_lets_go_of_a_stopped_daemons_arena_at_its_next_call(daemon_dir, thread_daemon):
     """A client idle across a daemon stop keeps the old (unlinked) arena mapped, so its pages stay
     allocated in daemon.shm_dir; at its next call, which cannot reach the daemon, it unmaps it, so
     a restarted daemon finds room for its own arena."""
-    d = short_tmpdir()
-    server = t = c = None
-    try:
-        cfg = CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=4 * MiB))
-        server, t = serve_in_thread(cfg)
-        c = DaemonClient(cfg.daemon.socket_path, connect_retry_s=0.2, backoff_s=0.1)
+    d = daemon_dir
+    cfg = CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=4 * MiB))
+    server, t = thread_daemon(cfg)
+    with DaemonClient(cfg.daemon.socket_path, connect_retry_s=0.2, backoff_s=0.1) as c:
         c.put("a", make_tensor(1, "uint8", (64 * KiB,)))
         assert c._arena_mmap is not None
         old_arena = server.arena_path
         server.stop()
         t.join(10)
-        server = None
         assert not os.path.exists(old_arena)
         with pytest.raises(DaemonUnavailableError):
             c.contains("a")
         assert c._arena is None and c._arena_mmap is None, "the stopped daemon's arena is still mapped"
-        server, t = serve_in_thread(cfg)
+        thread_daemon(cfg)
         time.sleep(0.15)
         b = make_tensor(2, "uint8", (64 * KiB,))
         c.put("b", b)  # maps the new arena
         assert_same(c.get("b"), b)
-    finally:
-        if c is not None:
-            c.close()
-        if server is not None:
-            server.stop()
-            t.join(10)
-        remove_dir(d)
 
 
-def test_a_relative_shm_dir_reaches_clients_as_an_absolute_arena_path(monkeypatch):
+def test_a_relative_shm_dir_reaches_clients_as_an_absolute_arena_path(monkeypatch, daemon_dir, thread_daemon):
     """daemon.shm_dir given relative to the daemon's working directory: a client running elsewhere
     must still map the arena (the daemon sends it an absolute path)."""
-    d = short_tmpdir()
+    d = daemon_dir
     os.mkdir(os.path.join(d, "shm"))
-    server = t = c = None
-    try:
-        monkeypatch.chdir(d)
-        cfg = CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=4 * MiB, shm_dir="shm"))
-        server, t = serve_in_thread(cfg)
-        assert os.path.isabs(server.arena_path) and os.path.dirname(server.arena_path) == os.path.join(d, "shm")
-        monkeypatch.chdir("/")
-        c = DaemonClient(cfg.daemon.socket_path)
+    monkeypatch.chdir(d)
+    cfg = CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=4 * MiB, shm_dir="shm"))
+    server, _ = thread_daemon(cfg)
+    assert os.path.isabs(server.arena_path) and os.path.dirname(server.arena_path) == os.path.join(d, "shm")
+    monkeypatch.chdir("/")
+    with DaemonClient(cfg.daemon.socket_path) as c:
         x = make_tensor(3, "uint8", (4 * KiB,))
         c.put("x", x)
         assert_same(c.get("x"), x)
-    finally:
-        if c is not None:
-            c.close()
-        if server is not None:
-            server.stop()
-            t.join(10)
-        remove_dir(d)
 
 
-def test_the_daemon_never_page_locks_its_arena_even_when_the_config_asks(caplog):
+def test_the_daemon_never_page_locks_its_arena_even_when_the_config_asks(caplog, daemon_dir, thread_daemon):
     """cudaHostRegister serves only the process that calls it, and would take GPU memory for a
     CUDA context in the daemon: ``host.pin_memory: true`` is not used there (told once, at INFO),
     neither refused (it was a ConfigError without CUDA) nor applied."""
-    d = short_tmpdir()
-    server = t = c = None
-    try:
-        raw = daemon_config(d, nvme=False, host_bytes=4 * MiB)
-        raw["host"]["pin_memory"] = True
-        cfg = CacheConfig.from_dict(raw)
-        with caplog.at_level("INFO", logger="ectier.daemon"):
-            server, t = serve_in_thread(cfg)
-        assert any("host.pin_memory" in r.getMessage() for r in caplog.records)
-        c = DaemonClient(cfg.daemon.socket_path)
+    raw = daemon_config(daemon_dir, nvme=False, host_bytes=4 * MiB)
+    raw["host"]["pin_memory"] = True
+    cfg = CacheConfig.from_dict(raw)
+    with caplog.at_level("INFO", logger="ectier.daemon"):
+        thread_daemon(cfg)
+    assert any("host.pin_memory" in r.getMessage() for r in caplog.records)
+    with DaemonClient(cfg.daemon.socket_path) as c:
         x = make_tensor(4, "uint8", (64 * KiB,))
         c.put("x", x)
         assert_same(c.get("x"), x)
         assert c.stats()["tiers"]["host"]["pinned"] is False
-    finally:
-        if c is not None:
-            c.close()
-        if server is not None:
-            server.stop()
-            t.join(10)
-        remove_dir(d)
 
 
-def test_client_remaps_the_arena_when_a_restarted_daemon_reuses_its_path():
+def test_client_remaps_the_arena_when_a_restarted_daemon_reuses_its_path(daemon_dir, thread_daemon):
     """A daemon that restarts with the same pid (PID 1 of a container) creates its arena under the
     same file name: the client must map the new file, not keep writing into the old one."""
-    d = short_tmpdir()
-    servers = []
-    c = other = None
-    try:
-        cfg = CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=4 * MiB))
-        s1, t1 = serve_in_thread(cfg)
-        servers.append((s1, t1))
-        c = DaemonClient(cfg.daemon.socket_path, connect_retry_s=5)
+    cfg = CacheConfig.from_dict(daemon_config(daemon_dir, nvme=False, host_bytes=4 * MiB))
+    s1, t1 = thread_daemon(cfg)
+    with DaemonClient(cfg.daemon.socket_path, connect_retry_s=5) as c:
         c.put("a", make_tensor(1, "uint8", (1000,)))
         s1.stop()
         t1.join(10)
-        s2, t2 = serve_in_thread(cfg)
-        servers.append((s2, t2))
+        s2, _ = thread_daemon(cfg)
         assert s2.arena_path == s1.arena_path  # same process, same name
         b = make_tensor(2, "uint8", (64 * KiB,))
         c.put("b", b)  # through a reconnect
@@ -302,46 +237,33 @@ def test_client_remaps_the_arena_when_a_restarted_daemon_reuses_its_path():
         finally:
             s2.cache.release(lease)
         assert stored == raw_bytes(b)
-        other = DaemonClient(cfg.daemon.socket_path)
-        assert_same(other.get("b"), b)
-        assert_same(c.get("b"), b)
-    finally:
-        for x in (c, other):
-            if x is not None:
-                x.close()
-        for s, t in servers:
-            s.stop()
-            t.join(10)
-        remove_dir(d)
+        with DaemonClient(cfg.daemon.socket_path) as other:
+            assert_same(other.get("b"), b)
+            assert_same(c.get("b"), b)
 
 
 # ===================================================================== start-up and shutdown
 
 
-def test_a_file_that_is_not_a_socket_is_never_deleted():
-    d = short_tmpdir()
+def test_a_file_that_is_not_a_socket_is_never_deleted(daemon_dir):
+    precious = os.path.join(daemon_dir, "precious.txt")
+    with open(precious, "w") as f:
+        f.write("keep me")
+    cfg = CacheConfig.from_dict(daemon_config(daemon_dir, nvme=False, host_bytes=1 * MiB, socket_path=precious))
+    server = DaemonServer(cfg)
     try:
-        precious = os.path.join(d, "precious.txt")
-        with open(precious, "w") as f:
-            f.write("keep me")
-        cfg = CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=1 * MiB, socket_path=precious))
-        server = DaemonServer(cfg)
-        try:
-            with pytest.raises(EctierError, match="socket_path"):
-                server.start()
-        finally:
-            if server._listener is not None:  # started after all: clean up
-                server.stop()
-                server._shutdown()
-        with open(precious) as f:
-            assert f.read() == "keep me"
+        with pytest.raises(EctierError, match="socket_path"):
+            server.start()
     finally:
-        remove_dir(d)
+        if server._listener is not None:  # started after all: clean up
+            server.stop()
+            server._shutdown()
+    with open(precious) as f:
+        assert f.read() == "keep me"
 
 
-def test_stale_arenas_are_reclaimed_and_live_ones_kept():
-    d = short_tmpdir()
-    server = thread = None
+def test_stale_arenas_are_reclaimed_and_live_ones_kept(daemon_dir, thread_daemon):
+    d = daemon_dir
     held = None
     try:
         uid = os.getuid()
@@ -368,7 +290,7 @@ def test_stale_arenas_are_reclaimed_and_live_ones_kept():
         held = os.open(paths["dead-but-locked"], os.O_RDONLY)
         fcntl.flock(held, fcntl.LOCK_EX)  # as a live daemon holds its arena
         cfg = CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=1 * MiB))
-        server, thread = serve_in_thread(cfg)
+        server, _ = thread_daemon(cfg)
         assert server.arena_path == paths["mine"]
         assert os.path.getsize(paths["mine"]) == 1 * MiB  # created afresh
         assert not os.path.exists(paths["dead"]) and not os.path.exists(paths["dead-scratch"])
@@ -377,28 +299,18 @@ def test_stale_arenas_are_reclaimed_and_live_ones_kept():
     finally:
         if held is not None:
             os.close(held)
-        if server is not None:
-            server.stop()
-            thread.join(10)
-        remove_dir(d)
 
 
-def test_sigterm_right_after_the_socket_appears_still_cleans_up():
-    d = short_tmpdir()
-    proc = None
-    try:
-        cfg = daemon_config(d, nvme=False, host_bytes=4 * MiB, metrics_port=0)
-        sock = cfg["daemon"]["socket_path"]
-        proc = DaemonProcess(write_config(os.path.join(d, "cfg.json"), cfg), sock).launch()
-        wait_for(lambda: os.path.exists(sock) or proc.proc.poll() is not None, timeout=30, interval=0.001,
-                 what="the socket file")
-        assert proc.terminate() == 0, proc.log()
-        assert not os.path.exists(sock)
-        assert [f for f in os.listdir(d) if f.endswith(".arena")] == []
-    finally:
-        if proc is not None:
-            proc.stop()
-        remove_dir(d)
+def test_sigterm_right_after_the_socket_appears_still_cleans_up(daemon_dir, process_daemon):
+    d = daemon_dir
+    cfg = daemon_config(d, nvme=False, host_bytes=4 * MiB, metrics_port=0)
+    sock = cfg["daemon"]["socket_path"]
+    proc = process_daemon(write_config(os.path.join(d, "cfg.json"), cfg), sock).launch()
+    wait_for(lambda: os.path.exists(sock) or proc.proc.poll() is not None, timeout=30, interval=0.001,
+             what="the socket file")
+    assert proc.terminate() == 0, proc.log()
+    assert not os.path.exists(sock)
+    assert [f for f in os.listdir(d) if f.endswith(".arena")] == []
 
 
 def test_second_daemon_on_a_live_socket_exits_cleanly(main_daemon):
@@ -410,48 +322,41 @@ def test_second_daemon_on_a_live_socket_exits_cleanly(main_daemon):
     assert daemon_stats(main_daemon.socket_path)["namespace"] == "test"  # the first one is untouched
 
 
-def test_serve_with_a_bad_config_is_a_usage_error():
-    d = short_tmpdir()
-    try:
-        path = write_config(os.path.join(d, "bad.json"), {"daemon": {"lease_s": -1}})
-        r = CliRunner().invoke(cli_main, ["serve", "--config", path])
-        assert r.exit_code == 2
-        assert "daemon.lease_s" in r.output and "Traceback" not in r.output
-    finally:
-        remove_dir(d)
+def test_serve_with_a_bad_config_is_a_usage_error(daemon_dir):
+    path = write_config(os.path.join(daemon_dir, "bad.json"), {"daemon": {"lease_s": -1}})
+    r = CliRunner().invoke(cli_main, ["serve", "--config", path])
+    assert r.exit_code == 2
+    assert "daemon.lease_s" in r.output and "Traceback" not in r.output
 
 
-def test_serve_errors_are_clean(monkeypatch):
+def test_serve_errors_are_clean(monkeypatch, daemon_dir):
     """Start-up failures of `ectier serve` are one line naming the field, exit 1, no traceback,
     and leave no signal handler behind (run_daemon installs them before start())."""
     import signal
 
-    d = short_tmpdir()
+    d = daemon_dir
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    try:
-        runner = CliRunner()
-        cfg = daemon_config(d, nvme=False, host_bytes=1 * MiB, shm_dir=os.path.join(d, "no", "such", "dir"))
-        r = runner.invoke(cli_main, ["serve", "--config", write_config(os.path.join(d, "a.json"), cfg)])
-        assert r.exit_code == 1, r.output
-        assert "daemon.shm_dir" in r.output and "Traceback" not in r.output
-        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
-        with open(os.path.join(d, "afile"), "w") as f:
-            f.write("x")
-        cfg = daemon_config(d, nvme=False, host_bytes=1 * MiB, socket_path=os.path.join(d, "afile", "s", "d.sock"))
-        r = runner.invoke(cli_main, ["serve", "--config", write_config(os.path.join(d, "b.json"), cfg)])
-        assert r.exit_code == 1, r.output
-        assert "daemon.socket_path" in r.output and "Traceback" not in r.output
-        assert [f for f in os.listdir(d) if f.endswith(".arena")] == []
-    finally:
-        remove_dir(d)
+    runner = CliRunner()
+    cfg = daemon_config(d, nvme=False, host_bytes=1 * MiB, shm_dir=os.path.join(d, "no", "such", "dir"))
+    r = runner.invoke(cli_main, ["serve", "--config", write_config(os.path.join(d, "a.json"), cfg)])
+    assert r.exit_code == 1, r.output
+    assert "daemon.shm_dir" in r.output and "Traceback" not in r.output
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    with open(os.path.join(d, "afile"), "w") as f:
+        f.write("x")
+    cfg = daemon_config(d, nvme=False, host_bytes=1 * MiB, socket_path=os.path.join(d, "afile", "s", "d.sock"))
+    r = runner.invoke(cli_main, ["serve", "--config", write_config(os.path.join(d, "b.json"), cfg)])
+    assert r.exit_code == 1, r.output
+    assert "daemon.socket_path" in r.output and "Traceback" not in r.output
+    assert [f for f in os.listdir(d) if f.endswith(".arena")] == []
 
 
-def test_serve_with_its_metrics_port_taken_is_one_line_and_leaves_nothing_behind():
+def test_serve_with_its_metrics_port_taken_is_one_line_and_leaves_nothing_behind(daemon_dir):
     """A metrics port already in use: exit 1 naming daemon.metrics_port, no traceback, and no
     arena file or socket left in the directory (the arena holds RAM in /dev/shm)."""
     import socket as socket_mod
 
-    d = short_tmpdir()
+    d = daemon_dir
     taken = socket_mod.socket(socket_mod.AF_INET, socket_mod.SOCK_STREAM)
     try:
         taken.bind(("127.0.0.1", 0))
@@ -465,19 +370,15 @@ def test_serve_with_its_metrics_port_taken_is_one_line_and_leaves_nothing_behind
         assert sorted(os.listdir(d)) == ["m.json"], "a failed start left files behind"
     finally:
         taken.close()
-        remove_dir(d)
 
 
-def test_serve_with_a_metrics_host_not_of_this_machine_names_metrics_host():
+def test_serve_with_a_metrics_host_not_of_this_machine_names_metrics_host(daemon_dir):
     """An address this host does not have (TEST-NET-1, nothing is sent: the bind fails locally)
     is blamed on daemon.metrics_host, not on the port; nothing is left behind."""
-    d = short_tmpdir()
-    try:
-        cfg = daemon_config(d, nvme=False, host_bytes=1 * MiB, metrics_port=0, metrics_host="192.0.2.1")
-        r = CliRunner().invoke(cli_main, ["serve", "--config", write_config(os.path.join(d, "m.json"), cfg)])
-        assert r.exit_code == 1, r.output
-        assert "daemon.metrics_host" in r.output and "192.0.2.1" in r.output
-        assert "daemon.metrics_port:" not in r.output and "Traceback" not in r.output
-        assert sorted(os.listdir(d)) == ["m.json"], "a failed start left files behind"
-    finally:
-        remove_dir(d)
+    d = daemon_dir
+    cfg = daemon_config(d, nvme=False, host_bytes=1 * MiB, metrics_port=0, metrics_host="192.0.2.1")
+    r = CliRunner().invoke(cli_main, ["serve", "--config", write_config(os.path.join(d, "m.json"), cfg)])
+    assert r.exit_code == 1, r.output
+    assert "daemon.metrics_host" in r.output and "192.0.2.1" in r.output
+    assert "daemon.metrics_port:" not in r.output and "Traceback" not in r.output
+    assert sorted(os.listdir(d)) == ["m.json"], "a failed start left files behind"

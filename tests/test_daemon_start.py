@@ -2,7 +2,8 @@
 created behind (the socket's parents), a socket path or ``nvme.path`` given relative to the
 daemon's working directory is logged and reported absolute (a client elsewhere needs the whole
 path), and SIGHUP stops it cleanly.
-Helpers: tests/daemon_helpers.py."""
+Helpers: tests/daemon_helpers.py; the ``daemon_dir``, ``thread_daemon`` and ``process_daemon``
+fixtures (tests/conftest.py) stop their daemons and remove their directory after each test."""
 
 from __future__ import annotations
 
@@ -16,8 +17,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from daemon_helpers import (ECTIER_SCRIPT, MiB, DaemonProcess, clean_env, daemon_config, remove_dir, serve_in_thread,
-                            short_tmpdir, wait_for, write_config)
+from daemon_helpers import ECTIER_SCRIPT, MiB, clean_env, daemon_config, wait_for, write_config
 from ectier import CacheConfig
 from ectier.cli import main as cli_main
 from ectier.daemon.client import DaemonClient
@@ -28,8 +28,8 @@ def _serve(directory: str, cfg: dict) -> tuple[int, str]:
     return r.exit_code, r.output
 
 
-def test_a_start_failing_on_the_metrics_port_removes_the_socket_directories_it_created():
-    d = short_tmpdir()
+def test_a_start_failing_on_the_metrics_port_removes_the_socket_directories_it_created(daemon_dir):
+    d = daemon_dir
     taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         taken.bind(("127.0.0.1", 0))
@@ -45,65 +45,49 @@ def test_a_start_failing_on_the_metrics_port_removes_the_socket_directories_it_c
         assert code == 1 and "nvme tier: opened" not in out and sorted(os.listdir(d)) == ["c.json"], out
     finally:
         taken.close()
-        remove_dir(d)
 
 
-def test_a_start_failing_on_the_arena_removes_the_socket_directories_it_created():
-    d = short_tmpdir()
-    try:
-        sock = os.path.join(d, "run", "d.sock")
-        code, out = _serve(d, daemon_config(d, nvme=False, host_bytes=1 * MiB, socket_path=sock,
-                                            shm_dir=os.path.join(d, "no-such-shm")))
-        assert code == 1 and "daemon.shm_dir" in out, out
-        assert sorted(os.listdir(d)) == ["c.json"], "a failed start left directories behind"
-    finally:
-        remove_dir(d)
+def test_a_start_failing_on_the_arena_removes_the_socket_directories_it_created(daemon_dir):
+    d = daemon_dir
+    sock = os.path.join(d, "run", "d.sock")
+    code, out = _serve(d, daemon_config(d, nvme=False, host_bytes=1 * MiB, socket_path=sock,
+                                        shm_dir=os.path.join(d, "no-such-shm")))
+    assert code == 1 and "daemon.shm_dir" in out, out
+    assert sorted(os.listdir(d)) == ["c.json"], "a failed start left directories behind"
 
 
-def test_a_failed_start_keeps_directories_that_existed_or_were_written_into():
+def test_a_failed_start_keeps_directories_that_existed_or_were_written_into(daemon_dir):
     """Only what the start itself created, and only while empty, is removed."""
-    d = short_tmpdir()
-    try:
-        os.mkdir(os.path.join(d, "run"))
-        sock = os.path.join(d, "run", "new", "d.sock")
-        code, out = _serve(d, daemon_config(d, nvme=False, host_bytes=1 * MiB, socket_path=sock,
-                                            shm_dir=os.path.join(d, "no-such-shm")))
-        assert code == 1, out
-        assert sorted(os.listdir(d)) == ["c.json", "run"] and os.listdir(os.path.join(d, "run")) == []
-    finally:
-        remove_dir(d)
+    d = daemon_dir
+    os.mkdir(os.path.join(d, "run"))
+    sock = os.path.join(d, "run", "new", "d.sock")
+    code, out = _serve(d, daemon_config(d, nvme=False, host_bytes=1 * MiB, socket_path=sock,
+                                        shm_dir=os.path.join(d, "no-such-shm")))
+    assert code == 1, out
+    assert sorted(os.listdir(d)) == ["c.json", "run"] and os.listdir(os.path.join(d, "run")) == []
 
 
-def test_a_relative_socket_path_is_logged_and_reported_absolute(monkeypatch, caplog):
-    d = short_tmpdir()
-    server = t = c = None
-    try:
-        monkeypatch.chdir(d)
-        raw = daemon_config(d, nvme=True, host_bytes=4 * MiB, socket_path="rel.sock")
-        raw["nvme"]["path"] = "relstore"
-        cfg = CacheConfig.from_dict(raw)
-        with caplog.at_level(logging.INFO, logger="ectier"):
-            server, t = serve_in_thread(cfg)
-        where, store = os.path.join(d, "rel.sock"), os.path.join(d, "relstore")
-        assert any(f"listening on {where} " in r.getMessage() and f"nvme {store};" in r.getMessage()
-                   for r in caplog.records), caplog.text
-        c = DaemonClient(where)
+def test_a_relative_socket_path_is_logged_and_reported_absolute(monkeypatch, caplog, daemon_dir, thread_daemon):
+    d = daemon_dir
+    monkeypatch.chdir(d)
+    raw = daemon_config(d, nvme=True, host_bytes=4 * MiB, socket_path="rel.sock")
+    raw["nvme"]["path"] = "relstore"
+    cfg = CacheConfig.from_dict(raw)
+    with caplog.at_level(logging.INFO, logger="ectier"):
+        thread_daemon(cfg)
+    where, store = os.path.join(d, "rel.sock"), os.path.join(d, "relstore")
+    assert any(f"listening on {where} " in r.getMessage() and f"nvme {store};" in r.getMessage()
+               for r in caplog.records), caplog.text
+    with DaemonClient(where) as c:
         stats = c.stats()
         assert stats["daemon"]["socket"] == where and stats["tiers"]["nvme"]["path"] == store
-    finally:
-        if c is not None:
-            c.close()
-        if server is not None:
-            server.stop()
-            t.join(10)
-        remove_dir(d)
 
 
-def test_sighup_stops_the_daemon_cleanly_and_flushes():
+def test_sighup_stops_the_daemon_cleanly_and_flushes(daemon_dir, process_daemon):
     """A foreground ``ectier serve`` whose terminal or ssh session closes gets SIGHUP: it used to
     die at once (exit 129), leaving its socket and arena and losing write-back entries."""
-    d = short_tmpdir()
-    proc = first = None
+    d = daemon_dir
+    first = None
     try:
         cfg = daemon_config(d, nvme=True, host_bytes=4 * MiB)
         sock = cfg["daemon"]["socket_path"]
@@ -118,20 +102,17 @@ def test_sighup_stops_the_daemon_cleanly_and_flushes():
         first.send_signal(signal.SIGHUP)
         assert first.wait(30) == 0
         assert not os.path.exists(sock) and [f for f in os.listdir(d) if f.endswith(".arena")] == []
-        proc = DaemonProcess(os.path.join(d, "cfg.json"), sock).start()
+        process_daemon(os.path.join(d, "cfg.json"), sock).start()
         with DaemonClient(sock) as c:
             assert torch.equal(c.get("kept"), torch.arange(1000, dtype=torch.int32))
     finally:
         if first is not None and first.poll() is None:
             first.kill()
-        if proc is not None:
-            proc.stop()
-        remove_dir(d)
 
 
-def test_under_nohup_sighup_leaves_the_daemon_running():
+def test_under_nohup_sighup_leaves_the_daemon_running(daemon_dir):
     """``nohup ectier serve &`` is meant to outlive its session: an ignored SIGHUP stays ignored."""
-    d = short_tmpdir()
+    d = daemon_dir
     proc = None
     try:
         cfg = daemon_config(d, nvme=False, host_bytes=1 * MiB)
@@ -149,47 +130,36 @@ def test_under_nohup_sighup_leaves_the_daemon_running():
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()
-        remove_dir(d)
 
 
-def test_an_arena_on_a_disk_filesystem_is_warned_about(caplog):
+def test_an_arena_on_a_disk_filesystem_is_warned_about(caplog, daemon_dir, thread_daemon):
     """``daemon.shm_dir`` on ext4 & co. works, but the arena is then a disk file the kernel writes
     back (a newcomer ran a whole session so, told nothing)."""
     from ectier.tiers.storedir import mount_of
 
     cases = [("/dev/shm", False)] if os.path.isdir("/dev/shm") and mount_of("/dev/shm").fstype == "tmpfs" else []
-    d = short_tmpdir()
+    d = daemon_dir
     if mount_of(d).fstype not in ("tmpfs", "ramfs"):
         cases.append((d, True))
     if not cases:
         pytest.skip("no tmpfs at /dev/shm and /tmp in memory")
-    try:
-        for shm_dir, warned in cases:
-            caplog.clear()
-            cfg = CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=1 * MiB, shm_dir=shm_dir))
-            with caplog.at_level(logging.WARNING, logger="ectier.daemon"):
-                server, t = serve_in_thread(cfg)
-            server.stop()
-            t.join(10)
-            lines = [r.getMessage() for r in caplog.records if "not in memory" in r.getMessage()]
-            assert len(lines) == int(warned) and all("daemon.shm_dir" in x and "/dev/shm" in x for x in lines), lines
-    finally:
-        remove_dir(d)
+    for shm_dir, warned in cases:
+        caplog.clear()
+        cfg = CacheConfig.from_dict(daemon_config(d, nvme=False, host_bytes=1 * MiB, shm_dir=shm_dir))
+        with caplog.at_level(logging.WARNING, logger="ectier.daemon"):
+            server, t = thread_daemon(cfg)
+        server.stop()
+        t.join(10)
+        lines = [r.getMessage() for r in caplog.records if "not in memory" in r.getMessage()]
+        assert len(lines) == int(warned) and all("daemon.shm_dir" in x and "/dev/shm" in x for x in lines), lines
 
 
-def test_a_second_daemon_with_the_same_config_is_told_a_daemon_listens_not_the_port():
+def test_a_second_daemon_with_the_same_config_is_told_a_daemon_listens_not_the_port(daemon_dir, thread_daemon):
     """Started twice with one config (a fixed metrics port), the second is told the socket is
     live, as before the metrics port was bound first (review, 2026-12-07)."""
-    d = short_tmpdir()
-    server = t = None
-    try:
-        raw = daemon_config(d, nvme=False, host_bytes=1 * MiB, metrics_port=0)
-        server, t = serve_in_thread(CacheConfig.from_dict(raw))
-        raw["daemon"]["metrics_port"] = server.metrics_address[1]
-        code, out = _serve(d, raw)
-        assert code == 1 and "already listening" in out and "metrics_port" not in out, out
-    finally:
-        if server is not None:
-            server.stop()
-            t.join(10)
-        remove_dir(d)
+    d = daemon_dir
+    raw = daemon_config(d, nvme=False, host_bytes=1 * MiB, metrics_port=0)
+    server, _ = thread_daemon(CacheConfig.from_dict(raw))
+    raw["daemon"]["metrics_port"] = server.metrics_address[1]
+    code, out = _serve(d, raw)
+    assert code == 1 and "already listening" in out and "metrics_port" not in out, out
