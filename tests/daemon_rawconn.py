@@ -90,4 +90,13 @@ class RawConn:
                 return out
             out.append(r)
 
-
+    def send_all_then_read_replies(self, data: bytes) -> list[dict[str, Any]]:
+        """Send ``data``, say no more (shut the writing side), and return every reply until the
+        daemon closes the connection. A daemon that hangs up first (a fatal framing error) cuts the
+        sending short: what it answered before is still returned."""
+        try:
+            self.send(data)
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the daemon hung up first (fatal framing error)
+        return self.replies_until_eof()
