@@ -1,9 +1,10 @@
 """Helpers of the NVMe tier tests (tests/test_nvme*.py, the corruption tests).
 
-Stores: reopen a closed store with changed ``nvme`` settings (:func:`reopen`), three entries put
-and closed (:func:`_put_three`), a child interpreter (:func:`run_child`). Damage: a closed (or
-open) NVMe store of layout v2 damaged the way a disk would, in the segment file at the bytes of
-one record's payload, or in its LMDB index entry."""
+Stores: reopen a closed store with changed ``nvme`` settings (:func:`reopen`) or to check what it
+serves (:func:`assert_reopened_serves`), three entries put and closed (:func:`_put_three`), a
+child interpreter (:func:`run_child`). Damage: a closed (or open) NVMe store of layout v2 damaged
+the way a disk would, in the segment file at the bytes of one record's payload, or in its LMDB
+index entry."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from ectier.entry import entry_digest
 from ectier.tiers.nvme_record import pack_index_value, parse_index_value
 from ectier.tiers.nvme_segment import BLOCK_BYTES, SEGMENT_NAME, Location
 
-from conftest import MiB, open_lmdb, random_tensor
+from conftest import MiB, assert_same, open_lmdb, random_tensor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,6 +39,13 @@ def reopen(cfg, **nvme_changes):
     if nvme_changes:
         cfg = cfg.replace(nvme=dataclasses.replace(cfg.nvme, **nvme_changes))
     return TieredCache(cfg)
+
+
+def assert_reopened_serves(cfg, vals) -> None:
+    """Reopen the closed store of ``cfg``: every ``key -> tensor`` of ``vals`` comes back byte-exact."""
+    with reopen(cfg) as again:
+        for k, t in vals.items():
+            assert_same(again.get(k), t)
 
 
 def run_child(code: str, *args: str, **kw) -> subprocess.Popen:

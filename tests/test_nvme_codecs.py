@@ -13,7 +13,7 @@ from ectier.codec import registered_codecs
 from conftest import KiB, MiB, assert_same, check_budgets, check_quiescent, digest, filled, nvme_holds, random_tensor
 from ectier import testing
 
-from nvme_helpers import normal_bf16, reopen
+from nvme_helpers import assert_reopened_serves, normal_bf16, reopen
 
 
 # ============================================================================ codecs
@@ -47,12 +47,7 @@ def test_codecs_round_trip_with_restart(make_cache, codec):
         hdr = testing.tier(cache, "nvme").record(digest("normal")).header
         assert hdr.payload_nbytes == hdr.raw_nbytes
     cache.close()
-    again = reopen(cfg)
-    try:
-        for k, t in vals.items():
-            assert_same(again.get(k), t)
-    finally:
-        again.close()
+    assert_reopened_serves(cfg, vals)
 
 
 def test_mixed_codecs_in_one_store(make_cache):
@@ -112,12 +107,7 @@ def test_map_grows_from_a_tiny_initial_map(make_cache):
     for k, t in vals.items():
         assert_same(cache.get(k), t)
     cache.close()
-    again = reopen(cfg)
-    try:
-        for k, t in vals.items():
-            assert_same(again.get(k), t)
-    finally:
-        again.close()
+    assert_reopened_serves(cfg, vals)
 
 
 def test_map_ceiling_fails_that_put_only(make_cache):
