@@ -10,7 +10,8 @@ Here: puts and gets through a daemon, the two-phase reserve/commit, typed errors
 processes at once, ``ectier stats`` and the metrics endpoint. Elsewhere: leases
 (test_daemon_leases.py), start/stop/restart/crash (test_daemon_lifecycle.py), who may connect
 (test_daemon_security.py), bad bytes on the socket (test_daemon_framing.py), connection limits
-and idle timeouts (test_daemon_connections.py), the protocol sans I/O (test_daemon_protocol.py).
+(test_daemon_connection_caps.py) and idle timeouts (test_daemon_connections.py), the protocol
+sans I/O (test_daemon_protocol.py).
 
 Daemons:
 - ``main``: 32 MiB host, NVMe, metrics on an ephemeral port, 64 KiB frame cap, lease 30 s.

@@ -216,7 +216,7 @@ def test_allowed_group_alone_opens_the_socket_to_the_group():
 def test_max_clients_makes_room_by_closing_the_least_recently_used_idle_connection(restricted):
     """At daemon.max_clients a new client is not refused while some connection is idle: the least
     recently used idle one is closed for it (refusal, when every connection holds a lease, is in
-    test_daemon_connections.py)."""
+    test_daemon_connection_caps.py)."""
     sock = restricted.socket_path
     conns = []
     try:
