@@ -1,0 +1,97 @@
+"""``ectier bench`` usage errors: bad streams, traces, budgets, workdirs, token lists and policies are
+refused up front with the option named (exit 2, no traceback, nothing run or written)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from ectier.cli import main
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--seed", "-1"], "--seed"),
+    (["--requests", "100000000000"], "--requests"),
+    (["--items", "100000000000"], "--items"),
+    (["--trace", "BINARY"], "not UTF-8"),
+    (["--trace", "HUGE"], "tokens must be in"),
+    (["--host-bytes", "0", "--nvme-bytes", "0"], "both 0"),  # (named nvme.path, which bench has no option for)
+    (["--host-bytes", "1"], "--host-bytes: 1 is less than one block"),  # (ran with a 1-byte host tier)
+    (["--nvme-bytes", "100"], "--nvme-bytes: 100 bytes is below one 64 KiB block"),
+])
+def test_bench_replay_bad_stream_is_a_usage_error_not_a_traceback(tmp_path, args, option):
+    (tmp_path / "b.csv").write_bytes(b"timestamp,mm_hash,tokens\n0,\xff\xfe,64\n")
+    (tmp_path / "h.csv").write_text("timestamp,mm_hash,tokens\n0,a,99999999999999\n")
+    args = [{"BINARY": str(tmp_path / "b.csv"), "HUGE": str(tmp_path / "h.csv")}.get(a, a) for a in args]
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["bench", "replay", "-q", "--no-curve", *args, "--out", str(out)])
+    assert res.exit_code == 2, res.output
+    assert option in res.output and "Traceback" not in res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit)
+    assert not out.exists() or not any(out.iterdir())  # nothing run, nothing written
+
+
+@pytest.mark.parametrize("command", ["replay", "tiers", "baseline", "crossover", "connectors"])
+def test_bench_workdir_where_nothing_can_be_made_is_a_usage_error(tmp_path, command):
+    if not os.path.isdir("/proc"):
+        pytest.skip("no /proc here")
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["bench", command, "-q", "--workdir", "/proc", "--out", str(out)])
+    assert res.exit_code == 2 and "--workdir" in res.output and "cannot make" in res.output, res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit)  # (a traceback before)
+
+
+@pytest.mark.parametrize("source, smallest", [("trace", 128), ("generator", 70)])
+def test_bench_replay_refuses_a_max_tokens_that_leaves_no_image_up_front(tmp_path, source, smallest):
+    if source == "trace":
+        tr = tmp_path / "t.csv"
+        tr.write_text("timestamp,mm_hash,tokens\n0,a,128\n1,b,1024\n2,a,128\n")
+        args = ["--trace", str(tr)]
+    else:
+        args = ["--items", "2", "--requests", "5", "--seed", "0"]  # two images, neither <= 64 tokens
+    res = CliRunner().invoke(main, ["bench", "replay", "-q", "--no-curve", *args, "--max-tokens", "64",
+                                    "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2, res.output  # a usage error before any run, not a traceback after one
+    assert "--max-tokens" in res.output and f"the smallest accepted value is {smallest}" in res.output
+    assert not (tmp_path / "out" / "replay.json").exists()
+
+
+def test_bench_replay_bad_policy(tmp_path):
+    res = CliRunner().invoke(main, ["bench", "replay", "--policy", "fifo", "--out", str(tmp_path)])
+    assert res.exit_code == 2 and "policy" in res.output
+
+
+def test_bench_bad_inputs_fail_cleanly_before_running(tmp_path):
+    from click.testing import CliRunner
+
+    from ectier.cli import main as cli_main
+
+    runner = CliRunner()
+    r = runner.invoke(cli_main, ["bench", "replay", "-q", "--no-curve", "--requests", "5",
+                                 "--host-bytes", "0", "--nvme-bytes", "0", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "no tier could store anything" in r.output and r.exception is not None
+    assert "--host-bytes" in r.output and "nvme.path" not in r.output  # the options given, not a config knob
+    assert isinstance(r.exception, SystemExit)  # a clean CLI error, not a traceback
+    r = runner.invoke(cli_main, ["bench", "replay", "-q", "--no-curve", "--requests", "5", "--out", "/dev/null/x"])
+    assert r.exit_code == 2 and "--out" in r.output
+    bogus = tmp_path / "bogus.json"
+    bogus.write_text('{"x": 1}')
+    r = runner.invoke(cli_main, ["bench", "crossover", "--tiers-json", str(bogus), "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "--tiers-json" in r.output
+
+
+@pytest.mark.parametrize("tokens, says", [
+    ("abc", "comma-separated whole numbers"),
+    ("64,,1024", "comma-separated whole numbers"),
+    ("0", "1..16384"),
+    ("99999999", "1..16384"),
+])
+@pytest.mark.parametrize("command", ["tiers", "crossover"])
+def test_bench_tokens_list_is_a_usage_error_not_a_traceback(tmp_path, command, tokens, says):
+    res = CliRunner().invoke(main, ["bench", command, "-q", "--tokens", tokens, "--out", str(tmp_path)])
+    assert res.exit_code == 2, res.output
+    assert "--tokens" in res.output and says in res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit)
+    assert not any(tmp_path.iterdir())  # nothing measured, nothing written
