@@ -72,3 +72,31 @@ def daemon():
     finally:
         proc.stop()
         remove_dir(d)
+
+
+@pytest.fixture
+def cache_hooks(monkeypatch):
+    """``cache_hooks(engine, gpu=False)``: every in-process TieredCache opened afterwards routes its
+    copies through ``engine`` (``ectier.testing.make_cache``); ``gpu=True`` also puts the GPU
+    tier's arena in CPU memory (``gpu_device="cpu"``), so the worker's device ("cpu" here)
+    is the GPU tier's device. Request this fixture after ``engine``: it completes deferred copies
+    before the connectors shut down (shutdown waits for them)."""
+    import functools
+
+    from connector_helpers import Engine
+    from ectier import testing
+    from ectier_vllm import store
+
+    engines = []
+
+    def set_hooks(copy_engine, gpu=False):
+        engines.append(copy_engine)
+        factory = functools.partial(testing.make_cache, copy_engine=copy_engine, gpu_device="cpu" if gpu else None)
+        monkeypatch.setattr(store, "_CACHE_FACTORY", factory)
+        return copy_engine
+
+    yield set_hooks
+    for e in engines:
+        if isinstance(e, Engine):
+            e.auto = True
+            e.complete()
