@@ -61,3 +61,25 @@ def test_a_request_waiting_on_the_item_in_a_later_step_is_not_failed_with_it(eng
         so, out = run_step(sched, worker)
         failed |= _finished(out)
     assert "r1" in failed and "r3" not in failed, failed
+
+
+def test_a_request_whose_chunk_stops_before_the_item_is_not_failed_with_its_load(engine, monkeypatch):
+    """Chunked prefill: r1 holds the item's pin for a later chunk (the item at token 1200, 900
+    tokens scheduled this step) while r2's load of the item fails. Only r2 ran on the
+    placeholder; r1 reaches the item in a later chunk, which loads it again."""
+    near, far = H.Item("a" * 64, 0, 40), H.Item("a" * 64, 1200, 40)
+    sched, worker = engine("ec_consumer", _inproc(), max_num_batched_tokens=1000)
+    sched.ec_connector._store.put(near.mm_hash, H.encoder_output(near.mm_hash, 40))
+    real_get = worker.connector._store.get
+    monkeypatch.setattr(worker.connector._store, "get", lambda key, device: real_get(key, device)[:-1])
+    sched.add_request(H.make_request("r2", [near], prompt_len=100, max_tokens=8))
+    sched.add_request(H.make_request("r1", [far], prompt_len=1500, max_tokens=8))
+    so, out = run_step(sched, worker)
+    assert 0 < so.num_scheduled_tokens.get("r1", 0) < 1200  # r1's chunk stops before the item
+    assert [it.req_ids for it in so.ec_connector_metadata.loads] == [["r2"]]
+    monkeypatch.undo()
+    failed = _finished(out)
+    for _ in range(6):
+        so, out = run_step(sched, worker)
+        failed |= _finished(out)
+    assert "r2" in failed and "r1" not in failed, failed

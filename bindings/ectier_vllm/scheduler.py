@@ -72,6 +72,8 @@ class SchedulerSide:
         # refused (wrong shape/dtype, promotion timed out): not looked up again in later steps
         # (e.g. the next chunks of a chunked prefill)
         self._settled: dict[str, set[str]] = {}
+        #: the requests of the pins' req_ids (their items' positions: _add_sharers), until finished
+        self._requests: dict[str, "Request"] = {}
         # lookups are counted once per (request, item) (metrics.py): the request the last
         # ensure_cache_available call was about (vLLM asks has_cache_item for its items right
         # after it), and per request the items counted since vLLM last allocated them (a request
@@ -158,7 +160,7 @@ class SchedulerSide:
                 continue
             state = pins.get(mm_hash)
             if state is not None:
-                state.req_ids.add(req_id)
+                self._join(state, request)
                 continue
             status = self._promotion(mm_hash, req_id)
             if status is Promotion.MISS:
@@ -259,7 +261,7 @@ class SchedulerSide:
                 "(retryable) until vLLM's encoder cache drops it", mm_hash, request.request_id,
             )
             return Promotion.MISS
-        state.req_ids.add(request.request_id)
+        self._join(state, request)
         self._add_load(mm_hash, state, request.request_id)
         return Promotion.READY
 
@@ -306,6 +308,7 @@ class SchedulerSide:
                 self._warn.warning(("release", type(exc).__name__), "ectier: releasing %s failed (%s)", mm_hash, exc)
             return
         self._pins[mm_hash] = _PinState(pin, {request.request_id})
+        self._requests[request.request_id] = request
         store.stage(mm_hash, pin)
 
     def update_state_after_alloc(self, request: "Request", index: int) -> None:
@@ -318,27 +321,43 @@ class SchedulerSide:
         state = self._pins.get(mm_hash)
         if not self.is_consumer or state is None:
             return
-        state.req_ids.add(request.request_id)
+        self._join(state, request)
         self._add_load(mm_hash, state, request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         self._store.new_step()  # the daemon's answers of this step are spent
         # items vLLM's encoder-cache manager evicted this step: it will encode or load them again
         self._poisoned.difference_update(scheduler_output.free_encoder_mm_hashes)
-        self._add_sharers(scheduler_output.num_scheduled_tokens)
+        self._add_sharers(scheduler_output)
         meta = ECTierConnectorMetadata(loads=list(self._to_load.values()))
         self._to_load = {}
         return meta
 
-    def _add_sharers(self, scheduled: dict[str, int]) -> None:
-        """Every request of this step that holds an item's pin goes with its load: vLLM calls
-        ``update_state_after_alloc`` for the first request that needs an item in a step only, and
-        a failed load must fail each request that runs on its placeholder this step."""
+    def _join(self, state: _PinState, request: "Request") -> None:
+        state.req_ids.add(request.request_id)
+        self._requests[request.request_id] = request
+
+    def _add_sharers(self, scheduler_output: SchedulerOutput) -> None:
+        """Every request whose tokens of this step reach an item being loaded goes with its load:
+        vLLM calls ``update_state_after_alloc`` for the first request that needs an item in a step
+        only, and a failed load must fail each request that runs on its placeholder. A request
+        whose chunk stops before the item (chunked prefill) does not: its later chunk gets the
+        item again."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        start = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        start.update(zip(cached.req_ids, cached.num_computed_tokens))
         for mm_hash, item in self._to_load.items():
             state = self._pins.get(mm_hash)
             for req_id in state.req_ids if state is not None else ():
-                if req_id in scheduled and req_id not in item.req_ids:
-                    item.req_ids.append(req_id)
+                if req_id in item.req_ids or not scheduled.get(req_id):
+                    continue
+                lo, request = start.get(req_id), self._requests.get(req_id)
+                hi = None if lo is None else lo + scheduled[req_id]
+                if request is None or lo is None or any(
+                        f.identifier == mm_hash and f.mm_position.offset < hi
+                        and f.mm_position.offset + f.mm_position.length > lo for f in request.mm_features):
+                    item.req_ids.append(req_id)  # (position unknown: failed with it, never run on zeros)
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         meta = connector_output.ec_connector_worker_meta
@@ -383,6 +402,7 @@ class SchedulerSide:
         req_id = request.request_id
         self._settled.pop(req_id, None)
         self._counted.pop(req_id, None)
+        self._requests.pop(req_id, None)
         if self._asking is request:
             self._asking = None
         for feature in request.mm_features:
