@@ -15,7 +15,7 @@ import pytest
 from ectier.config import RemoteTierConfig
 from ectier.tiers.remote.backend import RemoteTimeout
 from ectier.tiers.remote.redis import RedisBackend
-from redis_cluster import redis_single  # noqa: F401
+from redis_cluster import redis_cluster, redis_cluster_fn, redis_single  # noqa: F401
 
 MiB = 1 << 20
 
@@ -99,3 +99,67 @@ def test_a_slow_reply_that_fits_the_deadline_is_served(link):
         assert time.monotonic() - t0 > 1.0  # (it did go through the slow link)
     finally:
         be.close()
+
+
+def test_a_reply_cut_by_the_calls_deadline_leaves_a_healthy_cluster_node_up(redis_cluster):
+    """A call that runs out of its own deadline while a healthy node answers (a 48 MiB reply
+    with a few ms to go) is the call's RemoteTimeout: it used to mark the node unreachable for
+    ``remote.backoff_s``, every key with a part on it a miss meanwhile."""
+    be = RedisBackend(RemoteTierConfig(backend="redis", addresses=redis_cluster.addresses, timeout_s=2.0,
+                                       chunk_bytes=64 * MiB, backoff_s=30.0))
+    try:
+        big = os.urandom(48 * MiB)  # one chunk: one GET whose reply takes some ms on loopback
+        be.put("big", big, deadline_s=30.0)
+        small = {f"s{i}": os.urandom(100) for i in range(30)}  # keys on every node
+        for k, v in small.items():
+            be.put(k, v, deadline_s=10.0)
+        cuts = 0
+        for ms in (30, 20, 10, 5, 3, 2, 1):
+            try:
+                be.get("big", deadline_s=ms / 1000)
+            except RemoteTimeout:
+                cuts += 1
+            assert be.describe()["nodes_down"] == [], (ms, be.describe()["nodes_down"])
+        assert cuts
+        assert all(be.get(k, deadline_s=10.0) == v for k, v in small.items())
+    finally:
+        be.close()
+
+
+def test_a_hung_cluster_node_is_still_marked_unreachable(redis_cluster_fn):
+    """A node that answers nothing while a command waits most of the deadline is failing, even
+    though the deadline (not the socket's own timeout) ended the wait: it is backed off alone,
+    the other nodes' keys keep being served."""
+    servers = redis_cluster_fn
+    be = RedisBackend(RemoteTierConfig(backend="redis", addresses=servers.addresses, timeout_s=1.0,
+                                       backoff_s=30.0))
+    try:
+        keys = {f"k{i}": os.urandom(100) for i in range(12)}
+        for k, v in keys.items():
+            be.put(k, v, deadline_s=10.0)
+        victim = servers.node_of("ectier:m:k0")
+        servers.pause(victim)
+        try:
+            with pytest.raises(RemoteTimeout):
+                be.get("k0", deadline_s=1.0)
+            assert be.describe()["nodes_down"] == [victim.address]
+        finally:
+            servers.resume(victim)
+    finally:
+        be.close()
+
+
+def test_close_closes_the_connections_to_one_server(redis_single):
+    """The one-server client is built on a pool of the deadline connections; closing the backend
+    closes that pool too (a pool handed to ``redis.Redis(connection_pool=)`` is left open)."""
+    raw = redis_single.raw()
+    try:
+        before = len(raw.client_list())
+        be = RedisBackend(RemoteTierConfig(backend="redis", addresses=redis_single.addresses, timeout_s=1.0))
+        be.put("close-k", b"x" * 1000, deadline_s=5.0)
+        assert be.get("close-k", deadline_s=5.0) == b"x" * 1000
+        assert len(raw.client_list()) > before
+        be.close()
+        assert len(raw.client_list()) == before
+    finally:
+        raw.close()

@@ -21,10 +21,9 @@ balanced and a large object does not fill one node); docs/benchmarks.md ("Remote
 Cluster") has the measurement.
 
 Deadlines: every socket operation is bounded by ``remote.timeout_s`` (``socket_timeout`` and
-``socket_connect_timeout`` of the client; redis-py's own retries are off), a call checks its
-``deadline_s`` before each command, and each read and send of a command ends by that deadline too
-(``redis_deadline``: a reply that trickles in slowly is cut off), so a call ends within
-``deadline_s`` (a connect within at most one socket timeout more). Commands go one at a time (one chunk each), not in redis-py's cluster pipelines: a
+``socket_connect_timeout``; redis-py's retries off), and each command, and each of its reads and
+sends, by the call's ``deadline_s`` (``redis_deadline``: a trickling reply is cut off), so a call
+ends within ``deadline_s`` (a connect within at most one socket timeout more). Commands go one at a time (one chunk each), not in redis-py's cluster pipelines: a
 cluster pipeline resends every command that failed on a dead node one by one, each waiting its
 own socket timeout, which no deadline bounds. At chunks of a few MiB a round trip per chunk costs
 little (docs/benchmarks.md).
@@ -259,7 +258,7 @@ class RedisBackend(NodeBackoff, RemoteBackend):
     def _single_client(self, address: tuple[str, int]) -> Any:
         """A client of one server on :meth:`_connection_class` (``Redis(ssl=True)`` would not be)."""
         kw = {k: v for k, v in self._client_kwargs().items() if k != "ssl"}
-        return redis.Redis(connection_pool=redis.ConnectionPool(
+        return redis.Redis.from_pool(redis.ConnectionPool(  # (from_pool: close() closes the pool too)
             host=address[0], port=address[1], connection_class=self._connection_class(), **kw))
 
     def _call(self, what: str, dl: _Deadline, fn: Callable[[Any], Any]) -> Any:
@@ -297,7 +296,8 @@ class RedisBackend(NodeBackoff, RemoteBackend):
 
     def _cmd(self, client: Any, method: str, args: tuple, dl: _Deadline, what: str, **kw: Any) -> Any:
         """One command on the key ``args[0]``, the deadline and (in a cluster) the key's node checked
-        first; a node that fails to connect or times out is marked unreachable."""
+        first; a node that fails to connect or times out is marked unreachable (not one whose
+        reply the call's deadline cut: that is the call's RemoteTimeout)."""
         dl.check(what)
         node = self._node_of(client, args[0])
         if node is None:
@@ -305,11 +305,13 @@ class RedisBackend(NodeBackoff, RemoteBackend):
                 return getattr(client, method)(*args, **kw)
         self._check_node(client, node, what)
         try:
-            with command_deadline(dl.end):
+            with command_deadline(dl.end) as cmd:
                 out = getattr(client, method)(*args, **kw)
         except AuthenticationError:
             raise
         except (RedisConnectionError, RedisTimeoutError, TimeoutError, OSError) as exc:
+            if not cmd.blames_node(self._cfg.timeout_s / 2):  # the call ran out of time: as dl.check
+                raise RemoteTimeout(f"redis {what}: past its deadline of {dl.seconds:g} s") from exc
             raise self._node_failed(client, node, exc, what) from exc
         if self._down:
             self._node_ok(node)

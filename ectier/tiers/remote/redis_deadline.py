@@ -8,6 +8,11 @@ take any time (measured: a 1 MiB reply at ~80 KB/s held a ``get`` with ``timeout
 the calling thread; past it, the socket raises ``socket.timeout``, which redis-py turns into its
 ``TimeoutError`` after dropping the connection (a half-read reply is never read by the next
 command). Outside :func:`command_deadline` the socket behaves as redis-py's own.
+
+A cut is told apart from a node that does not answer (:meth:`Command.blames_node`): a node that
+sent nothing while the command waited long is failing (the caller marks it unreachable); a node
+whose reply was still arriving when the deadline came, or that had little time left to answer,
+is not: the call just ran out of time.
 """
 
 from __future__ import annotations
@@ -20,21 +25,36 @@ from typing import Any, Iterator
 
 from redis.connection import Connection, SSLConnection
 
-__all__ = ["command_deadline", "DeadlineConnection", "DeadlineSSLConnection"]
+__all__ = ["command_deadline", "Command", "DeadlineConnection", "DeadlineSSLConnection"]
 
 _local = threading.local()
 
 
+class Command:
+    """What the sockets saw of one :func:`command_deadline`: ``received`` bytes, and ``cut``:
+    a read or send ended by the deadline (not by the socket's own timeout)."""
+
+    __slots__ = ("end", "started", "received", "cut")
+
+    def __init__(self, end: float) -> None:
+        self.end, self.started, self.received, self.cut = end, time.monotonic(), 0, False
+
+    def blames_node(self, silent_s: float) -> bool:
+        """Whether this command's failure is the node's: not cut by the deadline, or cut after the
+        node had sent nothing for at least ``silent_s`` seconds."""
+        return not self.cut or (self.received == 0 and time.monotonic() - self.started >= silent_s)
+
+
 @contextlib.contextmanager
-def command_deadline(end: float) -> Iterator[None]:
+def command_deadline(end: float) -> Iterator[Command]:
     """Bound the socket operations of the commands this thread runs inside to ``end``
-    (a ``time.monotonic()`` instant)."""
-    before = getattr(_local, "end", None)
-    _local.end = end
+    (a ``time.monotonic()`` instant); yields the :class:`Command` they report to."""
+    before = getattr(_local, "cmd", None)
+    _local.cmd = cmd = Command(end)
     try:
-        yield
+        yield cmd
     finally:
-        _local.end = before
+        _local.cmd = before
 
 
 class _DeadlineSocket:
@@ -54,13 +74,13 @@ class _DeadlineSocket:
     def gettimeout(self) -> float | None:
         return self._timeout
 
-    def _bounded(self) -> bool:
+    def _bounded(self, cmd: Command | None) -> bool:
         """Narrow the socket's timeout to what is left of the deadline (True if it did)."""
-        end = getattr(_local, "end", None)
-        if end is None:
+        if cmd is None:
             return False
-        left = end - time.monotonic()
+        left = cmd.end - time.monotonic()
         if left <= 0:
+            cmd.cut = True
             raise socket.timeout("timed out: past the call's deadline")
         if self._timeout is not None and self._timeout <= left:
             return False
@@ -68,18 +88,29 @@ class _DeadlineSocket:
         return True
 
     def _call(self, fn: Any, *args: Any) -> Any:
-        narrowed = self._bounded()
+        cmd = getattr(_local, "cmd", None)
+        narrowed = self._bounded(cmd)
         try:
             return fn(*args)
+        except socket.timeout:
+            if narrowed:
+                cmd.cut = True
+            raise
         finally:
             if narrowed:
                 self._sock.settimeout(self._timeout)
 
     def recv(self, *args: Any) -> bytes:
-        return self._call(self._sock.recv, *args)
+        data = self._call(self._sock.recv, *args)
+        if data and getattr(_local, "cmd", None) is not None:
+            _local.cmd.received += len(data)
+        return data
 
     def recv_into(self, *args: Any) -> int:
-        return self._call(self._sock.recv_into, *args)
+        n = self._call(self._sock.recv_into, *args)
+        if n and getattr(_local, "cmd", None) is not None:
+            _local.cmd.received += n
+        return n
 
     def sendall(self, *args: Any) -> None:
         return self._call(self._sock.sendall, *args)  # (its timeout bounds the whole sendall)
