@@ -16,11 +16,24 @@ so on, looked up at each call), so handlers, filters and levels apply as usual.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["RateLimitedLogger"]
+__all__ = ["RateLimitedLogger", "failure_kind"]
+
+#: kinds remembered at most (the oldest is forgotten first): messages that vary more than their
+#: numbers and quoted parts cannot grow the state without bound
+MAX_KINDS = 1024
+_DETAILS = re.compile(r"'[^']*'|\"[^\"]*\"|\d+")
+
+
+def failure_kind(exc: object) -> tuple[str, str]:
+    """A kind for :meth:`RateLimitedLogger.log` from an exception (or any object): its type and
+    its message with the numbers and quoted parts left out, so one failure of many entries is one
+    kind (``[Errno 5] ...`` of any entry) and another cause (an LMDB map full, a checksum) another."""
+    return type(exc).__name__, _DETAILS.sub("", str(exc))[:120]
 
 
 class RateLimitedLogger:
@@ -60,7 +73,10 @@ class RateLimitedLogger:
                 state[1] += 1
                 return False
             suppressed, since = (state[1], now - state[0]) if state is not None else (0, 0.0)
-            self._state[kind] = [now, 0]
+            self._state.pop(kind, None)
+            self._state[kind] = [now, 0]  # (last in order: the oldest line's kind is first)
+            if len(self._state) > MAX_KINDS:
+                del self._state[next(iter(self._state))]
         if suppressed:
             msg = f"{msg} (%d more like this in the last %.0f s)"
             args = (*args, suppressed, since)

@@ -37,7 +37,7 @@ from .entry import EntryMeta, next_version
 from .errors import CacheClosedError, EctierError
 from .handles import PutHandle
 from .index import Slot
-from .logutil import RateLimitedLogger
+from .logutil import RateLimitedLogger, failure_kind
 from .moves.arena import ArenaMoves
 from .moves.nvme import RETRY, NvmeMoves
 from .moves.promote import Promotions
@@ -164,7 +164,7 @@ class Mover:
             return fn(*args, **kwargs)
         except MOVE_ERRORS as exc:
             level = logging.DEBUG if isinstance(exc, CacheClosedError) else logging.WARNING  # (close() raced it)
-            self._warn.log(level, (what, type(exc).__name__), "%s failed (%s: %s); entry not moved",
+            self._warn.log(level, (what, *failure_kind(exc)), "%s failed (%s: %s); entry not moved",
                            what, type(exc).__name__, exc)
             return None
 

@@ -71,3 +71,25 @@ def test_lines_go_through_the_loggers_own_method(monkeypatch):
 def test_interval_must_be_positive(bad):
     with pytest.raises(ValueError, match="interval_s"):
         RateLimitedLogger(logging.getLogger("x"), bad)
+
+
+def test_kinds_are_remembered_up_to_a_bound_oldest_forgotten_first():
+    from ectier.logutil import MAX_KINDS
+
+    log = logging.getLogger("ectier.test.logutil.bound")
+    clock = [0.0]
+    limiter = RateLimitedLogger(log, 10.0, clock=lambda: clock[0])
+    for i in range(MAX_KINDS + 5):
+        assert limiter.warning(("kind", i), "event %d", i)
+    assert limiter.warning(("kind", MAX_KINDS + 4), "again") is False  # the newest is still remembered
+    assert limiter.warning(("kind", 0), "again") is True  # the oldest was forgotten: written anew
+
+
+def test_failure_kind_leaves_out_numbers_and_quoted_parts():
+    from ectier.logutil import failure_kind
+
+    assert failure_kind(OSError(5, "Input/output error")) == failure_kind(OSError(5, "Input/output error"))
+    a = failure_kind(ValueError("entry 'k1' of 1048576 bytes failed"))
+    assert a == failure_kind(ValueError("entry 'k22' of 65536 bytes failed"))
+    assert a != failure_kind(ValueError("entry 'k1' of 1048576 bytes changed"))
+    assert failure_kind(ValueError("x"))[0] != failure_kind(TypeError("x"))[0]

@@ -45,3 +45,25 @@ def test_another_cache_still_gets_its_own_first_line(make_cache, tmp_path, caplo
             cache.put("c", filled(BLK, 2))
         seen.append(len(_warnings(caplog)))
     assert seen[0] >= 1 and seen[1] > seen[0], seen
+
+
+def test_different_causes_of_one_error_type_are_separate_lines(make_cache, caplog):
+    """An LMDB map at its ceiling (a setting to raise) and a failing disk are both a
+    ``TierWriteError``: the first cause's line used to hide the second for the whole interval."""
+    from ectier.errors import TierWriteError
+
+    cache, _ = make_cache(host_bytes=2 * BLK, write_behind_fraction=0)
+    cache.put("k0", filled(BLK, 0))
+    cache.put("k1", filled(BLK, 1))
+    caplog.set_level(logging.WARNING, logger="ectier")
+    causes = [TierWriteError("nvme tier: LMDB map is at its ceiling (nvme.max_map_bytes=1048576)"),
+              TierWriteError("nvme tier: payload write failed under '/x': [Errno 5] Input/output error")]
+    n = 2
+    for exc in causes:
+        with testing.fail_writes(cache, "nvme", exc):
+            for _ in range(5):
+                cache.put(f"k{n}", filled(BLK, n))
+                n += 1
+    lines = _warnings(caplog)
+    assert len(lines) == 2, lines
+    assert "ceiling" in lines[0] and "Input/output error" in lines[1], lines

@@ -17,7 +17,7 @@ from ..copy import CopyEngine, CopyHandle
 from ..entry import EntryMeta
 from ..handles import PutHandle
 from ..index import Slot
-from ..logutil import RateLimitedLogger
+from ..logutil import RateLimitedLogger, failure_kind
 from ..tensors import byte_view, empty_for, output_for, torch_dtype
 from ..tiers.arena import ArenaTier, run_pairs
 from .views import Releaser, pinned_view
@@ -99,7 +99,7 @@ class ArenaMoves:
         error = copy_error(h, source)
         try:
             if error is not None:
-                self._warn.warning(("copy into", tier.name), "copy into the %s tier failed (%s); entry not stored",
+                self._warn.warning(("copy into", tier.name, *failure_kind(error)), "copy into the %s tier failed (%s); entry not stored",
                                    tier.name, error)
                 m.counters.count("cache", copy_failures=1)
                 m.abort(tier, slot)
@@ -141,7 +141,7 @@ class ArenaMoves:
     def after_device_write(self, gpu, slot: Slot, h: CopyHandle, handle: PutHandle | None) -> None:
         m = self.m
         if h.error is not None:
-            self._warn.warning("copy into gpu", "copy into the GPU tier failed (%s); entry dropped from it", h.error)
+            self._warn.warning(("copy into gpu", *failure_kind(h.error)), "copy into the GPU tier failed (%s); entry dropped from it", h.error)
             m.counters.count("gpu", copy_failures=1)
             m.drop_slot(gpu, slot)
         if handle is not None:
@@ -170,7 +170,7 @@ class ArenaMoves:
             else:
                 h = gpu.write(slot, data)
         except RuntimeError as exc:  # torch.cuda.OutOfMemoryError and other device errors
-            self._warn.warning(("promotion to gpu", type(exc).__name__), "promotion of an entry to the GPU tier "
+            self._warn.warning(("promotion to gpu", *failure_kind(exc)), "promotion of an entry to the GPU tier "
                                "failed (%s); served from the lower tier", exc)
             m.counters.count("gpu", promotion_failures=1)
             m.abort(gpu, slot)
@@ -302,7 +302,7 @@ class ArenaMoves:
         h.wait()
         err = copy_error(h, slot)
         if err is not None:
-            self._warn.warning("copy out of gpu", "copy out of the GPU tier failed (%s); read as a miss there", err)
+            self._warn.warning(("copy out of gpu", *failure_kind(err)), "copy out of the GPU tier failed (%s); read as a miss there", err)
             m.counters.count("gpu", copy_failures=1)
             m.drop_slot(gpu, slot)
             return None

@@ -16,7 +16,7 @@ import torch
 from ..entry import EntryMeta
 from ..errors import EctierError, TierWriteError
 from ..index import Slot
-from ..logutil import RateLimitedLogger
+from ..logutil import RateLimitedLogger, failure_kind
 from ..tensors import byte_view, output_for, torch_dtype
 from ..tiers.nvme import NvmeDiskFullError, NvmeTier
 from ..tiers.nvme_scan import gc_paused
@@ -133,7 +133,7 @@ class NvmeMoves:
                 # the record committed before the failure (e.g. freeing the replaced record's
                 # blocks raised): it is stored, so it is this key's newest NVMe version and must be
                 # registered or dropped like any finished write, never left unaccounted for
-                self._warn.warning(("failed after commit", type(exc).__name__), "nvme tier: a write failed "
+                self._warn.warning(("failed after commit", *failure_kind(exc)), "nvme tier: a write failed "
                                    "after its record committed (%r); the record is kept", exc)
                 return self._finish_store(digest, meta, version, size, True, register=register)
             with self.m.cond:
@@ -380,10 +380,10 @@ class NvmeMoves:
             if write_behind:
                 log.debug("write-behind of an entry to NVMe failed (%s); the entry stays in host memory", exc)
             elif write_through:
-                self._warn.warning(("write-through", type(exc).__name__), "write-through of an entry to NVMe "
+                self._warn.warning(("write-through", *failure_kind(exc)), "write-through of an entry to NVMe "
                                    "failed (%s); the entry stays in host memory only (not durable)", exc)
             else:
-                self._warn.warning(("demotion", type(exc).__name__), "demotion of an entry to NVMe failed (%s); "
+                self._warn.warning(("demotion", *failure_kind(exc)), "demotion of an entry to NVMe failed (%s); "
                                    "entry dropped", exc)
             return False
         if ok:

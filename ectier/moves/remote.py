@@ -31,7 +31,7 @@ import torch
 
 from ..entry import EntryMeta, advance_version
 from ..errors import TierWriteError
-from ..logutil import RateLimitedLogger
+from ..logutil import RateLimitedLogger, failure_kind
 from ..tiers.nvme import RAW_CODEC_ID
 from ..tiers.nvme_reader import mark_background
 from ..tiers.remote.tier import RemoteTier
@@ -148,7 +148,7 @@ class RemoteMoves:
             else:  # "delete-now": a delete() waits for it
                 self.tier.delete(digest)
         except Exception as exc:  # noqa: BLE001 - a background move: logged, never raised into anyone
-            self._warn.warning(("write-through", type(exc).__name__), "remote write-through failed: %s", exc)
+            self._warn.warning(("write-through", *failure_kind(exc)), "remote write-through failed: %s", exc)
         finally:
             self._next(digest, call)
 
@@ -329,7 +329,7 @@ class RemoteMoves:
             try:
                 placed = m.nvme.store(digest, meta, version, data, register=True)
             except TierWriteError as exc:
-                self._warn.warning(("to nvme", type(exc).__name__), "promotion remote -> nvme failed: %s", exc)
+                self._warn.warning(("to nvme", *failure_kind(exc)), "promotion remote -> nvme failed: %s", exc)
         if placed and target is not None:
             m.promote.from_data(target, digest, meta, version, data)
 

@@ -21,7 +21,7 @@ import torch
 from ..cpus import background_threads
 from ..errors import EctierError
 from ..index import Slot
-from ..logutil import RateLimitedLogger
+from ..logutil import RateLimitedLogger, failure_kind
 from ..tensors import output_for, tensor_from_bytes, torch_dtype
 from ..tiers.arena import ArenaTier
 from ..tiers.base import Tier
@@ -352,7 +352,7 @@ class Reads:
                 done = self.promote(digest, ns, key, target)
             handle.finish(done)
         except Exception as exc:  # noqa: BLE001 - reported through the handle, and logged
-            self._warn.warning(("prefetch", type(exc).__name__), "prefetch of a key failed: %s", exc)
+            self._warn.warning(("prefetch", *failure_kind(exc)), "prefetch of a key failed: %s", exc)
             handle.finish(False, exc)
 
     def quiesce(self, timeout_s: float | None = None, *, closing: bool = False) -> bool:
