@@ -80,6 +80,23 @@ def test_a_shared_host_arena_becomes_resident_in_its_mapping_without_a_put(tmp_p
     assert not os.path.exists(path)
 
 
+def test_a_shared_arena_on_a_disk_filesystem_is_not_populated(tmp_path):
+    """Populating a shared file mapping write-faults every page: on a disk filesystem that made
+    the whole arena dirty, to be written back to the disk (1 GiB empty arena: +1 GiB ``Dirty``).
+    There the pages fault on first touch, as before (the daemon warns about such a shm_dir)."""
+    from ectier.tiers.storedir import in_memory
+
+    if in_memory(tmp_path) is not False:
+        pytest.skip(f"{tmp_path} is not known to be on a disk filesystem")
+    tier = HostTier(HostTierConfig(capacity_bytes=ARENA, block_bytes=MiB, pin_memory=False),
+                    shm_path=str(tmp_path / "arena"))
+    try:
+        time.sleep(0.5)  # (populated, a 64 MiB mapping would be resident in ~0.05 s)
+        assert _rss_bytes(tier.buffer.data_ptr(), ARENA) < ARENA // 2
+    finally:
+        tier.close()
+
+
 def test_populating_keeps_what_the_arena_holds_and_lets_it_go():
     buf = torch.empty(ARENA, dtype=torch.uint8)
     buf[: 3 * MiB].fill_(7)

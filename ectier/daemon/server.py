@@ -52,7 +52,7 @@ from ..errors import EctierError
 from ..logutil import RateLimitedLogger
 from .connections import Connection
 from .fdlimit import ACCEPT_RESOURCE_ERRNOS, ClientCap, client_cap, raise_nofile_limit
-from ..tiers.storedir import mount_of
+from ..tiers.storedir import MEMORY_FS_TYPES, mount_of
 from .files import claim_socket_path, reclaim_stale_arenas, remove_created_dirs
 from .holders import Holders
 from .leases import LeaseBook, end_lease
@@ -63,7 +63,6 @@ from .upkeep import LeaseUpkeep
 __all__ = ["DaemonServer", "run_daemon", "unpinned", "view_pin_bounds"]
 
 #: filesystems whose files live in memory (``daemon.shm_dir`` belongs on one)
-MEMORY_FS_TYPES = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
 
 log = logging.getLogger("ectier.daemon")
 

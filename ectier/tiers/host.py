@@ -23,7 +23,7 @@ from ..policy import EvictionPolicy
 from ..tensors import byte_view, cuda_available, output_for, torch_dtype
 from .arena import ArenaTier
 from .populate import populate_later
-from .storedir import free_bytes
+from .storedir import free_bytes, in_memory
 
 __all__ = ["HostTier"]
 
@@ -88,7 +88,9 @@ class HostTier(ArenaTier):
             self.pinned = bool(want_pin) and self._register(self.buffer)
         self._populate_stop = threading.Event()
         self._populating = None
-        if not self.pinned:  # faulted in now, not by each first put or promotion (tiers/populate.py)
+        # faulted in now, not by each first put or promotion (tiers/populate.py); not a shared
+        # arena on a disk filesystem: every page would be made dirty, and written back to the disk
+        if not self.pinned and (shm_path is None or in_memory(shm_path) is not False):
             self._populating = populate_later(self.buffer, stop=self._populate_stop)
         log.info("host tier: %d bytes in %d-byte blocks, pinned=%s, shared=%s",
                  nbytes, config.block_bytes, self.pinned, shm_path or "no")

@@ -35,11 +35,14 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
-__all__ = ["Mount", "NETWORK_FS_TYPES", "parse_mountinfo", "mount_of", "is_network_fs",
+__all__ = ["Mount", "NETWORK_FS_TYPES", "MEMORY_FS_TYPES", "in_memory", "parse_mountinfo", "mount_of", "is_network_fs",
            "check_local_filesystem", "move_aside", "damaged_copies", "MOUNTINFO_PATH", "free_bytes", "probe_subdir",
            "check_space", "missing_dirs", "remove_created", "STORE_FILES", "take_store_lock", "drop_store_lock", "sync_dirs"]
 
 MOUNTINFO_PATH = "/proc/self/mountinfo"
+
+#: filesystem types that keep their files in memory (the daemon's arena belongs on one)
+MEMORY_FS_TYPES = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
 
 #: what an open creates in a new store directory, deepest first (the lock file last)
 STORE_FILES = ("lmdb/data.mdb", "lmdb/lock.mdb", "lmdb", "segment.0", "ectier.lock")
@@ -93,6 +96,13 @@ def _contains(mount_point: str, path: str) -> bool:
         return True
     mp = mount_point.rstrip("/")
     return path == mp or path.startswith(mp + "/")
+
+
+def in_memory(path: str | os.PathLike) -> bool | None:
+    """Whether ``path`` is on a filesystem held in memory (:data:`MEMORY_FS_TYPES`); ``None``
+    where the mount table cannot tell."""
+    mount = mount_of(path)
+    return None if mount is None else mount.fstype in MEMORY_FS_TYPES
 
 
 def mount_of(path: str | os.PathLike, mountinfo: str | None = None) -> Mount | None:
