@@ -273,3 +273,9 @@ def test_external_launcher_over_several_ranks_is_refused(model_dir, tmp_path, mo
     if mode == "inprocess":
         ECTierConnector(cfg, ECConnectorRole.SCHEDULER).shutdown()
         assert open_stores() == 0
+        # a pure producer never loads: its ranks cannot answer differently, so it may run so
+        producer = H.make_vllm_config(model_dir, "ec_producer", extra)
+        producer.parallel_config.distributed_executor_backend = "external_launcher"
+        producer.parallel_config.tensor_parallel_size = producer.parallel_config.world_size = 2
+        ECTierConnector(producer, ECConnectorRole.SCHEDULER).shutdown()
+        assert open_stores() == 0

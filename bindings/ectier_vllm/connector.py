@@ -97,7 +97,8 @@ class ECTierConnector(SchedulerSide, WorkerSide, ECConnectorBase):
             default_ns=default_namespace(model_config.model, model_config.revision, model_config.dtype),
         )
         backend = vllm_config.parallel_config.distributed_executor_backend
-        _refuse_ranks_with_own_schedulers(backend, vllm_config.parallel_config.world_size)
+        if self.is_consumer:  # (a pure producer never loads: its ranks' answers cannot differ)
+            _refuse_ranks_with_own_schedulers(backend, vllm_config.parallel_config.world_size)
         if self.settings.mode == "inprocess" and backend not in ("uni", "external_launcher"):
             # only these run the scheduler and the worker in one process; elsewhere each process
             # would get its own, different in-process store
@@ -257,8 +258,8 @@ class ECTierConnector(SchedulerSide, WorkerSide, ECConnectorBase):
 
 def _refuse_ranks_with_own_schedulers(backend: Any, world_size: int) -> None:
     """With ``external_launcher`` every rank is a process of its own, with a scheduler of its own,
-    and vLLM needs every rank's scheduler to take the same decisions. Over more than one rank the
-    connector cannot promise that: its answers (found, or encode) depend on what each rank's store
+    and vLLM needs every rank's scheduler to take the same decisions. Over more than one rank a
+    consumer's connector cannot promise that: its answers (found, or encode) depend on what each rank's store
     held and on when each rank's daemon answer came in; only the lead worker saves. One rank's
     scheduler would then load an item that another's encodes (collectives hang or mix data).
 
