@@ -61,7 +61,7 @@ try:  # the ``remote`` extra; RedisBackend() says how to install it when it is m
     from redis.exceptions import TimeoutError as RedisTimeoutError
     from redis.retry import Retry
 
-    from .redis_deadline import DeadlineConnection, DeadlineSSLConnection, command_deadline
+    from .redis_deadline import command_deadline, connection_class
 except ImportError as _exc:  # pragma: no cover - exercised only without the extra
     redis = None
     _IMPORT_ERROR: ImportError | None = _exc
@@ -248,18 +248,14 @@ class RedisBackend(NodeBackoff, RemoteBackend):
         that answered first (``seeds[0]``): redis-py sends it to its default node, which may be a
         dead one, and then no client could be made while that node is down."""
         return _OneNodeCommandCluster(first=f"{seeds[0][0]}:{seeds[0][1]}", startup_nodes=[ClusterNode(h, p) for h, p in seeds],
-                                      require_full_coverage=False, connection_class=self._connection_class(),
+                                      require_full_coverage=False, connection_class=connection_class(self._cfg.tls),
                                       **self._client_kwargs())
 
-    def _connection_class(self) -> type:
-        """Connections whose commands end by their call's deadline (``redis_deadline``)."""
-        return DeadlineSSLConnection if self._cfg.tls else DeadlineConnection
-
     def _single_client(self, address: tuple[str, int]) -> Any:
-        """A client of one server on :meth:`_connection_class` (``Redis(ssl=True)`` would not be)."""
+        """A client of one server on the deadline connections (``Redis(ssl=True)`` would not be)."""
         kw = {k: v for k, v in self._client_kwargs().items() if k != "ssl"}
         return redis.Redis.from_pool(redis.ConnectionPool(  # (from_pool: close() closes the pool too)
-            host=address[0], port=address[1], connection_class=self._connection_class(), **kw))
+            host=address[0], port=address[1], connection_class=connection_class(self._cfg.tls), **kw))
 
     def _call(self, what: str, dl: _Deadline, fn: Callable[[Any], Any]) -> Any:
         """``fn(client)`` with redis-py's errors mapped to RemoteTimeout / RemoteError, or to

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 from redis.connection import Connection, SSLConnection
 
-__all__ = ["command_deadline", "Command", "DeadlineConnection", "DeadlineSSLConnection"]
+__all__ = ["command_deadline", "Command", "connection_class", "DeadlineConnection", "DeadlineSSLConnection"]
 
 _local = threading.local()
 
@@ -131,3 +131,9 @@ class DeadlineSSLConnection(SSLConnection):
 
     def _connect(self) -> Any:
         return _DeadlineSocket(super()._connect())
+
+
+def connection_class(tls: bool) -> type:
+    """redis-py's connection class to use: :class:`DeadlineSSLConnection` with ``tls``, else
+    :class:`DeadlineConnection`."""
+    return DeadlineSSLConnection if tls else DeadlineConnection
