@@ -259,9 +259,10 @@ class ECTierConnector(SchedulerSide, WorkerSide, ECConnectorBase):
 def _refuse_ranks_with_own_schedulers(backend: Any, world_size: int) -> None:
     """With ``external_launcher`` every rank is a process of its own, with a scheduler of its own,
     and vLLM needs every rank's scheduler to take the same decisions. Over more than one rank a
-    consumer's connector cannot promise that: its answers (found, or encode) depend on what each rank's store
-    held and on when each rank's daemon answer came in; only the lead worker saves. One rank's
-    scheduler would then load an item that another's encodes (collectives hang or mix data).
+    consumer's connector cannot promise that: its answers (found, or encode) depend on what each
+    rank's store held and on when each rank's daemon answer came in; only the lead worker saves.
+    One rank's scheduler would then load an item that another's encodes (collectives hang or mix
+    data).
 
     Raises:
         ConfigError: ``external_launcher`` with ``parallel_config.world_size`` > 1.
@@ -269,7 +270,7 @@ def _refuse_ranks_with_own_schedulers(backend: Any, world_size: int) -> None:
     if backend == "external_launcher" and world_size > 1:
         raise ConfigError(
             f"ECTierConnector: distributed_executor_backend \"external_launcher\" with a world size of "
-            f"{world_size} (tensor x pipeline parallel) is not supported: each rank runs its own scheduler, and "
-            f"the connector's answers (load or encode) could differ between ranks. Run the engine with "
+            f"{world_size} (tensor x pipeline parallel) is not supported: each rank runs its own scheduler, "
+            f"and the connector's answers (load or encode) could differ between ranks. Run the engine with "
             f"vLLM's own executor (\"mp\" or \"ray\") and \"mode\": \"daemon\", or with one rank per engine"
         )

@@ -307,8 +307,8 @@ class SchedulerSide:
             except STORE_ERRORS as exc:
                 self._warn.warning(("release", type(exc).__name__), "ectier: releasing %s failed (%s)", mm_hash, exc)
             return
-        self._pins[mm_hash] = _PinState(pin, {request.request_id})
-        self._requests[request.request_id] = request
+        self._pins[mm_hash] = state = _PinState(pin, set())
+        self._join(state, request)
         store.stage(mm_hash, pin)
 
     def update_state_after_alloc(self, request: "Request", index: int) -> None:
@@ -353,11 +353,9 @@ class SchedulerSide:
                 if req_id in item.req_ids or not scheduled.get(req_id):
                     continue
                 lo, request = start.get(req_id), self._requests.get(req_id)
-                hi = None if lo is None else lo + scheduled[req_id]
-                if request is None or lo is None or any(
-                        f.identifier == mm_hash and f.mm_position.offset < hi
-                        and f.mm_position.offset + f.mm_position.length > lo for f in request.mm_features):
-                    item.req_ids.append(req_id)  # (position unknown: failed with it, never run on zeros)
+                # (a position unknown: failed with it, never run on zeros)
+                if request is None or lo is None or _reaches(request, mm_hash, lo, lo + scheduled[req_id]):
+                    item.req_ids.append(req_id)
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         meta = connector_output.ec_connector_worker_meta
@@ -436,3 +434,8 @@ class SchedulerSide:
         (0 when the model has several widths or an unknown one)."""
         return rows * self._row_bytes
 
+
+def _reaches(request: "Request", mm_hash: str, lo: int, hi: int) -> bool:
+    """Whether tokens ``[lo, hi)`` of ``request`` overlap one of its items ``mm_hash``."""
+    return any(f.identifier == mm_hash and f.mm_position.offset < hi
+               and f.mm_position.offset + f.mm_position.length > lo for f in request.mm_features)

@@ -99,8 +99,8 @@ class ArenaMoves:
         error = copy_error(h, source)
         try:
             if error is not None:
-                self._warn.warning(("copy into", tier.name, *failure_kind(error)), "copy into the %s tier failed (%s); entry not stored",
-                                   tier.name, error)
+                self._warn.warning(("copy into", tier.name, *failure_kind(error)),
+                                   "copy into the %s tier failed (%s); entry not stored", tier.name, error)
                 m.counters.count("cache", copy_failures=1)
                 m.abort(tier, slot)
             else:
@@ -141,7 +141,8 @@ class ArenaMoves:
     def after_device_write(self, gpu, slot: Slot, h: CopyHandle, handle: PutHandle | None) -> None:
         m = self.m
         if h.error is not None:
-            self._warn.warning(("copy into gpu", *failure_kind(h.error)), "copy into the GPU tier failed (%s); entry dropped from it", h.error)
+            self._warn.warning(("copy into gpu", *failure_kind(h.error)),
+                               "copy into the GPU tier failed (%s); entry dropped from it", h.error)
             m.counters.count("gpu", copy_failures=1)
             m.drop_slot(gpu, slot)
         if handle is not None:
@@ -302,7 +303,8 @@ class ArenaMoves:
         h.wait()
         err = copy_error(h, slot)
         if err is not None:
-            self._warn.warning(("copy out of gpu", *failure_kind(err)), "copy out of the GPU tier failed (%s); read as a miss there", err)
+            self._warn.warning(("copy out of gpu", *failure_kind(err)),
+                               "copy out of the GPU tier failed (%s); read as a miss there", err)
             m.counters.count("gpu", copy_failures=1)
             m.drop_slot(gpu, slot)
             return None

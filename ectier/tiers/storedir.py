@@ -35,8 +35,8 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
-__all__ = ["Mount", "NETWORK_FS_TYPES", "MEMORY_FS_TYPES", "in_memory", "parse_mountinfo", "mount_of", "is_network_fs",
-           "check_local_filesystem", "move_aside", "damaged_copies", "MOUNTINFO_PATH", "free_bytes", "probe_subdir",
+__all__ = ["Mount", "NETWORK_FS_TYPES", "MEMORY_FS_TYPES", "in_memory", "parse_mountinfo", "mount_of",
+           "is_network_fs", "check_local_filesystem", "move_aside", "damaged_copies", "MOUNTINFO_PATH", "free_bytes", "probe_subdir",
            "check_space", "missing_dirs", "remove_created", "STORE_FILES", "take_store_lock", "drop_store_lock", "sync_dirs"]
 
 MOUNTINFO_PATH = "/proc/self/mountinfo"

@@ -23,8 +23,8 @@ Cluster") has the measurement.
 Deadlines: every socket operation is bounded by ``remote.timeout_s`` (``socket_timeout`` and
 ``socket_connect_timeout``; redis-py's retries off), and each command, and each of its reads and
 sends, by the call's ``deadline_s`` (``redis_deadline``: a trickling reply is cut off), so a call
-ends within ``deadline_s`` (a connect within at most one socket timeout more). Commands go one at a time (one chunk each), not in redis-py's cluster pipelines: a
-cluster pipeline resends every command that failed on a dead node one by one, each waiting its
+ends within ``deadline_s`` (a connect within at most one socket timeout more). Commands go one at
+a time (one chunk each), not in redis-py's cluster pipelines: a cluster pipeline resends every command that failed on a dead node one by one, each waiting its
 own socket timeout, which no deadline bounds. At chunks of a few MiB a round trip per chunk costs
 little (docs/benchmarks.md).
 

@@ -87,11 +87,11 @@ class _DeadlineSocket:
         self._sock.settimeout(left)
         return True
 
-    def _call(self, fn: Any, *args: Any) -> Any:
+    def _call(self, fn: Any, *args: Any, read: bool = False) -> Any:
         cmd = getattr(_local, "cmd", None)
         narrowed = self._bounded(cmd)
         try:
-            return fn(*args)
+            out = fn(*args)
         except socket.timeout:
             if narrowed:
                 cmd.cut = True
@@ -99,18 +99,15 @@ class _DeadlineSocket:
         finally:
             if narrowed:
                 self._sock.settimeout(self._timeout)
+        if read and cmd is not None:
+            cmd.received += out if isinstance(out, int) else len(out)
+        return out
 
     def recv(self, *args: Any) -> bytes:
-        data = self._call(self._sock.recv, *args)
-        if data and getattr(_local, "cmd", None) is not None:
-            _local.cmd.received += len(data)
-        return data
+        return self._call(self._sock.recv, *args, read=True)
 
     def recv_into(self, *args: Any) -> int:
-        n = self._call(self._sock.recv_into, *args)
-        if n and getattr(_local, "cmd", None) is not None:
-            _local.cmd.received += n
-        return n
+        return self._call(self._sock.recv_into, *args, read=True)
 
     def sendall(self, *args: Any) -> None:
         return self._call(self._sock.sendall, *args)  # (its timeout bounds the whole sendall)
