@@ -75,7 +75,7 @@ def daemon():
 
 
 @pytest.fixture
-def cache_hooks(monkeypatch):
+def cache_hooks():
     """``cache_hooks(engine, gpu=False)``: every in-process TieredCache opened afterwards routes its
     copies through ``engine`` (``ectier.testing.make_cache``); ``gpu=True`` also puts the GPU
     tier's arena in CPU memory (``gpu_device="cpu"``), so the worker's device ("cpu" here)
@@ -83,20 +83,23 @@ def cache_hooks(monkeypatch):
     before the connectors shut down (shutdown waits for them)."""
     import functools
 
+    import contextlib
+
     from connector_helpers import Engine
     from ectier import testing
-    from ectier_vllm import store
+    from ectier_vllm import testing as ct
 
     engines = []
+    with contextlib.ExitStack() as factories:
 
-    def set_hooks(copy_engine, gpu=False):
-        engines.append(copy_engine)
-        factory = functools.partial(testing.make_cache, copy_engine=copy_engine, gpu_device="cpu" if gpu else None)
-        monkeypatch.setattr(store, "_CACHE_FACTORY", factory)
-        return copy_engine
+        def set_hooks(copy_engine, gpu=False):
+            engines.append(copy_engine)
+            factory = functools.partial(testing.make_cache, copy_engine=copy_engine, gpu_device="cpu" if gpu else None)
+            factories.enter_context(ct.cache_factory(factory))
+            return copy_engine
 
-    yield set_hooks
-    for e in engines:
-        if isinstance(e, Engine):
-            e.auto = True
-            e.complete()
+        yield set_hooks
+        for e in engines:
+            if isinstance(e, Engine):
+                e.auto = True
+                e.complete()

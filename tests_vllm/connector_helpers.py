@@ -14,6 +14,7 @@ from conftest import run_step
 from ectier.cache import LoadHandle
 from ectier.testing import DeferredCopyEngine
 from ectier import testing
+from ectier_vllm import testing as ct
 
 NS = "test-ns"
 GPU = {"capacity_bytes": "2MiB", "block_bytes": "64KiB"}  # the GPU tier, CPU-faked (cache_hooks)
@@ -47,8 +48,8 @@ def host_pins(cache) -> int:
 
 def wait_prefetches(conn):
     """Let the promotions the connector started finish (its real TieredCache LoadHandles)."""
-    for pf in list(conn._prefetching.values()):
-        for h in pf.handles:
+    for handles in list(ct.promoting(conn).values()):
+        for h in handles:
             assert isinstance(h, LoadHandle)
             h.wait(10)
             assert h.done()
@@ -60,7 +61,7 @@ def run_step_loading(sched, worker):
     ensure_cache_available until the LoadHandles are done. Returns (so, out) of the scheduling step."""
     for _ in range(5):
         so, out = run_step(sched, worker)
-        if so.num_scheduled_tokens or not sched.ec_connector._prefetching:
+        if so.num_scheduled_tokens or not ct.promoting(sched.ec_connector):
             return so, out
         wait_prefetches(sched.ec_connector)
     raise AssertionError("requests still deferred after 5 steps")

@@ -11,6 +11,7 @@ import torch
 import harness as H
 from conftest import run_step
 from connector_helpers import GPU, errors_of, inproc, same_bytes
+from ectier_vllm import testing as ct
 
 
 def test_inprocess_mode_is_refused_when_workers_are_other_processes(model_dir, tmp_path):
@@ -72,7 +73,7 @@ def test_encoder_output_width_is_the_models(engine, tmp_path):
     from ectier_vllm.connector import encoder_output_widths
 
     sched, worker = engine("ec_consumer", inproc(tmp_path))
-    assert sched.ec_connector._widths == worker.connector._widths == {H.WIDTH} == {64}
+    assert ct.widths(sched.ec_connector) == ct.widths(worker.connector) == {H.WIDTH} == {64}
     deep = NS_(out_hidden_size=2048, deepstack_visual_indexes=[8, 16, 24])
     qwen3_vl_30b = NS_(hf_config=NS_(vision_config=deep), get_inputs_embeds_size=lambda: 2048)
     assert encoder_output_widths(qwen3_vl_30b) == {8192}
@@ -91,7 +92,7 @@ def test_namespace_clash_with_another_width_is_a_miss_never_loaded(engine, tmp_p
     warned = warnings_of(monkeypatch)
     sched, worker = engine("ec_both", {**inproc(tmp_path), "namespace": "shared"})
     item = H.Item("w" * 64, 0, 40)
-    sched.ec_connector._store.put(item.mm_hash, torch.ones(40, 7, dtype=H.DTYPE))
+    ct.store(sched.ec_connector).put(item.mm_hash, torch.ones(40, 7, dtype=H.DTYPE))
     sched.add_request(H.make_request("c", [item]))
     so, out = run_step(sched, worker)
     assert so.scheduled_encoder_inputs == {"c": [0]}  # re-encoded, not loaded
@@ -119,7 +120,7 @@ def test_unknown_encoder_width_falls_back_to_rows_and_dtype_and_says_so(model_di
     monkeypatch.setattr(ModelConfig, "get_inputs_embeds_size", broken)
     conn = ECTierConnector(cfg, ECConnectorRole.SCHEDULER)
     try:
-        assert conn._widths is None
+        assert ct.widths(conn) is None
         assert len([w for w in warned if "cannot determine the encoder output width" in w]) == 1
     finally:
         conn.shutdown()

@@ -17,6 +17,7 @@ from ectier.cache import LoadHandle, PutHandle
 from ectier.copy import InlineCopyEngine
 from ectier import testing
 from connector_helpers import Engine, GPU, errors_of, host_pins, inproc, same_bytes, wait_prefetches, wait_until
+from ectier_vllm import testing as ct
 
 
 def test_request_waits_for_a_real_prefetch_then_loads(engine, tmp_path, cache_hooks):
@@ -26,15 +27,15 @@ def test_request_waits_for_a_real_prefetch_then_loads(engine, tmp_path, cache_ho
     item = H.Item("j" * 64, 0, 40)
     sched, worker = engine("ec_both", inproc(tmp_path))
     ref = H.encoder_output(item.mm_hash, 40)
-    put = sched.ec_connector._store.put(item.mm_hash, ref)
+    put = ct.store(sched.ec_connector).put(item.mm_hash, ref)
     assert isinstance(put, PutHandle) and not put.done() and copies.pending == 1
     sched.add_request(H.make_request("c", [item]))
     for _ in range(2):  # deferred as long as the copy has not run
         so, out = run_step(sched, worker)
         assert so.num_scheduled_tokens == {}
         assert out[0].scheduler_stats.ec_connector_stats["deferrals"] == 1
-    [pf] = sched.ec_connector._prefetching.values()
-    [handle] = pf.handles
+    [handles] = ct.promoting(sched.ec_connector).values()
+    [handle] = handles
     assert isinstance(handle, LoadHandle) and not handle.done()
     copies.complete()
     assert handle.wait(10) is True
@@ -53,7 +54,7 @@ def test_promotion_past_load_timeout_is_reencoded(engine, tmp_path, cache_hooks,
     item = H.Item("t" * 64, 0, 40)
     sched, worker = engine("ec_both", {**inproc(tmp_path), "load_timeout_s": 0.05})
     worker.settle_saves = False  # the re-encoded item's save waits behind the copy that never runs
-    store = sched.ec_connector._store
+    store = ct.store(sched.ec_connector)
     store.put(item.mm_hash, H.encoder_output(item.mm_hash, 40))  # its copy never runs in this test
     acquired = []
     real_acquire = store.acquire
@@ -61,8 +62,8 @@ def test_promotion_past_load_timeout_is_reencoded(engine, tmp_path, cache_hooks,
     sched.add_request(H.make_request("c", [item]))
     so, _ = run_step(sched, worker)
     assert so.num_scheduled_tokens == {}  # waiting for the promotion
-    [pf] = sched.ec_connector._prefetching.values()
-    assert not pf.handles[0].done()
+    [handles] = ct.promoting(sched.ec_connector).values()
+    assert not handles[0].done()
     import time
 
     time.sleep(0.1)
@@ -83,7 +84,7 @@ def test_async_put_is_reported_once_its_copy_completed(engine, tmp_path, cache_h
     extra = {**inproc(tmp_path), **({"gpu": GPU} if gpu else {})}
     sched, worker = engine("ec_producer", extra)
     worker.settle_saves = False  # the put thread waits for copies this test runs
-    cache = worker.connector._store.cache
+    cache = ct.cache(worker.connector)
     item = H.Item("k" * 64, 0, 30)
     sched.add_request(H.make_request("p", [item]))
     so = sched.schedule()
@@ -120,7 +121,7 @@ def test_async_put_is_reported_once_its_copy_completed(engine, tmp_path, cache_h
     worker.connector.shutdown()  # returns only after the timer ran the copy
     timer.join()
     assert saves.pending() == 0
-    assert same_bytes(sched.ec_connector._store.cache.get("x" * 64), late)
+    assert same_bytes(ct.cache(sched.ec_connector).get("x" * 64), late)
 
 
 @pytest.mark.parametrize("gpu", [False, True], ids=["host-tier", "gpu-tier"])
@@ -148,7 +149,7 @@ def test_failed_put_copy_is_a_logged_save_failure_then_a_miss(engine, tmp_path, 
     assert meta.save_failed == [item.mm_hash] and meta.saved == []
     assert meta.stats["save_failures"] == 1 and "saves" not in meta.stats
     assert any(f"saving {item.mm_hash} failed (RuntimeError" in w for w in warnings)
-    assert not sched.ec_connector._store.contains(item.mm_hash)
+    assert not ct.store(sched.ec_connector).contains(item.mm_hash)
     # vLLM forgets its copy; a new request needs the item: a miss, encoded again
     worker.encoder_cache.clear()
     sched.encoder_cache_manager.reset()
@@ -166,7 +167,7 @@ def test_consumer_entries_in_the_gpu_tier_are_pinned_and_loaded(engine, tmp_path
     places that copy; a delete between schedule and load changes nothing."""
     cache_hooks(InlineCopyEngine(), gpu=True)
     sched, worker = engine("ec_both", {**inproc(tmp_path), "gpu": GPU})
-    cache = sched.ec_connector._store.cache
+    cache = ct.cache(sched.ec_connector)
     items = [H.Item("y" * 64, 0, 40), H.Item("z" * 64, 100, 24)]
     refs = {it.mm_hash: H.encoder_output(it.mm_hash, it.length) for it in items}
     for h, ref in refs.items():
@@ -187,7 +188,7 @@ def test_consumer_entries_in_the_gpu_tier_are_pinned_and_loaded(engine, tmp_path
     stats = out[0].scheduler_stats.ec_connector_stats
     assert stats["hits"] == 2 and stats["loads"] == 2
     assert cache.stats()["tiers"]["gpu"]["hits"] == 2  # read out of the GPU tier
-    assert sched.ec_connector._pins == {}
+    assert ct.pinned(sched.ec_connector) == set()
 
 
 def test_with_a_gpu_tier_the_load_reads_the_tier_the_prefetch_filled(engine, tmp_path, cache_hooks):
@@ -197,7 +198,7 @@ def test_with_a_gpu_tier_the_load_reads_the_tier_the_prefetch_filled(engine, tmp
     the GPU tier, then the pin leased the host copy and the worker copied that again)."""
     cache_hooks(InlineCopyEngine(), gpu=True)
     sched, worker = engine("ec_consumer", {**inproc(tmp_path), "gpu": GPU})
-    cache = sched.ec_connector._store.cache
+    cache = ct.cache(sched.ec_connector)
     item = H.Item("h" * 64, 0, 40)
     ref = H.encoder_output(item.mm_hash, item.length)
     assert cache.put(item.mm_hash, ref).wait(10) is True  # into the GPU tier (its device is "cpu")

@@ -18,6 +18,7 @@ import torch
 import harness as H
 from conftest import run_step
 from connector_helpers import NS, errors_of, host_pins, inproc, produce, run_step_loading, same_bytes, wait_prefetches
+from ectier_vllm import testing as ct
 
 
 def test_factory_loads_connector_through_module_path(engine, tmp_path, monkeypatch):
@@ -58,13 +59,13 @@ def test_producer_then_fresh_consumer_loads_byte_identical(engine, tmp_path):
     assert errors_of(out) == {}
     stats = out[0].scheduler_stats.ec_connector_stats
     assert stats["hits"] == 2 and stats["loads"] == 2 and stats["load_bytes"] == (100 + 37) * H.WIDTH * 2
-    assert not sched.ec_connector._pins  # pins dropped once the worker reported the loads
+    assert not ct.pinned(sched.ec_connector)  # pins dropped once the worker reported the loads
     assert store.open_stores() == 1
 
 
 def test_ec_both_shares_one_store_between_scheduler_and_worker(engine, tmp_path):
     sched, worker = engine("ec_both", inproc(tmp_path))
-    assert sched.ec_connector._store.cache is worker.connector._store.cache
+    assert ct.cache(sched.ec_connector) is ct.cache(worker.connector)
     item = H.Item("c" * 64, 0, 64)
     sched.add_request(H.make_request("r1", [item], max_tokens=1))
     so, _ = run_step(sched, worker)
@@ -118,13 +119,13 @@ def test_corrupted_item_fails_checksum_and_is_encoded(engine, tmp_path, monkeypa
     assert so.scheduled_encoder_inputs == {"c": [0]}  # corrupt => miss => re-encoded
     assert worker.encoded == [item.mm_hash]
     assert errors_of(out) == {}
-    assert not sched.ec_connector._store.contains(item.mm_hash)  # quarantined
+    assert not ct.store(sched.ec_connector).contains(item.mm_hash)  # quarantined
 
 
 def test_wrong_shape_in_store_is_rejected_and_encoded(engine, tmp_path):
     sched, worker = engine("ec_both", inproc(tmp_path))
-    sched.ec_connector._store.put("f" * 64, torch.zeros(10, H.WIDTH, dtype=H.DTYPE))  # request wants 30
-    sched.ec_connector._store.put("g" * 64, torch.zeros(30, H.WIDTH, dtype=torch.float16))  # wrong dtype
+    ct.store(sched.ec_connector).put("f" * 64, torch.zeros(10, H.WIDTH, dtype=H.DTYPE))  # request wants 30
+    ct.store(sched.ec_connector).put("g" * 64, torch.zeros(30, H.WIDTH, dtype=torch.float16))  # wrong dtype
     sched.add_request(H.make_request("c", [H.Item("f" * 64, 0, 30), H.Item("g" * 64, 40, 30)]))
     so, out = run_step(sched, worker)
     assert so.scheduled_encoder_inputs == {"c": [0, 1]}
@@ -136,7 +137,7 @@ def test_an_item_refused_once_is_settled_for_the_rest_of_its_request(engine, tmp
     """The same image twice in one prompt, stored with the wrong shape: refused (and warned about)
     once, not once per occurrence in the same scheduler step."""
     sched, worker = engine("ec_both", inproc(tmp_path))
-    sched.ec_connector._store.put("r" * 64, torch.zeros(10, H.WIDTH, dtype=H.DTYPE))  # the request wants 30
+    ct.store(sched.ec_connector).put("r" * 64, torch.zeros(10, H.WIDTH, dtype=H.DTYPE))  # the request wants 30
     sched.add_request(H.make_request("c", [H.Item("r" * 64, 0, 30), H.Item("r" * 64, 40, 30)]))
     so, out = run_step(sched, worker)
     assert out[0].scheduler_stats.ec_connector_stats["rejected"] == 1
@@ -147,11 +148,11 @@ def test_pinned_item_survives_delete_before_the_load(engine, tmp_path):
     item = H.Item("h" * 64, 0, 40)
     sched, worker = engine("ec_both", inproc(tmp_path))
     ref = H.encoder_output(item.mm_hash, 40)
-    sched.ec_connector._store.put(item.mm_hash, ref)
+    ct.store(sched.ec_connector).put(item.mm_hash, ref)
     sched.add_request(H.make_request("c", [item]))
     so = sched.schedule()  # pins it
     assert so.scheduled_encoder_inputs == {}
-    sched.ec_connector._store.cache.delete(item.mm_hash)  # evicted/deleted between schedule and load
+    ct.cache(sched.ec_connector).delete(item.mm_hash)  # evicted/deleted between schedule and load
     out = worker.execute(so)
     sched.update_from_output(so, out)
     assert same_bytes(worker.encoder_cache[item.mm_hash], ref)
@@ -163,9 +164,9 @@ def _fail_first_load(engine, tmp_path, monkeypatch, item, **config):
     from vllm.v1.request import RequestStatus
 
     sched, worker = engine("ec_both", inproc(tmp_path), **config)
-    sched.ec_connector._store.put(item.mm_hash, H.encoder_output(item.mm_hash, item.length))
-    real_get = worker.connector._store.get
-    monkeypatch.setattr(worker.connector._store, "get", lambda key, device: real_get(key, device)[:-1])
+    ct.store(sched.ec_connector).put(item.mm_hash, H.encoder_output(item.mm_hash, item.length))
+    real_get = ct.store(worker.connector).get
+    monkeypatch.setattr(ct.store(worker.connector), "get", lambda key, device: real_get(key, device)[:-1])
     sched.add_request(H.make_request("c", [item]))
     so, out = run_step(sched, worker)  # the step runs (no crash) on a zero placeholder
     assert so.scheduled_encoder_inputs == {}
@@ -194,7 +195,7 @@ def test_failed_load_fails_request_then_retry_loads_from_store(engine, tmp_path,
     assert errors_of(out) == {}
     assert worker.encoded == []
     assert same_bytes(worker.encoder_cache[item.mm_hash], H.encoder_output(item.mm_hash, 40))
-    assert sched.ec_connector._poisoned == set()
+    assert ct.poisoned(sched.ec_connector) == set()
 
 
 def test_device_out_of_memory_at_the_worker_load_is_a_failed_request_not_a_crash(engine, tmp_path, monkeypatch):
@@ -202,12 +203,12 @@ def test_device_out_of_memory_at_the_worker_load_is_a_failed_request_not_a_crash
 
     item = H.Item("o" * 64, 0, 40)
     sched, worker = engine("ec_both", inproc(tmp_path))
-    sched.ec_connector._store.put(item.mm_hash, H.encoder_output(item.mm_hash, item.length))
+    ct.store(sched.ec_connector).put(item.mm_hash, H.encoder_output(item.mm_hash, item.length))
 
     def oom(key, device):
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
-    monkeypatch.setattr(worker.connector._store, "get", oom)
+    monkeypatch.setattr(ct.store(worker.connector), "get", oom)
     sched.add_request(H.make_request("c", [item]))
     so, out = run_step(sched, worker)  # the step runs on a placeholder, no exception escapes
     assert item.mm_hash not in worker.encoder_cache
@@ -221,12 +222,12 @@ def test_device_out_of_memory_while_the_scheduler_pins_is_a_miss(engine, tmp_pat
 
     item = H.Item("p" * 64, 0, 40)
     sched, worker = engine("ec_both", inproc(tmp_path))
-    sched.ec_connector._store.put(item.mm_hash, H.encoder_output(item.mm_hash, item.length))
+    ct.store(sched.ec_connector).put(item.mm_hash, H.encoder_output(item.mm_hash, item.length))
 
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
-    monkeypatch.setattr(sched.ec_connector._store, "acquire", oom)
+    monkeypatch.setattr(ct.store(sched.ec_connector), "acquire", oom)
     sched.add_request(H.make_request("c", [item]))
     so, out = run_step(sched, worker)
     assert so.scheduled_encoder_inputs.get("c") == [0]  # a miss: encoded locally
@@ -241,7 +242,7 @@ def test_failed_load_of_a_vanished_item_fails_retries_until_vllm_drops_it(engine
     monkeypatch.setattr(H.FixedBudget, "cache_size", 100)
     item = H.Item("v" * 64, 0, 40)
     sched, worker = _fail_first_load(engine, tmp_path, monkeypatch, item)
-    sched.ec_connector._store.cache.delete(item.mm_hash)
+    ct.cache(sched.ec_connector).delete(item.mm_hash)
     sched.add_request(H.make_request("c-retry", [item]))
     so, out = run_step(sched, worker)
     assert "c-retry" not in so.num_scheduled_tokens
@@ -250,7 +251,7 @@ def test_failed_load_of_a_vanished_item_fails_retries_until_vllm_drops_it(engine
     sched.add_request(H.make_request("other", [H.Item("w" * 64, 0, 80)]))
     so, out = run_step(sched, worker)
     assert item.mm_hash in so.free_encoder_mm_hashes
-    assert sched.ec_connector._poisoned == set()
+    assert ct.poisoned(sched.ec_connector) == set()
     sched.add_request(H.make_request("c-retry-2", [item], prompt_len=100))
     so, out = run_step(sched, worker)
     assert so.scheduled_encoder_inputs.get("c-retry-2") == [0]  # encoded again, as vLLM would
@@ -262,21 +263,21 @@ def test_failed_load_of_a_vanished_item_fails_retries_until_vllm_drops_it(engine
 def test_request_finished_returns_no_delay_and_releases_pins(engine, tmp_path):
     item = H.Item("l" * 64, 0, 40)
     sched, worker = engine("ec_both", inproc(tmp_path))
-    sched.ec_connector._store.put(item.mm_hash, H.encoder_output(item.mm_hash, 40))
+    ct.store(sched.ec_connector).put(item.mm_hash, H.encoder_output(item.mm_hash, 40))
     req = H.make_request("c", [item])
     assert sched.ec_connector.ensure_cache_available(req, 0) is True
-    assert item.mm_hash in sched.ec_connector._pins
-    assert host_pins(sched.ec_connector._store.cache) == 1
+    assert item.mm_hash in ct.pinned(sched.ec_connector)
+    assert host_pins(ct.cache(sched.ec_connector)) == 1
     assert sched.ec_connector.request_finished(req) == (False, None)
-    assert sched.ec_connector._pins == {}
-    assert host_pins(sched.ec_connector._store.cache) == 0
+    assert ct.pinned(sched.ec_connector) == set()
+    assert host_pins(ct.cache(sched.ec_connector)) == 0
 
 
 def test_two_requests_sharing_an_item_in_one_step_load_it_once(engine, tmp_path):
     item = H.Item("u" * 64, 0, 40)
     sched, worker = engine("ec_both", inproc(tmp_path))
     ref = H.encoder_output(item.mm_hash, 40)
-    sched.ec_connector._store.put(item.mm_hash, ref)
+    ct.store(sched.ec_connector).put(item.mm_hash, ref)
     sched.add_request(H.make_request("c1", [item]))
     sched.add_request(H.make_request("c2", [item]))
     so, out = run_step(sched, worker)
@@ -285,7 +286,7 @@ def test_two_requests_sharing_an_item_in_one_step_load_it_once(engine, tmp_path)
     assert [it.mm_hash for it in so.ec_connector_metadata.loads] == [item.mm_hash]
     assert errors_of(out) == {}
     assert same_bytes(worker.encoder_cache[item.mm_hash], ref)
-    assert sched.ec_connector._pins == {}
+    assert ct.pinned(sched.ec_connector) == set()
     _assert_view_pin_ends_with_the_tensor(sched, worker, item.mm_hash)
 
 
@@ -295,14 +296,14 @@ def test_chunked_prefill_loads_once_and_pins_nothing_afterwards(engine, tmp_path
     item = H.Item("q" * 64, 10, 200)
     sched, worker = engine("ec_both", inproc(tmp_path), max_num_batched_tokens=128)
     ref = H.encoder_output(item.mm_hash, 200)
-    sched.ec_connector._store.put(item.mm_hash, ref)
+    ct.store(sched.ec_connector).put(item.mm_hash, ref)
     sched.add_request(H.make_request("c", [item], prompt_len=400))
     loads = []
     for _ in range(4):  # 400 prompt tokens in chunks of 128
         so, out = run_step(sched, worker)
         loads += [it.mm_hash for it in so.ec_connector_metadata.loads]
         assert so.scheduled_encoder_inputs == {}
-        assert sched.ec_connector._pins == {}  # released after the load, never taken again
+        assert ct.pinned(sched.ec_connector) == set()  # released after the load, never taken again
     assert loads == [item.mm_hash]
     assert worker.encoded == []
     assert same_bytes(worker.encoder_cache[item.mm_hash], ref)
@@ -314,7 +315,7 @@ def _assert_view_pin_ends_with_the_tensor(sched, worker, mm_hash):
     cache holds the tensor, and ends with it (the scheduler's pin is already gone)."""
     import gc
 
-    cache = sched.ec_connector._store.cache
+    cache = ct.cache(sched.ec_connector)
     assert host_pins(cache) == 1
     del worker.encoder_cache[mm_hash]
     gc.collect()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import harness as H
 from conftest import run_step
 from connector_helpers import inproc
+from ectier_vllm import testing as ct
 
 
 def test_prometheus_metrics_through_vllms_ec_connector_prom(engine, tmp_path):
@@ -60,7 +61,7 @@ def test_stats_reach_vllms_ec_connector_logging(engine, tmp_path):
 
     item = H.Item("r" * 64, 0, 40)
     sched, worker = engine("ec_both", inproc(tmp_path))
-    sched.ec_connector._store.put(item.mm_hash, H.encoder_output(item.mm_hash, 40))
+    ct.store(sched.ec_connector).put(item.mm_hash, H.encoder_output(item.mm_hash, 40))
     sched.add_request(H.make_request("c", [item, H.Item("s" * 64, 50, 10)]))
     _, out = run_step(sched, worker)
     logging = ECConnectorLogging(sched.vllm_config.ec_transfer_config)

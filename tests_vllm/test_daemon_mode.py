@@ -15,6 +15,7 @@ import torch
 import harness as H
 from conftest import run_step
 from daemon_helpers import DaemonProcess, short_tmpdir
+from ectier_vllm import testing as ct
 
 
 def _wait_released(client) -> None:
@@ -55,7 +56,7 @@ def test_encoder_instance_to_pd_instance_through_the_daemon(engine, daemon):
     produced = {h: t.clone() for h, t in enc_worker.encoder_cache.items()}
 
     pd_sched, pd_worker = engine("ec_consumer", extra)
-    assert pd_sched.ec_connector._store.client is not pd_worker.connector._store.client
+    assert ct.daemon_client(pd_sched.ec_connector) is not ct.daemon_client(pd_worker.connector)
     pd_sched.add_request(H.make_request("c", items + [H.Item("absent", 200, 10)]))
     so, out = _until_scheduled(pd_sched, pd_worker, "c")
     assert so.scheduled_encoder_inputs == {"c": [2]}  # only the item nobody produced is encoded
@@ -66,8 +67,8 @@ def test_encoder_instance_to_pd_instance_through_the_daemon(engine, daemon):
     assert stats["hits"] == 2 and stats["misses"] == 1 and stats["loads"] == 2
     # the scheduler's pins (process-held daemon leases) are released after the worker's report,
     # by the background releaser; the worker's loads are zero-copy views, released once freed
-    assert pd_sched.ec_connector._pins == {}
-    client = pd_sched.ec_connector._store.client
+    assert ct.pinned(pd_sched.ec_connector) == set()
+    client = ct.daemon_client(pd_sched.ec_connector)
     views = client.stats()["daemon"]["views"]
     # 2 pins; the worker (same process) viewed them without asking the daemon again
     assert views["granted"] == 2 and views["refused"] == 0 and views["leases"] == 2
@@ -273,7 +274,7 @@ def test_one_round_trip_per_step_for_eight_items(engine, daemon, counted_calls):
             assert ops.count("prefetch") <= 1 and set(ops) <= {"prefetch", "release"}, ops
         assert sum(ops.count("release") for ops in steps) <= 1  # one request for the 8 pins
         assert len(steps) > 1  # the promotions took several steps
-        sched_store = sched.ec_connector._store
+        sched_store = ct.store(sched.ec_connector)
         assert sched_store.client.stats()["daemon"]["views"]["granted"] >= 8
         assert worker.encoded == []
         for h, t in produced.items():
@@ -354,7 +355,7 @@ def test_a_stopped_daemon_never_blocks_the_scheduler_and_the_item_loads_a_later_
     assert so.scheduled_encoder_inputs == {} and worker.encoded == []  # loaded, not encoded
     got = worker.encoder_cache[item.mm_hash]
     assert torch.equal(got.view(torch.int16), produced[item.mm_hash].view(torch.int16))
-    assert sched.ec_connector._pins == {}
+    assert ct.pinned(sched.ec_connector) == set()
     del got
     worker.encoder_cache.clear()
     gc.collect()
@@ -404,7 +405,7 @@ def test_v1_producer_save_confirmation_never_waits_on_a_stopped_daemon(model_dir
     extra = {"mode": "daemon", "socket_path": daemon.socket_path, "namespace": "qwen-test", "daemon_timeout_s": 1}
     sched, worker = _v1_producer(model_dir, monkeypatch, extra)
     try:
-        assert sched.ec_connector._confirm is not None
+        assert ct.saves_to_confirm(sched.ec_connector) is not None
         assert _saves_counted(sched, worker, "a") >= 1
         os.kill(daemon.pid, signal.SIGSTOP)
         try:
@@ -417,7 +418,7 @@ def test_v1_producer_save_confirmation_never_waits_on_a_stopped_daemon(model_dir
                 sched.update_from_output(so, out)
                 assert time.monotonic() - t0 < 0.25, "update_from_output waited on the stopped daemon"
                 time.sleep(0.01)
-            assert len(sched.ec_connector._confirm) == 1  # still expected: pending, not given up
+            assert ct.saves_to_confirm(sched.ec_connector) == 1  # still expected: pending, not given up
         finally:
             os.kill(daemon.pid, signal.SIGCONT)
         assert _saves_counted(sched, worker, "b") >= 1

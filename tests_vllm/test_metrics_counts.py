@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import harness as H
 from conftest import run_step
+from ectier_vllm import testing as ct
 
 NS = "metrics-counts"
 HOST = {"capacity_bytes": "8MiB", "block_bytes": "64KiB", "pin_memory": False}
@@ -27,7 +28,7 @@ def test_an_item_vllm_asks_about_again_while_it_cannot_place_the_request_is_one_
     KV room); one item loaded once counted hits=4, loads=1."""
     sched, worker = engine("ec_consumer", {"namespace": NS, "host": HOST})
     stored, missing = H.Item("h" * 64, 0, 32), H.Item("m" * 64, 100, 32)
-    sched.ec_connector._store.put(stored.mm_hash, H.encoder_output(stored.mm_hash, 32)).wait()
+    ct.store(sched.ec_connector).put(stored.mm_hash, H.encoder_output(stored.mm_hash, 32)).wait()
     kv, allocate, refused = sched.kv_cache_manager, sched.kv_cache_manager.allocate_slots, []
 
     def no_room_three_times(*args, **kwargs):

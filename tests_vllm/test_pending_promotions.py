@@ -12,6 +12,7 @@ import torch
 import harness as H
 from conftest import run_step
 from ectier import testing
+from ectier_vllm import testing as ct
 
 NS = "pending-ns"
 DELAY_S = 0.2  # each NVMe read once slowed (tests/slow_nvme_daemon.py's SlowReads)
@@ -36,7 +37,7 @@ def slow_nvme(sched, delay_s: float):
     """Slow every NVMe read of the scheduler's in-process cache down to ``delay_s``; returns the cache."""
     from slow_nvme_daemon import SlowReads
 
-    cache = sched.ec_connector._store.cache
+    cache = ct.cache(sched.ec_connector)
     testing.set_lmdb_env(cache, SlowReads(testing.lmdb_of(cache).env, delay_s))
     return cache
 
@@ -59,17 +60,17 @@ def test_a_request_aborted_while_its_item_promotes_leaves_no_promotion_behind(en
     sched.add_request(H.make_request("stays", [items[0]]))
     so, _ = run_step(sched, worker)
     conn = sched.ec_connector
-    assert so.scheduled_new_reqs == [] and set(conn._prefetching) == {it.mm_hash for it in items}
+    assert so.scheduled_new_reqs == [] and set(ct.promoting(conn)) == {it.mm_hash for it in items}
     abort(sched, [f"a{i}" for i in range(3)])
-    assert set(conn._prefetching) == {items[0].mm_hash}  # "stays" still waits for it
-    assert set(conn._recompute._pending) <= {items[0].mm_hash}
+    assert set(ct.promoting(conn)) == {items[0].mm_hash}  # "stays" still waits for it
+    assert ct.recompute_waiting(conn) <= {items[0].mm_hash}
     deadline = time.monotonic() + 10
     while not so.scheduled_new_reqs:
         assert time.monotonic() < deadline, "the request that stayed was never scheduled"
         time.sleep(0.02)
         so, _ = run_step(sched, worker)
     assert [r.req_id for r in so.scheduled_new_reqs] == ["stays"] and so.scheduled_encoder_inputs == {}
-    assert worker.encoded == [] and conn._prefetching == {}
+    assert worker.encoded == [] and ct.promoting(conn) == {}
 
 
 def test_the_scheduler_never_reads_nvme_for_an_item_evicted_after_its_promotion(engine, tmp_path):
@@ -80,12 +81,12 @@ def test_the_scheduler_never_reads_nvme_for_an_item_evicted_after_its_promotion(
     produce(engine, inproc(tmp_path, "1MiB"), [item])
     sched, worker = engine("ec_consumer", inproc(tmp_path, "1MiB"))
     conn = sched.ec_connector
-    cache = conn._store.cache
+    cache = ct.cache(conn)
     sched.add_request(H.make_request("c", [item]))
     so, _ = run_step(sched, worker)
     assert so.scheduled_new_reqs == [], "the promotion beat the first step's check"
-    for pf in conn._prefetching.values():
-        assert all(h.wait(10) for h in pf.handles)  # promoted into the host arena
+    for handles in ct.promoting(conn).values():
+        assert all(h.wait(10) for h in handles)  # promoted into the host arena
     for i in range(12):  # other entries fill the 1 MiB arena: the item is evicted (still on NVMe)
         cache.put(f"filler-{i}", torch.zeros(1024, 64, dtype=torch.bfloat16)).wait()
     lease = cache.acquire(item.mm_hash, promote=False)
@@ -111,9 +112,9 @@ def test_daemon_a_request_aborted_while_its_lookup_is_pending_leaves_nothing_sta
     conn = sched.ec_connector
     sched.add_request(H.make_request("a", [item]))
     so, _ = run_step(sched, worker)
-    assert so.scheduled_new_reqs == [] and set(conn._prefetching) == {item.mm_hash}  # no answer yet
+    assert so.scheduled_new_reqs == [] and set(ct.promoting(conn)) == {item.mm_hash}  # no answer yet
     abort(sched, ["a"])
-    assert conn._prefetching == {}
+    assert ct.promoting(conn) == {}
     deadline = time.monotonic() + 0.5  # other traffic meanwhile, for longer than load_timeout_s
     while time.monotonic() < deadline:
         run_step(sched, worker)

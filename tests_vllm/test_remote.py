@@ -15,6 +15,7 @@ import torch
 import harness as H
 from conftest import run_step
 from ectier import testing
+from ectier_vllm import testing as ct
 
 NS = "remote-ns"
 REMOTE = {"backend": "redis", "addresses": "127.0.0.1:1", "timeout_s": 10}  # the backend is replaced below
@@ -22,13 +23,11 @@ DELAY_S = 1.5  # each remote call of the slowed store
 
 
 @pytest.fixture
-def remote_store(monkeypatch):
+def remote_store():
     """One remote store shared by every in-process cache opened afterwards (the nodes)."""
-    from ectier_vllm import store
-
     backend = testing.MemoryBackend()
-    monkeypatch.setattr(store, "_CACHE_FACTORY", functools.partial(testing.make_cache, remote_backend=backend))
-    return backend
+    with ct.cache_factory(functools.partial(testing.make_cache, remote_backend=backend)):
+        yield backend
 
 
 def node(host_mib: int) -> dict:
@@ -40,7 +39,7 @@ def produce(engine, items) -> dict[str, torch.Tensor]:
     sched, worker = engine("ec_producer", node(4))
     sched.add_request(H.make_request("p", items))
     run_step(sched, worker)
-    worker.connector._store.cache.flush()  # the remote write-throughs ran
+    ct.cache(worker.connector).flush()  # the remote write-throughs ran
     return {h: t.clone() for h, t in worker.encoder_cache.items()}
 
 
@@ -50,7 +49,7 @@ def test_a_local_miss_is_fetched_from_the_remote_tier_without_blocking_the_sched
     assert remote_store.objects, "the producer's saves were not written through"
     remote_store.delay_s = DELAY_S  # a slow remote store (another node, a busy network)
     sched, worker = engine("ec_consumer", node(8))
-    cache = sched.ec_connector._store.cache
+    cache = ct.cache(sched.ec_connector)
     assert not any(cache.contains(i.mm_hash) for i in items)  # a local miss on this node
     sched.add_request(H.make_request("c", items + [H.Item("nobody" * 8, 200, 10)]))
     steps, scheduled, deadline = 0, False, time.monotonic() + 20 * DELAY_S

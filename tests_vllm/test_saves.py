@@ -14,6 +14,7 @@ import torch
 
 import harness as H
 from ectier import testing
+from ectier_vllm import testing as ct
 
 NS = "test-ns"
 STALL_S = 5.0  # how long the stand-in slow store holds each put
@@ -62,11 +63,11 @@ def test_a_slow_daemon_put_never_blocks_the_model_step(engine, daemon, gated_put
     assert entered.wait(STALL_S)  # the put is running, in the background
     sched.update_from_output(so, out)
     assert saved_of(worker) == []  # not committed yet: not reported
-    assert not sched.ec_connector._store.client.contains(item.mm_hash, namespace=NS)
+    assert not ct.daemon_client(sched.ec_connector).contains(item.mm_hash, namespace=NS)
     gate.set()
     assert worker.connector.saves.wait(30)
     assert saved_of(worker) == [item.mm_hash]
-    assert sched.ec_connector._store.client.contains(item.mm_hash, namespace=NS)
+    assert ct.daemon_client(sched.ec_connector).contains(item.mm_hash, namespace=NS)
 
 
 def test_a_full_save_queue_drops_the_save_counted_with_one_warning(engine, daemon, gated_puts, monkeypatch):
@@ -122,7 +123,7 @@ def test_inprocess_write_through_to_a_slow_disk_is_off_the_model_step(engine, tm
                       "write_through": True}}
     sched, worker = engine("ec_both", extra)
     worker.settle_saves = False
-    cache = worker.connector._store.cache
+    cache = ct.cache(worker.connector)
     env = testing.lmdb_of(cache).env
     testing.set_lmdb_env(cache, SlowWrites(env, STALL_S))
     item = H.Item("w" * 64, 0, 40)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import harness as H
 from conftest import run_step
+from ectier_vllm import testing as ct
 
 
 def _inproc():
@@ -25,9 +26,9 @@ def test_a_failed_load_fails_every_request_of_the_step_that_shares_the_item(engi
 
     item = H.Item("s" * 64, 0, 40)
     sched, worker = engine("ec_consumer", _inproc())
-    sched.ec_connector._store.put(item.mm_hash, H.encoder_output(item.mm_hash, item.length))
-    real_get = worker.connector._store.get
-    monkeypatch.setattr(worker.connector._store, "get", lambda key, device: real_get(key, device)[:-1])
+    ct.store(sched.ec_connector).put(item.mm_hash, H.encoder_output(item.mm_hash, item.length))
+    real_get = ct.store(worker.connector).get
+    monkeypatch.setattr(ct.store(worker.connector), "get", lambda key, device: real_get(key, device)[:-1])
     sched.add_request(H.make_request("r1", [item], max_tokens=8))
     sched.add_request(H.make_request("r2", [item], max_tokens=8))
     so, out = run_step(sched, worker)
@@ -48,9 +49,9 @@ def test_a_request_waiting_on_the_item_in_a_later_step_is_not_failed_with_it(eng
     item = H.Item("t" * 64, 0, 40)
     sched, worker = engine("ec_consumer", _inproc())
     ref = H.encoder_output(item.mm_hash, item.length)
-    sched.ec_connector._store.put(item.mm_hash, ref)
-    real_get = worker.connector._store.get
-    monkeypatch.setattr(worker.connector._store, "get", lambda key, device: real_get(key, device)[:-1])
+    ct.store(sched.ec_connector).put(item.mm_hash, ref)
+    real_get = ct.store(worker.connector).get
+    monkeypatch.setattr(ct.store(worker.connector), "get", lambda key, device: real_get(key, device)[:-1])
     sched.add_request(H.make_request("r1", [item], max_tokens=8))
     so, out = run_step(sched, worker)
     assert [it.req_ids for it in so.ec_connector_metadata.loads] == [["r1"]]
@@ -69,9 +70,9 @@ def test_a_request_whose_chunk_stops_before_the_item_is_not_failed_with_its_load
     placeholder; r1 reaches the item in a later chunk, which loads it again."""
     near, far = H.Item("a" * 64, 0, 40), H.Item("a" * 64, 1200, 40)
     sched, worker = engine("ec_consumer", _inproc(), max_num_batched_tokens=1000)
-    sched.ec_connector._store.put(near.mm_hash, H.encoder_output(near.mm_hash, 40))
-    real_get = worker.connector._store.get
-    monkeypatch.setattr(worker.connector._store, "get", lambda key, device: real_get(key, device)[:-1])
+    ct.store(sched.ec_connector).put(near.mm_hash, H.encoder_output(near.mm_hash, 40))
+    real_get = ct.store(worker.connector).get
+    monkeypatch.setattr(ct.store(worker.connector), "get", lambda key, device: real_get(key, device)[:-1])
     sched.add_request(H.make_request("r2", [near], prompt_len=100, max_tokens=8))
     sched.add_request(H.make_request("r1", [far], prompt_len=1500, max_tokens=8))
     so, out = run_step(sched, worker)

@@ -19,6 +19,7 @@ import torch
 
 import harness as H
 from conftest import run_step
+from ectier_vllm import testing as ct
 
 NS = "tp-test"
 
@@ -111,7 +112,7 @@ def test_tp2_producer_saves_each_item_once_and_counts_it_once(tp_engine, daemon,
     so, out = run_tp_step(sched, workers)
     assert sorted(so.scheduled_encoder_inputs["p"]) == [0, 1]
     assert all(sorted(w.encoded) == sorted(i.mm_hash for i in items) for w in workers)  # both ranks encode
-    stats = sched.ec_connector._store.client.stats()
+    stats = ct.daemon_client(sched.ec_connector).stats()
     assert stats["tiers"]["host"]["puts"] == 2  # one per item: rank 1 saved nothing
     # reported once committed: the V1 runner's scheduler sees them in the store (its contains,
     # never waited for, is answered a step or so later), the V2 runner's lead worker reports
@@ -143,7 +144,7 @@ def test_tp2_producer_saves_each_item_once_and_counts_it_once(tp_engine, daemon,
     counted = summed_stats(*outs)
     assert counted["loads"] == 2 and counted["load_bytes"] == (64 + 33) * H.WIDTH * 2
     assert len(counted["load_seconds"]) == 2
-    assert cons.ec_connector._pins == {}
+    assert ct.pinned(cons.ec_connector) == set()
 
 
 @pytest.mark.parametrize("runner", ["v1", "v2"])
@@ -153,13 +154,13 @@ def test_tp2_failed_loads_fail_the_request_and_count_once(tp_engine, tmp_path, m
 
     item = H.Item("v" * 64, 0, 40)
     sched, workers = tp_engine("ec_consumer", inproc(tmp_path), runner)
-    sched.ec_connector._store.put(item.mm_hash, H.encoder_output(item.mm_hash, 40))
+    ct.store(sched.ec_connector).put(item.mm_hash, H.encoder_output(item.mm_hash, 40))
 
     def broken(key, device):
         raise EctierError("injected read failure")
 
     for w in workers:
-        monkeypatch.setattr(w.connector._store, "get", broken)
+        monkeypatch.setattr(ct.store(w.connector), "get", broken)
     sched.add_request(H.make_request("c", [item]))
     so, out = run_tp_step(sched, workers)
     assert [it.mm_hash for it in so.ec_connector_metadata.loads] == [item.mm_hash]
@@ -181,7 +182,7 @@ def test_producer_saves_are_counted_on_both_runners(engine, tmp_path):
     counted = summed_stats(out, nxt)
     assert counted, "producer saves were not counted"
     assert counted["saves"] == 2 and counted["save_bytes"] == (50 + 20) * H.WIDTH * 2
-    assert all(sched.ec_connector._store.contains(i.mm_hash) for i in items)
+    assert all(ct.store(sched.ec_connector).contains(i.mm_hash) for i in items)
     _, out = run_step(sched, worker)  # nothing counted twice in a later step
     later = out[0].scheduler_stats.ec_connector_stats if out else None
     assert not (later or {}).get("saves")
@@ -216,7 +217,7 @@ def test_v1_producer_save_that_never_lands_is_a_counted_failure(model_dir, tmp_p
         def broken(key, tensor):
             raise EctierError("injected put failure")
 
-        monkeypatch.setattr(worker.connector._store, "put", broken)
+        monkeypatch.setattr(ct.store(worker.connector), "put", broken)
         sched.add_request(H.make_request("p", [H.Item("y" * 64, 0, 30)]))
         _, out = run_step(sched, worker)
         counted = out[0].scheduler_stats.ec_connector_stats
