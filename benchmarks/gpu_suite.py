@@ -74,124 +74,172 @@ def run_tests(timeout_s: int) -> dict:
 def bench(device: str, sizes_mib: list[int], total_mib: int, reps: int) -> dict:
     import torch
 
-    from ectier import CacheConfig, GpuTierConfig, HostTierConfig, TieredCache
-
     dev = torch.device(device)
     torch.cuda.set_device(dev)
     results: dict = {"device": torch.cuda.get_device_name(dev), "sizes": {}}
+    for size in sizes_mib:
+        results["sizes"][f"{size}MiB"] = _bench_size(device, size, total_mib, reps)
+        torch.cuda.empty_cache()  # the size's buffers are freed: before the next size
+    results["gpu_hit"] = _bench_gpu_hit(device)
+    return results
+
+
+def _wall(dev, fn) -> float:
+    """Seconds of ``fn()`` from an idle device until it returns (it synchronizes what it waits for)."""
+    import torch
+
+    torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _bench_size(device: str, size: int, total_mib: int, reps: int) -> dict:
+    """One entry size: raw D2H / H2D / both at once against ectier's host tier (puts, gets, both)."""
+    import torch
+
+    dev = torch.device(device)
+    n = max(2, total_mib // size)
+    nbytes = size * MiB
+    srcs = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev) for _ in range(n)]
+    row: dict = {"items": n, "item_bytes": nbytes}
+    row.update(_raw_rates(dev, srcs, reps))
+    row.update(_host_tier_rates(device, srcs, reps))
+    row["save_pct_of_raw"] = 100 * row["save_GBps"] / row["raw_save_GBps"]
+    row["load_pct_of_raw"] = 100 * row["load_GBps"] / row["raw_load_GBps"]
+    print(f"  {size} MiB x {n}: save {row['save_GBps']:.1f} GB/s (raw {row['raw_save_GBps']:.1f}), "
+          f"load {row['load_GBps']:.1f} GB/s (raw {row['raw_load_GBps']:.1f}), "
+          f"put {row['put_host_us_median']:.0f} us", flush=True)
+    return row
+
+
+def _raw_rates(dev, srcs: list, reps: int) -> dict:
+    """Raw copies of ``srcs`` (same methodology as ectier's: wall time, a side stream, until
+    complete): D2H into pinned buffers, H2D back, and half of each at once; GB/s, best of ``reps``."""
+    import torch
+
+    n, nbytes = len(srcs), srcs[0].numel()
+    total = n * nbytes
     side = torch.cuda.Stream(dev)
+    pinned = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(n)]
+    dsts = [torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(n)]
+    row: dict = {}
 
     def wall(fn) -> float:
-        torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
+        return _wall(dev, fn)
 
-    for size in sizes_mib:
-        n = max(2, total_mib // size)
-        # twice one round of puts: the last round's keys stay resident (LRU) for the loads
-        host_bytes = 2 * n * size * MiB + 64 * MiB
-        nbytes = size * MiB
-        srcs = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev) for _ in range(n)]
-        pinned = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(n)]
-        dsts = [torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(n)]
-        total = n * nbytes
-        row: dict = {"items": n, "item_bytes": nbytes}
+    def raw_d2h():
+        ev = torch.cuda.Event()
+        ev.record()
+        side.wait_event(ev)
+        with torch.cuda.stream(side):
+            for p, s in zip(pinned, srcs):
+                p.copy_(s, non_blocking=True)
+        side.synchronize()
 
-        # ---- raw references (same methodology: wall time, side stream, until complete)
-        def raw_d2h():
-            ev = torch.cuda.Event()
-            ev.record()
-            side.wait_event(ev)
-            with torch.cuda.stream(side):
-                for p, s in zip(pinned, srcs):
-                    p.copy_(s, non_blocking=True)
-            side.synchronize()
+    def raw_h2d():
+        with torch.cuda.stream(side):
+            for d, p in zip(dsts, pinned):
+                d.copy_(p, non_blocking=True)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        torch.cuda.current_stream(dev).synchronize()
 
-        def raw_h2d():
-            with torch.cuda.stream(side):
-                for d, p in zip(dsts, pinned):
-                    d.copy_(p, non_blocking=True)
-            torch.cuda.current_stream(dev).wait_stream(side)
+    raw_d2h()  # warm-up
+    raw_h2d()
+    row["raw_save_GBps"] = max(total / wall(raw_d2h) for _ in range(reps)) / 1e9
+    row["raw_load_GBps"] = max(total / wall(raw_h2d) for _ in range(reps)) / 1e9
+
+    def raw_overlap():
+        other = torch.cuda.Stream(dev)
+        with torch.cuda.stream(side):
+            for p, s in zip(pinned[: n // 2], srcs[: n // 2]):
+                p.copy_(s, non_blocking=True)
+        with torch.cuda.stream(other):
+            for d, p in zip(dsts[n // 2 :], pinned[n // 2 :]):
+                d.copy_(p, non_blocking=True)
+        side.synchronize()
+        other.synchronize()
+
+    raw_overlap()
+    row["raw_overlap_GBps"] = max(total / wall(raw_overlap) for _ in range(reps)) / 1e9
+    return row
+
+
+def _host_tier_rates(device: str, srcs: list, reps: int) -> dict:
+    """ectier's host tier (no GPU tier) over ``srcs``: asynchronous D2H puts, H2D gets, and both at
+    once; GB/s, best of ``reps``, and the CPU time of one ``put`` call (µs)."""
+    import torch
+
+    from ectier import CacheConfig, HostTierConfig, TieredCache
+
+    dev = torch.device(device)
+    n, nbytes = len(srcs), srcs[0].numel()
+    total = n * nbytes
+    # twice one round of puts: the last round's keys stay resident (LRU) for the loads
+    host_bytes = 2 * n * nbytes + 64 * MiB
+    row: dict = {}
+
+    def wall(fn) -> float:
+        return _wall(dev, fn)
+
+    cfg = CacheConfig(namespace="bench", host=HostTierConfig(capacity_bytes=host_bytes, block_bytes=MiB,
+                                                              pin_memory=True))
+    cache = TieredCache(cfg)
+    try:
+        put_us: list[float] = []
+
+        def save(tag=[0]):  # noqa: B006 - fresh keys every round
+            tag[0] += 1
+            hs = []
+            for i, s in enumerate(srcs):
+                t0 = time.perf_counter()
+                hs.append(cache.put(f"{tag[0]}-{i}", s))
+                put_us.append((time.perf_counter() - t0) * 1e6)
+            assert all(h.wait() for h in hs), "a put failed"
+
+        save()  # warm-up (first use creates the streams and the completer thread)
+        put_us.clear()
+        row["save_GBps"] = max(total / wall(save) for _ in range(reps)) / 1e9
+        row["put_host_us_median"] = statistics.median(put_us)
+        row["put_host_us_p90"] = sorted(put_us)[int(0.9 * (len(put_us) - 1))]
+        keys = [f"{reps + 1}-{i}" for i in range(n)]
+        for k in keys:
+            assert k in cache
+
+        def load():
+            outs = [cache.get(k, device=device) for k in keys]
             torch.cuda.current_stream(dev).synchronize()
+            assert all(o is not None for o in outs)
 
-        raw_d2h()  # warm-up
-        raw_h2d()
-        row["raw_save_GBps"] = max(total / wall(raw_d2h) for _ in range(reps)) / 1e9
-        row["raw_load_GBps"] = max(total / wall(raw_h2d) for _ in range(reps)) / 1e9
+        load()
+        row["load_GBps"] = max(total / wall(load) for _ in range(reps)) / 1e9
+        # correctness spot check against the source bytes
+        assert torch.equal(cache.get(keys[-1], device=device), srcs[-1])
 
-        # ---- ectier host tier (no GPU tier): async D2H puts, H2D gets
-        cfg = CacheConfig(namespace="bench", host=HostTierConfig(capacity_bytes=host_bytes, block_bytes=MiB,
-                                                                  pin_memory=True))
-        cache = TieredCache(cfg)
-        try:
-            put_us: list[float] = []
+        # ---- overlap: saves of fresh keys and loads of stored ones at once
+        def overlap(tag=[0]):  # noqa: B006
+            tag[0] += 1
+            hs = [cache.put(f"ov{tag[0]}-{i}", s) for i, s in enumerate(srcs[: n // 2])]
+            outs = [cache.get(k, device=device) for k in keys[n // 2 :]]
+            torch.cuda.current_stream(dev).synchronize()
+            assert all(h.wait() for h in hs) and all(o is not None for o in outs)
 
-            def save(tag=[0]):  # noqa: B006 - fresh keys every round
-                tag[0] += 1
-                hs = []
-                for i, s in enumerate(srcs):
-                    t0 = time.perf_counter()
-                    hs.append(cache.put(f"{tag[0]}-{i}", s))
-                    put_us.append((time.perf_counter() - t0) * 1e6)
-                assert all(h.wait() for h in hs), "a put failed"
+        moved = (n // 2 + (n - n // 2)) * nbytes
+        overlap()
+        row["overlap_GBps"] = max(moved / wall(overlap) for _ in range(reps)) / 1e9
+    finally:
+        cache.close()
 
-            save()  # warm-up (first use creates the streams and the completer thread)
-            put_us.clear()
-            row["save_GBps"] = max(total / wall(save) for _ in range(reps)) / 1e9
-            row["put_host_us_median"] = statistics.median(put_us)
-            row["put_host_us_p90"] = sorted(put_us)[int(0.9 * (len(put_us) - 1))]
-            keys = [f"{reps + 1}-{i}" for i in range(n)]
-            for k in keys:
-                assert k in cache
+    return row
 
-            def load():
-                outs = [cache.get(k, device=device) for k in keys]
-                torch.cuda.current_stream(dev).synchronize()
-                assert all(o is not None for o in outs)
 
-            load()
-            row["load_GBps"] = max(total / wall(load) for _ in range(reps)) / 1e9
-            # correctness spot check against the source bytes
-            assert torch.equal(cache.get(keys[-1], device=device), srcs[-1])
+def _bench_gpu_hit(device: str) -> dict:
+    """The GPU tier's hit: CPU time of ``get`` and device time until the entry is ready, 16 MiB."""
+    import torch
 
-            # ---- overlap: saves of fresh keys and loads of stored ones at once
-            def overlap(tag=[0]):  # noqa: B006
-                tag[0] += 1
-                hs = [cache.put(f"ov{tag[0]}-{i}", s) for i, s in enumerate(srcs[: n // 2])]
-                outs = [cache.get(k, device=device) for k in keys[n // 2 :]]
-                torch.cuda.current_stream(dev).synchronize()
-                assert all(h.wait() for h in hs) and all(o is not None for o in outs)
+    from ectier import CacheConfig, GpuTierConfig, HostTierConfig, TieredCache
 
-            moved = (n // 2 + (n - n // 2)) * nbytes
-            overlap()
-            row["overlap_GBps"] = max(moved / wall(overlap) for _ in range(reps)) / 1e9
-        finally:
-            cache.close()
-
-        def raw_overlap():
-            other = torch.cuda.Stream(dev)
-            with torch.cuda.stream(side):
-                for p, s in zip(pinned[: n // 2], srcs[: n // 2]):
-                    p.copy_(s, non_blocking=True)
-            with torch.cuda.stream(other):
-                for d, p in zip(dsts[n // 2 :], pinned[n // 2 :]):
-                    d.copy_(p, non_blocking=True)
-            side.synchronize()
-            other.synchronize()
-
-        raw_overlap()
-        row["raw_overlap_GBps"] = max(total / wall(raw_overlap) for _ in range(reps)) / 1e9
-        row["save_pct_of_raw"] = 100 * row["save_GBps"] / row["raw_save_GBps"]
-        row["load_pct_of_raw"] = 100 * row["load_GBps"] / row["raw_load_GBps"]
-        results["sizes"][f"{size}MiB"] = row
-        srcs = pinned = dsts = None  # free before the next size
-        torch.cuda.empty_cache()
-        print(f"  {size} MiB x {n}: save {row['save_GBps']:.1f} GB/s (raw {row['raw_save_GBps']:.1f}), "
-              f"load {row['load_GBps']:.1f} GB/s (raw {row['raw_load_GBps']:.1f}), "
-              f"put {row['put_host_us_median']:.0f} us", flush=True)
-
-    # ---- GPU-tier hit latency
+    dev = torch.device(device)
     item = 16 * MiB
     cfg = CacheConfig(namespace="bench", host=HostTierConfig(capacity_bytes=256 * MiB, pin_memory=True),
                       gpu=GpuTierConfig(device=device, capacity_bytes=512 * MiB, block_bytes=4 * MiB))
@@ -214,11 +262,10 @@ def bench(device: str, sizes_mib: list[int], total_mib: int, reps: int) -> dict:
             dev_ms.append(start.elapsed_time(end))
         assert torch.equal(out, src)
         st = cache.stats()["tiers"]["gpu"]
-        results["gpu_hit"] = {"item_bytes": item, "host_us_median": statistics.median(host_us),
-                              "ready_ms_median": statistics.median(dev_ms), "gpu_hits": st["hits"]}
+        return {"item_bytes": item, "host_us_median": statistics.median(host_us),
+                "ready_ms_median": statistics.median(dev_ms), "gpu_hits": st["hits"]}
     finally:
         cache.close()
-    return results
 
 
 def table(res: dict) -> str:
