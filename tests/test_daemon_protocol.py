@@ -99,10 +99,14 @@ def test_oversized_length_prefix_is_fatal_before_the_body_arrives():
 
 
 def test_oversized_frame_after_a_good_one():
+    """The message before the bad frame is returned (it is answered first); the error is kept in
+    ``fatal`` and raised by every later feed."""
     dec = FrameDecoder(1 << 16)
+    assert dec.feed(encode_frame(GET) + struct.pack(">I", (1 << 16) + 1) + b"abc") == [GET]
+    assert dec.fatal is not None and dec.fatal.fatal
     with pytest.raises(ProtocolError) as ei:
-        dec.feed(encode_frame(GET) + struct.pack(">I", (1 << 16) + 1) + b"abc")
-    assert ei.value.fatal
+        dec.feed(encode_frame(GET))
+    assert ei.value is dec.fatal
 
 
 def test_default_cap():

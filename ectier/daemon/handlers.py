@@ -105,9 +105,8 @@ def _op_reserve(server: DaemonServer, conn: Connection, key: str, dtype: str, sh
         if to_nvme:
             return _direct_put(server, conn, key, dtype, shape, namespace)
         if isinstance(exc, TierWriteError):
-            block = server.config.host.block_bytes
             raise TierWriteError(
-                f"{exc}: {server.leases.arena_blocks(block) * block} bytes of the {server.cache.host_arena_bytes}-byte "
+                f"{exc}: {_held_arena_bytes(server)} bytes of the {server.cache.host_arena_bytes}-byte "
                 f"arena are held by daemon clients' open put reservations, get leases and zero-copy view pins "
                 f"(view pins: at most daemon.view_pin_bytes={server.holders.limit_bytes} per process), and the orphaned "
                 f"reservations of live clients whose puts were cut ({server.stats_orphans()['bytes']} bytes)"
@@ -128,23 +127,31 @@ def _spec_nbytes(dtype: str, shape: tuple) -> int | None:
         return None
 
 
+def _held_arena_bytes(server: DaemonServer) -> int:
+    """Arena bytes (whole ``host.block_bytes`` blocks) that no eviction can free: the entries the
+    clients' leases (connection leases, zero-copy view pins, open and orphaned reservations) and
+    the held prefetch pins hold, each entry once however many pins it has."""
+    block = server.config.host.block_bytes
+    places = {**server.prefetcher.held_places(), **server.leases.arena_places()}
+    return sum(arena_footprint(n, block) for n in places.values())
+
+
 def _arena_shortfall(server: DaemonServer, nbytes: int) -> int:
     """Arena bytes (whole blocks) an entry of ``nbytes`` lacks even after evicting everything
-    unpinned: the blocks that the clients' leases (connection leases, zero-copy view pins) and
-    the held prefetch pins occupy, each entry counted in whole ``host.block_bytes`` blocks, leave
-    too few for it (0 or less: it fits; more: a reserve would only wait ``host.admit_wait_s``)."""
+    unpinned (:func:`_held_arena_bytes`): 0 or less, it fits; more, a reserve would only wait
+    ``host.admit_wait_s``."""
     block = server.config.host.block_bytes
-    held = server.leases.arena_blocks(block) + -(-server.prefetcher.stats()["held_bytes"] // block)
-    return (-(-nbytes // block) - (server.cache.host_arena_bytes // block - held)) * block
+    return arena_footprint(nbytes, block) - (server.cache.host_arena_bytes // block * block - _held_arena_bytes(server))
 
 
 def _make_room(server: DaemonServer, nbytes: int) -> None:
     """Prefetch pins give way to a put: end held prefetch pins (their entries stay in the arena,
-    unpinned) until an entry of ``nbytes`` fits beside the other pins, when it can fit at all.
-    Views are never taken back; what they and the connection leases pin stays."""
+    unpinned) until an entry of ``nbytes`` fits beside the other pins, when it can fit at all;
+    a pin whose entry a client's lease also holds frees nothing and is kept. Views are never
+    taken back; what they and the connection leases pin stays."""
     short = _arena_shortfall(server, nbytes)
     if short > 0 and arena_footprint(nbytes, server.config.host.block_bytes) <= server.cache.host_arena_bytes:
-        server.prefetcher.give_way(short)
+        server.prefetcher.give_way(short, keep=set(server.leases.arena_places()))
 
 
 def _direct_put(server: DaemonServer, conn: Connection, key: str, dtype: str, shape: tuple,

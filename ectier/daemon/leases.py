@@ -253,13 +253,13 @@ class LeaseBook:
                 lease.conn.leases.discard(lease.id)
         return expired
 
-    def arena_blocks(self, block_bytes: int | None = None) -> int:
-        """Host-arena blocks (of ``block_bytes``, default the book's) that the live leases and the
-        orphaned reservations hold (each lease's entry in whole blocks; an entry two leases pin
-        counts twice)."""
-        block = self.block_bytes if block_bytes is None else block_bytes
+    def arena_places(self) -> dict[tuple, int]:
+        """The host-arena places that the live leases and the orphaned reservations hold: the
+        entry's extents (:func:`place_of`) -> its bytes. An entry several leases pin (a scheduler's
+        pin and a worker's view, several engines reading it) is one place."""
         with self._lock:
-            return sum(-(-l.arena_nbytes // block) for l in (*self._by_id.values(), *self._orphans.values()))
+            return {place_of(l.handle): l.arena_nbytes
+                    for l in (*self._by_id.values(), *self._orphans.values()) if l.arena_nbytes}
 
     def counts_locked(self) -> dict[str, int]:
         """``{"put": n, "get": n}``: live leases by kind (process-held read leases count as ``get``)."""

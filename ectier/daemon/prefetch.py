@@ -49,7 +49,7 @@ from typing import Any
 from ..cache import ReadLease, TieredCache
 from ..errors import EctierError
 from ..tiers.nvme_reader import mark_background
-from .leases import arena_footprint
+from .leases import arena_footprint, place_of
 from .scratch import DirectRead
 
 __all__ = ["Prefetcher", "Held", "ABSENT", "READY", "PROMOTING"]
@@ -368,12 +368,19 @@ class Prefetcher:
             _end(self.cache, held)
         return len(stale)
 
-    def give_way(self, nbytes: int) -> int:
+    def held_places(self) -> dict[tuple, int]:
+        """The host-arena places the held pins hold: the entry's extents -> its bytes."""
+        with self._lock:
+            return {place_of(h.handle): h.arena_nbytes for h in self._held.values() if h.arena_nbytes}
+
+    def give_way(self, nbytes: int, keep: set[tuple] = frozenset()) -> int:
         """End held arena pins, those nearest their deadline first, until they free at least
         ``nbytes`` of the arena (in whole blocks) or none is left: a put needs the room (module
-        docstring). Returns the arena bytes freed."""
+        docstring). A pin whose place is in ``keep`` (an entry also pinned otherwise: ending it
+        would free nothing) is kept. Returns the arena bytes freed."""
         with self._lock:
-            pins = sorted(((h.deadline, i) for i, h in self._held.items() if h.arena_nbytes), key=lambda p: p[0])
+            pins = sorted(((h.deadline, i) for i, h in self._held.items()
+                           if h.arena_nbytes and place_of(h.handle) not in keep), key=lambda p: p[0])
             ended, freed = [], 0
             for _, ident in pins:
                 if freed >= nbytes:

@@ -84,31 +84,41 @@ def encode_frame(message: dict[str, Any], *, max_frame_bytes: int = DEFAULT_MAX_
 class FrameDecoder:
     """Incremental decoder: ``feed(data)`` returns the complete messages received so far.
 
-    A frame whose declared length exceeds ``max_frame_bytes`` raises a fatal
-    :class:`ProtocolError` before its body is buffered (no memory blow-up). A body that is not a
-    msgpack map raises a non-fatal one (the stream stays aligned on frame boundaries); the
-    decoder then continues with the next frame.
+    A frame whose declared length exceeds ``max_frame_bytes`` is a fatal :class:`ProtocolError`,
+    found before its body is buffered (no memory blow-up): the messages decoded before it in the
+    same ``feed`` are returned and the error is kept in :attr:`fatal` (raised by that ``feed``
+    when there are none, and by every later one). A body that is not a msgpack map gives a
+    non-fatal one (the stream stays aligned on frame boundaries); the decoder then continues with
+    the next frame.
     """
 
     def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         self.max_frame_bytes = max_frame_bytes
         self._buf = bytearray()
+        #: the fatal framing error met, if any: nothing after it can be decoded
+        self.fatal: ProtocolError | None = None
 
     def feed(self, data: bytes) -> list[dict[str, Any] | ProtocolError]:
         """Add received bytes; return decoded messages, with a ProtocolError in place of a bad body.
 
         Raises:
-            ProtocolError: (fatal) a declared frame length above the cap.
+            ProtocolError: (fatal) a declared frame length above the cap with no message before it
+                in ``data``, or any call after one (:attr:`fatal`).
         """
+        if self.fatal is not None:
+            raise self.fatal
         self._buf += data
         out: list[dict[str, Any] | ProtocolError] = []
         while len(self._buf) >= _LEN.size:
             (length,) = _LEN.unpack_from(self._buf)
             if length > self.max_frame_bytes:
                 self._buf.clear()
-                raise ProtocolError(
+                self.fatal = ProtocolError(
                     f"frame of {length} bytes exceeds the {self.max_frame_bytes}-byte cap", fatal=True
                 )
+                if out:
+                    return out
+                raise self.fatal
             if len(self._buf) < _LEN.size + length:
                 break
             body = bytes(self._buf[_LEN.size : _LEN.size + length])

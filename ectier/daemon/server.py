@@ -300,6 +300,7 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
                     raise
                 self._admit(sock)
         finally:
+            self._stop.set()  # (when this raised: the reaper and the other threads stop too)
             self._shutdown()
 
     def stop(self) -> None:

@@ -90,9 +90,23 @@ class ConnectionServing:
                      self.config.daemon.uid_connection_cap)
             shutdown_socket(victim.sock)
         t = threading.Thread(target=self._serve_connection, args=(conn,), name=f"ectier-conn-{conn.id}", daemon=True)
+        try:
+            t.start()
+        except RuntimeError as exc:  # no thread (pids limit, memory): refuse this client, serve the others
+            with self._lock:
+                self._conns.pop(conn.id, None)
+                conn.closed = True
+                self.counters["refused"] += 1
+            self._accept_log.warning(("thread",), "refused connection from pid %d: cannot start its thread (%s)",
+                                     pid, exc)
+            try:
+                sock.sendall(encode_frame(error_reply(None, "OSError", f"the daemon cannot start a thread: {exc}")))
+            except OSError:
+                pass
+            sock.close()
+            return
         self._threads = [x for x in self._threads if x.is_alive()]
         self._threads.append(t)
-        t.start()
 
     def _accept_failed(self, exc: OSError) -> None:
         """``accept`` failed for want of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM):
@@ -165,30 +179,41 @@ class ConnectionServing:
         """Answer every request completed by ``data``; a lost framing closes the connection."""
         try:
             messages = decoder.feed(data)
-        except ProtocolError as exc:  # framing lost: answer once, then drop this client
-            self.count("protocol_errors")
-            self._send(conn, error_reply(None, "ProtocolError", str(exc)))
-            conn.closed = True
+        except ProtocolError as exc:
+            self._framing_lost(conn, exc)
             return
         for msg in messages:
             conn.granted_now = []
             reply = handle(self, conn, msg)
+            if not reply.get("ok", True):  # an error reply names no lease: the client never learns of them
+                self._revoke(conn, conn.granted_now)
             if not self._send(conn, reply):
                 self._revoke(conn, conn.granted_now)
                 conn.closed = True
                 return
+        if decoder.fatal is not None:  # the requests before the bad frame were answered first
+            self._framing_lost(conn, decoder.fatal)
+
+    def _framing_lost(self, conn: Connection, exc: ProtocolError) -> None:
+        """Answer once (id null), then drop this client: its stream cannot be read further."""
+        self.count("protocol_errors")
+        self._send(conn, error_reply(None, "ProtocolError", str(exc)))
+        conn.closed = True
 
     def _revoke(self, conn: Connection, lease_ids: list[int]) -> None:
         """End the process-held leases and the put reservations granted by a request whose reply
-        never reached its client (it never learnt of them, so it writes nothing into a reservation:
-        no orphan)."""
+        does not name them (an error reply) or never reached its client: it never learnt of them,
+        so it writes nothing into a reservation (no orphan)."""
+        revoked = 0
         for lease_id in lease_ids:
             lease = self.leases.take(conn, lease_id, "get") or self.leases.take(conn, lease_id, "put")
             if lease is not None:
                 end_lease(self.cache, lease, commit=False)
-        if lease_ids:
-            log.info("client %s (pid %d) went away before the reply granting %d lease(s); revoked",
-                     conn.name, conn.pid, len(lease_ids))
+                revoked += 1
+        if revoked:
+            log.info("client %s (pid %d): %d lease(s) granted by a request that failed or whose reply was "
+                     "not delivered; revoked", conn.name, conn.pid, revoked)
+        lease_ids.clear()
 
     def _close_if_idle(self, conn: Connection) -> bool:
         """After ``daemon.idle_timeout_s`` without a request: close ``conn`` unless it holds a
