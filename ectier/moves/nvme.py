@@ -324,12 +324,18 @@ class NvmeMoves:
         rec = self.tier.record(digest)
         if into is None:
             into = self._into(rec, out)
-        if into is None:
-            result = self.tier.read(digest, ns, key)
-        elif isinstance(into, list):
-            result = self.tier.read(digest, ns, key, runs=into)
-        else:
-            result = self.tier.read(digest, ns, key, out=into)
+        try:
+            if into is None:
+                result = self.tier.read(digest, ns, key)
+            elif isinstance(into, list):
+                result = self.tier.read(digest, ns, key, runs=into)
+            else:
+                result = self.tier.read(digest, ns, key, out=into)
+        except OSError as exc:  # the disk failed the read (EIO, ...): a miss; the record is kept (may be transient)
+            m.counters.count("nvme", read_failures=1)
+            self._warn.warning(("read", *failure_kind(exc)), "nvme tier: reading %r failed (%s); served as a miss",
+                               key, exc)
+            return None
         if result is None:
             m.counters.count("nvme", read_failures=1)
             with m.cond:

@@ -224,10 +224,10 @@ class NvmeTier(Tier):
             if record.header.payload_checksum and record.header.payload_checksum != csum:
                 raise TierWriteError("nvme tier: payload changed while it was written (checksum differs)")
             header = dataclasses.replace(record.header, payload_checksum=csum)
-            done, old = self._group.submit((digest, header, loc))
         except BaseException:
             self._free(loc)
             raise
+        done, old = self._group.submit((digest, header, loc), abandon=lambda: self._free(loc))
         if not done:
             self._free(loc)
         elif old is not None:

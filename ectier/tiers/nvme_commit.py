@@ -67,21 +67,43 @@ class GroupCommit:
                 self._copying -= 1
                 self._cond.notify_all()
 
-    def submit(self, item: Any) -> Any:
-        """Commit ``item`` with its group; returns its result or raises its error."""
+    def submit(self, item: Any, abandon: Callable[[], None]) -> Any:
+        """Commit ``item`` with its group; returns its result or raises its error.
+
+        ``abandon()`` is called when the entry is not committed and this raises (its commit
+        failed, or an exception from a signal handler reached this writer while it waited): the
+        caller gives back what the entry would have named. An exception that reaches a writer whose
+        entry a leader is committing right now waits for that commit: if the entry was committed
+        it stands (``abandon`` is not called) and the exception is raised all the same."""
         p = Pending(item)
+        try:
+            return self._submit(p)
+        except BaseException:
+            if not (p.done and p.error is None and p.result is not None):
+                abandon()
+            raise
+
+    def _submit(self, p: Pending) -> Any:
         with self._cond:
             self._queue.append(p)
             self._cond.notify_all()
-            while not p.done and self._leading:
-                self._cond.wait()
-            if p.done:
-                return self._outcome(p)
-            self._leading = True
-            deadline = time.monotonic() + self.max_wait_s
-            while self._copying > 0 and (left := deadline - time.monotonic()) > 0:
-                self._cond.wait(left)
-            batch, self._queue = self._queue, []
+            try:
+                while not p.done and self._leading:
+                    self._cond.wait()
+                if p.done:
+                    return self._outcome(p)
+                self._leading = True
+                try:
+                    deadline = time.monotonic() + self.max_wait_s
+                    while self._copying > 0 and (left := deadline - time.monotonic()) > 0:
+                        self._cond.wait(left)
+                except BaseException:
+                    self._leading = False  # a queued writer takes over (woken below)
+                    raise
+                batch, self._queue = self._queue, []
+            except BaseException:
+                self._withdraw_locked(p)
+                raise
         try:
             self._commit(batch)
         except BaseException as exc:  # noqa: BLE001 - handed to every entry of the group
@@ -97,6 +119,19 @@ class GroupCommit:
                 self._leading = False
                 self._cond.notify_all()
         return self._outcome(p)
+
+    def _withdraw_locked(self, p: Pending) -> None:
+        """``p``'s writer leaves on an exception: out of the queue if no leader took it yet, else
+        once its group's commit is over (``p.done``: the caller then knows whether it stands)."""
+        self._cond.notify_all()
+        if p in self._queue:
+            self._queue.remove(p)
+            return
+        while not p.done:
+            try:
+                self._cond.wait()
+            except BaseException:  # noqa: BLE001 - another one: the first is being raised already
+                continue
 
     @staticmethod
     def _outcome(p: Pending) -> Any:
