@@ -21,6 +21,9 @@ Points (the LMDB write transaction is reached through a proxy of the tier's envi
 - ``wt-returned``: write-through + sync, right after ``put`` of v2 returned (kill before anything else);
 - ``wt-failed-returned``: write-through overwrite whose NVMe write fails (``TierWriteError``), right
   after ``put`` of v2 returned: the v1 record must be gone (v2 lives in host memory only).
+- ``move-mid-txn``, ``move-after-commit``: entries of 7/8 of the budget, so v2's write grows the
+  segment file past it and v2 is then moved down (``ectier/tiers/nvme_compact.py``): inside the
+  move's index transaction after its ``put``, and after its commit before the old blocks are freed.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ from ectier.tiers.nvme import NvmeTier  # noqa: E402
 
 KiB = 1 << 10
 POINTS = ("mid-txn-payload", "after-commit", "mid-delete-txn", "wt-between-commit-and-write", "wt-mid-txn",
-          "wt-returned", "wt-failed-returned")
+          "wt-returned", "wt-failed-returned", "move-mid-txn", "move-after-commit")
+MOVE_ENTRY = (3 << 20) + 512 * KiB  # the move points' v1 and v2: 7/8 of MOVE_CAPACITY
+MOVE_CAPACITY = 4 << 20
 
 
 def value(n: int, seed: int, dtype=torch.float16) -> torch.Tensor:
@@ -48,9 +53,16 @@ def value(n: int, seed: int, dtype=torch.float16) -> torch.Tensor:
     return torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).view(dtype)
 
 
-V1 = lambda: value(48 * KiB, 1)  # noqa: E731
-V2 = lambda: value(80 * KiB, 2, torch.float32)  # noqa: E731 - another size and dtype
-V3 = lambda: value(16 * KiB, 3)  # noqa: E731
+def V1(point: str = "") -> torch.Tensor:  # noqa: N802
+    return value(MOVE_ENTRY if point.startswith("move-") else 48 * KiB, 1)
+
+
+def V2(point: str = "") -> torch.Tensor:  # noqa: N802 - another size and dtype
+    return value(MOVE_ENTRY if point.startswith("move-") else 80 * KiB, 2, torch.float32)
+
+
+def V3(point: str = "") -> torch.Tensor:  # noqa: N802
+    return value(16 * KiB, 3)
 
 
 def config(point: str, store: str) -> CacheConfig:
@@ -58,7 +70,8 @@ def config(point: str, store: str) -> CacheConfig:
     return CacheConfig(
         namespace="test",
         host=HostTierConfig(capacity_bytes=1 << 20 if wt else 0, block_bytes=16 * KiB, pin_memory=False),
-        nvme=NvmeTierConfig(path=store, capacity_bytes=8 << 20, sync=True, write_through=wt, flush_on_close=False,
+        nvme=NvmeTierConfig(path=store, capacity_bytes=MOVE_CAPACITY if point.startswith("move-") else 8 << 20,
+                            sync=True, write_through=wt, flush_on_close=False,
                             map_initial_bytes=4 << 20),
     )
 
@@ -82,7 +95,7 @@ class _Txn:
 
     def put(self, key, value, db=None, **kw):
         r = self._txn.put(key, value, db=db, **kw)
-        if self._env.armed in ("mid-txn-payload", "wt-mid-txn") and db is self._env.meta_db:
+        if self._env.armed in ("mid-txn-payload", "wt-mid-txn", "move-mid-txn") and db is self._env.meta_db:
             stop(self._env.armed)
         return r
 
@@ -112,8 +125,8 @@ class _Env:
 
 def main(point: str, store: str) -> None:
     cache = TieredCache(config(point, store))
-    cache.put("k", V1())
-    cache.put("other", V3())
+    cache.put("k", V1(point))
+    cache.put("other", V3(point))
     print("COMMITTED", flush=True)
     tier = testing.tier(cache, "nvme")
     env = _Env(testing.lmdb_of(tier).env, tier)
@@ -127,12 +140,21 @@ def main(point: str, store: str) -> None:
         def fail(self, d, rec):
             raise TierWriteError("nvme tier: injected write failure")
         NvmeTier.write = fail
+    elif point.startswith("move-"):
+        commit_move = NvmeTier._commit_move
+
+        def move_then_stop(self, *args):
+            env.armed = point if point == "move-mid-txn" else None
+            committed = commit_move(self, *args)
+            stop(point)
+            return committed
+        NvmeTier._commit_move = move_then_stop
     elif point not in ("wt-returned", "wt-failed-returned"):
         env.armed = point
     if point == "mid-delete-txn":
         cache.delete("k")
     else:
-        cache.put("k", V2())
+        cache.put("k", V2(point))
     if point in ("wt-returned", "wt-failed-returned"):
         stop(point)
     raise SystemExit(f"{point}: the hook was never reached")

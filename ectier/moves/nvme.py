@@ -70,6 +70,7 @@ class NvmeMoves:
             log.warning("nvme tier: %s held %d bytes more than nvme.capacity_bytes=%d: evicted the %d least "
                         "recently used record(s) at open (docs/operations.md, NVMe tier)", self.tier.path, over,
                         self.index.capacity_bytes, evicted)
+        self.tier.compact_tail(every_record=True)  # records past a lowered budget's end: moved down, the file cut
 
     def trim_to_budget(self) -> tuple[int, int]:
         """Evict the least valuable records until the tier is within its budget; returns

@@ -69,6 +69,7 @@ from .base import Tier
 from .nvme_env import (RELEASE_MARKER, STORE_FORMAT, NvmeDiskFullError, NvmeEnv, free_disk_bytes, write_error,
                        lmdb_write_error)
 from .nvme_commit import GroupCommit, Pending, put_entry
+from .nvme_compact import TailCompaction
 from .nvme_index import NvmeIndex, NvmeRecord
 from .nvme_reader import ByteViews, flat_cpu_bytes
 from .nvme_record import (CheckedRecord, EncodedRecord, check_index_value, check_record, encode_record,
@@ -84,7 +85,7 @@ RAW_CODEC_ID = get_codec("raw").codec_id
 log = logging.getLogger(__name__)
 
 
-class NvmeTier(Tier):
+class NvmeTier(TailCompaction, Tier):
     """An LMDB-backed record store under ``config.path`` (see the module docstring).
 
     Args:
@@ -115,6 +116,7 @@ class NvmeTier(Tier):
         self._rw = self._store.rw
         self._views = ByteViews()
         self._write_lock = self._store.write_lock
+        self._init_compaction()
         self._store.open()
 
     @staticmethod
@@ -230,9 +232,12 @@ class NvmeTier(Tier):
         done, old = self._group.submit((digest, header, loc), abandon=lambda: self._free(loc))
         if not done:
             self._free(loc)
-        elif old is not None:
+            return False
+        if old is not None:
             self._free(old)
-        return done
+        self.note_placement(digest, loc)
+        self.compact_tail()  # (a no-op unless a write went past the base: a large record's replacement)
+        return True
 
     def _check_open(self) -> None:
         """With ``rw`` held shared (close takes it exclusively): raise once the store is closed."""

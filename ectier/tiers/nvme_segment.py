@@ -271,6 +271,13 @@ class ExtentSpace:
                 assert got is not None
         return Location(tuple(got))
 
+    def allocate_within(self, nbytes: int, limit: int) -> Location | None:
+        """Blocks for a payload of ``nbytes`` bytes from the free ones under block ``limit`` only
+        (scattered if they must be); ``None`` if those are too few (nothing taken, no growth)."""
+        with self._lock:
+            got = self._alloc.alloc_below(blocks_for(nbytes), limit)
+        return None if got is None else Location(tuple(got))
+
     def free(self, loc: Location) -> None:
         """Return ``loc``'s blocks: at once when no read is running, else once every read that
         began before this call has ended."""

@@ -1,0 +1,182 @@
+"""Cutting a grown segment file back: the records that lie past the region's base are moved into
+free blocks below it.
+
+The segment region is ``nvme.capacity_bytes`` of blocks (its *base*); it grows past that only
+while a write needs more (a write replacing a record holds both copies until it commits), and it
+shrinks back only when its end is free. A replaced record lies low and its replacement at the end,
+so without a move the file would keep the grown size (1.75x the budget after overwriting an entry of
+7/8 of it); so would a store reopened with a lower ``nvme.capacity_bytes``, whose newest records lie
+past the new base. :class:`TailCompaction` moves them, one record at a time, by the NVMe tier's two
+ordering rules (docs/reliability.md, "Power loss"): the copy goes into free blocks and is synced
+before the index entry naming it commits, and the old blocks are freed only after that commit (and
+after the reads that began before it). A record replaced or deleted meanwhile is not moved.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import lmdb
+
+from ..errors import CorruptRecordError, EctierError
+from .nvme_index import NvmeRecord
+from .nvme_record import pack_index_value, parse_index_value
+from .nvme_segment import BLOCK_BYTES, Location
+
+__all__ = ["TailCompaction", "split_at", "moved_bytes", "merged"]
+
+log = logging.getLogger(__name__)
+
+MOVED, SKIPPED, NO_ROOM = "moved", "skipped", "no room"
+
+
+class TailCompaction:
+    """Mixin of :class:`~ectier.tiers.nvme.NvmeTier` (uses its ``_store``, ``_rw``, ``_write_lock``,
+    ``_env``, ``_meta``, ``index``, ``_segment_io``, ``_free``, ``_set_record``, ``_check_open``).
+
+    The records a write placed past the base are noted (:meth:`note_placement`), so a compaction
+    after a write looks at those only, never at every record; at open every record is looked at.
+    """
+
+    def _init_compaction(self) -> None:
+        self._past_base: set[bytes] = set()  # digests a write placed (in part) past the base
+        self._compact_lock = threading.Lock()
+
+    def note_placement(self, digest: bytes, loc: Location) -> None:
+        """A write placed ``digest``'s payload at ``loc``: noted when it reaches past the base."""
+        if loc.extents and max(start + n for start, n in loc.extents) > self._store.space.base_blocks:
+            self._past_base.add(digest)
+
+    def compact_tail(self, *, every_record: bool = False) -> int:
+        """Move the records lying (in part) past the region's base into free blocks below it, until
+        the region is back at its base or no more fit; the segment file is cut as its end frees up.
+        Looks at the records noted by :meth:`note_placement`, or (``every_record``, at open) at all.
+        One compaction at a time (another caller returns at once). Never raises for a failed move
+        (logged; the record stays where it was). Returns the records moved."""
+        space, noted = self._store.space, self._past_base
+        if space.nblocks <= space.base_blocks or not (every_record or noted):
+            return 0
+        if not self._compact_lock.acquire(blocking=False):
+            return 0
+        try:
+            return self._compact(list(self.index.records()) if every_record else
+                                 [(d, self.index.record(d)) for d in list(noted)], space.base_blocks)
+        finally:
+            self._compact_lock.release()
+
+    def _compact(self, candidates: list[tuple[bytes, NvmeRecord | None]], base: int) -> int:
+        space, noted, moved = self._store.space, self._past_base, 0
+        for digest, rec in candidates:
+            if space.nblocks <= base:
+                break
+            if rec is None or not rec.location.extents or max(s + n for s, n in rec.location.extents) <= base:
+                noted.discard(digest)
+                continue
+            try:
+                outcome = self._relocate(digest, rec, base)
+            except (EctierError, OSError, lmdb.Error) as exc:
+                log.warning("nvme tier: moving a record below nvme.capacity_bytes failed (%s: %s); the segment "
+                            "file stays %d bytes over its budget for now", type(exc).__name__, exc,
+                            (space.nblocks - base) * BLOCK_BYTES)
+                break
+            if outcome == NO_ROOM:
+                break
+            if outcome == MOVED:
+                noted.discard(digest)
+                moved += 1
+        return moved
+
+    def _relocate(self, digest: bytes, rec: NvmeRecord, limit: int) -> str:
+        """Move the blocks of one record's payload at or past block ``limit`` into free blocks
+        under it (those below stay): ``MOVED``, ``SKIPPED`` (the record changed meanwhile, or its
+        bytes fail their checksum: left to a read to quarantine), or ``NO_ROOM``."""
+        header, old = rec.header, rec.location
+        pieces = split_at(old.extents, limit)
+        moving = Location(tuple((start, n) for start, n, moves in pieces if moves))
+        runs = self._store.space.allocate_within(moving.alloc_bytes, limit)
+        if runs is None:
+            return NO_ROOM
+        committed = False
+        try:
+            buf = memoryview(bytearray(header.payload_nbytes))
+            with self._rw.shared():
+                self._check_open()
+                with self._store.space.reading():  # old's blocks stay unreused if it is dropped meanwhile
+                    if self.index.record(digest) is not rec:
+                        return SKIPPED
+                    try:
+                        csum = self._store.segment.read_into(old, buf)
+                    except CorruptRecordError:
+                        return SKIPPED
+            if header.payload_checksum and csum != header.payload_checksum:
+                return SKIPPED
+            self._segment_io("write", runs, moved_bytes(buf, pieces), need=runs.alloc_bytes)
+            self._segment_io("flush")  # synced before the entry naming it commits
+            committed = self._commit_move(digest, rec, old, merged(pieces, runs))
+            return MOVED if committed else SKIPPED
+        finally:
+            self._free(moving if committed else runs)
+
+    def _commit_move(self, digest: bytes, rec: NvmeRecord, old: Location, new: Location) -> bool:
+        """Point the index entry of ``digest`` at ``new`` if it still names ``rec``'s version at
+        ``old``; True if it was committed."""
+        value = pack_index_value(rec.header, new)
+        with self._rw.shared(), self._write_lock:
+            self._check_open()
+            with self._env.begin(write=True) as txn:
+                current = txn.get(digest, db=self._meta)
+                try:
+                    header, loc = parse_index_value(current) if current is not None else (None, None)
+                except CorruptRecordError:
+                    header, loc = None, None
+                unchanged = header is not None and header.version == rec.header.version and loc == old
+                if unchanged:
+                    txn.put(digest, value, db=self._meta)
+            if unchanged:
+                self._set_record(digest, NvmeRecord(rec.header, rec.stored_bytes, new, value))
+        return unchanged
+
+
+
+def split_at(extents: tuple[tuple[int, int], ...], limit: int) -> list[tuple[int, int, bool]]:
+    """``extents`` in payload order as ``(first block, blocks, moves)``: an extent across block
+    ``limit`` is split there; ``moves`` for the pieces at or past it."""
+    out = []
+    for start, n in extents:
+        if start + n <= limit:
+            out.append((start, n, False))
+        elif start >= limit:
+            out.append((start, n, True))
+        else:
+            out += [(start, limit - start, False), (limit, start + n - limit, True)]
+    return out
+
+
+def moved_bytes(payload: memoryview, pieces: list[tuple[int, int, bool]]) -> memoryview:
+    """The bytes of ``payload`` that the moving pieces hold, in payload order."""
+    parts, pos = [], 0
+    for _, n, moves in pieces:
+        if moves:
+            parts.append(payload[pos:pos + n * BLOCK_BYTES])
+        pos += n * BLOCK_BYTES
+    return memoryview(b"".join(parts))
+
+
+def merged(pieces: list[tuple[int, int, bool]], runs: Location) -> Location:
+    """The payload's new location: the pieces that stay, and the moving ones replaced in order by
+    the blocks of ``runs``."""
+    free = list(runs.extents)
+    out = []
+    for start, n, moves in pieces:
+        if not moves:
+            out.append((start, n))
+            continue
+        while n:
+            first, count = free[0]
+            take = min(n, count)
+            out.append((first, take))
+            free[0] = (first + take, count - take)
+            if free[0][1] == 0:
+                free.pop(0)
+            n -= take
+    return Location(tuple(out))
