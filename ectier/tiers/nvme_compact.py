@@ -18,7 +18,7 @@ import logging
 import threading
 import lmdb
 
-from ..errors import CorruptRecordError, EctierError
+from ..errors import CacheClosedError, CorruptRecordError, EctierError
 from .nvme_index import NvmeRecord
 from .nvme_record import pack_index_value, parse_index_value
 from .nvme_segment import BLOCK_BYTES, Location
@@ -74,6 +74,8 @@ class TailCompaction:
                 continue
             try:
                 outcome = self._relocate(digest, rec, base)
+            except CacheClosedError:  # close() raced it: the next open looks again
+                break
             except (EctierError, OSError, lmdb.Error) as exc:
                 log.warning("nvme tier: moving a record below nvme.capacity_bytes failed (%s: %s); the segment "
                             "file stays %d bytes over its budget for now", type(exc).__name__, exc,
