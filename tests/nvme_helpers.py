@@ -1,7 +1,7 @@
 """Helpers of the NVMe tier tests (tests/test_nvme*.py, the corruption tests).
 
 Stores: reopen a closed store with changed ``nvme`` settings (:func:`reopen`) or to check what it
-serves (:func:`assert_reopened_serves`), three entries put and closed (:func:`_put_three`), a
+serves (:func:`assert_reopened_serves`), three entries put and closed (:func:`put_three`), a
 child interpreter (:func:`run_child`). Damage: a closed (or open) NVMe store of layout v2 damaged
 the way a disk would, in the segment file at the bytes of one record's payload, or in its LMDB
 index entry."""
@@ -55,7 +55,7 @@ def run_child(code: str, *args: str, **kw) -> subprocess.Popen:
                             text=True, **kw)
 
 
-def _put_three(make_cache, **kw):
+def put_three(make_cache, **kw):
     cache, cfg = make_cache(host_bytes=0, nvme_bytes=2 * MiB, **kw)
     vals = {k: random_tensor((4, 8192), torch.bfloat16, i) for i, k in enumerate("abc")}
     for k, t in vals.items():

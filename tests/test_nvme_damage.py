@@ -18,13 +18,13 @@ from ectier import testing
 from ectier.tiers.nvme_segment import BLOCK_BYTES
 
 import nvme_helpers as nh
-from nvme_helpers import _put_three, normal_bf16, reopen
+from nvme_helpers import normal_bf16, put_three, reopen
 
 
 @pytest.mark.parametrize("codec", ["raw", "zstd-planes"])
 @pytest.mark.parametrize("host_bytes", [0, 1 * MiB], ids=["nvme-only", "with-host"])
 def test_bit_flip_in_payload_is_a_miss_and_quarantined(make_cache, tmp_path, codec, host_bytes):
-    cfg, vals = _put_three(make_cache, codec=codec)
+    cfg, vals = put_three(make_cache, codec=codec)
     nh.flip_payload_byte(tmp_path / "nvme", nh.index_value(tmp_path / "nvme", "a"))
     cfg = cfg.replace(host=dataclasses.replace(cfg.host, capacity_bytes=host_bytes))
     cache = reopen(cfg)
@@ -86,7 +86,7 @@ def test_damage_while_open_is_a_miss(make_cache, damage):
 @pytest.mark.parametrize("damage", ["truncate-payload", "truncate-header", "flip-header", "missing-payload",
                                     "flip-location"])
 def test_damage_found_at_open_is_quarantined(make_cache, tmp_path, damage):
-    cfg, vals = _put_three(make_cache)
+    cfg, vals = put_three(make_cache)
     store = tmp_path / "nvme"
     bad = "c" if damage in ("truncate-payload", "missing-payload") else "a"
     value = nh.index_value(store, bad)
@@ -127,7 +127,7 @@ def test_damage_found_at_open_is_quarantined(make_cache, tmp_path, damage):
 def test_record_under_another_digest_is_never_served(make_cache, tmp_path):
     """A header whose (namespace, key) does not hash to its LMDB key (a copied or misplaced record)
     is quarantined; it is never served as the other key's bytes."""
-    cfg, vals = _put_three(make_cache)
+    cfg, vals = put_three(make_cache)
 
     nh.set_index_value(tmp_path / "nvme", "evil", nh.index_value(tmp_path / "nvme", "a"))
     cache = reopen(cfg)
@@ -144,7 +144,7 @@ def test_orphaned_payload_space_is_reclaimed_at_open(make_cache, tmp_path):
     """Payload blocks no index entry names (a crash between the payload write and the index commit;
     here: an index entry removed by hand, and bytes written past the last record) are free after a
     reopen: the next puts reuse them and the segment file does not grow."""
-    cfg, vals = _put_three(make_cache)
+    cfg, vals = put_three(make_cache)
     store = tmp_path / "nvme"
     c_spans = nh.payload_spans(nh.index_value(store, "c"))
     nh.set_index_value(store, "c", None)  # "c"'s payload is now an orphan

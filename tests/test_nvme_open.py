@@ -15,7 +15,7 @@ from ectier import StoreLockedError, StoreOpenError, TieredCache
 
 from conftest import MiB, assert_same, digest, filled, make_config, open_lmdb
 
-from nvme_helpers import _put_three, run_child
+from nvme_helpers import put_three, run_child
 
 
 # ============================================================================ opening
@@ -100,7 +100,7 @@ def _set_format(store_dir, value: bytes) -> None:
 
 
 def test_store_of_another_format_is_refused_and_released(make_cache, tmp_path):
-    cfg, vals = _put_three(make_cache)
+    cfg, vals = put_three(make_cache)
     _set_format(tmp_path / "nvme", b"99")
     with pytest.raises(StoreOpenError, match="format"):
         TieredCache(cfg)
