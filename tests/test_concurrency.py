@@ -305,10 +305,10 @@ def raw_equal(a, b):
 
 class _EnvProxy:
     """Wraps an lmdb.Environment so that a read transaction from one thread can be held open
-    at chosen points (lmdb.Environment itself cannot be monkeypatched)."""
+    at chosen points (lmdb.Environment itself cannot be monkeypatched); ``real`` is the wrapped one."""
 
     def __init__(self, env, thread_name):
-        self._env = env
+        self.real = env
         self._thread_name = thread_name
         self.before_begin = threading.Event()
         self.go_begin = threading.Event()
@@ -322,14 +322,14 @@ class _EnvProxy:
         if staged:
             self.before_begin.set()
             assert self.go_begin.wait(30)
-        txn = self._env.begin(*args, **kwargs)
+        txn = self.real.begin(*args, **kwargs)
         if staged:
             self.begun.set()
             assert self.go_on.wait(30)
         return txn
 
     def __getattr__(self, name):
-        return getattr(self._env, name)
+        return getattr(self.real, name)
 
 
 def test_nvme_read_racing_delete_and_rewrite_keeps_the_new_record(tmp_path):
@@ -355,7 +355,7 @@ def test_nvme_read_racing_delete_and_rewrite_keeps_the_new_record(tmp_path):
             g.join(10)
             assert not g.is_alive()
         finally:
-            testing.set_lmdb_env(cache, proxy._env)
+            testing.set_lmdb_env(cache, proxy.real)
         assert box["v"] is None or raw_equal(box["v"], v1) or raw_equal(box["v"], v2)
         assert cache.contains("K")
         assert_same(cache.get("K"), v2)

@@ -191,7 +191,8 @@ def test_pinned_view_refuses_bad_ranges_without_releasing():
 
 
 def test_the_releaser_never_blocks_on_a_held_lock():
-    lock = threading.Condition(threading.Lock())
+    inner = threading.Lock()
+    lock = threading.Condition(inner)
     r = Releaser(lock)
     done = threading.Event()
     with lock:  # this thread holds it, as a finalizer run by a GC inside the cache would
@@ -199,7 +200,7 @@ def test_the_releaser_never_blocks_on_a_held_lock():
         assert not done.is_set()
     assert done.wait(10), "a deferred release never ran"
     ran = []
-    r.call(lambda: ran.append(lock._is_owned()))  # free lock: run at once, with it held
+    r.call(lambda: ran.append(inner.locked()))  # free lock: run at once, with it held
     assert ran == [True]
 
 

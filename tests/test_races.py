@@ -83,14 +83,14 @@ def test_get_racing_the_demotion_of_the_same_key(tmp_path, monkeypatch):
 
 class _HeldReadEnv:
     """Proxy of the tier's LMDB environment: the getter's read transaction stops right after it
-    began (its snapshot taken), until released."""
+    began (its snapshot taken), until released; ``real`` is the wrapped environment."""
 
     def __init__(self, env):
-        self._env = env
+        self.real = env
         self.begun, self.go = threading.Event(), threading.Event()
 
     def begin(self, *args, **kwargs):
-        txn = self._env.begin(*args, **kwargs)
+        txn = self.real.begin(*args, **kwargs)
         # the getter's first read-only transaction: its read's index lookup (the read asks for no buffers)
         if threading.current_thread().name == "getter" and not kwargs.get("write") and not self.go.is_set():
             self.begun.set()
@@ -98,7 +98,7 @@ class _HeldReadEnv:
         return txn
 
     def __getattr__(self, name):
-        return getattr(self._env, name)
+        return getattr(self.real, name)
 
 
 @pytest.mark.parametrize("order", ["evicted-before-read", "evicted-inside-read"])
@@ -132,7 +132,7 @@ def test_get_racing_the_nvme_eviction_of_the_same_key(tmp_path, monkeypatch, ord
             got = join(g, gbox)
         finally:
             if order != "evicted-before-read":
-                nv._env = proxy._env
+                testing.set_lmdb_env(nv, proxy.real)
         if order == "evicted-before-read":
             assert got is None
         else:
