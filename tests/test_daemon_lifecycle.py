@@ -255,9 +255,9 @@ def test_a_file_that_is_not_a_socket_is_never_deleted(daemon_dir):
         with pytest.raises(EctierError, match="socket_path"):
             server.start()
     finally:
-        if server._listener is not None:  # started after all: clean up
+        if server.listening:  # started after all: clean up
             server.stop()
-            server._shutdown()
+            server.serve_forever()  # stopped: shuts down at once
     with open(precious) as f:
         assert f.read() == "keep me"
 

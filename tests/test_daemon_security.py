@@ -96,18 +96,18 @@ def test_peer_allowed_rules(monkeypatch):
     base = daemon_config("/tmp/unused", nvme=False, host_bytes=1 * MiB)
 
     plain = DaemonServer(CacheConfig.from_dict(base))
-    assert plain._peer_allowed(me, 12345)
-    assert not plain._peer_allowed(1001, 4242)  # no allowed_group: only the daemon's own user
-    assert not plain._peer_allowed(me + 1 if me != 1001 else 1003, os.getgid())
+    assert plain.peer_allowed(me, 12345)
+    assert not plain.peer_allowed(1001, 4242)  # no allowed_group: only the daemon's own user
+    assert not plain.peer_allowed(me + 1 if me != 1001 else 1003, os.getgid())
 
     base["daemon"]["allowed_group"] = "encoders"
     grouped = DaemonServer(CacheConfig.from_dict(base))
-    assert grouped._peer_allowed(me, 12345)
-    assert grouped._peer_allowed(1002, 4242)  # primary group
-    assert grouped._peer_allowed(1001, 100)  # supplementary member
-    assert not grouped._peer_allowed(1002, 100)  # neither
-    assert not grouped._peer_allowed(31337, 100)  # unknown user
-    assert grouped._peer_allowed(31337, 4242)  # unknown user whose primary group is allowed
+    assert grouped.peer_allowed(me, 12345)
+    assert grouped.peer_allowed(1002, 4242)  # primary group
+    assert grouped.peer_allowed(1001, 100)  # supplementary member
+    assert not grouped.peer_allowed(1002, 100)  # neither
+    assert not grouped.peer_allowed(31337, 100)  # unknown user
+    assert grouped.peer_allowed(31337, 4242)  # unknown user whose primary group is allowed
 
     base["daemon"]["allowed_group"] = "nosuchgroup"
     with pytest.raises(EctierError, match="daemon.allowed_group"):

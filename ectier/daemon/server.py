@@ -307,6 +307,14 @@ class DaemonServer(ConnectionServing, LeaseUpkeep):
         """Ask the accept loop to finish; in-flight requests complete, then the cache is closed."""
         self._stop.set()
 
+    @property
+    def listening(self) -> bool:
+        """Whether the daemon holds its listening socket: True from a :meth:`start` that
+        succeeded until the shutdown that ends :meth:`serve_forever`; False before, after, and
+        after a failed start (which leaves nothing behind). A started daemon that is never served
+        is shut down by :meth:`stop` then :meth:`serve_forever` (it returns at once)."""
+        return self._listener is not None
+
     def _shutdown(self) -> None:
         if self._listener is not None:
             self._listener.close()

@@ -2,8 +2,9 @@
 requests, and what a disconnect ends (a mixin of :class:`~ectier.daemon.server.DaemonServer`).
 
 Admission (:meth:`ConnectionServing._admit`): the peer's credentials (``SO_PEERCRED``) against
-``daemon.allowed_group``, then :func:`ectier.daemon.connections.admission` under the server's
-lock (an idle connection may be closed to make room), at most ``daemon.max_clients`` connections
+``daemon.allowed_group`` (:meth:`ConnectionServing.peer_allowed`), then
+:func:`ectier.daemon.connections.admission` under the server's lock (an idle connection may be
+closed to make room), at most ``daemon.max_clients`` connections
 or fewer where ``RLIMIT_NOFILE`` keeps descriptors back for the daemon
 (:func:`ectier.daemon.fdlimit.client_cap`). Each admitted connection is served by a
 thread of its own (:meth:`ConnectionServing._serve_connection`): frames are decoded and each
@@ -52,7 +53,7 @@ class ConnectionServing:
         pid, uid, gid = peer_credentials(sock)
         pid_start = process_start(pid) if pid > 0 else None
         victim = None
-        if not self._peer_allowed(uid, gid):
+        if not self.peer_allowed(uid, gid):
             reason = f"uid {uid} is not allowed (daemon runs as uid {os.getuid()}; see daemon.allowed_group)"
         else:
             # a connection still answering its last request becomes idle a moment later: at the cap,
@@ -129,7 +130,15 @@ class ConnectionServing:
             shutdown_socket(victim.sock)
         self._stop.wait(0.02)
 
-    def _peer_allowed(self, uid: int, gid: int) -> bool:
+    def peer_allowed(self, uid: int, gid: int) -> bool:
+        """Whether a client process running as user ``uid`` with primary group ``gid`` (its
+        ``SO_PEERCRED`` credentials) may connect: the daemon's own user always; with
+        ``daemon.allowed_group`` also a process whose primary group is that group, or whose user
+        (looked up by ``uid``; an unknown ``uid`` is no member) is a supplementary member of it
+        (``/etc/group``). Without ``allowed_group``, no other user.
+
+        Raises:
+            KeyError: the allowed group no longer exists (removed since the daemon started)."""
         if uid == os.getuid():
             return True
         if self.allowed_gid is None:
