@@ -57,17 +57,18 @@ from ectier.record import (  # the record names are re-exported, see __all__
 
 __all__ = [
     "Codec", "RawCodec", "ZstdCodec", "PlaneZstdCodec",
-    "get_codec", "register_codec", "codec_from_config", "registered_codecs",
+    "get_codec", "register_codec", "codec_from_config", "registered_codecs", "PLANE_CHUNK_ROWS",
     # re-exported from ectier.record
     "checksum", "RecordHeader", "pack_header", "unpack_header", "header_nbytes", "peek_header", "verify_payload",
     "pack_record", "split_record", "RECORD_MAGIC", "RECORD_FORMAT_VERSION", "MAX_HEADER_NBYTES",
 ]
 
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-# Rows per chunk when splitting into / merging from byte planes: 1 MiB of scratch, which keeps
-# the strided numpy copy at ~2.5 GB/s (a whole-tensor transpose measured 0.4-0.9 GB/s and needs a
-# full-size temporary) and feeds zstd large enough pieces.
-_PLANE_CHUNK_ROWS = 1 << 20
+#: Rows (elements) per chunk when :class:`PlaneZstdCodec` splits into / merges from byte planes:
+#: its scratch buffer is this many bytes (1 MiB), which keeps the strided numpy copy at ~2.5 GB/s
+#: (a whole-tensor transpose measured 0.4-0.9 GB/s and needs a full-size temporary) and feeds
+#: zstd large enough pieces. A payload of more elements is split in several chunks per plane.
+PLANE_CHUNK_ROWS = 1 << 20
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,11 +176,11 @@ def _zstd_stream_into(payload: memoryview, planes: int, out: memoryview) -> None
             else:
                 rows = n // planes
                 out2d = np.frombuffer(out, dtype=np.uint8).reshape(rows, planes)
-                scratch = np.empty(min(rows, _PLANE_CHUNK_ROWS), dtype=np.uint8)
+                scratch = np.empty(min(rows, PLANE_CHUNK_ROWS), dtype=np.uint8)
                 scratch_mv = memoryview(scratch)
                 for plane in range(planes):
-                    for r0 in range(0, rows, _PLANE_CHUNK_ROWS):
-                        m = min(_PLANE_CHUNK_ROWS, rows - r0)
+                    for r0 in range(0, rows, PLANE_CHUNK_ROWS):
+                        m = min(PLANE_CHUNK_ROWS, rows - r0)
                         got = _read_exactly(reader, scratch_mv[:m])
                         if got != m:
                             raise CorruptRecordError(
@@ -370,12 +371,12 @@ class PlaneZstdCodec(ZstdCodec):
             return self._compressor().compress(src)
         rows = n // itemsize
         src2d = np.frombuffer(src, dtype=np.uint8).reshape(rows, itemsize)
-        scratch = np.empty(min(rows, _PLANE_CHUNK_ROWS), dtype=np.uint8)
+        scratch = np.empty(min(rows, PLANE_CHUNK_ROWS), dtype=np.uint8)
         cobj = self._compressor().compressobj(size=n)
         parts = []
         for plane in range(itemsize):
-            for r0 in range(0, rows, _PLANE_CHUNK_ROWS):
-                m = min(_PLANE_CHUNK_ROWS, rows - r0)
+            for r0 in range(0, rows, PLANE_CHUNK_ROWS):
+                m = min(PLANE_CHUNK_ROWS, rows - r0)
                 np.copyto(scratch[:m], src2d[r0 : r0 + m, plane])
                 chunk = cobj.compress(scratch[:m])
                 if chunk:

@@ -230,6 +230,15 @@ class CudaCopyEngine(CopyEngine):
         """A lane's ``i``-th stream (for tests and benchmarks)."""
         return self._lanes[lane][i]
 
+    def streams(self, lane: str) -> tuple["torch.cuda.Stream", ...]:
+        """Every stream of ``lane`` (one of :data:`LANES`), in round-robin order: the copies of
+        that lane are enqueued on these (``streams_per_direction`` for ``"d2h"`` and ``"h2d"``,
+        one for ``"arena"``).
+
+        Raises:
+            KeyError: ``lane`` is not one of :data:`LANES`."""
+        return tuple(self._lanes[lane])
+
     def copy(self, pairs: Pairs, *, lane: str) -> CopyHandle:
         self._check(pairs, lane)
         if os.getpid() != self._pid:

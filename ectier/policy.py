@@ -270,6 +270,13 @@ class GDSFPolicy(EvictionPolicy):
             self.clock = max(self.clock, last_priority)
         return chosen
 
+    @property
+    def heap_items(self) -> int:
+        """Items in the priority heap, the stale ones a ``touch`` or ``remove`` left included: the
+        policy's memory is O(heap_items), which compaction keeps at most ``2 * len(self) + 64``
+        after every update (a count, not bytes)."""
+        return len(self._heap)
+
     def __contains__(self, key: object) -> bool:
         return key in self._entries
 

@@ -77,7 +77,7 @@ def test_roundtrip_one_mebibyte(codec, itemsize):
 def test_roundtrip_larger_than_one_plane_chunk(codec):
     # More rows than the plane split's scratch chunk, so several chunks per plane are exercised.
     itemsize = 2
-    numel = codec_mod._PLANE_CHUNK_ROWS + 12_345
+    numel = codec_mod.PLANE_CHUNK_ROWS + 12_345
     roundtrip(codec, make_bytes("bf16", numel * itemsize, 7), itemsize)
 
 

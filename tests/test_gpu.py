@@ -23,7 +23,7 @@ from ectier import (
     InvalidTensorError,
     TieredCache,
 )
-from ectier.copy import CudaCopyEngine
+from ectier.copy import LANES, CudaCopyEngine
 from ectier import testing
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -50,7 +50,7 @@ def delay_lanes(cache: TieredCache, *lanes: str) -> None:
     """Make the engine's streams of ``lanes`` busy for a while (a copy enqueued now runs late)."""
     engine = testing.copy_engine_of(cache, DEV)
     for lane in lanes:
-        for stream in engine._lanes[lane]:
+        for stream in engine.streams(lane):
             with torch.cuda.stream(stream):
                 torch.cuda._sleep(SPIN)
 
@@ -291,7 +291,7 @@ def test_copy_lanes_are_never_one_of_the_streams_an_engine_like_vllm_creates():
     cache = host_cache()
     try:
         engine = testing.copy_engine_of(cache, DEV)
-        lanes = {s.cuda_stream for streams in engine._lanes.values() for s in streams}
+        lanes = {s.cuda_stream for lane in LANES for s in engine.streams(lane)}
         theirs = {torch.cuda.Stream(DEV).cuda_stream for _ in range(64)}  # twice torch's pool of 32
         assert lanes and not lanes & theirs
     finally:

@@ -431,7 +431,7 @@ def test_cuda_engine_orders_copies_after_the_producer_and_before_the_consumer(mo
 
     monkeypatch.setattr(torch.Tensor, "copy_", spy_copy)
     engine = CudaCopyEngine("cuda:0", streams_per_direction=2)
-    d2h = [s.name for s in engine._lanes["d2h"]]
+    d2h = [s.name for s in engine.streams("d2h")]
     dst, src = torch.zeros(8, dtype=torch.uint8), torch.arange(8, dtype=torch.uint8)
     log.clear()
     h = engine.copy([(dst, src)], lane="d2h")

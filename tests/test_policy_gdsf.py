@@ -91,7 +91,7 @@ def test_remove_readd_and_default_cost():
     for i in range(500):  # lazy deletions compact
         p.add(i, 1, cost=1.0)
         p.remove(i)
-    assert len(p._heap) < 200
+    assert p.heap_items < 200
     p.add("a", 10, cost=1.0)
     p.touch("a")
     p.add("a", 10, cost=1.0)  # re-add resets frequency
