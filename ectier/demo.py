@@ -59,7 +59,6 @@ from .config import CacheConfig, HostTierConfig, NvmeTierConfig
 from .demo_baseline import SafetensorsPerItemStore
 from .demo_encoder import StandInEncoder
 from .demo_replay import BaselineSide, EctierSide, Touch, by_size, replay, speedup
-from .demo_replay import same_bytes as _same_bytes  # noqa: F401  (tests compare with it)
 from .demo_report import print_summary
 from .demo_workload import SEED_SIZES, SKIMAGE_PHOTOS  # noqa: F401  (re-exported)
 from .demo_workload import DemoImage, load_images, mm_hash, zipf_stream

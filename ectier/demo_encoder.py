@@ -62,6 +62,12 @@ class StandInEncoder:
         self._work = torch.empty(0, self.spec.embed_dim, dtype=torch.float32)
         self._den = torch.empty(0, self.spec.embed_dim, dtype=torch.float32)
 
+    @property
+    def projection(self) -> torch.Tensor:
+        """A copy of the projection matrix ``P`` of step 4: float32, ``(51, embed_dim)``, holding
+        integers in ``-255..255`` (fixed by ``seed``)."""
+        return self._proj.clone()
+
     def grid(self, width: int, height: int) -> tuple[int, int]:
         """Token grid ``(rows, columns)`` of a ``width x height`` image; ``rows * columns = N``."""
         spec = self.spec

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from .bench.limits import check_stream
 from .errors import ConfigError
 
-__all__ = ["DemoImage", "SEED_SIZES", "SKIMAGE_PHOTOS", "load_images", "mm_hash", "zipf_stream"]
+__all__ = ["DemoImage", "SEED_SIZES", "SKIMAGE_PHOTOS", "load_images", "mm_hash", "skimage_data", "zipf_stream"]
 
 #: Photographs scikit-image ships inside its wheel (no download needed), in display order.
 SKIMAGE_PHOTOS = (
@@ -120,8 +120,10 @@ def _center_crop_resize(img: np.ndarray, width: int, height: int) -> np.ndarray:
     return np.ascontiguousarray((out[:, :, 0] if grey else out).numpy())
 
 
-def _import_skimage():
-    """Return the ``skimage.data`` module; raises ImportError without scikit-image."""
+def skimage_data():
+    """The ``skimage.data`` module: where :func:`load_images` takes its photographs from (each one
+    a loader function named as in :data:`SKIMAGE_PHOTOS`; some need a download, which
+    :func:`load_images` skips). Raises ImportError without scikit-image."""
     import skimage.data
 
     return skimage.data
@@ -164,7 +166,7 @@ def load_images(
     photos: dict[str, np.ndarray] = {}
     data = None
     try:
-        data = _import_skimage()
+        data = skimage_data()
     except ImportError as exc:
         warn(f"scikit-image is not installed ({exc}); using deterministic synthetic pixels instead "
              f"(pip install 'ectier[demo]' for real photographs)")

@@ -202,7 +202,7 @@ def test_demo_without_scikit_image_uses_synthetic_pixels(tmp_path, monkeypatch):
     def no_skimage():
         raise ImportError("No module named 'skimage'")
 
-    monkeypatch.setattr(demo_workload, "_import_skimage", no_skimage)
+    monkeypatch.setattr(demo_workload, "skimage_data", no_skimage)
     console = Console(record=True, width=200)
     s = demo.run_demo(demo.DemoOptions(images=5, requests=15, host_bytes=3 << 20, nvme_bytes=8 << 20,
                                        dir=str(tmp_path)), console=console)

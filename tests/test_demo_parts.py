@@ -13,6 +13,7 @@ import torch
 
 import ectier.demo as demo
 import ectier.demo_workload as demo_workload
+from ectier.demo_replay import same_bytes
 from ectier.errors import ConfigError
 from ectier.sizing import image_tokens
 
@@ -21,7 +22,7 @@ from ectier.sizing import image_tokens
 
 
 def test_load_images_skips_photographs_that_need_a_download(monkeypatch):
-    real = demo_workload._import_skimage()
+    real = demo_workload.skimage_data()
 
     def offline(exc):
         def loader():
@@ -31,7 +32,7 @@ def test_load_images_skips_photographs_that_need_a_download(monkeypatch):
     fake = types.SimpleNamespace(**{name: getattr(real, name) for name in demo.SKIMAGE_PHOTOS})
     fake.camera = offline(ModuleNotFoundError("requires pooch"))
     fake.coffee = offline(ConnectionError("network is unreachable"))
-    monkeypatch.setattr(demo_workload, "_import_skimage", lambda: fake)
+    monkeypatch.setattr(demo_workload, "skimage_data", lambda: fake)
     notes = []
     images, origin = demo.load_images(warn=notes.append)
     names = [im.name for im in images]
@@ -137,7 +138,7 @@ def test_stand_in_encoder_bytes_do_not_depend_on_the_cpu_kernels():
 
 def test_stand_in_encoder_arithmetic_is_exact():
     enc = demo.StandInEncoder()
-    proj = enc._proj
+    proj = enc.projection
     assert torch.equal(proj, proj.round()) and proj.abs().max() <= 255
     # features are integers 0..1020 over 51 terms: every partial sum of features @ P is exact in float32
     assert proj.shape[0] * 1020 * 255 < 2**24
@@ -186,9 +187,9 @@ def test_same_bytes_is_bitwise():
     a = torch.tensor([0.0, 1.0], dtype=torch.bfloat16)
     b = torch.tensor([-0.0, 1.0], dtype=torch.bfloat16)
     assert torch.equal(a, b)  # equal as numbers ...
-    assert not demo._same_bytes(a, b)  # ... not as bytes
-    assert demo._same_bytes(a, a.clone())
-    assert not demo._same_bytes(a, a.to(torch.float16))
-    assert not demo._same_bytes(a, a.reshape(2, 1))
+    assert not same_bytes(a, b)  # ... not as bytes
+    assert same_bytes(a, a.clone())
+    assert not same_bytes(a, a.to(torch.float16))
+    assert not same_bytes(a, a.reshape(2, 1))
     odd = torch.arange(3, dtype=torch.uint8)
-    assert demo._same_bytes(odd, odd.clone()) and not demo._same_bytes(odd, odd + 1)
+    assert same_bytes(odd, odd.clone()) and not same_bytes(odd, odd + 1)
