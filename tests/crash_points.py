@@ -28,12 +28,13 @@ Points (the LMDB write transaction is reached through a proxy of the tier's envi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 
 import torch
-from ectier import testing
+from ectier import testing, testing_internals
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -131,9 +132,10 @@ def main(point: str, store: str) -> None:
     tier = testing.tier(cache, "nvme")
     env = _Env(testing.lmdb_of(tier).env, tier)
     testing.set_lmdb_env(tier, env)
+    hooks = contextlib.ExitStack()  # never closed: the process is killed at its hook
     if point == "after-commit":
-        original = NvmeTier._set_record
-        NvmeTier._set_record = lambda self, d, rec: stop(point) if rec is not None else original(self, d, rec)
+        hooks.enter_context(testing_internals.before_nvme_record(
+            tier, lambda d, rec: stop(point) if rec is not None else None))  # v2 committed, not yet recorded
     elif point == "wt-between-commit-and-write":
         NvmeTier.write = lambda self, d, rec: stop(point)
     elif point == "wt-failed-returned":

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from codec_helpers import ALL_CODECS, ITEMSIZES, POISON, ZSTD_CODECS, bf16_like, make_bytes, make_header, slow
 from ectier import codec as codec_mod
+from ectier import testing_internals
 from ectier.codec import (
     Codec,
     PlaneZstdCodec,
@@ -367,11 +368,14 @@ def test_codec_from_config_errors():
         ZstdCodec.from_config({"name": "zstd-planes"})
 
 
-def test_register_codec(monkeypatch):
-    # Work on copies of the registry so the new codec does not leak into other tests.
-    monkeypatch.setattr(codec_mod, "_BY_ID", dict(codec_mod._BY_ID))
-    monkeypatch.setattr(codec_mod, "_BY_NAME", dict(codec_mod._BY_NAME))
+@pytest.fixture
+def isolated_codecs():
+    """The codec registry as it was after the test, so that a test's codecs do not leak into others."""
+    with testing_internals.isolated_codec_registry():
+        yield
 
+
+def test_register_codec(isolated_codecs):
     @register_codec
     class XorCodec(Codec):
         codec_id = 60_000

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import sys
 import threading
-import types
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ectier import entry as entry_mod
+from ectier import testing_internals
 from ectier.entry import (
     DTYPE_ITEMSIZE,
     MAX_KEY_BYTES,
@@ -206,15 +207,17 @@ def test_next_version_strictly_increasing():
 
 
 @pytest.fixture
-def fake_clock(monkeypatch):
-    """Replace entry's clock; the module's last version is restored afterwards (monkeypatch)."""
-    monkeypatch.setattr(entry_mod, "_last_version", entry_mod._last_version)
+def fake_clock():
+    """``install(values)`` replaces entry's clock by one reading ``values``; the clock and the
+    module's last version (as it was when the test began) are restored afterwards."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(testing_internals.version_clock())  # the last version, put back after
 
-    def install(values):
-        it = iter(values)
-        monkeypatch.setattr(entry_mod, "time", types.SimpleNamespace(time_ns=lambda: next(it)))
+        def install(values):
+            it = iter(values)
+            stack.enter_context(testing_internals.version_clock(lambda: next(it)))
 
-    return install
+        yield install
 
 
 def test_next_version_increases_even_if_the_clock_stalls_or_goes_back(fake_clock):
@@ -241,11 +244,10 @@ def fast_thread_switching():
 
 
 @pytest.mark.parametrize("clock", ["real", "stalled"])
-def test_next_version_unique_and_increasing_across_threads(fast_thread_switching, monkeypatch, clock):
+def test_next_version_unique_and_increasing_across_threads(fast_thread_switching, fake_clock, clock):
     if clock == "stalled":  # every version then comes from the counter: last + 1 under the lock
-        monkeypatch.setattr(entry_mod, "_last_version", entry_mod._last_version)
         now = next_version()
-        monkeypatch.setattr(entry_mod, "time", types.SimpleNamespace(time_ns=lambda: now))
+        fake_clock(itertools.repeat(now))
     nthreads, per_thread = 8, (20000 if clock == "stalled" else 2000)
     results: list[list[int]] = [[] for _ in range(nthreads)]
     barrier = threading.Barrier(nthreads)

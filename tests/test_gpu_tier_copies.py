@@ -28,7 +28,7 @@ from ectier import GpuTierConfig, InvalidDeviceError
 from ectier.copy import Completer, CopyHandle, CudaCopyEngine, InlineCopyEngine
 from ectier.testing import DeferredCopyEngine
 from ectier.entry import entry_digest
-from ectier import testing
+from ectier import testing, testing_internals
 
 
 @pytest.fixture
@@ -292,9 +292,7 @@ def test_a_failed_promotion_copy_is_served_from_the_host_copy(open_cache):
                 self.armed = False
                 for dst, _ in pairs:
                     dst.fill_(0xA5)  # what a failed copy may leave behind
-                h = CopyHandle()
-                h._finish(RuntimeError("injected copy failure"))
-                return h
+                return testing_internals.failed_copy(RuntimeError("injected copy failure"))
             return super().copy(pairs, lane=lane)
 
     e = FailArenaWrites()

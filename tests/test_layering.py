@@ -74,8 +74,9 @@ LAYERS: tuple[Layer, ...] = (
     ),
     Layer("tensors-and-tiers", 2, ("ectier.tensors", "ectier.copy", "ectier.pinning", "ectier.tiers", "ectier.tiers.*")),
     Layer("stack-and-mover", 3, ("ectier.stack", "ectier.mover", "ectier.moves", "ectier.moves.*")),
-    # "ectier" is the package facade, __init__.py; ectier.testing wraps the facade for tests
-    Layer("cache", 4, ("ectier.cache", "ectier.cache_arena", "ectier", "ectier.testing", "ectier.testing_order")),
+    # "ectier" is the package facade, __init__.py; ectier.testing (and testing_*) wrap the facade for tests
+    Layer("cache", 4, ("ectier.cache", "ectier.cache_arena", "ectier", "ectier.testing", "ectier.testing_order",
+                       "ectier.testing_internals")),
     Layer(
         "frontends",
         5,

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from ectier import StoreLockedError, StoreOpenError, TieredCache
+from ectier import StoreLockedError, StoreOpenError, TieredCache, testing_internals
 
 from conftest import MiB, assert_same, digest, filled, make_config, open_lmdb
 
@@ -146,21 +146,17 @@ def test_quarantine_of_an_old_header_keeps_a_newer_record(tmp_path):
         tier.close()
 
 
-def test_overwrite_after_restart_with_the_clock_behind(make_cache, tmp_path, monkeypatch):
-    import types
-
-    import ectier.entry as entry_mod
+def test_overwrite_after_restart_with_the_clock_behind(make_cache, tmp_path):
+    import time
 
     cache, cfg = make_cache(host_bytes=0)
     cache.put("k", filled(4096, 1))
     cache.close()
     # a new process (fresh version counter) on a host whose wall clock is now one hour behind
-    real_ns = entry_mod.time.time_ns
-    monkeypatch.setattr(entry_mod, "_last_version", 0)
-    monkeypatch.setattr(entry_mod, "time", types.SimpleNamespace(time_ns=lambda: real_ns() - 3600 * 10**9))
-    with TieredCache(cfg) as again:
-        again.put("k", filled(4096, 2))
-        assert_same(again.get("k"), filled(4096, 2))
+    with testing_internals.version_clock(lambda: time.time_ns() - 3600 * 10**9, last=0):
+        with TieredCache(cfg) as again:
+            again.put("k", filled(4096, 2))
+            assert_same(again.get("k"), filled(4096, 2))
 
 
 _TRUNCATE_SCRIPT = """

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ectier import InvalidTensorError, TieredCache, testing
+from ectier import InvalidTensorError, TieredCache, testing, testing_internals
 from ectier.tiers.host import HostTier
 from ectier.tiers.nvme_segment import BLOCK_BYTES
 
@@ -109,7 +109,7 @@ def test_shared_holds_of_the_rw_lock_exclude_an_exclusive_one(make_cache):
     import threading
 
     cache, _ = make_cache(host_bytes=0, nvme_bytes=4 * MiB)
-    rw = testing.tier(cache, "nvme")._rw
+    rw = testing_internals.nvme_rw_lock(cache)
     entered = threading.Event()
 
     def grow():

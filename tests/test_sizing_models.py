@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-from ectier import models, sizing
+from ectier import models, sizing, testing_internals
 from ectier.errors import ConfigError
 from ectier.sizing import MODELS, ModelSpec, get_model, image_tokens, max_tokens, min_tokens, parse_size, register_model
 
@@ -65,7 +65,7 @@ def test_register_model_and_use_it():
         dtype="float32",
         fixed_tokens=7,
     )
-    try:
+    with testing_internals.isolated_model_registry():
         assert register_model(spec) is spec
         assert spec.itemsize == 4  # derived from float32
         assert MODELS["test-fixed-tiny"] is spec
@@ -77,10 +77,6 @@ def test_register_model_and_use_it():
         with pytest.raises(ConfigError, match="qwen3_vl"):
             register_model(clash)
         assert "other" not in MODELS
-    finally:
-        models._models.pop("test-fixed-tiny", None)
-        for k in [k for k, v in models._lookup.items() if v == "test-fixed-tiny"]:
-            del models._lookup[k]
 
 
 def test_unregistered_spec_can_be_passed_directly():

@@ -1,0 +1,122 @@
+"""More of what tests use instead of private state (:mod:`ectier.testing` is full): the NVMe tier's
+read/write lock and a hook before its record bookkeeping, a copy handle that has failed, the
+write-version clock, and registries a test may add to without leaking into other tests.
+
+Like :mod:`ectier.testing`, this module may look inside the cache, its tiers and the library's
+module state, so that tests need not. Not for production.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Any, Callable, Iterator
+
+from .cache import TieredCache
+from .copy import CopyHandle
+from .tiers.base import Tier
+
+__all__ = ["nvme_rw_lock", "before_nvme_record", "failed_copy", "version_clock", "isolated_codec_registry",
+           "isolated_model_registry"]
+
+
+def _nvme(target: "TieredCache | Tier") -> Any:
+    return target._stack.get("nvme") if isinstance(target, TieredCache) else target
+
+
+def nvme_rw_lock(target: "TieredCache | Tier") -> Any:
+    """The read/write lock of a cache's (or an NVMe tier's) store: every transaction and segment
+    file read or write holds it shared (``with lock.shared():``), a map resize or close holds it
+    exclusively (``with lock.exclusive():``); see :class:`ectier.tiers.nvme_env.RWLock`."""
+    return _nvme(target)._rw
+
+
+@contextlib.contextmanager
+def before_nvme_record(target: "TieredCache | Tier", fn: Callable[[bytes, Any], None]) -> Iterator[None]:
+    """Call ``fn(digest, record)`` each time the NVMe tier of ``target`` is about to change its
+    in-memory record of ``digest`` (``record`` is the new record, or ``None`` for a removal), before
+    the change, from the thread making it, while the context is open. For a put, the LMDB
+    transaction of ``record`` has committed by then and the tier's bookkeeping of it has not begun
+    (a crash point). ``fn`` may block (e.g. until the process is killed); if it raises, the change
+    is not made."""
+    nvme = _nvme(target)
+    real = nvme._set_record
+
+    def hooked(digest: bytes, record: Any) -> None:
+        fn(digest, record)
+        real(digest, record)
+
+    nvme._set_record = hooked
+    try:
+        yield
+    finally:
+        del nvme._set_record
+
+
+def failed_copy(error: BaseException) -> CopyHandle:
+    """A :class:`~ectier.copy.CopyHandle` already complete with ``error``: what a copy engine
+    returns for a batch whose copies failed (``done()`` is true, ``error`` is ``error``)."""
+    handle = CopyHandle()
+    handle._finish(error)
+    return handle
+
+
+@contextlib.contextmanager
+def version_clock(time_ns: Callable[[], int] | None = None, *, last: int | None = None) -> Iterator[None]:
+    """Inside: :func:`ectier.entry.next_version` reads ``time_ns()`` (nanoseconds) instead of the
+    wall clock, e.g. one that stalls, goes back or runs behind (``None``: the clock it reads stays);
+    with ``last``, this process's version counter starts at ``last`` (``0``: a fresh process).
+    After: the clock it read before, and the counter back where it was when the context was
+    entered, whatever versions were stamped inside."""
+    from . import entry
+
+    with entry._version_lock:
+        saved = entry._last_version
+        if last is not None:
+            entry._last_version = last
+    clock = entry.time
+    if time_ns is not None:
+        entry.time = types.SimpleNamespace(time_ns=time_ns)
+    try:
+        yield
+    finally:
+        entry.time = clock
+        with entry._version_lock:
+            entry._last_version = saved
+
+
+@contextlib.contextmanager
+def isolated_codec_registry() -> Iterator[None]:
+    """Inside: codecs may be registered (:func:`ectier.codec.register_codec`) as usual; after: the
+    registry holds exactly the codecs it held before, so a test's codecs do not leak into others."""
+    from . import codec
+
+    with codec._REGISTRY_LOCK:
+        by_id, by_name = dict(codec._BY_ID), dict(codec._BY_NAME)
+    try:
+        yield
+    finally:
+        with codec._REGISTRY_LOCK:
+            codec._BY_ID.clear()
+            codec._BY_ID.update(by_id)
+            codec._BY_NAME.clear()
+            codec._BY_NAME.update(by_name)
+
+
+@contextlib.contextmanager
+def isolated_model_registry() -> Iterator[None]:
+    """Inside: models may be registered (:func:`ectier.models.register_model`) as usual; after: the
+    registry (and :data:`ectier.models.MODELS`, a view of it) holds exactly the models, names and
+    aliases it held before, so a test's models do not leak into others."""
+    from . import models
+
+    with models._lock:
+        specs, names = dict(models._models), dict(models._lookup)
+    try:
+        yield
+    finally:
+        with models._lock:
+            models._models.clear()
+            models._models.update(specs)
+            models._lookup.clear()
+            models._lookup.update(names)
