@@ -43,6 +43,7 @@ from daemon_helpers import (
     spec_digest,
     write_arena,
 )
+from ectier import testing_daemon
 from ectier.cli import main as cli_main
 from ectier.daemon.client import DaemonClient
 from ectier.daemon.protocol import PROTOCOL_VERSION, ProtocolError
@@ -385,11 +386,11 @@ def test_client_registers_its_arena_mapping_with_cuda_when_present(tmp_path, mon
     arena.write_bytes(b"\0" * 65536)
     client = DaemonClient(str(tmp_path / "no.sock"))
     client.server_info = {"arena": {"path": str(arena), "nbytes": 65536, "block_bytes": 4096}}
-    view = client._arena_tensor()
+    view = testing_daemon.map_arena(client)
     assert calls == []  # registered at the first put of a CUDA tensor, under that tensor's device
-    assert client._page_locked(torch.device("cuda", 1))
+    assert testing_daemon.page_lock_arena(client, torch.device("cuda", 1))
     assert calls == [("register", view.data_ptr(), 65536, 1)] and devices == [torch.device("cuda", 1)]  # portable
-    assert client._page_locked(torch.device("cuda", 1)) and len(calls) == 1  # once
+    assert testing_daemon.page_lock_arena(client, torch.device("cuda", 1)) and len(calls) == 1  # once
     ptr = view.data_ptr()
     del view
     client.close()

@@ -32,6 +32,7 @@ from daemon_helpers import (
     tensor_digest,
     wait_for,
 )
+from ectier import testing_daemon
 from ectier.cli import main as cli_main
 from ectier.errors import EctierError
 from ectier.daemon.client import DaemonClient, DaemonUnavailableError
@@ -254,12 +255,12 @@ def test_a_reconnect_to_the_same_daemon_keeps_the_arena_registered(idler, monkey
         t = make_tensor(7, "uint8", (64 * KiB,))
         c.put("reg", t)
         assert calls == []  # a CPU put registers nothing: the first CUDA put does (emulated below)
-        assert c._page_locked(gpu) and calls == ["register"]
+        assert testing_daemon.page_lock_arena(c, gpu) and calls == ["register"]
         wait_for(lambda: "registered" not in {x["name"] for x in daemon_stats(sock)["daemon"]["clients"]},
                  timeout=10, what="the idle connection to be closed")
         _same(c.get("reg"), t)  # through a new connection
         c.put("reg2", t)
-        assert c._page_locked(gpu) and calls == ["register"]
+        assert testing_daemon.page_lock_arena(c, gpu) and calls == ["register"]
     finally:
         c.close()
     assert calls == ["register", "unregister"]

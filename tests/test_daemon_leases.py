@@ -33,7 +33,7 @@ from daemon_helpers import (
     short_tmpdir,
     write_arena,
 )
-from ectier import CacheConfig
+from ectier import CacheConfig, testing
 from ectier.daemon.client import DaemonClient, DaemonUnavailableError
 from ectier.daemon.protocol import encode_frame
 from ectier.errors import LeaseExpiredError
@@ -177,21 +177,14 @@ def test_commit_after_the_lease_expired_fails(restricted):
         c.close()
 
 
-def test_get_whose_copy_outlives_the_lease_is_a_miss(restricted, monkeypatch):
+def test_get_whose_copy_outlives_the_lease_is_a_miss(restricted):
     c = DaemonClient(restricted.socket_path, client_name="slow-reader")
     try:
         t = make_tensor(71, "bfloat16", (8, 8192))
         c.put("slow-get", t)
         c.get("slow-get")  # maps the arena
-        real = c._arena_tensor
-
-        def stalled():
-            time.sleep(1.2)  # the copy takes longer than daemon.lease_s
-            return real()
-
-        monkeypatch.setattr(c, "_arena_tensor", stalled)
-        assert c.get("slow-get") is None  # release said valid: false -> the copy is discarded
-        monkeypatch.undo()
+        with testing.stall_daemon_copy(c, 1.2):  # the copy takes longer than daemon.lease_s
+            assert c.get("slow-get") is None  # release said valid: false -> the copy is discarded
         assert_same(c.get("slow-get"), t)  # the entry itself is intact
     finally:
         c.close()

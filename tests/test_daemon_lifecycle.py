@@ -39,7 +39,7 @@ from daemon_helpers import (
     write_arena,
     write_config,
 )
-from ectier import CacheConfig
+from ectier import CacheConfig, testing_daemon
 from ectier.cli import main as cli_main
 from ectier.daemon.client import DaemonClient, DaemonUnavailableError
 from ectier.daemon.server import DaemonServer
@@ -169,14 +169,14 @@ def test_client_lets_go_of_a_stopped_daemons_arena_at_its_next_call(daemon_dir, 
     server, t = thread_daemon(cfg)
     with DaemonClient(cfg.daemon.socket_path, connect_retry_s=0.2, backoff_s=0.1) as c:
         c.put("a", make_tensor(1, "uint8", (64 * KiB,)))
-        assert c._arena_mmap is not None
+        assert testing_daemon.arena_mapped(c)
         old_arena = server.arena_path
         server.stop()
         t.join(10)
         assert not os.path.exists(old_arena)
         with pytest.raises(DaemonUnavailableError):
             c.contains("a")
-        assert c._arena is None and c._arena_mmap is None, "the stopped daemon's arena is still mapped"
+        assert not testing_daemon.arena_mapped(c), "the stopped daemon's arena is still mapped"
         thread_daemon(cfg)
         time.sleep(0.15)
         b = make_tensor(2, "uint8", (64 * KiB,))

@@ -82,7 +82,7 @@ LAYERS: tuple[Layer, ...] = (
         5,
         ("ectier.cli", "ectier.commands", "ectier.commands.*", "ectier.demo", "ectier.demo_workload", "ectier.demo_encoder", "ectier.demo_baseline",
          "ectier.demo_replay", "ectier.demo_report", "ectier.fsck", "ectier.fsck_pages", "ectier.fsck_segment", "ectier.__main__", "ectier.daemon",
-         "ectier.daemon.*",
+         "ectier.daemon.*", "ectier.testing_daemon",
          "ectier.bench", "ectier.bench.*"),
     ),
 )
