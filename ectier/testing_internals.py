@@ -16,7 +16,7 @@ from .cache import TieredCache
 from .copy import CopyHandle
 from .tiers.base import Tier
 
-__all__ = ["nvme_rw_lock", "before_nvme_record", "failed_copy", "version_clock", "isolated_codec_registry",
+__all__ = ["nvme_rw_lock", "before_nvme_record", "around_nvme_move", "failed_copy", "version_clock", "isolated_codec_registry",
            "isolated_model_registry"]
 
 
@@ -51,6 +51,32 @@ def before_nvme_record(target: "TieredCache | Tier", fn: Callable[[bytes, Any], 
         yield
     finally:
         del nvme._set_record
+
+
+@contextlib.contextmanager
+def around_nvme_move(target: "TieredCache | Tier", before: Callable[[bytes], None] | None = None,
+                     after: Callable[[bytes, bool], None] | None = None) -> Iterator[None]:
+    """While the context is open, each move of a record below the budget's end of a grown segment
+    file (:mod:`ectier.tiers.nvme_compact`) by the NVMe tier of ``target`` calls ``before(digest)``
+    once the copy is written and synced, before the index transaction naming it begins, and
+    ``after(digest, committed)`` once that transaction is over, before the old blocks are freed
+    (crash points; either may block until the process is killed)."""
+    nvme = _nvme(target)
+    real = nvme._commit_move
+
+    def hooked(digest: bytes, *args: Any) -> bool:
+        if before is not None:
+            before(digest)
+        committed = real(digest, *args)
+        if after is not None:
+            after(digest, committed)
+        return committed
+
+    nvme._commit_move = hooked
+    try:
+        yield
+    finally:
+        del nvme._commit_move
 
 
 def failed_copy(error: BaseException) -> CopyHandle:

@@ -142,15 +142,10 @@ def main(point: str, store: str) -> None:
         def fail(self, d, rec):
             raise TierWriteError("nvme tier: injected write failure")
         NvmeTier.write = fail
-    elif point.startswith("move-"):
-        commit_move = NvmeTier._commit_move
-
-        def move_then_stop(self, *args):
-            env.armed = point if point == "move-mid-txn" else None
-            committed = commit_move(self, *args)
-            stop(point)
-            return committed
-        NvmeTier._commit_move = move_then_stop
+    elif point == "move-mid-txn":  # inside the move's transaction, after its put
+        hooks.enter_context(testing_internals.around_nvme_move(tier, before=lambda d: setattr(env, "armed", point)))
+    elif point == "move-after-commit":
+        hooks.enter_context(testing_internals.around_nvme_move(tier, after=lambda d, committed: stop(point)))
     elif point not in ("wt-returned", "wt-failed-returned"):
         env.armed = point
     if point == "mid-delete-txn":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import threading
 
 import pytest
 
@@ -97,3 +98,33 @@ def test_moving_records_down_keeps_the_sync_order(make_cache, tmp_path):
     assert check.violations == []
     assert check.syncs >= 8
     assert_same(cache.get("a"), filled(3 * MiB + 512 * KiB, 4))
+
+
+def test_a_move_that_found_no_room_under_a_read_is_done_when_the_read_ends(make_cache, tmp_path, monkeypatch):
+    """An overwrite while a get reads the old copy: the old blocks stay held for that read, so the
+    move after the write finds no room. When the read ends the move is done, with the cache idle
+    afterwards: the file is back within its budget."""
+    capacity, entry = 4 * MiB, 3 * MiB + 512 * KiB
+    cache, _ = make_cache(host_bytes=0, nvme_bytes=capacity)
+    cache.put("a", filled(entry, 1))
+    real, in_read, go, got = os.preadv, threading.Event(), threading.Event(), {}
+
+    def preadv(*args, **kwargs):
+        if threading.current_thread().name == "R":
+            in_read.set()
+            go.wait(10)
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "preadv", preadv)
+        reader = threading.Thread(target=lambda: got.setdefault("a", cache.get("a")), name="R", daemon=True)
+        reader.start()
+        assert in_read.wait(10)
+        cache.put("a", filled(entry, 2))
+        assert _segment_bytes(tmp_path) > 1.5 * capacity  # (both copies: the move had no room)
+        go.set()
+        reader.join(10)
+    assert_same(got["a"], filled(entry, 1))  # the read in progress got the old bytes whole
+    check_quiescent(cache)
+    assert _segment_bytes(tmp_path) <= 1.1 * capacity
+    assert_same(cache.get("a"), filled(entry, 2))

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from ectier import TieredCache, testing
+from ectier import TieredCache, testing, testing_internals
 
 from conftest import KiB, MiB, assert_same, filled
 
@@ -137,3 +137,30 @@ def test_an_exception_in_a_group_commit_follower_leaves_no_entry_over_free_block
         st = again.stats()["tiers"]["nvme"]
         assert (st["quarantined"], st["checksum_failures"]) == (0, 0), "an index entry over reused blocks"
         assert_same(again.get("g"), filled(100 * KiB, 4))
+
+
+def test_an_exception_in_a_group_commit_leader_after_its_commit_keeps_the_entry(make_cache):
+    """The exception lands in the leader right after LMDB's commit (as one from a signal that
+    arrived during its fsync would), before the tier's bookkeeping: the entry is committed, so it
+    stands and its blocks are not given back (no index entry over blocks the next put reuses)."""
+    cache, cfg = make_cache(host_bytes=0, nvme_bytes=16 * MiB)
+    cache.put("warm", filled(1000, 0))
+    main = threading.main_thread()
+
+    def slow_bookkeeping(digest, record):
+        if threading.current_thread() is main and record is not None:
+            time.sleep(2.0)  # the signal lands here
+
+    with testing_internals.before_nvme_record(cache, slow_bookkeeping), _interrupt_after(0.3):
+        try:
+            cache.put("a", filled(256 * KiB, 2))
+        except _Interrupt:
+            pass  # (raised, or logged by the move as a write that failed after its commit)
+    cache.put("g", filled(256 * KiB, 4))  # the lowest free blocks: a's, had they been given back
+    assert_same(cache.get("g"), filled(256 * KiB, 4))
+    cache.close()
+    with TieredCache(cfg) as again:
+        assert_same(again.get("a"), filled(256 * KiB, 2))
+        assert_same(again.get("g"), filled(256 * KiB, 4))
+        st = again.stats()["tiers"]["nvme"]
+        assert (st["quarantined"], st["checksum_failures"]) == (0, 0), "an index entry over reused blocks"

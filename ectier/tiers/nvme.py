@@ -37,7 +37,9 @@ Code: this module is the tier (the Tier protocol, record I/O, quarantine);
 :mod:`ectier.tiers.nvme_env` opens, locks, scans, grows and closes the store;
 :mod:`ectier.tiers.nvme_record` encodes records and index values and holds the checks of every read
 (also used by ``ectier fsck``); :mod:`ectier.tiers.nvme_index` is the in-memory index (records,
-policy, budget); :mod:`ectier.tiers.nvme_segment` the segment file and its free-space map.
+policy, budget); :mod:`ectier.tiers.nvme_segment` the segment file and its free-space map;
+:mod:`ectier.tiers.nvme_commit` group commit and the commit a group's leader runs;
+:mod:`ectier.tiers.nvme_compact` moves the records past the budget's end of a grown segment file.
 
 Threads: the tier is safe to share between threads. Index commits are serialised (LMDB has one
 writer; concurrent writes share a group commit); reads run in parallel with each other and with
@@ -66,16 +68,15 @@ from ..entry import DTYPE_ITEMSIZE, EntryMeta
 from ..errors import CacheClosedError, CorruptRecordError, StoreOpenError, TierWriteError
 from ..policy import make_policy
 from .base import Tier
-from .nvme_env import (RELEASE_MARKER, STORE_FORMAT, NvmeDiskFullError, NvmeEnv, free_disk_bytes, write_error,
-                       lmdb_write_error)
-from .nvme_commit import GroupCommit, Pending, put_entry
+from .nvme_env import RELEASE_MARKER, STORE_FORMAT, NvmeDiskFullError, NvmeEnv, free_disk_bytes, write_error
+from .nvme_commit import GroupCommit, IndexCommits
 from .nvme_compact import TailCompaction
 from .nvme_index import NvmeIndex, NvmeRecord
 from .nvme_reader import ByteViews, flat_cpu_bytes
 from .nvme_record import (CheckedRecord, EncodedRecord, check_index_value, check_record, encode_record,
-                          pack_index_value, parse_index_value)
+                          parse_index_value)
 from .nvme_scan import placed_entries
-from .nvme_segment import BLOCK_BYTES, Location, blocks_for, pack_location
+from .nvme_segment import BLOCK_BYTES, Location, blocks_for
 
 __all__ = ["NvmeTier", "NvmeRecord", "EncodedRecord", "STORE_FORMAT", "RELEASE_MARKER", "check_record",
            "NvmeDiskFullError"]
@@ -85,7 +86,7 @@ RAW_CODEC_ID = get_codec("raw").codec_id
 log = logging.getLogger(__name__)
 
 
-class NvmeTier(TailCompaction, Tier):
+class NvmeTier(IndexCommits, TailCompaction, Tier):
     """An LMDB-backed record store under ``config.path`` (see the module docstring).
 
     Args:
@@ -261,42 +262,6 @@ class NvmeTier(TailCompaction, Tier):
             if self._store.env is not None:
                 self._store.space.free(loc)
 
-    def _commit_group(self, batch: list[Pending]) -> None:
-        """Sync the payloads of ``batch`` (``fdatasync`` with ``nvme.sync``), then commit their
-        index entries in one LMDB transaction, each conditional on its version: ``result`` is
-        ``(written, location of the record it replaced)``."""
-        self._segment_io("flush")
-        values = [pack_index_value(h, loc) for _, h, loc in (p.item for p in batch)]
-        need = sum(len(v) for v in values)
-        released = False  # one commit may make pages freed by earlier deletes reusable
-        for _ in range(64):
-            with self._rw.shared(), self._write_lock:
-                self._check_open()
-                results = []
-                try:
-                    with self._env.begin(write=True) as txn:
-                        for p, value in zip(batch, values):
-                            results.append(put_entry(txn, self._meta, p.item, value))
-                except lmdb.MapFullError:
-                    if not released:
-                        released = True
-                        if self._store.release_freed_pages():
-                            continue  # retry once before growing: the freed pages may be enough
-                except lmdb.Error as exc:
-                    self.counters["write_errors"] += 1
-                    raise lmdb_write_error(self.path, exc, need, self._free_disk_bytes()) from None
-                else:
-                    self._store.reserve.keep()  # what LMDB grew into is held again, if there is room
-                    for p, value, (done, old) in zip(batch, values, results):
-                        digest, header, loc = p.item
-                        if done:
-                            stored = len(value) - len(pack_location(loc)) + loc.alloc_bytes
-                            self._set_record(digest, NvmeRecord(header, stored, loc, value))
-                        p.result = (done, old)
-                    return
-            self._store.grow(need)
-        raise TierWriteError("nvme tier: map still full after growing")  # pragma: no cover
-
     def _free_disk_bytes(self) -> int | None:
         return free_disk_bytes(self.path)
 
@@ -375,6 +340,8 @@ class NvmeTier(TailCompaction, Tier):
         finally:
             space.end_read(epoch)
             rw.release_shared()
+            if self._past_base:  # a move found no room while reads held freed blocks: look again
+                self.compact_tail()
         if failure is None:
             # No record in this read's snapshot. Forget the in-memory record only if LMDB still has
             # none under the write lock: a write that committed after the snapshot began is kept.

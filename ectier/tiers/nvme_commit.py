@@ -19,10 +19,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from ..errors import CorruptRecordError
-from .nvme_record import parse_index_value
+import lmdb
 
-__all__ = ["GroupCommit", "Pending", "put_entry"]
+from ..errors import CorruptRecordError, EctierError, TierWriteError
+from .nvme_errors import lmdb_write_error
+from .nvme_index import NvmeRecord
+from .nvme_record import pack_index_value, parse_index_value
+from .nvme_segment import pack_location
+
+__all__ = ["GroupCommit", "IndexCommits", "Pending", "put_entry", "committed_entries", "record_committed"]
 
 
 @dataclass
@@ -104,12 +109,16 @@ class GroupCommit:
             except BaseException:
                 self._withdraw_locked(p)
                 raise
+        failure = None
         try:
             self._commit(batch)
-        except BaseException as exc:  # noqa: BLE001 - handed to every entry of the group
+        except BaseException as exc:  # noqa: BLE001 - handed to every entry of the group not committed
+            failure = exc
+            others = exc if isinstance(exc, (EctierError, OSError)) else TierWriteError(
+                f"nvme tier: the group commit was cut in another thread ({type(exc).__name__}: {exc}); not stored")
             for q in batch:
                 if q.result is None and q.error is None:
-                    q.error = exc
+                    q.error = exc if q is p else others
         finally:
             with self._cond:
                 for q in batch:
@@ -118,6 +127,8 @@ class GroupCommit:
                 self.entries += len(batch)
                 self._leading = False
                 self._cond.notify_all()
+        if failure is not None and p.error is None:
+            raise failure  # (this writer's entry was committed before the exception: it stands)
         return self._outcome(p)
 
     def _withdraw_locked(self, p: Pending) -> None:
@@ -156,3 +167,87 @@ def put_entry(txn: Any, db: object, item: tuple, value: bytes) -> tuple[bool, An
             old = None  # replaced below; its blocks come back at the next open
     txn.put(digest, value, db=db)
     return True, old
+
+
+def committed_entries(env: Any, db: object, batch: list[Pending], values: list[bytes]) -> list[tuple[Pending, bytes]]:
+    """After an exception cut the commit of ``batch`` (``values``: their index values): the
+    entries that the store holds byte for byte, i.e. whose commit happened. Each of them without a
+    ``result`` gets ``(True, None)`` (the location of the record it replaced is not known here: its
+    blocks come back at the next open). ``[]`` when the store cannot be read (closed meanwhile)."""
+    try:
+        txn = env.begin()
+        try:
+            held = [txn.get(p.item[0], db=db) for p in batch]
+        finally:
+            txn.abort()
+    except Exception:  # noqa: BLE001 - closed or failing: nothing can be said, nothing is claimed
+        return []
+    out = []
+    for p, value, now in zip(batch, values, held):
+        if now is not None and bytes(now) == value:
+            if p.result is None and p.error is None:
+                p.result = (True, None)
+            out.append((p, value))
+    return out
+
+
+def record_committed(index: Any, set_record: Callable[[bytes, Any], None], entries: list[tuple[Pending, bytes]]) -> None:
+    """Set the in-memory records (``set_record(digest, NvmeRecord)``) of committed ``(entry, index
+    value)`` pairs; one already in ``index`` with that value is left as it is."""
+    for p, value in entries:
+        digest, header, loc = p.item
+        rec = index.record(digest)
+        if rec is None or rec.value != value:
+            set_record(digest, NvmeRecord(header, len(value) - len(pack_location(loc)) + loc.alloc_bytes, loc, value))
+
+
+class IndexCommits:
+    """Mixin of :class:`~ectier.tiers.nvme.NvmeTier`: the commit a :class:`GroupCommit` leader runs
+    (uses the tier's ``_segment_io``, ``_rw``, ``_write_lock``, ``_check_open``, ``_env``,
+    ``_meta``, ``_store``, ``index``, ``_set_record``, ``counters``, ``path``, ``_free_disk_bytes``)."""
+
+    def _commit_group(self, batch: list[Pending]) -> None:
+        """Sync the payloads of ``batch`` (``fdatasync`` with ``nvme.sync``), then commit their
+        index entries in one LMDB transaction, each conditional on its version: ``result`` is
+        ``(written, location of the record it replaced)``."""
+        self._segment_io("flush")
+        values = [pack_index_value(h, loc) for _, h, loc in (p.item for p in batch)]
+        need = sum(len(v) for v in values)
+        released = False  # one commit may make pages freed by earlier deletes reusable
+        for _ in range(64):
+            with self._rw.shared(), self._write_lock:
+                self._check_open()
+                results = []
+                try:
+                    with self._env.begin(write=True) as txn:
+                        for p, value in zip(batch, values):
+                            results.append(put_entry(txn, self._meta, p.item, value))
+                except lmdb.MapFullError:
+                    if not released:
+                        released = True
+                        if self._store.release_freed_pages():
+                            continue  # retry once before growing: the freed pages may be enough
+                except lmdb.Error as exc:
+                    self.counters["write_errors"] += 1
+                    raise lmdb_write_error(self.path, exc, need, self._free_disk_bytes()) from None
+                except BaseException:  # (a signal handler's exception, possibly right after the commit)
+                    self._settle(batch, values)
+                    raise
+                else:
+                    try:
+                        for p, result in zip(batch, results):
+                            p.result = result
+                        self._store.reserve.keep()  # what LMDB grew into is held again, if there is room
+                        record_committed(self.index, self._set_record,
+                                         [(p, value) for p, value, (done, _) in zip(batch, values, results) if done])
+                    except BaseException:
+                        self._settle(batch, values)
+                        raise
+                    return
+            self._store.grow(need)
+        raise TierWriteError("nvme tier: map still full after growing")  # pragma: no cover
+
+    def _settle(self, batch: list[Pending], values: list[bytes]) -> None:
+        """A group's commit cut by an exception: what LMDB committed of it stands (results, records)."""
+        record_committed(self.index, self._set_record, committed_entries(self._env, self._meta, batch, values))
+

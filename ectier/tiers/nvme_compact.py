@@ -51,10 +51,15 @@ class TailCompaction:
         """Move the records lying (in part) past the region's base into free blocks below it, until
         the region is back at its base or no more fit; the segment file is cut as its end frees up.
         Looks at the records noted by :meth:`note_placement`, or (``every_record``, at open) at all.
+        Called after every write, and after a read while a record noted has not been moved (its
+        move found no room: blocks freed under reads come back when those reads end).
         One compaction at a time (another caller returns at once). Never raises for a failed move
         (logged; the record stays where it was). Returns the records moved."""
         space, noted = self._store.space, self._past_base
-        if space.nblocks <= space.base_blocks or not (every_record or noted):
+        if space.nblocks <= space.base_blocks:
+            noted.clear()  # no block lies past the base
+            return 0
+        if not (every_record or noted):
             return 0
         if not self._compact_lock.acquire(blocking=False):
             return 0

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from dataclasses import dataclass
 from typing import Iterator
 
 from ..codec import RecordHeader, header_nbytes, unpack_header
