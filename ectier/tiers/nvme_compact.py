@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import lmdb
 
 from ..errors import CacheClosedError, CorruptRecordError, EctierError
+from ..logutil import RateLimitedLogger
 from .nvme_index import NvmeRecord
 from .nvme_record import pack_index_value, parse_index_value
 from .nvme_segment import BLOCK_BYTES, Location
@@ -27,7 +29,10 @@ __all__ = ["TailCompaction", "split_at", "moved_bytes", "merged"]
 
 log = logging.getLogger(__name__)
 
-MOVED, SKIPPED, NO_ROOM = "moved", "skipped", "no room"
+MOVED, SKIPPED, DAMAGED, NO_ROOM = "moved", "skipped", "damaged", "no room"
+#: seconds without another move after one failed (an I/O error: a failing disk is not read and
+#: written again on every call)
+RETRY_S = 10.0
 
 
 class TailCompaction:
@@ -41,10 +46,12 @@ class TailCompaction:
     def _init_compaction(self) -> None:
         self._past_base: set[bytes] = set()  # digests a write placed (in part) past the base
         self._compact_lock = threading.Lock()
+        self._compact_retry_at = 0.0  # time.monotonic() before which a failed move is not tried again
+        self._compact_log = RateLimitedLogger(log, RETRY_S)
 
     def note_placement(self, digest: bytes, loc: Location) -> None:
         """A write placed ``digest``'s payload at ``loc``: noted when it reaches past the base."""
-        if loc.extents and max(start + n for start, n in loc.extents) > self._store.space.base_blocks:
+        if _reaches_past(loc, self._store.space.base_blocks):
             self._past_base.add(digest)
 
     def compact_tail(self, *, every_record: bool = False) -> int:
@@ -53,50 +60,68 @@ class TailCompaction:
         Looks at the records noted by :meth:`note_placement`, or (``every_record``, at open) at all.
         Called after every write, and after a read while a record noted has not been moved (its
         move found no room: blocks freed under reads come back when those reads end).
-        One compaction at a time (another caller returns at once). Never raises for a failed move
-        (logged; the record stays where it was). Returns the records moved."""
+        One compaction at a time (another caller returns at once). Never raises for a failed move:
+        it is logged (one line per ``RETRY_S``), the record stays where it was, and no move is tried
+        for ``RETRY_S`` seconds. A record whose bytes fail their checksum is not moved (a read
+        quarantines it). Returns the records moved."""
         space, noted = self._store.space, self._past_base
-        if space.nblocks <= space.base_blocks:
-            noted.clear()  # no block lies past the base
-            return 0
         if not (every_record or noted):
+            return 0
+        if not every_record and (space.nblocks <= space.base_blocks or time.monotonic() < self._compact_retry_at):
+            if space.nblocks <= space.base_blocks:
+                for digest in list(noted):  # none lies past the base (unless a write placed it just now)
+                    self._forget_unless_past(digest, space.base_blocks)
             return 0
         if not self._compact_lock.acquire(blocking=False):
             return 0
         try:
-            return self._compact(list(self.index.records()) if every_record else
-                                 [(d, self.index.record(d)) for d in list(noted)], space.base_blocks)
+            return self._compact(list(self.index.records()) if every_record else list(noted), space.base_blocks)
         finally:
             self._compact_lock.release()
 
-    def _compact(self, candidates: list[tuple[bytes, NvmeRecord | None]], base: int) -> int:
-        space, noted, moved = self._store.space, self._past_base, 0
-        for digest, rec in candidates:
+    def _compact(self, candidates: list, base: int) -> int:
+        """Move ``candidates`` (digests, or ``(digest, record)`` pairs) lying past block ``base``."""
+        space, moved = self._store.space, 0
+        for item in candidates:
+            digest = item[0] if isinstance(item, tuple) else item
             if space.nblocks <= base:
                 break
-            if rec is None or not rec.location.extents or max(s + n for s, n in rec.location.extents) <= base:
-                noted.discard(digest)
+            rec = self.index.record(digest)  # (now: not what it was when the candidates were listed)
+            if rec is None or not _reaches_past(rec.location, base):
+                self._forget_unless_past(digest, base)
                 continue
             try:
                 outcome = self._relocate(digest, rec, base)
             except CacheClosedError:  # close() raced it: the next open looks again
                 break
             except (EctierError, OSError, lmdb.Error) as exc:
-                log.warning("nvme tier: moving a record below nvme.capacity_bytes failed (%s: %s); the segment "
-                            "file stays %d bytes over its budget for now", type(exc).__name__, exc,
-                            (space.nblocks - base) * BLOCK_BYTES)
+                self._compact_retry_at = time.monotonic() + RETRY_S
+                self._compact_log.warning(("move", type(exc).__name__), "nvme tier: moving a record below "
+                                          "nvme.capacity_bytes failed (%s: %s); the segment file stays %d bytes over "
+                                          "its budget, tried again in %g s", type(exc).__name__, exc,
+                                          (space.nblocks - base) * BLOCK_BYTES, RETRY_S)
                 break
             if outcome == NO_ROOM:
                 break
-            if outcome == MOVED:
-                noted.discard(digest)
-                moved += 1
+            if outcome == DAMAGED:
+                self._past_base.discard(digest)  # not moved: its first read quarantines it
+            else:  # moved, or changed meanwhile (a write past the base notes its record again)
+                self._forget_unless_past(digest, base)
+                moved += outcome == MOVED
         return moved
+
+    def _forget_unless_past(self, digest: bytes, base: int) -> None:
+        """Drop ``digest`` from the records noted, unless its record (read after the drop: a write
+        that notes it meanwhile has set its record before) lies past block ``base``."""
+        self._past_base.discard(digest)
+        rec = self.index.record(digest)
+        if rec is not None and _reaches_past(rec.location, base):
+            self._past_base.add(digest)
 
     def _relocate(self, digest: bytes, rec: NvmeRecord, limit: int) -> str:
         """Move the blocks of one record's payload at or past block ``limit`` into free blocks
-        under it (those below stay): ``MOVED``, ``SKIPPED`` (the record changed meanwhile, or its
-        bytes fail their checksum: left to a read to quarantine), or ``NO_ROOM``."""
+        under it (those below stay): ``MOVED``, ``SKIPPED`` (the record changed meanwhile),
+        ``DAMAGED`` (its bytes fail their checksum: left to a read to quarantine), or ``NO_ROOM``."""
         header, old = rec.header, rec.location
         pieces = split_at(old.extents, limit)
         moving = Location(tuple((start, n) for start, n, moves in pieces if moves))
@@ -114,9 +139,9 @@ class TailCompaction:
                     try:
                         csum = self._store.segment.read_into(old, buf)
                     except CorruptRecordError:
-                        return SKIPPED
+                        return DAMAGED
             if header.payload_checksum and csum != header.payload_checksum:
-                return SKIPPED
+                return DAMAGED
             self._segment_io("write", runs, moved_bytes(buf, pieces), need=runs.alloc_bytes)
             self._segment_io("flush")  # synced before the entry naming it commits
             committed = self._commit_move(digest, rec, old, merged(pieces, runs))
@@ -187,3 +212,7 @@ def merged(pieces: list[tuple[int, int, bool]], runs: Location) -> Location:
                 free.pop(0)
             n -= take
     return Location(tuple(out))
+
+
+def _reaches_past(loc: Location, base: int) -> bool:
+    return bool(loc.extents) and max(start + n for start, n in loc.extents) > base
