@@ -2,18 +2,22 @@
 
 Stores: reopen a closed store with changed ``nvme`` settings (:func:`reopen`) or to check what it
 serves (:func:`assert_reopened_serves`), three entries put and closed (:func:`put_three`), a
-child interpreter (:func:`run_child`). Damage: a closed (or open) NVMe store of layout v2 damaged
+child interpreter (:func:`run_child`). A thread's reads or writes held mid-call
+(:func:`io_held`). Damage: a closed (or open) NVMe store of layout v2 damaged
 the way a disk would, in the segment file at the bytes of one record's payload, or in its LMDB
 index entry."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -162,3 +166,24 @@ def with_location(value: bytes, extents) -> bytes:
     """``value`` with its payload location replaced by ``extents`` (``(first block, blocks)``)."""
     header, _ = parse_index_value(value)
     return pack_index_value(header, Location(tuple(extents)))
+
+
+@contextlib.contextmanager
+def io_held(monkeypatch, call: str, thread_name: str) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """``os.<call>`` (``"preadv"``, ``"pwrite"``) in the thread named ``thread_name`` waits until
+    the yielded ``go`` is set (a slow disk for that one thread); yields ``(reached, go)``, ``reached``
+    set once that thread is in the call. ``go`` is set on the way out."""
+    real, reached, go = getattr(os, call), threading.Event(), threading.Event()
+
+    def held(*args, **kwargs):
+        if threading.current_thread().name == thread_name:
+            reached.set()
+            go.wait(10)
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, call, held)
+        try:
+            yield reached, go
+        finally:
+            go.set()

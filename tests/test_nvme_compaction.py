@@ -13,6 +13,7 @@ import pytest
 from ectier import TieredCache, testing
 
 from conftest import KiB, MiB, assert_same, check_quiescent, filled
+from nvme_helpers import io_held
 
 
 def _segment_bytes(tmp_path) -> int:
@@ -107,16 +108,8 @@ def test_a_move_that_found_no_room_under_a_read_is_done_when_the_read_ends(make_
     capacity, entry = 4 * MiB, 3 * MiB + 512 * KiB
     cache, _ = make_cache(host_bytes=0, nvme_bytes=capacity)
     cache.put("a", filled(entry, 1))
-    real, in_read, go, got = os.preadv, threading.Event(), threading.Event(), {}
-
-    def preadv(*args, **kwargs):
-        if threading.current_thread().name == "R":
-            in_read.set()
-            go.wait(10)
-        return real(*args, **kwargs)
-
-    with monkeypatch.context() as patched:
-        patched.setattr(os, "preadv", preadv)
+    got = {}
+    with io_held(monkeypatch, "preadv", "R") as (in_read, go):
         reader = threading.Thread(target=lambda: got.setdefault("a", cache.get("a")), name="R", daemon=True)
         reader.start()
         assert in_read.wait(10)

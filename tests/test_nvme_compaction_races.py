@@ -20,6 +20,7 @@ from ectier.entry import EntryMeta, next_version
 from ectier.tiers.nvme import NvmeTier
 
 from conftest import KiB, MiB, assert_same, digest, filled
+from nvme_helpers import io_held
 
 BLOCK = 64 * KiB
 
@@ -36,16 +37,8 @@ def _past_base_record(make_cache, tmp_path, monkeypatch, *, corrupt: bool):
     cache, _ = make_cache(host_bytes=0, nvme_bytes=capacity)
     cache.put("a", filled(entry, 1))
     cache.put("b", filled(60 * KiB, 7))
-    real, in_read, go, got = os.preadv, threading.Event(), threading.Event(), {}
-
-    def preadv(*args, **kwargs):
-        if threading.current_thread().name == "R":
-            in_read.set()
-            go.wait(10)
-        return real(*args, **kwargs)
-
-    with monkeypatch.context() as patched:
-        patched.setattr(os, "preadv", preadv)
+    got = {}
+    with io_held(monkeypatch, "preadv", "R") as (in_read, go):
         reader = threading.Thread(target=lambda: got.setdefault("a", cache.get("a")), name="R", daemon=True)
         reader.start()
         assert in_read.wait(10)
@@ -101,16 +94,8 @@ def test_a_move_failing_on_io_is_not_tried_again_by_every_get(make_cache, tmp_pa
 
     assert _segment_bytes(tmp_path) <= 4.4 * MiB
     # grow the file again with a reader holding the old copy; the move fails with EIO when it ends
-    real, in_read, go = os.preadv, threading.Event(), threading.Event()
-
-    def preadv(*args, **kwargs):
-        if threading.current_thread().name == "R2":
-            in_read.set()
-            go.wait(10)
-        return real(*args, **kwargs)
-
-    with monkeypatch.context() as patched:
-        patched.setattr(os, "preadv", preadv)
+    real = os.preadv
+    with io_held(monkeypatch, "preadv", "R2") as (in_read, go), monkeypatch.context() as patched:
         patched.setattr(os, "pwrite", pwrite)
         reader = threading.Thread(target=lambda: cache.get("a"), name="R2", daemon=True)
         reader.start()
@@ -211,16 +196,8 @@ def test_compaction_racing_close(make_cache, tmp_path, monkeypatch, caplog):
     capacity, entry = 4 * MiB, 3 * MiB + 512 * KiB
     cache, cfg = make_cache(host_bytes=0, nvme_bytes=capacity)
     cache.put("a", filled(entry, 1))
-    real, in_read, go, got = os.preadv, threading.Event(), threading.Event(), {}
-
-    def preadv(*args, **kwargs):
-        if threading.current_thread().name == "R":
-            in_read.set()
-            go.wait(10)
-        return real(*args, **kwargs)
-
-    with monkeypatch.context() as patched, caplog.at_level(logging.WARNING, logger="ectier"):
-        patched.setattr(os, "preadv", preadv)
+    got = {}
+    with io_held(monkeypatch, "preadv", "R") as (in_read, go), caplog.at_level(logging.WARNING, logger="ectier"):
         reader = threading.Thread(target=lambda: got.setdefault("a", cache.get("a")), name="R", daemon=True)
         reader.start()
         assert in_read.wait(10)

@@ -17,6 +17,7 @@ import pytest
 from ectier import TieredCache, testing, testing_internals
 
 from conftest import KiB, MiB, assert_same, filled
+from nvme_helpers import io_held
 
 
 @pytest.mark.parametrize("host_bytes", [0, 4 * MiB])
@@ -42,26 +43,6 @@ def test_a_read_the_disk_fails_is_a_miss_and_the_record_stays(make_cache, monkey
 
 class _Interrupt(Exception):
     """Raised by a signal handler, as KeyboardInterrupt or a timeout library's exception is."""
-
-
-@contextlib.contextmanager
-def _slow_payload_copy(monkeypatch, thread_name: str):
-    """``os.pwrite`` of thread ``thread_name`` waits until the yielded ``go`` is set (a slow disk
-    for that writer only); yields ``(in_copy, go)``."""
-    real, in_copy, go = os.pwrite, threading.Event(), threading.Event()
-
-    def pwrite(*args, **kwargs):
-        if threading.current_thread().name == thread_name:
-            in_copy.set()
-            go.wait(10)
-        return real(*args, **kwargs)
-
-    with monkeypatch.context() as patched:
-        patched.setattr(os, "pwrite", pwrite)
-        try:
-            yield in_copy, go
-        finally:
-            go.set()
 
 
 @contextlib.contextmanager
@@ -91,7 +72,7 @@ def test_an_exception_in_a_group_commit_leader_that_waits_leaves_writes_working(
     interrupted entry is not stored."""
     cache, cfg = make_cache(host_bytes=0, nvme_bytes=16 * MiB, group_commit_s=5.0)
     cache.put("warm", filled(1000, 0))
-    with _slow_payload_copy(monkeypatch, "B") as (in_copy, go):
+    with io_held(monkeypatch, "pwrite", "B") as (in_copy, go):
         b = _in_thread(lambda: cache.put("b", filled(2 * MiB, 1)), "B")
         assert in_copy.wait(10)
         with _interrupt_after(0.3), pytest.raises(_Interrupt):
@@ -117,7 +98,7 @@ def test_an_exception_in_a_group_commit_follower_leaves_no_entry_over_free_block
     next put reuses (reopen: nothing quarantined)."""
     cache, cfg = make_cache(host_bytes=0, nvme_bytes=16 * MiB, group_commit_s=5.0)
     cache.put("warm", filled(1000, 0))
-    with _slow_payload_copy(monkeypatch, "B") as (in_copy, go):
+    with io_held(monkeypatch, "pwrite", "B") as (in_copy, go):
         b = _in_thread(lambda: cache.put("b", filled(2 * MiB, 1)), "B")
         assert in_copy.wait(10)
         leader = _in_thread(lambda: cache.put("l", filled(1000, 2)), "L")  # waits for B's copy
