@@ -34,7 +34,7 @@ from .moves.serve import Reads
 from .mover import Mover
 from .stack import TierStack
 from .stats import Counters, cache_stats
-from .tensors import meta_for, parse_device
+from .tensors import check_out_kind, meta_for, parse_device
 
 __all__ = ["TieredCache", "WriteLease", "ReadLease", "PutHandle", "LoadHandle"]
 
@@ -200,15 +200,15 @@ class TieredCache(HostArenaAPI):
 
         Raises:
             InvalidKeyError; InvalidDeviceError (bare ``"cuda"``, an index this machine lacks);
-            InvalidTensorError (``out`` unsuitable: not a contiguous CPU tensor, or another shape or
-            dtype than the entry's; names ``out`` and both); torch.cuda.OutOfMemoryError (no device memory
+            InvalidTensorError (``out`` unsuitable: not a contiguous CPU tensor, a conjugate or
+            negative view, or another shape or dtype than the entry's; names ``out`` and both); torch.cuda.OutOfMemoryError (no device memory
             for the result; a failed *promotion* is no error); EctierError: the cache is closed.
         """
         ns = self._namespace if namespace is None else validate_namespace(namespace)
         key = validate_key(key)
         dev = _CPU if device is None else parse_device(device)
-        if out is not None and not isinstance(out, torch.Tensor):  # (before any read: nothing changes)
-            raise InvalidTensorError(f"out: expected a contiguous CPU tensor, got {type(out).__name__}")
+        if out is not None:  # (before any read: nothing changes)
+            check_out_kind(out)
         if self._closed or self._fork.forked:
             self._check_open()  # raises
         return self._reads.get(entry_digest(ns, key), ns, key, dev, out)

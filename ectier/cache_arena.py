@@ -75,14 +75,16 @@ class HostArenaAPI:
     def abort(self, lease: WriteLease) -> None:
         """Give up a reservation: its bytes return to the arena, nothing becomes visible.
 
-        After :meth:`close` it only ends the lease (the arena is gone).
+        After :meth:`close`, or in a process forked after the cache was opened, it only ends the
+        lease (the arena is gone, or the parent's).
 
         Raises:
             InvalidArgumentError: the lease was already committed or aborted. InvalidLeaseError (a
                 TypeError): not a :class:`WriteLease` of this cache.
         """
         end_lease(lease, WriteLease, "abort", self)
-        self._mover.abort(self._host, lease.slot)
+        if not self._fork.forked:  # (in a forked child: the parent's arena and locks, never touched)
+            self._mover.abort(self._host, lease.slot)
 
     def background_read(self) -> "contextlib.AbstractContextManager[None]":
         """Hold one of the ``prefetch_threads`` slots that this cache's background reads share,
@@ -123,8 +125,10 @@ class HostArenaAPI:
     def release(self, lease: ReadLease) -> None:
         """End an :meth:`acquire`: the entry may be evicted again. A second release of the same
         lease is a no-op (it never touches another reader's pin), and so is one after :meth:`close`
-        (the pin went with the arena). Anything but a :class:`ReadLease` of this cache: InvalidLeaseError."""
-        if check_lease(lease, ReadLease, self).end():
+        (the pin went with the arena), or one in a process forked after the cache was opened (the
+        parent's pin and locks are not the child's to touch). Anything but a :class:`ReadLease` of
+        this cache: InvalidLeaseError."""
+        if check_lease(lease, ReadLease, self).end() and not self._fork.forked:
             self._mover.unpin(self._host, lease.slot)
 
     def load(self, lease: ReadLease, *, device: str | torch.device | None = None,

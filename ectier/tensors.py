@@ -21,6 +21,7 @@ __all__ = [
     "byte_view",
     "empty_for",
     "output_for",
+    "check_out_kind",
     "meta_from_spec",
     "tensor_from_bytes",
     "parse_device",
@@ -124,18 +125,35 @@ def empty_for(meta: EntryMeta, device: torch.device | str = "cpu", *, pin_memory
     return torch.empty(meta.shape, dtype=torch_dtype(meta.dtype), device=device, pin_memory=pin_memory)
 
 
+def check_out_kind(out: object) -> None:
+    """What a read's ``out`` must be whatever the entry: a tensor whose bytes are its values.
+
+    Raises:
+        InvalidTensorError: not a tensor, or a conjugate or negative view (``out.is_conj()``,
+            ``out.is_neg()``: its bytes are not the values it shows, so bytes written into it would
+            not be the entry's values).
+    """
+    if not isinstance(out, torch.Tensor):
+        raise InvalidTensorError(f"out: expected a contiguous CPU tensor, got {type(out).__name__}")
+    if out.is_conj() or out.is_neg():
+        raise InvalidTensorError("out: a conjugate or negative view (out.is_conj() / out.is_neg()) cannot take an "
+                                 "entry's bytes in place; pass a plain tensor (e.g. torch.empty_like(out))")
+
+
 def output_for(meta: EntryMeta, out: torch.Tensor | None) -> torch.Tensor:
     """Where a CPU read of ``meta`` lands: a fresh tensor, or the caller's ``out`` (checked).
 
     Raises:
-        InvalidTensorError: ``out`` is not a contiguous CPU tensor, requires grad, or its dtype
+        InvalidTensorError: ``out`` is not a contiguous CPU tensor, is a conjugate or negative view
+            (:func:`check_out_kind`), requires grad, or its dtype
             or shape is not the entry's (the message names both; a shape of as many bytes is refused too: ``out``
             is returned itself, never a view of it in another shape).
     """
     dtype = torch_dtype(meta.dtype)
     if out is None:
         return torch.empty(meta.shape, dtype=dtype)
-    if not isinstance(out, torch.Tensor) or not out.is_cpu or out.is_nested or not out.is_contiguous():
+    check_out_kind(out)
+    if not out.is_cpu or out.is_nested or not out.is_contiguous():
         raise InvalidTensorError("out: expected a contiguous CPU tensor")
     if out.requires_grad:
         raise InvalidTensorError("out: a tensor that requires grad cannot be written in place; pass "

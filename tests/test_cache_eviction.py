@@ -358,3 +358,15 @@ def test_eio_from_a_tier_write_during_demotion_keeps_the_put_typed(make_cache):
     assert cache.get("a") is None and cache.stats()["tiers"]["host"]["drops"] == 1
     assert_same(cache.get("c"), filled(BLK, 3))
     check_quiescent(cache)
+
+
+def test_a_prefetch_of_a_key_already_in_host_memory_counts_as_a_use():
+    """A prefetch is a use in LRU order wherever the key lies: one already in the host tier is
+    touched too (it was left the next victim), as one promoted from NVMe is."""
+    cfg = {"host": {"capacity_bytes": 4 * 64 * KiB, "block_bytes": 64 * KiB, "pin_memory": False}}
+    with TieredCache(cfg) as cache:
+        for i, key in enumerate("abcd"):
+            cache.put(key, torch.full((16 * KiB,), i, dtype=torch.int32))  # one block each: the arena is full
+        assert all(h.wait(5) for h in cache.prefetch(["a"]))
+        cache.put("e", torch.full((16 * KiB,), 9, dtype=torch.int32))  # one block of room: the LRU entry goes
+        assert cache.contains("a") and not cache.contains("b")

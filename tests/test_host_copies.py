@@ -52,6 +52,27 @@ def test_put_stores_the_logical_values_of_any_tensor(name):
         assert_same(out, expected)
 
 
+@pytest.mark.parametrize("where", ["host, one run", "host, several runs", "nvme"])
+@pytest.mark.parametrize("view", ["conj", "neg"])
+def test_a_conjugate_or_negative_out_is_refused_wherever_the_entry_lies(make_cache, where, view):
+    """Bytes written into a conjugate (or negative) view are not the values it shows: such an
+    ``out`` is refused (InvalidTensorError naming it) before any read, wherever the entry lies;
+    it used to come back unfilled, or with torch's RuntimeError."""
+    z = torch.randn(3 * 64 * KiB // 8 + 5, dtype=torch.complex64)  # 4 blocks
+    cache, _ = make_cache(host_bytes=8 * 64 * KiB if where.startswith("host") else 0, nvme_bytes=4 * MiB)
+    if where == "host, several runs":  # free runs of one block: the slot is 4 runs
+        for i in range(8):
+            cache.put(f"f{i}", torch.full((16 * KiB,), float(i)))
+        for i in (1, 3, 5, 7):
+            cache.delete(f"f{i}")
+    cache.put("z", z)
+    out = torch.zeros_like(z).conj() if view == "conj" else torch.zeros_like(z).conj().imag.conj()
+    assert out.is_conj() or out.is_neg()
+    with pytest.raises(InvalidTensorError, match="conjugate or negative view"):
+        cache.get("z", out=out)
+    assert_same(cache.get("z"), z)  # nothing changed
+
+
 def test_a_put_with_grad_leaves_no_autograd_history_in_the_cache():
     x = torch.randn(64, 64, requires_grad=True)
     with _host_cache() as cache:

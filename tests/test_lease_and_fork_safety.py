@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
+import threading
 
 import pytest
 import torch
@@ -79,6 +81,45 @@ def test_a_cache_used_in_a_forked_child_is_refused_and_the_parent_is_untouched(t
         assert answer.startswith("refused:") and "new TieredCache in the child" in answer, answer
         assert not cache.contains("from-child")
         assert torch.equal(cache.get("k"), torch.arange(8))  # the parent still works
+        testing.check_invariants(cache)
+
+
+def test_release_and_abort_in_a_forked_child_end_the_lease_without_the_parents_lock(tmp_path):
+    """A forked child that gives back leases it inherited never touches the cache's lock, which a
+    parent thread may have held at the fork (the child would wait on it forever): the release and
+    the abort only end the lease objects; the parent's pins are untouched."""
+    with _cache(tmp_path, capacity=4 * 64 * KiB) as cache:
+        cache.put("a", torch.ones(100))
+        lease, reservation = cache.acquire("a"), cache.reserve("r", dtype="uint8", shape=(1000,))
+        stop = threading.Event()
+
+        def busy():  # another thread in ordinary cache calls (a prefetch pool, a server thread)
+            while not stop.is_set():
+                cache.contains("a")
+                cache.stats()
+
+        thread = threading.Thread(target=busy, daemon=True)
+        thread.start()
+        hung = 0
+        try:
+            for _ in range(20):
+                pid = os.fork()
+                if pid == 0:  # the child: give both back, or hang until SIGALRM kills it
+                    signal.alarm(3)
+                    try:
+                        cache.release(lease)
+                        cache.abort(reservation)
+                    finally:
+                        os._exit(0)
+                _, status = os.waitpid(pid, 0)
+                hung += os.WIFSIGNALED(status)
+        finally:
+            stop.set()
+            thread.join()
+        assert hung == 0, f"{hung} of 20 forked children hung giving back a lease"
+        assert testing.pins(cache, "host") == 1  # the parent's pin is its own
+        cache.release(lease)
+        cache.abort(reservation)
         testing.check_invariants(cache)
 
 

@@ -288,8 +288,9 @@ class Reads:
 
     def settled(self, digest: bytes, v: int | None, target: Tier | None) -> bool:
         """Under ``m.cond``: nothing for a prefetch of ``digest`` (version ``v``) towards ``target``
-        to do: stored nowhere and no remote tier, already in ``target``, or on NVMe and larger
-        than the host arena when ``target`` is the host tier (NVMe is the highest tier it fits)."""
+        to do: stored nowhere and no remote tier, already in ``target`` (touched: a prefetch is a
+        use), or on NVMe and larger than the host arena when ``target`` is the host tier (NVMe is
+        the highest tier it fits; touched there)."""
         m = self.m
         if m.catalog.has_pending(digest):
             return False
@@ -297,7 +298,9 @@ class Reads:
             return m.remote is None
         if target is None:
             return False
-        if target.holds(digest, v):
+        slot = target.current(digest, v)  # (target: the host or the GPU tier)
+        if slot is not None:
+            target.touch(slot)  # asked for: recently used, as promote() counts it
             return True
         if target is not m.stack.get("host") or m.nvme is None or not m.nvme.tier.holds(digest, v):
             return False
