@@ -198,15 +198,15 @@ def repair(path: str | os.PathLike) -> RepairResult:
 @contextmanager
 def _locked(store: Path) -> Iterator[None]:
     data_file = store / "lmdb" / "data.mdb"
+    lost = lost_index(store, SEGMENT_NAME)  # (missing or empty beside payloads)
+    if lost is not None:
+        copies = [str(p) for p in damaged_copies(store) if (p / "lmdb").is_dir()]
+        where = (f"; the index of a store moved aside may be in {', '.join(copies)} (check it with ectier "
+                 "fsck --path)" if copies else "; remove the directory (or set nvme.on_damaged: reset) to "
+                 "start afresh")
+        raise StoreDamagedError(f"--path: the store in {str(store)!r} lost its index ({lost}): its payloads "
+                                f"cannot be matched to keys without it, so nothing can be salvaged here{where}")
     if not data_file.is_file():
-        lost = lost_index(store, SEGMENT_NAME)
-        if lost is not None:
-            copies = [str(p) for p in damaged_copies(store) if (p / "lmdb").is_dir()]
-            where = (f"; the index of a store moved aside may be in {', '.join(copies)} (check it with ectier "
-                     "fsck --path)" if copies else "; remove the directory (or set nvme.on_damaged: reset) to "
-                     "start afresh")
-            raise StoreDamagedError(f"--path: the store in {str(store)!r} lost its index ({lost}): its payloads "
-                                    f"cannot be matched to keys without it, so nothing can be salvaged here{where}")
         raise StoreOpenError(f"--path: {str(store)!r} is not an ectier store directory (no lmdb/data.mdb in it)")
     try:
         lock = open(store / "ectier.lock", "a+")

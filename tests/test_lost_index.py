@@ -64,7 +64,24 @@ def test_fsck_calls_a_lost_index_damaged(tmp_path):
     r = runner.invoke(main, ["fsck", "--path", str(emptied)])
     assert r.exit_code == 1 and "data.mdb is empty while segment.0 holds" in r.output, r.output
     r = runner.invoke(main, ["fsck", "--path", str(removed)])
-    assert r.exit_code == 2 and "lost its index" in r.output and "nothing can be salvaged" in r.output, r.output
+    assert r.exit_code == 1 and "lost its index" in r.output and "nothing can be salvaged" in r.output, r.output
+    for store in (emptied, removed):  # damaged (exit 1) both ways, with no advice to repair from nothing
+        for args in ([], ["--repair"]):
+            r = runner.invoke(main, ["fsck", "--path", str(store), *args])
+            assert r.exit_code == 1 and "nothing can be salvaged" in r.output and "--repair" not in r.output, r.output
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_opening_a_store_that_lost_its_index_does_not_advise_a_repair(tmp_path, loss):
+    """There is nothing to repair from (payloads carry no keys): the error says so, and how to start
+    afresh, instead of sending the operator to `ectier fsck --repair`, which refuses."""
+    store = tmp_path / "nvme"
+    cfg = _store(store)
+    LOSSES[loss](store)
+    with pytest.raises(StoreDamagedError) as err:
+        TieredCache(cfg)
+    assert "nothing can be salvaged" in str(err.value) and "fsck" not in str(err.value)
+    assert "nvme.on_damaged: reset" in str(err.value)
 
 
 def test_a_new_store_and_an_emptied_store_without_payloads_still_open(tmp_path):

@@ -50,7 +50,8 @@ def load_config(path: Optional[str]) -> CacheConfig:
 @click.command()
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True), default=None,
               help="YAML or JSON config (namespace, prefetch_threads; sections host, gpu, nvme, remote, daemon; "
-                   "docs/operations.md); ECTIER_* variables override it.")
+                   "docs/operations.md); ECTIER_* variables override it. Given, it is used instead of the "
+                   "file ECTIER_CONFIG names.")
 @click.option("--socket", "socket_path", type=click.Path(readable=False), default=None, callback=not_empty,
               help="Unix socket to listen on (overrides daemon.socket_path).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",

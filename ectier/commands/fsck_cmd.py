@@ -10,7 +10,7 @@ import click
 from rich.table import Table
 
 from ..config import format_bytes
-from ..errors import EctierError
+from ..errors import EctierError, StoreDamagedError
 from .params import console as _console, not_empty
 
 __all__ = ["fsck"]
@@ -18,6 +18,10 @@ __all__ = ["fsck"]
 
 class _CannotCheck(click.ClickException):
     exit_code = 2
+
+
+class _Damaged(click.ClickException):
+    exit_code = 1
 
 
 @click.command()
@@ -42,6 +46,8 @@ def fsck(path: str, do_repair: bool, as_json: bool) -> None:
             report = result.report
         else:
             result, report = None, fsck_mod.check(path)
+    except StoreDamagedError as exc:  # (damaged beyond a report: the index is gone)
+        raise _Damaged(str(exc)) from None
     except EctierError as exc:
         raise _CannotCheck(str(exc)) from None
     except OSError as exc:
@@ -97,5 +103,7 @@ def _print_fsck(report: Any, result: Any) -> None:
                           soft_wrap=True)
         else:
             console.print("nothing to repair")
+    elif report.damaged and not report.entries and report.segment_bytes:
+        console.print("nothing to repair from: remove the directory, or set nvme.on_damaged: reset", soft_wrap=True)
     elif report.damaged:
         console.print(f"repair: ectier fsck --path {report.path} --repair", soft_wrap=True)

@@ -56,9 +56,13 @@ _DAMAGE_ERRORS = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError
 
 
 def _damaged_hint(path: Path) -> str:
-    return (f"the store is damaged: run `ectier fsck --path {str(path)!r} --repair` to keep its intact "
-            "records, or set nvme.on_damaged: reset to start with an empty store (the damaged one is "
-            "moved aside)")
+    return (f"run `ectier fsck --path {str(path)!r} --repair` to keep its intact records, or set "
+            "nvme.on_damaged: reset to start with an empty store (the damaged one is moved aside)")
+
+
+#: what to do about a store whose index is gone (:func:`lost_index`): nothing can be repaired
+LOST_INDEX_HINT = ("its payloads carry no keys, so nothing can be salvaged: remove the directory, or set "
+                   "nvme.on_damaged: reset to start with an empty store (the damaged one is moved aside)")
 
 
 class RWLock:
@@ -236,8 +240,12 @@ class NvmeEnv:
                 itself: pages allocated and freed in one transaction are never written.
             StoreOpenError: another LMDB error, or a store of another format.
         """
+        lost = lost_index(self.path, SEGMENT_NAME)
+        if lost is not None:
+            raise StoreDamagedError(f"nvme.path: the store in {str(self.path)!r} lost its index ({lost}); "
+                                    + LOST_INDEX_HINT)
         try:  # before LMDB walks a page: it aborts the process on a malformed one
-            problem = lost_index(self.path, SEGMENT_NAME) or check_tree(self.path / "lmdb" / "data.mdb")
+            problem = check_tree(self.path / "lmdb" / "data.mdb")
         except OSError as exc:
             raise StoreOpenError(f"nvme.path: cannot read {str(self.path / 'lmdb' / 'data.mdb')!r}: "
                                  f"{exc.strerror or exc}") from None
