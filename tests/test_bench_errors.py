@@ -95,3 +95,15 @@ def test_bench_tokens_list_is_a_usage_error_not_a_traceback(tmp_path, command, t
     assert "--tokens" in res.output and says in res.output
     assert res.exception is None or isinstance(res.exception, SystemExit)
     assert not any(tmp_path.iterdir())  # nothing measured, nothing written
+
+
+@pytest.mark.parametrize("option", ["--nvme-bytes", "--host-bytes"])
+def test_bench_replay_budget_this_machine_cannot_hold_names_the_option(tmp_path, option):
+    """A budget the cache refuses on this machine (an NVMe budget above the free disk, a host arena
+    that cannot be allocated) is reported against the bench's own option, not a config knob or
+    torch's allocator text the bench has no way to set or read."""
+    res = CliRunner().invoke(main, ["bench", "replay", "-q", "--no-curve", "--requests", "5", option, "5PiB",
+                                    "--workdir", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert res.exit_code != 0 and f"{option} (" in res.output and f"lower {option}" in res.output, res.output
+    assert "thin_provisioning" not in res.output and "enforce fail" not in res.output
+    assert "Traceback" not in res.output

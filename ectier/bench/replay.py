@@ -30,7 +30,7 @@ import torch
 
 from ..cache import TieredCache
 from ..config import CacheConfig, HostTierConfig, NvmeTierConfig
-from ..errors import EntryTooLargeError, TierWriteError
+from ..errors import ConfigError, EntryTooLargeError, TierWriteError
 from .costmodel import CostModel
 from .workload import Request
 
@@ -295,6 +295,9 @@ def replay_stream(
     t_start = time.perf_counter()
     try:
         cache = TieredCache(cfg)
+    except ConfigError as exc:  # a budget this machine cannot hold: name the bench's own option
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(_as_option(str(exc))) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -310,3 +313,13 @@ def replay_stream(
     wall = time.perf_counter() - t_start
     return _metrics(tally, st, len(stream), wall, policy=policy, host_bytes=host_bytes, nvme_bytes=nvme_bytes,
                     width_scale=width_scale)
+
+
+def _as_option(message: str) -> str:
+    """A cache's refusal of a budget, restated for the bench's options (``--host-bytes``,
+    ``--nvme-bytes``; the bench has no other config knob to point at)."""
+    for knob, option in (("host.capacity_bytes", "--host-bytes"), ("nvme.capacity_bytes", "--nvme-bytes")):
+        if message.startswith(knob):
+            first = message.split("; lower ")[0].split(": [enforce fail")[0]
+            return f"{option} ({knob}): {first.removeprefix(knob + ': ')}; lower {option}"
+    return message
