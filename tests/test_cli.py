@@ -300,3 +300,9 @@ def test_demo_nvme_budget_below_one_block_names_its_own_option(runner, tmp_path)
     result = runner.invoke(main, ["demo", "--images", "2", "--quiet", "--dir", str(tmp_path), "--nvme-bytes", "1000"])
     assert result.exit_code == 2, result.output
     assert "--nvme-bytes (nvme.capacity_bytes): 1000 bytes is below one" in result.output, result.output
+
+
+def test_serve_log_level_is_case_insensitive(tmp_path):
+    """``--log-level DEBUG`` is what an operator types (it was refused as an invalid choice)."""
+    res = CliRunner().invoke(main, ["serve", "--log-level", "DEBUG", "--config", str(tmp_path / "missing.yaml")])
+    assert res.exit_code == 2 and "--log-level" not in res.output and "missing.yaml" in res.output, res.output

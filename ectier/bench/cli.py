@@ -176,11 +176,13 @@ def _common(f):
 def _workload(f):
     f = click.option("--trace", type=click.Path(dir_okay=False, exists=True), default=None,
                      help="CSV: timestamp,mm_hash,width,height or timestamp,mm_hash,tokens")(f)
-    f = click.option("--requests", default=300, show_default=True, type=click.IntRange(1, MAX_REQUESTS))(f)
+    f = click.option("--requests", default=300, show_default=True, type=click.IntRange(1, MAX_REQUESTS),
+                     help="requests in the generated stream (ignored with --trace)")(f)
     f = click.option("--items", default=150, show_default=True, type=click.IntRange(1, MAX_ITEMS),
                      help="catalogue size (images drawn one by one: ~50 s at the most)")(f)
     f = click.option("--zipf", default=0.9, show_default=True, type=float, help="Zipf exponent s of item popularity")(f)
-    f = click.option("--seed", default=0, show_default=True, type=click.IntRange(0))(f)
+    f = click.option("--seed", default=0, show_default=True, type=click.IntRange(0),
+                     help="seed of the generated stream (the same seed: the same requests)")(f)
     f = click.option("--max-tokens", default=None, type=click.IntRange(64), help="cap on N per image")(f)
     return f
 
@@ -344,9 +346,10 @@ def _run_tiers(console, quiet, max_tokens, tokens, sync, workdir, budget, retrie
 
 
 @bench.command("tiers")
-@click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False), callback=_out_dir)
+@click.option("--out", default="bench-results", show_default=True, type=click.Path(file_okay=False), callback=_out_dir,
+              help="directory for JSON, markdown and PNG results")
 @workdir_option("existing directory on the disk to measure")
-@click.option("--quiet", "-q", is_flag=True)
+@click.option("--quiet", "-q", is_flag=True, help="no progress bars")
 @click.option("--max-tokens", default=None, type=click.IntRange(64), help="16384 for the full range (64..16384)")
 @click.option("--tokens", default=None, callback=_tokens_list,
               help="explicit comma-separated N list, each 1..16384 (overrides --max-tokens)")

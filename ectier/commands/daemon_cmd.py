@@ -54,7 +54,8 @@ def load_config(path: Optional[str]) -> CacheConfig:
                    "file ECTIER_CONFIG names.")
 @click.option("--socket", "socket_path", type=click.Path(readable=False), default=None, callback=not_empty,
               help="Unix socket to listen on (overrides daemon.socket_path).")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+              default="info",
               show_default=True)
 def serve(config_path: Optional[str], socket_path: Optional[str], log_level: str) -> None:
     """Run the cache daemon in the foreground (stop with SIGTERM, SIGHUP or Ctrl-C).
