@@ -107,3 +107,12 @@ def test_bench_replay_budget_this_machine_cannot_hold_names_the_option(tmp_path,
     assert res.exit_code != 0 and f"{option} (" in res.output and f"lower {option}" in res.output, res.output
     assert "thin_provisioning" not in res.output and "enforce fail" not in res.output
     assert "Traceback" not in res.output
+
+
+def test_bench_replay_says_why_puts_were_refused(tmp_path):
+    """One image larger than the default budgets: every put is refused and the hit rate is 0 %; the
+    output says so and which options to raise (it used to show the 0 % alone)."""
+    res = CliRunner().invoke(main, ["bench", "replay", "-q", "--no-curve", "--items", "1", "--requests", "5",
+                                    "--workdir", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    assert "5 of 5 puts were refused" in res.output and "raise --host-bytes or --nvme-bytes" in res.output

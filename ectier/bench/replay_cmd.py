@@ -169,6 +169,11 @@ def replay_cmd(out, cost_model, workdir, quiet, trace, requests, items, zipf, se
         md.append("\n" + comparison["text"] + "\n")
     if any(r["mismatches"] for r in runs) or any(q["mismatches"] for q in points):
         console.print("[red]byte mismatches on hits: see replay.json[/red]")
+    refused = max(r.get("put_refused", 0) for r in runs)
+    if refused:
+        console.print(f"note: {refused} of {summ['requests']} puts were refused (entries larger than every tier's "
+                      f"budget, host {format_bytes(host_bytes)}, NVMe {format_bytes(nvme_bytes)}): they are never "
+                      "hits; raise --host-bytes or --nvme-bytes", soft_wrap=True, highlight=False, markup=False)
     result["elapsed_s"] = elapsed_s()  # to the results; the last line's count the plot too
     write_json(result, os.path.join(out, "replay.json"))
     with open(os.path.join(out, "replay.md"), "w") as f:
