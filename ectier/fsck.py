@@ -206,6 +206,9 @@ def _locked(store: Path) -> Iterator[None]:
                  "start afresh")
         raise StoreDamagedError(f"--path: the store in {str(store)!r} lost its index ({lost}): its payloads "
                                 f"cannot be matched to keys without it, so nothing can be salvaged here{where}")
+    if not store.is_dir():
+        raise StoreOpenError(f"--path: {str(store)!r} does not exist" if not store.exists() else
+                             f"--path: {str(store)!r} is not a directory")
     if not data_file.is_file():
         raise StoreOpenError(f"--path: {str(store)!r} is not an ectier store directory (no lmdb/data.mdb in it)")
     try:

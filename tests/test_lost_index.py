@@ -124,3 +124,8 @@ def test_on_damaged_reset_recovers_a_store_whose_lmdb_dir_is_gone(tmp_path):
             assert_same(cache.get("new"), filled(1000, 7))
     moved = list(store.glob("damaged-*"))
     assert len(moved) == 1 and (moved[0] / "segment.0").stat().st_size > 0
+
+
+def test_fsck_of_a_path_that_does_not_exist_says_so(tmp_path):
+    r = CliRunner().invoke(main, ["fsck", "--path", str(tmp_path / "nowhere")])
+    assert r.exit_code == 2 and "does not exist" in r.output, r.output
