@@ -115,4 +115,5 @@ def test_bench_replay_says_why_puts_were_refused(tmp_path):
     res = CliRunner().invoke(main, ["bench", "replay", "-q", "--no-curve", "--items", "1", "--requests", "5",
                                     "--workdir", str(tmp_path), "--out", str(tmp_path / "out")])
     assert res.exit_code == 0, res.output
-    assert "5 of 5 puts were refused" in res.output and "raise --host-bytes or --nvme-bytes" in res.output
+    text = " ".join(res.output.split())  # (wrapped to the terminal's width)
+    assert "5 of 5 puts were refused" in text and "raise --host-bytes or --nvme-bytes" in text, res.output

@@ -173,7 +173,7 @@ def replay_cmd(out, cost_model, workdir, quiet, trace, requests, items, zipf, se
     if refused:
         console.print(f"note: {refused} of {summ['requests']} puts were refused (entries larger than every tier's "
                       f"budget, host {format_bytes(host_bytes)}, NVMe {format_bytes(nvme_bytes)}): they are never "
-                      "hits; raise --host-bytes or --nvme-bytes", soft_wrap=True, highlight=False, markup=False)
+                      "hits; raise --host-bytes or --nvme-bytes", highlight=False, markup=False)  # (wrapped to COLUMNS)
     result["elapsed_s"] = elapsed_s()  # to the results; the last line's count the plot too
     write_json(result, os.path.join(out, "replay.json"))
     with open(os.path.join(out, "replay.md"), "w") as f:
