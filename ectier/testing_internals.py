@@ -112,37 +112,32 @@ def version_clock(time_ns: Callable[[], int] | None = None, *, last: int | None 
 
 
 @contextlib.contextmanager
-def isolated_codec_registry() -> Iterator[None]:
+def _dicts_restored(lock: Any, *dicts: dict) -> Iterator[None]:
+    """Inside: ``dicts`` may change; after: each holds exactly what it held before (in place, under
+    ``lock``: views of them stay views)."""
+    with lock:
+        saved = [dict(d) for d in dicts]
+    try:
+        yield
+    finally:
+        with lock:
+            for d, before in zip(dicts, saved):
+                d.clear()
+                d.update(before)
+
+
+def isolated_codec_registry() -> contextlib.AbstractContextManager[None]:
     """Inside: codecs may be registered (:func:`ectier.codec.register_codec`) as usual; after: the
     registry holds exactly the codecs it held before, so a test's codecs do not leak into others."""
     from . import codec
 
-    with codec._REGISTRY_LOCK:
-        by_id, by_name = dict(codec._BY_ID), dict(codec._BY_NAME)
-    try:
-        yield
-    finally:
-        with codec._REGISTRY_LOCK:
-            codec._BY_ID.clear()
-            codec._BY_ID.update(by_id)
-            codec._BY_NAME.clear()
-            codec._BY_NAME.update(by_name)
+    return _dicts_restored(codec._REGISTRY_LOCK, codec._BY_ID, codec._BY_NAME)
 
 
-@contextlib.contextmanager
-def isolated_model_registry() -> Iterator[None]:
+def isolated_model_registry() -> contextlib.AbstractContextManager[None]:
     """Inside: models may be registered (:func:`ectier.models.register_model`) as usual; after: the
     registry (and :data:`ectier.models.MODELS`, a view of it) holds exactly the models, names and
     aliases it held before, so a test's models do not leak into others."""
     from . import models
 
-    with models._lock:
-        specs, names = dict(models._models), dict(models._lookup)
-    try:
-        yield
-    finally:
-        with models._lock:
-            models._models.clear()
-            models._models.update(specs)
-            models._lookup.clear()
-            models._lookup.update(names)
+    return _dicts_restored(models._lock, models._models, models._lookup)

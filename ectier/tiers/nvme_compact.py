@@ -65,28 +65,28 @@ class TailCompaction:
         for ``RETRY_S`` seconds. A record whose bytes fail their checksum is not moved (a read
         quarantines it). Returns the records moved."""
         space, noted = self._store.space, self._past_base
-        if not (every_record or noted):
+        base = space.base_blocks
+        if space.nblocks <= base:
+            for digest in list(noted):  # none lies past the base (unless a write placed it just now)
+                self._forget_unless_past(digest, base)
             return 0
-        if not every_record and (space.nblocks <= space.base_blocks or time.monotonic() < self._compact_retry_at):
-            if space.nblocks <= space.base_blocks:
-                for digest in list(noted):  # none lies past the base (unless a write placed it just now)
-                    self._forget_unless_past(digest, space.base_blocks)
+        if not every_record and (not noted or time.monotonic() < self._compact_retry_at):
             return 0
         if not self._compact_lock.acquire(blocking=False):
             return 0
         try:
-            return self._compact(list(self.index.records()) if every_record else list(noted), space.base_blocks)
+            return self._compact([d for d, _ in self.index.records()] if every_record else list(noted), base)
         finally:
             self._compact_lock.release()
 
-    def _compact(self, candidates: list, base: int) -> int:
-        """Move ``candidates`` (digests, or ``(digest, record)`` pairs) lying past block ``base``."""
+    def _compact(self, digests: list[bytes], base: int) -> int:
+        """Move the records of ``digests`` that lie past block ``base`` (read again here: each may
+        have changed since the list was made)."""
         space, moved = self._store.space, 0
-        for item in candidates:
-            digest = item[0] if isinstance(item, tuple) else item
+        for digest in digests:
             if space.nblocks <= base:
                 break
-            rec = self.index.record(digest)  # (now: not what it was when the candidates were listed)
+            rec = self.index.record(digest)
             if rec is None or not _reaches_past(rec.location, base):
                 self._forget_unless_past(digest, base)
                 continue
