@@ -145,3 +145,69 @@ def test_an_exception_in_a_group_commit_leader_after_its_commit_keeps_the_entry(
         assert_same(again.get("g"), filled(256 * KiB, 4))
         st = again.stats()["tiers"]["nvme"]
         assert (st["quarantined"], st["checksum_failures"]) == (0, 0), "an index entry over reused blocks"
+
+
+@pytest.mark.parametrize("cut", ["in the commit", "after the commit"])
+def test_an_overwrite_whose_commit_an_exception_cuts_gives_back_the_replaced_blocks(make_cache, monkeypatch, cut):
+    """The leader overwrites "a"; an exception reaches it when LMDB's commit is done (inside the
+    commit call, or in the bookkeeping after it). The new record stands, and the blocks of the
+    record it replaced are free again at once: the segment holds just what the index names."""
+    cache, _ = make_cache(host_bytes=0, nvme_bytes=16 * MiB)
+    cache.put("warm", filled(1000, 0))
+    cache.put("a", filled(256 * KiB, 1))
+    used = cache.stats()["tiers"]["nvme"]["segment_used_bytes"]
+    main = threading.main_thread()
+
+    def slow(*args):
+        if threading.current_thread() is main:
+            time.sleep(2.0)  # the signal lands here
+
+    if cut == "in the commit":
+        hook = _sleep_after_commits(cache, slow)
+    else:
+        hook = testing_internals.before_nvme_record(cache, lambda digest, record: record is not None and slow())
+    with hook, _interrupt_after(0.3):
+        try:
+            cache.put("a", filled(256 * KiB, 2))
+        except _Interrupt:
+            pass
+    assert_same(cache.get("a"), filled(256 * KiB, 2))
+    assert cache.stats()["tiers"]["nvme"]["segment_used_bytes"] == used, "the replaced record's blocks leaked"
+
+
+@contextlib.contextmanager
+def _sleep_after_commits(cache, slow):
+    """While open, each write transaction of the cache's NVMe store calls ``slow()`` right after
+    LMDB committed it, inside the ``with`` block's exit (where a signal during the commit's fsync
+    raises)."""
+    env = testing.lmdb_of(cache).env
+
+    class Txn:
+        def __init__(self, txn):
+            self._txn = txn
+
+        def __enter__(self):
+            self._txn.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            out = self._txn.__exit__(*exc)
+            slow()
+            return out
+
+        def __getattr__(self, name):
+            return getattr(self._txn, name)
+
+    class Env:
+        def begin(self, *args, **kwargs):
+            txn = env.begin(*args, **kwargs)
+            return Txn(txn) if kwargs.get("write") else txn
+
+        def __getattr__(self, name):
+            return getattr(env, name)
+
+    testing.set_lmdb_env(cache, Env())
+    try:
+        yield
+    finally:
+        testing.set_lmdb_env(cache, env)

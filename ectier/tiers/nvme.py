@@ -230,7 +230,8 @@ class NvmeTier(IndexCommits, TailCompaction, Tier):
         except BaseException:
             self._free(loc)
             raise
-        done, old = self._group.submit((digest, header, loc), abandon=lambda: self._free(loc))
+        done, old = self._group.submit((digest, header, loc), abandon=lambda: self._free(loc),
+                                       stands=self._free_replaced)
         if not done:
             self._free(loc)
             return False
@@ -254,6 +255,11 @@ class NvmeTier(IndexCommits, TailCompaction, Tier):
             except OSError as exc:
                 self.counters["write_errors"] += 1
                 raise write_error(self.path, exc, need, self._free_disk_bytes()) from None
+
+    def _free_replaced(self, result: tuple[bool, Location | None]) -> None:
+        """A committed write's ``(written, location it replaced)``: give that location's blocks back."""
+        if result[1] is not None:
+            self._free(result[1])
 
     def _free(self, loc: Location) -> None:
         """Return ``loc``'s blocks (the segment file is cut when a grown region shrinks back). On a

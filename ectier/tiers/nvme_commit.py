@@ -72,19 +72,22 @@ class GroupCommit:
                 self._copying -= 1
                 self._cond.notify_all()
 
-    def submit(self, item: Any, abandon: Callable[[], None]) -> Any:
+    def submit(self, item: Any, abandon: Callable[[], None], stands: Callable[[Any], None]) -> Any:
         """Commit ``item`` with its group; returns its result or raises its error.
 
         ``abandon()`` is called when the entry is not committed and this raises (its commit
         failed, or an exception from a signal handler reached this writer while it waited): the
         caller gives back what the entry would have named. An exception that reaches a writer whose
         entry a leader is committing right now waits for that commit: if the entry was committed
-        it stands (``abandon`` is not called) and the exception is raised all the same."""
+        it stands, ``stands(result)`` is called instead (the caller gives back what the entry
+        replaced) and the exception is raised all the same."""
         p = Pending(item)
         try:
             return self._submit(p)
         except BaseException:
-            if not (p.done and p.error is None and p.result is not None):
+            if p.done and p.error is None and p.result is not None:
+                stands(p.result)
+            else:
                 abandon()
             raise
 
@@ -169,11 +172,14 @@ def put_entry(txn: Any, db: object, item: tuple, value: bytes) -> tuple[bool, An
     return True, old
 
 
-def committed_entries(env: Any, db: object, batch: list[Pending], values: list[bytes]) -> list[tuple[Pending, bytes]]:
+def committed_entries(env: Any, db: object, batch: list[Pending], values: list[bytes],
+                      results: list[tuple[bool, Any]]) -> list[tuple[Pending, bytes]]:
     """After an exception cut the commit of ``batch`` (``values``: their index values): the
     entries that the store holds byte for byte, i.e. whose commit happened. Each of them without a
-    ``result`` gets ``(True, None)`` (the location of the record it replaced is not known here: its
-    blocks come back at the next open). ``[]`` when the store cannot be read (closed meanwhile)."""
+    ``result`` gets its entry of ``results`` (what :func:`put_entry` returned in the transaction,
+    complete whenever that transaction committed) or ``(True, None)`` when there is none (the
+    record it replaced is not known: its blocks come back at the next open). ``[]`` when the store
+    cannot be read (closed meanwhile)."""
     try:
         txn = env.begin()
         try:
@@ -183,10 +189,10 @@ def committed_entries(env: Any, db: object, batch: list[Pending], values: list[b
     except Exception:  # noqa: BLE001 - closed or failing: nothing can be said, nothing is claimed
         return []
     out = []
-    for p, value, now in zip(batch, values, held):
+    for i, (p, value, now) in enumerate(zip(batch, values, held)):
         if now is not None and bytes(now) == value:
             if p.result is None and p.error is None:
-                p.result = (True, None)
+                p.result = results[i] if len(results) == len(batch) else (True, None)
             out.append((p, value))
     return out
 
@@ -231,7 +237,7 @@ class IndexCommits:
                     self.counters["write_errors"] += 1
                     raise lmdb_write_error(self.path, exc, need, self._free_disk_bytes()) from None
                 except BaseException:  # (a signal handler's exception, possibly right after the commit)
-                    self._settle(batch, values)
+                    self._settle(batch, values, results)
                     raise
                 else:
                     try:
@@ -241,13 +247,13 @@ class IndexCommits:
                         record_committed(self.index, self._set_record,
                                          [(p, value) for p, value, (done, _) in zip(batch, values, results) if done])
                     except BaseException:
-                        self._settle(batch, values)
+                        self._settle(batch, values, results)
                         raise
                     return
             self._store.grow(need)
         raise TierWriteError("nvme tier: map still full after growing")  # pragma: no cover
 
-    def _settle(self, batch: list[Pending], values: list[bytes]) -> None:
+    def _settle(self, batch: list[Pending], values: list[bytes], results: list[tuple[bool, Any]]) -> None:
         """A group's commit cut by an exception: what LMDB committed of it stands (results, records)."""
-        record_committed(self.index, self._set_record, committed_entries(self._env, self._meta, batch, values))
+        record_committed(self.index, self._set_record, committed_entries(self._env, self._meta, batch, values, results))
 
