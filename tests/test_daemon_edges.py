@@ -114,11 +114,8 @@ def test_a_request_ahead_of_an_oversized_frame_is_answered(thread_daemon, daemon
         r.close()
 
 
-def test_a_connection_thread_that_cannot_start_refuses_only_that_client(thread_daemon, daemon_dir, monkeypatch):
-    """``Thread.start`` failing once (a pids limit, memory) refuses that one connection; the
-    daemon goes on accepting and serving."""
-    server, t = thread_daemon(_cfg(daemon_dir))
-    sock = server.socket_path
+def _fail_first_connection_thread(monkeypatch) -> list:
+    """Make the daemon's next connection thread fail to start; returns the names that failed."""
     real_start = threading.Thread.start
     failed = []
 
@@ -129,6 +126,33 @@ def test_a_connection_thread_that_cannot_start_refuses_only_that_client(thread_d
         return real_start(self)
 
     monkeypatch.setattr(threading.Thread, "start", start)
+    return failed
+
+
+def test_a_newcomer_whose_thread_cannot_start_leaves_the_idle_connection_it_would_replace(
+        thread_daemon, daemon_dir, monkeypatch):
+    """At ``daemon.max_clients_per_uid`` a newcomer takes an idle connection's place; when the
+    newcomer's thread cannot start, it is refused and the idle connection stays open and served."""
+    server, _ = thread_daemon(_cfg(daemon_dir, max_clients_per_uid=1))
+    with RawConn(server.socket_path, name="idle") as idle:
+        failed = _fail_first_connection_thread(monkeypatch)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(server.socket_path)
+            s.settimeout(5)
+            assert s.recv(65536), "the refused client got no reply"
+        monkeypatch.undo()
+        assert failed
+        assert idle.request({"id": 2, "op": "ping"})["ok"], "the idle connection was closed for nobody"
+        stats = server.stats()["daemon"]
+    assert (stats["evicted"], stats["refused"]) == (0, 1)
+
+
+def test_a_connection_thread_that_cannot_start_refuses_only_that_client(thread_daemon, daemon_dir, monkeypatch):
+    """``Thread.start`` failing once (a pids limit, memory) refuses that one connection; the
+    daemon goes on accepting and serving."""
+    server, t = thread_daemon(_cfg(daemon_dir))
+    sock = server.socket_path
+    failed = _fail_first_connection_thread(monkeypatch)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(sock)
         s.settimeout(5)

@@ -65,8 +65,7 @@ class ConnectionServing:
                                                cap_note=self.client_cap.note)
                     if reason is None:
                         if victim is not None:  # idle: no request in progress, no lease; see admission()
-                            victim.closed = True
-                            self.counters["evicted"] += 1
+                            victim.closed = True  # (a request it receives now is dropped)
                         conn = Connection(self._new_id_locked(), sock, pid, uid, gid, pid_start=pid_start)
                         self._conns[conn.id] = conn
                         self.counters["connections"] += 1
@@ -84,12 +83,6 @@ class ConnectionServing:
                 pass
             sock.close()
             return
-        if victim is not None:
-            log.info("closed the idle connection of client %s (pid %d, uid %d; idle %.1f s) to make room for "
-                     "pid %d (%s, daemon.max_clients_per_uid=%d)", victim.name, victim.pid,
-                     victim.uid, time.monotonic() - victim.last_active, pid, self.client_cap.note,
-                     self.config.daemon.uid_connection_cap)
-            shutdown_socket(victim.sock)
         t = threading.Thread(target=self._serve_connection, args=(conn,), name=f"ectier-conn-{conn.id}", daemon=True)
         try:
             t.start()
@@ -97,6 +90,8 @@ class ConnectionServing:
             with self._lock:
                 self._conns.pop(conn.id, None)
                 conn.closed = True
+                if victim is not None and victim.id in self._conns:
+                    victim.closed = False  # it keeps its place: the newcomer did not take it
                 self.counters["refused"] += 1
             self._accept_log.warning(("thread",), "refused connection from pid %d: cannot start its thread (%s)",
                                      pid, exc)
@@ -106,8 +101,20 @@ class ConnectionServing:
                 pass
             sock.close()
             return
+        if victim is not None:
+            self._close_victim(victim, pid)
         self._threads = [x for x in self._threads if x.is_alive()]
         self._threads.append(t)
+
+    def _close_victim(self, victim: Connection, pid: int) -> None:
+        """Close the idle connection ``victim`` whose place the client of ``pid`` took."""
+        with self._lock:
+            self.counters["evicted"] += 1
+        log.info("closed the idle connection of client %s (pid %d, uid %d; idle %.1f s) to make room for "
+                 "pid %d (%s, daemon.max_clients_per_uid=%d)", victim.name, victim.pid,
+                 victim.uid, time.monotonic() - victim.last_active, pid, self.client_cap.note,
+                 self.config.daemon.uid_connection_cap)
+        shutdown_socket(victim.sock)
 
     def _accept_failed(self, exc: OSError) -> None:
         """``accept`` failed for want of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM):
