@@ -178,7 +178,7 @@ def test_a_panel_naming_an_unknown_metric_is_caught(exported):
 
 
 def test_the_dashboard_shows_what_operators_need():
-    """Hit rate by tier, bytes per tier, evictions and demotions, checksum failures, load latency."""
+    """Hit rate, reads per tier, bytes per tier, evictions and demotions, checksum failures, load latency."""
     dash = _dashboard()
     used = set().union(*(promql_metric_names(e) for _, e in _queries(dash)))
     for name in ("ectier_tier_hits_total", "ectier_lookups_total", "ectier_tier_used_bytes",
@@ -196,3 +196,14 @@ def test_the_dashboard_shows_what_operators_need():
 def test_operations_and_vllm_docs_point_at_the_dashboard():
     for doc in ("operations.md", "vllm.md"):
         assert "grafana/ectier.json" in (ROOT / "docs" / doc).read_text(encoding="utf-8"), doc
+
+
+def test_no_panel_divides_the_tiers_reads_by_the_gets():
+    """A tier's ``hits`` counts the reads it served, a prefetch's read too (``get`` of a prefetched
+    NVMe entry: one get, two tier reads; tests/test_prefetch_into_host.py), so the tiers' hits add
+    up to more than the gets. Before: the panel "Hit rate by tier" divided them by
+    ``ectier_lookups_total`` as "share of gets served by each tier", and with the daemon's
+    prefetches (vLLM's daemon mode) host and NVMe each showed ~100 %."""
+    for where, expr in _queries(_dashboard()):
+        names = promql_metric_names(expr)
+        assert not {"ectier_tier_hits_total", "ectier_lookups_total"} <= names, where

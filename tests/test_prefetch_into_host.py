@@ -182,3 +182,20 @@ def test_evictions_of_replaced_versions_are_not_counted_as_drops(tmp_path):
         testing.check_invariants(cache)
     finally:
         cache.close()
+
+
+def test_a_prefetch_read_counts_as_a_tier_hit_but_not_as_a_get(tmp_path):
+    # what docs/operations.md says of the tiers' hits against the cache's: the NVMe read of a
+    # prefetch is an NVMe hit, the get that follows a host hit and the only lookup
+    cache = _cache(tmp_path, host_mib=4)
+    try:
+        x = _entry(7, 1)
+        _on_nvme_only(cache, "k", x)
+        assert _prefetch(cache, "k")
+        assert torch.equal(cache.get("k").view(torch.int16).flatten(), x)
+        st = cache.stats()
+        assert (st["hits"], st["misses"]) == (1, 0)
+        assert st["tiers"]["nvme"]["hits"] == 1 and st["tiers"]["host"]["hits"] == 1
+        assert st["tiers"]["host"]["promotions"] == 1
+    finally:
+        cache.close()

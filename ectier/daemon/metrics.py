@@ -7,8 +7,10 @@ scrapes):
 metric                                      type       meaning
 ==========================================  =========  ==============================================
 ``ectier_lookups_total{result}``            counter    gets that hit / missed every tier
-``ectier_tier_hits_total{tier}``            counter    gets served by a tier (items)
-``ectier_tier_hit_bytes_total{tier}``       counter    bytes served by a tier
+``ectier_tier_hits_total{tier}``            counter    reads a tier served (items): gets and
+                                                       prefetches' reads, so the tiers add up to
+                                                       more than the ``hit`` lookups
+``ectier_tier_hit_bytes_total{tier}``       counter    bytes a tier served (as above)
 ``ectier_tier_puts_total{tier}``            counter    entries written into a tier
 ``ectier_tier_put_bytes_total{tier}``       counter    bytes written into a tier
 ``ectier_tier_evictions_total{tier}``       counter    entries evicted from a tier
@@ -94,8 +96,8 @@ class StatsCollector:
                     fam.add_metric([tier], t[field])
             return fam
 
-        yield per_tier("ectier_tier_hits", "Gets served by a tier (items)", "hits")
-        yield per_tier("ectier_tier_hit_bytes", "Bytes served by a tier", "hit_bytes")
+        yield per_tier("ectier_tier_hits", "Reads a tier served: gets and prefetches (items)", "hits")
+        yield per_tier("ectier_tier_hit_bytes", "Bytes a tier served: gets and prefetches", "hit_bytes")
         yield per_tier("ectier_tier_puts", "Entries written into a tier", "puts")
         yield per_tier("ectier_tier_put_bytes", "Bytes written into a tier", "put_bytes")
         yield per_tier("ectier_tier_evictions", "Entries evicted from a tier", "evictions")
