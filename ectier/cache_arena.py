@@ -93,13 +93,17 @@ class HostArenaAPI:
         ``prefetch_threads`` run at once. Blocks until a slot is free."""
         return self._reads.background
 
-    def acquire(self, key: str, *, namespace: str | None = None, promote: bool = True) -> ReadLease | None:
+    def acquire(self, key: str, *, namespace: str | None = None, promote: bool = True,
+                count: bool = True) -> ReadLease | None:
         """Pin an entry in the host arena for another party to copy out; ``None`` on a miss.
 
         An NVMe hit is promoted into the host arena first; if it cannot be placed there (larger
         than the host budget, or no clean room), the result is ``None``. ``promote=False``: only
         an entry already in the host arena is pinned (no I/O; anything else is ``None``, not
         counted as a miss). The entry is neither evicted nor freed until :meth:`release`.
+        ``count=False``: a read ahead of a get that may never come (the daemon's ``prefetch``):
+        no hit or miss is counted now (a tier's own read still is, e.g. NVMe's); count the get
+        once it takes the lease, with :meth:`count_served`.
 
         Raises:
             InvalidKeyError: bad ``key``/``namespace``. EctierError: the cache is closed.
@@ -108,8 +112,14 @@ class HostArenaAPI:
         self._check_open()
         if self._host is None:
             return None
-        slot = self._reads.acquire(self._host, entry_digest(ns, key), ns, key, promote)
+        slot = self._reads.acquire(self._host, entry_digest(ns, key), ns, key, promote, count)
         return ReadLease(slot.meta, tuple(self._host.byte_extents(slot)), slot, self) if slot is not None else None
+
+    def count_served(self, lease: ReadLease) -> None:
+        """Count one get served by ``lease`` (taken with ``acquire(count=False)``): a hit of the
+        cache and of the host tier, ``lease.meta.nbytes`` bytes. Raises nothing."""
+        self._counters.count("host", hits=1, hit_bytes=lease.meta.nbytes)
+        self._counters.count("cache", hits=1)
 
     def acquire_many(self, keys: list[str], *, namespace: str | None = None) -> list[ReadLease | None]:
         """:meth:`acquire` with ``promote=False`` of each of ``keys`` (those in the host arena pinned

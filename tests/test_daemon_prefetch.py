@@ -420,10 +420,10 @@ class _EvictedInBetween:
             return [handle]
         return self._cache.prefetch(keys, **kw)
 
-    def acquire(self, key, *, namespace=None, promote=True):
+    def acquire(self, key, *, namespace=None, promote=True, count=True):
         if promote:
             self.promoting_acquires.append(threading.current_thread().name)
-        return self._cache.acquire(key, namespace=namespace, promote=promote)
+        return self._cache.acquire(key, namespace=namespace, promote=promote, count=count)
 
 
 def test_an_entry_evicted_between_answer_and_pin_is_read_by_a_worker(tmp_path):
@@ -444,3 +444,33 @@ def test_an_entry_evicted_between_answer_and_pin_is_read_by_a_worker(tmp_path):
             real.release(held.handle)
         finally:
             pf.close()
+
+
+def test_a_prefetch_counts_no_lookup_and_the_get_that_takes_its_pin_counts_one(tmp_path):
+    """Before: the prefetch's pin was counted as a hit (``ectier_lookups_total``) when taken,
+    whether or not a get followed, and a get after that pin expired counted a second one."""
+    from daemon_helpers import serve_in_thread, short_tmpdir
+    import torch
+
+    d = short_tmpdir()
+    cfg = CacheConfig.from_dict(daemon_config(d, lease_s=1))
+    server, thread = serve_in_thread(cfg)
+    try:
+        with DaemonClient(cfg.daemon.socket_path) as c:
+            x = torch.ones(64, 512, dtype=torch.bfloat16)
+            c.put("a", x)
+            c.put("b", x)
+            wait_for(lambda: c.prefetch(["a", "b"]) == ["ready", "ready"], what="both pinned")
+            s = daemon_stats(cfg.daemon.socket_path)
+            assert (s["hits"], s["misses"], s["tiers"]["host"]["hits"]) == (0, 0, 0)
+            assert_same(c.get("a"), x)  # takes the prefetch's pin
+            s = daemon_stats(cfg.daemon.socket_path)
+            assert (s["hits"], s["tiers"]["host"]["hits"], s["daemon"]["prefetch"]["taken"]) == (1, 1, 1)
+            wait_for(lambda: daemon_stats(cfg.daemon.socket_path)["daemon"]["prefetch"]["expired"] == 1,
+                     timeout=10, what="b's pin to expire")
+            assert_same(c.get("b"), x)
+            s = daemon_stats(cfg.daemon.socket_path)
+            assert (s["hits"], s["misses"], s["tiers"]["host"]["hits"]) == (2, 0, 2)
+    finally:
+        server.stop()
+        thread.join(10)

@@ -198,6 +198,8 @@ def _op_get(server: DaemonServer, conn: Connection, key: str, namespace: str | N
     assert server.cache is not None
     held = server.prefetcher.take(namespace, key, direct=direct)  # a finished prefetch's pin: no I/O
     handle = held.handle if held is not None else server.cache.acquire(key, namespace=namespace)
+    if held is not None and isinstance(handle, ReadLease):
+        server.cache.count_served(handle)  # the prefetch's pin counted no lookup: this get is one
     if handle is None and server.cache.contains(key, namespace=namespace):
         # stored, but the arena cannot lease it (larger than host.capacity_bytes, or no room)
         tensor = server.cache.get(key, namespace=namespace) if direct else None
@@ -259,6 +261,8 @@ def _pin_many(server: DaemonServer, conn: Connection, keys: list[str], namespace
         for held in taken.values():
             server.cache.release(held.handle)
         raise
+    for held in taken.values():
+        server.cache.count_served(held.handle)  # (take_many hands out arena leases only)
     handles = [(k, taken[k].handle if k in taken else got[k]) for k in keys]
     handles = [(k, h) for k, h in handles if h is not None]
     pins = {}

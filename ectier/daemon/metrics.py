@@ -7,6 +7,7 @@ scrapes):
 metric                                      type       meaning
 ==========================================  =========  ==============================================
 ``ectier_lookups_total{result}``            counter    gets that hit / missed every tier
+                                                       (a ``prefetch``'s pin: once a get takes it)
 ``ectier_tier_hits_total{tier}``            counter    reads a tier served (items): gets and
                                                        prefetches' reads, so the tiers add up to
                                                        more than the ``hit`` lookups

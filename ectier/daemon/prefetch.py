@@ -154,7 +154,7 @@ class Prefetcher:
             # pinned only if in the arena now (a host hit: never I/O on the request's thread)
             ticket, held = self._ticket(ident), None
             try:
-                held = self._hold(self.cache.acquire(key, namespace=ns, promote=False), ns, key)
+                held = self._hold(self.cache.acquire(key, namespace=ns, promote=False, count=False), ns, key)
             finally:
                 if held is None:
                     with self._lock:
@@ -258,7 +258,7 @@ class Prefetcher:
         return UNPINNED
 
     def _pin(self, ns: str, key: str, direct: bool) -> Held | None:
-        held = self._hold(self.cache.acquire(key, namespace=ns, promote=False), ns, key)  # a host hit: no I/O
+        held = self._hold(self.cache.acquire(key, namespace=ns, promote=False, count=False), ns, key)  # a host hit: no I/O
         if held is not None or self._closed:
             return held
         # the reads (an entry evicted since its promotion, a direct read from NVMe) share the
@@ -267,7 +267,7 @@ class Prefetcher:
             return None if self._closed else self._pin_read(ns, key, direct)
 
     def _pin_read(self, ns: str, key: str, direct: bool) -> Held | None:
-        held = self._hold(self.cache.acquire(key, namespace=ns), ns, key)
+        held = self._hold(self.cache.acquire(key, namespace=ns, count=False), ns, key)
         if held is not None or not self.cache.contains(key, namespace=ns):
             return held
         if not direct:

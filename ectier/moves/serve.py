@@ -161,10 +161,12 @@ class Reads:
         result = tensor_from_bytes(meta, data, out)
         return result if dev.type == "cpu" else result.to(dev)
 
-    def acquire(self, host: ArenaTier, digest: bytes, ns: str, key: str, promote: bool = True):
+    def acquire(self, host: ArenaTier, digest: bytes, ns: str, key: str, promote: bool = True,
+                count: bool = True):
         """Pin the entry in ``host`` for another party (an NVMe hit is promoted there first,
         unless ``promote`` is False: then only an entry already in ``host`` is pinned, no I/O,
-        nothing counted otherwise): the pinned slot, or ``None``."""
+        nothing counted otherwise): the pinned slot, or ``None``. ``count`` False: no hit or
+        miss is counted (a tier's read, e.g. NVMe's, still is)."""
         m = self.m
         for _ in range(m.RETRIES):
             loc = self.locate(digest, start=host, wait=promote)  # (promote=False never waits)
@@ -173,8 +175,9 @@ class Reads:
             if loc is None:
                 break
             if loc.tier is host:
-                m.counters.count("host", hits=1, hit_bytes=loc.slot.meta.nbytes)
-                m.counters.count("cache", hits=1)
+                if count:
+                    m.counters.count("host", hits=1, hit_bytes=loc.slot.meta.nbytes)
+                    m.counters.count("cache", hits=1)
                 return loc.slot
             if not promote:
                 return None
@@ -187,7 +190,7 @@ class Reads:
                 continue
             if slot is None:
                 break
-            m.counters.count("cache", hits=1)
+            m.counters.count("cache", hits=int(count))
             return slot
         else:
             loc = None
@@ -196,11 +199,11 @@ class Reads:
         if loc is None and m.remote is not None and m.remote.fetch(digest, ns, key, None) is not None:
             loc = self.locate(digest, start=host)
             if loc is not None and loc.tier is host:
-                m.counters.count("cache", hits=1)
+                m.counters.count("cache", hits=int(count))
                 return loc.slot
             if loc is not None and loc.slot is not None:
                 m.unpin(loc.tier, loc.slot)
-        m.counters.count("cache", misses=1)
+        m.counters.count("cache", misses=int(count))
         return None
 
     def acquire_resident(self, host: ArenaTier, digests: list[bytes], ns: str, keys: list[str]) -> list:
