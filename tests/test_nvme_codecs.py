@@ -151,3 +151,51 @@ def test_map_ceiling_during_demotion_drops_the_victim_not_the_put(make_cache):
         if got is not None:
             assert_same(got, filled(64 * KiB, i))
     check_quiescent(cache)
+
+
+def _xor_codec_class():
+    """A codec a plugin would register (id 201, ``test-xor``): the bytes XOR 0x5A."""
+    import numpy as np
+
+    from ectier.codec import Codec
+
+    class XorCodec(Codec):
+        codec_id = 201
+        name = "test-xor"
+        params = ("level",)
+
+        def __init__(self, level: int = 1) -> None:
+            self.level = level
+
+        def encode(self, data, itemsize):
+            return (np.frombuffer(memoryview(data), dtype=np.uint8) ^ 0x5A).tobytes()
+
+        def decode_into(self, payload, out, itemsize):
+            np.bitwise_xor(np.frombuffer(memoryview(payload), dtype=np.uint8), 0x5A,
+                           out=np.frombuffer(memoryview(out), dtype=np.uint8))
+
+    return XorCodec
+
+
+def test_a_record_of_a_codec_not_registered_here_is_a_miss_after_a_restart(make_cache):
+    """A store written with a plugin's codec, reopened by a process that did not register it (the
+    plugin not imported): its records are misses, quarantined and counted — never an
+    ``UnknownCodecError`` out of ``get`` (it was, for every record scanned at open), and a put of
+    the key stores it again."""
+    from ectier.codec import register_codec
+    from ectier.testing_internals import isolated_codec_registry
+
+    with isolated_codec_registry():
+        register_codec(_xor_codec_class())
+        cache, cfg = make_cache(host_bytes=0, nvme_bytes=4 * MiB, codec="test-xor")
+        t = random_tensor((4, 512), torch.bfloat16, 1)
+        cache.put("x", t)
+        assert_same(cache.get("x"), t)
+        cache.close()
+    with reopen(cfg, codec="raw") as again:
+        assert again.get("x") is None
+        st = again.stats()["tiers"]["nvme"]
+        assert st["checksum_failures"] == 1 and st["quarantined"] == 1
+        again.put("x", t)
+        assert_same(again.get("x"), t)
+        check_quiescent(again)

@@ -64,7 +64,7 @@ import numpy as np
 
 from ..codec import Codec, RecordHeader, checksum, get_codec
 from ..config import NvmeTierConfig
-from ..entry import DTYPE_ITEMSIZE, EntryMeta
+from ..entry import EntryMeta
 from ..errors import CacheClosedError, CorruptRecordError, StoreOpenError, TierWriteError
 from ..policy import make_policy
 from .base import Tier
@@ -73,8 +73,8 @@ from .nvme_commit import GroupCommit, IndexCommits
 from .nvme_compact import TailCompaction
 from .nvme_index import NvmeIndex, NvmeRecord
 from .nvme_reader import ByteViews, flat_cpu_bytes
-from .nvme_record import (CheckedRecord, EncodedRecord, check_index_value, check_record, encode_record,
-                          parse_index_value)
+from .nvme_record import (CheckedRecord, EncodedRecord, check_header, check_index_value, check_record,
+                          encode_record, parse_index_value)
 from .nvme_scan import placed_entries
 from .nvme_segment import BLOCK_BYTES, Location, blocks_for
 
@@ -360,15 +360,16 @@ class NvmeTier(IndexCommits, TailCompaction, Tier):
         return None
 
     def _checked(self, digest: bytes, identity: tuple[str, str], raw: bytes) -> tuple[CheckedRecord, Location]:
-        """The checks of index entry ``raw``; an entry byte-equal to the one this tier committed or
-        scanned (already checked then) is only checked for identity."""
+        """The checks of index entry ``raw``; for an entry byte-equal to the one this tier committed or
+        scanned, the header already parsed (and its location) are used, not parsed again.
+
+        Raises:
+            CorruptRecordError: a check failed (an unknown codec or dtype too: a miss, quarantined).
+        """
         known = self.index.record(digest)
         if known is not None and known.value == raw and known.location is not None:
-            h = known.header
-            if h.namespace != identity[0] or h.key != identity[1]:
-                raise CorruptRecordError("record identity does not match the requested key")
-            codec = self.codec if h.codec_id == self.codec.codec_id else get_codec(h.codec_id)
-            return CheckedRecord(h, codec, DTYPE_ITEMSIZE[h.dtype]), known.location
+            # (a record scanned at open had only its checksums checked: dtype, sizes and codec here)
+            return check_header(identity, known.header, self.codec), known.location
         return check_index_value(identity, raw, codec=self.codec)
 
     def _read_payload(self, rec: CheckedRecord, loc: Location, out: torch.Tensor | None,

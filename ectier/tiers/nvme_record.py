@@ -25,7 +25,7 @@ from ..errors import CorruptRecordError, UnknownCodecError
 from .nvme_segment import Location, pack_location, unpack_location
 
 __all__ = ["EncodedRecord", "CheckedRecord", "encode_record", "verify_record", "check_record",
-           "pack_index_value", "parse_index_value", "check_index_value"]
+           "pack_index_value", "parse_index_value", "check_index_value", "check_header"]
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def verify_record(identity: bytes | tuple[str, str], raw_header: object, payload
             length or xxh3-64 checksum fails.
     """
     header = unpack_header(raw_header)
-    rec = _check_header(identity, header, codec)
+    rec = check_header(identity, header, codec)
     if payload is None:
         raise CorruptRecordError("payload missing")
     verify_payload(header, payload)
@@ -157,13 +157,21 @@ def check_index_value(identity: bytes | tuple[str, str], raw: object, *,
         CorruptRecordError: any check fails.
     """
     header, loc = parse_index_value(raw)
-    rec = _check_header(identity, header, codec)
+    rec = check_header(identity, header, codec)
     if loc.alloc_bytes < header.payload_nbytes:
         raise CorruptRecordError("payload location is smaller than the payload")
     return rec, loc
 
 
-def _check_header(identity: bytes | tuple[str, str], header: RecordHeader, codec: Codec | None) -> CheckedRecord:
+def check_header(identity: bytes | tuple[str, str], header: RecordHeader, codec: Codec | None) -> CheckedRecord:
+    """The checks of a parsed header short of its payload: it names ``identity`` (a 32-byte digest,
+    or the ``(namespace, key)`` a read asked for), its dtype is one ectier stores, its raw size is
+    its shape times the dtype's item size (bytes), and its codec is registered (``codec``: the
+    tier's own, used when the header names it).
+
+    Raises:
+        CorruptRecordError: naming the check that failed.
+    """
     if isinstance(identity, tuple):
         if (header.namespace, header.key) != identity:
             raise CorruptRecordError("record identity does not match the requested key")
