@@ -159,17 +159,24 @@ def _read_exactly(reader: Any, dest: memoryview) -> int:
     return filled
 
 
-def _zstd_stream_into(payload: memoryview, planes: int, out: memoryview) -> None:
+def _zstd_stream_into(payload: memoryview, planes: int, out: memoryview | None, n: int = 0) -> None:
     """Decode one checked zstd frame into ``out``, optionally merging ``planes`` byte planes.
 
     Decodes straight into ``out`` (``planes == 1``) or through a 1 MiB scratch buffer that is
     scattered into ``out`` plane by plane; never materialises the whole decoded payload twice.
+    ``out=None``: decode ``n`` bytes through that scratch buffer and drop them (a check).
     """
-    n = len(out)
+    n = n if out is None else len(out)
     dctx = zstandard.ZstdDecompressor()
     try:
         with dctx.stream_reader(payload, read_across_frames=False) as reader:
-            if planes == 1:
+            if out is None:
+                scratch_mv, got = memoryview(bytearray(min(n, PLANE_CHUNK_ROWS))), 0
+                while got < n and (k := _read_exactly(reader, scratch_mv[:min(n - got, PLANE_CHUNK_ROWS)])):
+                    got += k
+                if got != n:
+                    raise CorruptRecordError(f"zstd payload decoded to {got} bytes, expected {n}")
+            elif planes == 1:
                 got = _read_exactly(reader, out)
                 if got != n:
                     raise CorruptRecordError(f"zstd payload decoded to {got} bytes, expected {n}")
@@ -230,6 +237,15 @@ class Codec(abc.ABC):
         invalid or decodes to any length other than ``len(out)`` (``out`` may then hold partial
         output); ``ValueError`` for a read-only ``out`` or a bad ``itemsize``.
         """
+
+    def check(self, payload: BytesLike, raw_nbytes: int, itemsize: int) -> None:
+        """Check that ``payload`` decodes to exactly ``raw_nbytes`` bytes, keeping none of them
+        (``ectier fsck``). The zstd codecs decode through a 1 MiB buffer, whatever size a header
+        claims; this default decodes into a scratch buffer of ``raw_nbytes``.
+
+        Raises :class:`~ectier.errors.CorruptRecordError` as :meth:`decode_into` does.
+        """
+        self.decode_into(payload, np.empty(raw_nbytes, dtype=np.uint8), itemsize)
 
     def get_config(self) -> dict[str, Any]:
         """``{"name": ..., <param>: <value>, ...}``; JSON-serialisable; see :func:`codec_from_config`."""
@@ -345,6 +361,12 @@ class ZstdCodec(Codec):
         dst = _writable_byte_view(out)
         _zstd_check_frame(src, len(dst))
         _zstd_stream_into(src, 1, dst)
+
+    def check(self, payload: BytesLike, raw_nbytes: int, itemsize: int) -> None:
+        _check_itemsize(itemsize)
+        src = _byte_view(payload, "payload")
+        _zstd_check_frame(src, raw_nbytes)
+        _zstd_stream_into(src, 1, None, raw_nbytes)  # (the byte planes' order does not matter here)
 
 
 class PlaneZstdCodec(ZstdCodec):

@@ -416,3 +416,22 @@ def test_a_page_scan_repair_does_not_call_unfound_records_zero_lost(tmp_path, ru
     r = runner.invoke(main, ["fsck", "--path", str(store), "--repair"])
     assert r.exit_code == 0, r.output
     assert "a page scan cannot count those" in " ".join(r.output.split()) and ", 0 lost;" not in r.output, r.output
+
+
+def test_a_header_claiming_petabytes_is_reported_not_allocated(tmp_path, runner):
+    """A zstd record whose header claims 16 PiB of raw bytes (its checksum intact): fsck reports it
+    (the frame declares another size) and repair drops it; fsck decodes with bounded memory, never
+    a full-size buffer (a ``MemoryError`` traceback before)."""
+    import dataclasses
+
+    from ectier.tiers.nvme_record import pack_index_value
+
+    store = tmp_path / "nvme"
+    _build_store(store, codec="zstd")
+    header, loc = parse_index_value(nh.index_value(store, "k5"))
+    huge = dataclasses.replace(header, shape=(1 << 53,), raw_nbytes=1 << 53)
+    nh.set_index_value(store, "k5", pack_index_value(huge, loc))
+    result = runner.invoke(main, ["fsck", "--path", str(store)])
+    assert result.exit_code == 1 and "test/k5" in result.output and "zstd payload declares" in result.output
+    res = repair(store)
+    assert res.repaired and res.salvaged == N - 1 and res.lost == 1

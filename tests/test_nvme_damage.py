@@ -168,3 +168,34 @@ def test_orphaned_payload_space_is_reclaimed_at_open(make_cache, tmp_path):
         check_quiescent(cache)
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("when", ["at-open", "while-open"])
+def test_a_header_claiming_more_raw_bytes_than_the_budget_is_a_miss_not_an_allocation(make_cache, tmp_path, when):
+    """A compressed record whose header (checksum intact: forged, or a decompression bomb) claims
+    16 PiB of raw bytes: a miss, quarantined — no write stores a record larger than
+    ``nvme.capacity_bytes`` — never a ``RuntimeError`` from allocating them (it was)."""
+    from ectier.tiers.nvme_record import pack_index_value, parse_index_value
+
+    cfg, vals = put_three(make_cache, codec="zstd")
+    store = tmp_path / "nvme"
+    header, loc = parse_index_value(nh.index_value(store, "b"))
+    huge = dataclasses.replace(header, shape=(1 << 40, 8192), raw_nbytes=(1 << 40) * 8192 * 2)
+    cache = reopen(cfg)
+    try:
+        if when == "at-open":
+            cache.close()
+            nh.set_index_value(store, "b", pack_index_value(huge, loc))
+            cache = reopen(cfg)
+        else:
+            env = testing.lmdb_of(cache).env
+            with env.begin(write=True) as txn:
+                txn.put(digest("b"), pack_index_value(huge, loc), db=testing.lmdb_of(cache).meta)
+        assert cache.get("b") is None
+        st = cache.stats()["tiers"]["nvme"]
+        assert st["checksum_failures"] == 1 and st["quarantined"] == 1
+        assert "nvme.capacity_bytes" in testing.tier(cache, "nvme").quarantined()[digest("b")]["reason"]
+        for k in "ac":
+            assert_same(cache.get(k), vals[k])
+    finally:
+        cache.close()

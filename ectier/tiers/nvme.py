@@ -377,6 +377,9 @@ class NvmeTier(IndexCommits, TailCompaction, Tier):
         """The payload of ``rec`` at ``loc``, checked and decoded into ``runs`` (then ``None``), ``out``
         or a new tensor."""
         h = rec.header
+        if h.raw_nbytes > self.index.capacity_bytes:  # (no write stores one: forged, or a decompression bomb)
+            raise CorruptRecordError(f"header claims {h.raw_nbytes} raw bytes, more than nvme.capacity_bytes="
+                                     f"{self.index.capacity_bytes}")
         raw = h.codec_id == RAW_CODEC_ID
         if runs is not None and sum(r.numel() for r in runs) == h.raw_nbytes and all(flat_cpu_bytes(r) for r in runs):
             if raw:
