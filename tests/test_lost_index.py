@@ -129,3 +129,19 @@ def test_on_damaged_reset_recovers_a_store_whose_lmdb_dir_is_gone(tmp_path):
 def test_fsck_of_a_path_that_does_not_exist_says_so(tmp_path):
     r = CliRunner().invoke(main, ["fsck", "--path", str(tmp_path / "nowhere")])
     assert r.exit_code == 2 and "does not exist" in r.output, r.output
+
+
+def test_lmdb_replaced_by_a_file_is_a_store_open_error_naming_the_path(tmp_path):
+    """``lmdb`` a regular file beside a ``segment.0`` with payloads (an operator's slip): the open
+    raises ``StoreOpenError`` naming ``nvme.path`` (a bare ``NotADirectoryError`` before) and
+    changes nothing."""
+    from ectier import StoreOpenError
+
+    store = tmp_path / "nvme"
+    cfg = _store(store)
+    shutil.rmtree(store / "lmdb")
+    (store / "lmdb").write_text("x")
+    seg = (store / "segment.0").read_bytes()
+    with pytest.raises(StoreOpenError, match="nvme.path"):
+        TieredCache(cfg)
+    assert (store / "segment.0").read_bytes() == seg and (store / "lmdb").read_text() == "x"

@@ -85,6 +85,8 @@ def lost_index(store: str | os.PathLike, segment_name: str = "segment.0") -> str
         size = os.stat(os.path.join(store, "lmdb", "data.mdb")).st_size
     except FileNotFoundError:
         return f"lmdb/data.mdb is missing while {segment_name} holds {seg_bytes} bytes of payloads"
+    except OSError:  # (``lmdb`` a file, no permission: the open says so itself)
+        return None
     if size == 0:
         return f"lmdb/data.mdb is empty while {segment_name} holds {seg_bytes} bytes of payloads"
     return None
