@@ -140,7 +140,8 @@ def check(path: str | os.PathLike) -> FsckReport:
     """Check the store in ``path`` (an ``nvme.path`` directory); changes nothing.
 
     Raises:
-        StoreOpenError: ``path`` is not a store directory (no ``lmdb/data.mdb``) or cannot be read.
+        StoreOpenError: ``path`` is not a store directory (no ``lmdb/data.mdb``), cannot be read, or
+            holds a store format this ectier does not read (a newer one's).
         StoreLockedError: a process has the store open (stop it first).
     """
     store = Path(path)
@@ -233,6 +234,10 @@ def _check(store: Path) -> FsckReport:
              "segment_bytes": seg.stat().st_size if seg.is_file() else 0}
     report = FsckReport(path=str(store), **found)
     error = _lmdb_pass(store / "lmdb", report)
+    fmt = report.settings.get("format", "1")
+    if fmt not in ("1", str(STORE_FORMAT)):  # (its records may be laid out otherwise: nothing to vouch for)
+        raise StoreOpenError(f"--path: {str(store)!r} holds store format {fmt}, which this ectier does not read "
+                             f"(formats 1 and {STORE_FORMAT}); check it with the ectier that wrote it")
     if error is not None:
         report = FsckReport(path=report.path, mode="page-scan", lmdb_error=error, **found)
         page_pass(store / "lmdb" / "data.mdb", report)

@@ -435,3 +435,20 @@ def test_a_header_claiming_petabytes_is_reported_not_allocated(tmp_path, runner)
     assert result.exit_code == 1 and "test/k5" in result.output and "zstd payload declares" in result.output
     res = repair(store)
     assert res.repaired and res.salvaged == N - 1 and res.lost == 1
+
+
+def test_a_store_of_a_newer_format_is_not_called_healthy(tmp_path, runner):
+    """A store whose ``settings`` name format 3 (a newer ectier's): the cache refuses to open it,
+    and fsck cannot vouch for records of a layout it does not know — exit 2 naming the format
+    (it said "healthy", exit 0), for ``--repair`` too, and nothing changes."""
+    store = tmp_path / "nvme"
+    _build_store(store)
+    env, *_, settings = open_lmdb(store)
+    with env.begin(write=True) as txn:
+        txn.put(b"format", b"3", db=settings)
+    env.close()
+    before = (store / "lmdb" / "data.mdb").read_bytes()
+    for args in ([], ["--repair"]):
+        result = runner.invoke(main, ["fsck", "--path", str(store), *args])
+        assert result.exit_code == 2 and "format 3" in result.output, result.output
+    assert (store / "lmdb" / "data.mdb").read_bytes() == before and not list(store.glob("damaged-*"))
