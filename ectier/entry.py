@@ -249,6 +249,11 @@ class EntryMeta:
         return meta
 
 
+#: Highest write version a stored record may carry: versions are wall-clock ns (2**63 ns is the
+#: year 2262). A record above it is a forged or damaged header (quarantined at open,
+#: ``ectier.tiers.nvme_scan``); the version clock never follows it past the record's u64 field.
+MAX_VERSION = (1 << 63) - 1
+
 _version_lock = threading.Lock()
 _last_version = 0
 
@@ -257,9 +262,12 @@ def advance_version(floor: int) -> None:
     """Make every later :func:`next_version` larger than ``floor``.
 
     Called when a store is opened with the highest version it holds, so that an overwrite after a
-    restart wins even if the wall clock is now behind the clock that wrote the store.
+    restart wins even if the wall clock is now behind the clock that wrote the store. A ``floor``
+    above :data:`MAX_VERSION` (a forged header) is ignored: later versions would not fit a record.
     """
     global _last_version
+    if floor > MAX_VERSION:
+        return
     with _version_lock:
         _last_version = max(_last_version, int(floor))
 

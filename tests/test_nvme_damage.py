@@ -199,3 +199,23 @@ def test_a_header_claiming_more_raw_bytes_than_the_budget_is_a_miss_not_an_alloc
             assert_same(cache.get(k), vals[k])
     finally:
         cache.close()
+
+
+def test_a_header_with_a_write_version_past_2_63_is_quarantined_at_open_and_puts_go_on(make_cache, tmp_path):
+    """A header (its checksum intact) whose write version is 2**64 - 1: quarantined at open, and
+    the process's version clock is not pushed to it — before, every later put, of any key and any
+    store of the process, raised ``ValueError`` (version 2**64 does not fit the record's u64)."""
+    from ectier.tiers.nvme_record import pack_index_value, parse_index_value
+
+    cfg, vals = put_three(make_cache)
+    store = tmp_path / "nvme"
+    header, loc = parse_index_value(nh.index_value(store, "b"))
+    nh.set_index_value(store, "b", pack_index_value(dataclasses.replace(header, version=(1 << 64) - 1), loc))
+    with reopen(cfg) as cache:
+        assert set(testing.tier(cache, "nvme").quarantined()) == {digest("b")}
+        assert cache.get("b") is None
+        cache.put("b", vals["a"])
+        cache.put("d", vals["c"])
+        assert_same(cache.get("b"), vals["a"])
+        assert_same(cache.get("d"), vals["c"])
+        check_quiescent(cache)

@@ -1,8 +1,8 @@
 """The open-time scan of a layout-v2 index (:class:`~ectier.tiers.nvme_env.NvmeEnv` calls it).
 
 :func:`scan_index` walks every ``meta`` entry once and makes only the cheap checks open needs —
-the header's prefix, length and own xxh3-64 checksum, the location's magic, block size, length and
-own checksum, that the location holds the payload and lies inside the segment file — reading no
+the header's prefix, length, write version (at most 2**63 - 1) and own xxh3-64 checksum, the
+location's magic, block size, length and own checksum, that the location holds the payload and lies inside the segment file — reading no
 payload byte. The usual record (one extent) is checked by two ``struct.unpack_from`` over fixed
 offsets and two checksum calls; anything else (several extents, or a value that fails a fast
 check) goes through :func:`~ectier.record.peek_header` and
@@ -20,6 +20,7 @@ from typing import Iterable, Iterator, NamedTuple
 import lmdb
 import xxhash
 
+from ..entry import MAX_VERSION
 from ..errors import CorruptRecordError
 from .nvme_record import parse_index_value
 from ..record import MAX_HEADER_NBYTES, RECORD_FORMAT_VERSION, RECORD_MAGIC, peek_header
@@ -61,6 +62,8 @@ def _slow(raw: memoryview, seg_blocks: int) -> tuple[int, int, tuple[tuple[int, 
         CorruptRecordError: naming the check that failed.
     """
     hn, version, payload_nbytes = peek_header(raw)
+    if version > MAX_VERSION:
+        raise CorruptRecordError(f"write version {version} is past 2**63 (the year 2262): a forged or damaged header")
     loc = unpack_location(raw[hn:])
     blocks = end = 0
     for s, n in loc.extents:
@@ -82,14 +85,14 @@ def scan_index(txn: lmdb.Transaction, db: object, seg_blocks: int) -> ScanResult
     owners, starts, lens = r.owners.append, r.starts.append, r.lens.append
     head, head_size, trailer, loc1 = _HEAD.unpack_from, _HEAD.size, _TRAILER.unpack_from, _LOC1.unpack_from
     h64 = xxhash.xxh3_64_intdigest
-    magic_ok, fmt_ok, loc_magic = RECORD_MAGIC, RECORD_FORMAT_VERSION, LOCATION_MAGIC
+    magic_ok, fmt_ok, loc_magic, max_v = RECORD_MAGIC, RECORD_FORMAT_VERSION, LOCATION_MAGIC, MAX_VERSION
     i = 0
     for digest, raw in txn.cursor(db=db):
         size = len(raw)
         hn = 0
         if size >= head_size:
             magic, fmt, _codec, hn, _raw_nbytes, pnb, _checksum, version = head(raw)
-            if (magic != magic_ok or fmt != fmt_ok or hn < _MIN_HEADER or hn > MAX_HEADER_NBYTES
+            if (magic != magic_ok or fmt != fmt_ok or hn < _MIN_HEADER or hn > MAX_HEADER_NBYTES or version > max_v
                     or size != hn + _LOC1.size or trailer(raw, hn - 8)[0] != h64(raw[:hn - 8])):
                 hn = 0
             else:
