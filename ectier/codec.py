@@ -239,12 +239,8 @@ class Codec(abc.ABC):
         """
 
     def check(self, payload: BytesLike, raw_nbytes: int, itemsize: int) -> None:
-        """Check that ``payload`` decodes to exactly ``raw_nbytes`` bytes, keeping none of them
-        (``ectier fsck``). The zstd codecs decode through a 1 MiB buffer, whatever size a header
-        claims; this default decodes into a scratch buffer of ``raw_nbytes``.
-
-        Raises :class:`~ectier.errors.CorruptRecordError` as :meth:`decode_into` does.
-        """
+        """Check that ``payload`` decodes to exactly ``raw_nbytes`` bytes, keeping none (``ectier fsck``;
+        zstd: through a 1 MiB buffer, whatever a header claims). Raises as :meth:`decode_into`."""
         self.decode_into(payload, np.empty(raw_nbytes, dtype=np.uint8), itemsize)
 
     def get_config(self) -> dict[str, Any]:
