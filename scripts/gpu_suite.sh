@@ -18,7 +18,7 @@ if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
   fi
   export PYTHONPATH="$PWD:$PWD/bindings${PYTHONPATH:+:$PYTHONPATH}"
   missing=$("$PY" - <<'PY'
-import importlib
+import importlib.util
 print(" ".join(m for m in ("lmdb", "zstandard", "xxhash", "msgpack", "yaml", "click", "rich", "prometheus_client", "pytest")
                if importlib.util.find_spec(m) is None))
 PY
