@@ -64,8 +64,9 @@ Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]
 class CopyHandle:
     """Completion of one batch of copies.
 
-    ``done()`` polls, ``wait(timeout_s)`` blocks the host (True once complete), ``error`` is the
-    exception of a failed copy (``None`` while pending or on success), ``wait_stream(device)`` makes
+    ``done()`` polls, ``wait(timeout_s)`` blocks the host (True once complete, False on timeout;
+    neither raises: a copy that failed is complete), ``error`` is the exception of a failed copy
+    (``None`` while pending or on success; a CUDA error, a ``RuntimeError``, for the CUDA engine), ``wait_stream(device)`` makes
     the caller's current CUDA stream on ``device`` wait for the copies without a host sync (a no-op
     for CPU engines). The tensors of the batch are referenced until completion (rules 2 and 3).
     """
@@ -144,6 +145,11 @@ class InlineCopyEngine(CopyEngine):
 
 
 class _CudaHandle(CopyHandle):
+    """A batch's completion event. A CUDA error that surfaces when the event is queried or
+    synchronized (an earlier asynchronous failure: CUDA errors are sticky) completes the handle
+    with that error, as a failed copy; ``done()`` and ``wait()`` never raise it, so whoever waits
+    on the batch (a put's commit, a get waiting for that put) is never left waiting for ever."""
+
     def __init__(self, event: "torch.cuda.Event", keep: Pairs) -> None:
         super().__init__(keep)
         self._cuda_event = event
@@ -151,7 +157,12 @@ class _CudaHandle(CopyHandle):
     def done(self) -> bool:
         if self._event.is_set():
             return True
-        if self._cuda_event.query():
+        try:
+            complete = self._cuda_event.query()
+        except RuntimeError as exc:  # a CUDA error, reported by the query
+            self._finish(exc)
+            return True
+        if complete:
             self._finish()
             return True
         return False
@@ -160,7 +171,11 @@ class _CudaHandle(CopyHandle):
         if self._event.is_set():
             return True
         if timeout_s is None:
-            self._cuda_event.synchronize()  # blocking-sync event: sleeps, releases the GIL
+            try:
+                self._cuda_event.synchronize()  # blocking-sync event: sleeps, releases the GIL
+            except RuntimeError as exc:  # a CUDA error, reported by the synchronize
+                self._finish(exc)
+                return True
             self._finish()
             return True
         deadline = time.monotonic() + timeout_s
