@@ -29,6 +29,7 @@ Engines:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -110,6 +111,8 @@ class CopyEngine:
         Raises:
             ValueError: an unknown lane or pairs of different lengths (nothing enqueued).
             EctierError: the engine is used in a forked child (CUDA engine).
+            RuntimeError: a copy could not be enqueued (CUDA engine); the copies of the batch
+                enqueued before it have completed when this is raised (nothing in flight).
         """
         raise NotImplementedError
 
@@ -269,9 +272,16 @@ class CudaCopyEngine(CopyEngine):
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(dev))
             stream.wait_event(ready)  # rule 1: after everything the producer enqueued so far
-            with torch.cuda.stream(stream):
-                for dst, src in pairs:
-                    dst.copy_(src, non_blocking=True)
+            try:
+                with torch.cuda.stream(stream):
+                    for dst, src in pairs:
+                        dst.copy_(src, non_blocking=True)
+            except RuntimeError:
+                # the copies enqueued before the failing one still run: the caller gives their
+                # blocks back (abort, unpin) and frees its tensors once this raises (rules 2, 3)
+                with contextlib.suppress(RuntimeError):
+                    stream.synchronize()
+                raise
             for dst, src in pairs:  # rule 2: the caching allocator keeps these blocks for the lane
                 for t in (dst, src):
                     if t.is_cuda:

@@ -60,3 +60,16 @@ def test_a_put_whose_copy_completion_raises_is_a_failed_put_and_gets_do_not_hang
     finally:
         cuda.query_error = cuda.synchronize_error = None
         cache.close()
+
+
+def test_a_batch_that_fails_midway_has_nothing_in_flight_when_the_error_reaches_the_caller(cuda):
+    """The caller of a copy that raises gives the batch's blocks back at once (an aborted host
+    slot, an unpinned source) and frees its tensors. Before: the copies enqueued before the
+    failing one were still running then, into (or out of) blocks already handed to others."""
+    engine = CudaCopyEngine("cuda:0")
+    ok_dst, src = torch.zeros(1024, dtype=torch.uint8), torch.ones(1024, dtype=torch.uint8)
+    overlapping = torch.zeros(1, dtype=torch.uint8).expand(1024)  # copy_ into it raises
+    lane = engine.streams("d2h")[0]
+    with pytest.raises(RuntimeError):
+        engine.copy([(ok_dst, src), (overlapping, src)], lane="d2h")
+    assert ("synchronize", lane) in cuda.log
