@@ -239,6 +239,8 @@ def test_stats_table_shows_the_write_behind_counters_and_no_remote_rows_without_
                         "skipped: node down"):
         assert remote_only not in table, remote_only
     assert table["checksum failures"] == ["—", "0"]  # the NVMe tier's
+    for nvme_only in ("quarantined", "write failures", "read failures"):  # (were no rows: never shown)
+        assert table[nvme_only] == ["—", "0"], nvme_only
 
 
 def test_stats_table_shows_the_remote_rows_with_a_remote_tier(monkeypatch):

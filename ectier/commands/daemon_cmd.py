@@ -119,7 +119,7 @@ TIER_ROWS: tuple[tuple[str, str, Callable[[dict[str, Any]], str]], ...] = (
     ("write-behind bytes", "write_behind_bytes", _bytes_of("write_behind_bytes")),
     ("write-behind failures", "write_behind_failures", _count("write_behind_failures")),
     ("misses", "misses", _count("misses")),  # the remote tier's
-    ("errors", "timeouts", _count("errors")),  # the remote tier's (the NVMe tier's are write/read failures)
+    ("errors", "errors", _count("errors")),  # the remote tier's (the NVMe tier's: the failure rows below)
     ("timeouts", "timeouts", _count("timeouts")),
     ("degraded (back-off)", "degraded", lambda t: "yes" if t["degraded"] else "no"),
     ("skipped in back-off", "skipped_degraded", _count("skipped_degraded")),
@@ -127,6 +127,9 @@ TIER_ROWS: tuple[tuple[str, str, Callable[[dict[str, Any]], str]], ...] = (
     ("demotions", "demotions", _count("demotions")),
     ("promotions", "promotions", _count("promotions")),
     ("checksum failures", "checksum_failures", _count("checksum_failures")),
+    ("quarantined", "quarantined", _count("quarantined")),
+    ("write failures", "write_failures", _count("write_failures")),
+    ("read failures", "read_failures", _count("read_failures")),
 )
 
 
