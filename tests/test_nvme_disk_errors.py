@@ -211,3 +211,49 @@ def _sleep_after_commits(cache, slow):
         yield
     finally:
         testing.set_lmdb_env(cache, env)
+
+
+def test_an_eviction_whose_delete_fails_is_not_counted(make_cache):
+    """A put evicts the least recently used record, but LMDB refuses that delete: the record stays
+    stored and readable, so ``evictions`` does not count it (it counts records removed)."""
+    import lmdb
+
+    cache, _ = make_cache(host_bytes=0, nvme_bytes=3 * MiB + 512 * KiB)
+    for i, key in enumerate("abc"):
+        cache.put(key, filled(MiB, i))
+    env = testing.lmdb_of(cache).env
+
+    class Txn:
+        def __init__(self, txn):
+            self._txn = txn
+
+        def __enter__(self):
+            self._txn.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._txn.__exit__(*exc)
+
+        def delete(self, *args, **kwargs):
+            raise lmdb.Error("injected: delete refused")
+
+        def __getattr__(self, name):
+            return getattr(self._txn, name)
+
+    class Env:
+        def begin(self, *args, **kwargs):
+            txn = env.begin(*args, **kwargs)
+            return Txn(txn) if kwargs.get("write") else txn
+
+        def __getattr__(self, name):
+            return getattr(env, name)
+
+    testing.set_lmdb_env(cache, Env())
+    try:
+        with contextlib.suppress(Exception):
+            cache.put("d", filled(MiB, 3))
+    finally:
+        testing.set_lmdb_env(cache, env)
+    for i, key in enumerate("abc"):  # every delete failed: all still stored
+        assert_same(cache.get(key), filled(MiB, i))
+    assert cache.stats()["tiers"]["nvme"]["evictions"] == 0, "an eviction whose delete failed was counted"

@@ -81,9 +81,7 @@ class NvmeMoves:
         with self.m.cond:
             victims = self.index.victims(over)
             doomed = self._claim_victims_locked(victims)
-        for digest, version in doomed:
-            self.tier.delete(digest, only_version=version)
-        return len(doomed), over
+        return self._delete_victims(doomed), over
 
     # ------------------------------------------------------------------------- store
     def store(self, digest: bytes, meta: EntryMeta, version: int, src: torch.Tensor, *, register: bool,
@@ -160,20 +158,24 @@ class NvmeMoves:
                 doomed = self._claim_victims_locked(victims)
             if not doomed:
                 raise NvmeDiskFullError(f"{exc}; no record of this tier could be evicted to make room") from None
-            self._delete_victims(doomed)
-            self.m.counters.count("nvme", disk_full_evictions=len(doomed))
+            evicted = self._delete_victims(doomed)
+            self.m.counters.count("nvme", disk_full_evictions=evicted)
             _DISK_FULL_LOG.warning("disk full", "nvme tier: filesystem full; evicted %d records (least valuable "
-                                   "first) and retrying the write once", len(doomed))
+                                   "first) and retrying the write once", evicted)
         try:  # into the evicted records' blocks (already on disk), not past the file's end
             return self.tier.write(digest, record, on_disk=True)
         except NvmeDiskFullError as exc:
             raise NvmeDiskFullError(f"{exc}; still full after evicting {len(doomed)} records of this tier") from None
 
-    def _delete_victims(self, doomed: list[tuple[bytes, int]]) -> None:
-        """Delete claimed victims; one whose delete failed (LMDB error, e.g. a full disk) is still
-        stored: it becomes its key's entry again (tracked), so nothing stored is lost or leaked."""
+    def _delete_victims(self, doomed: list[tuple[bytes, int]]) -> int:
+        """Delete claimed victims (each one deleted counts an eviction); returns how many. One whose
+        delete failed (LMDB error, e.g. a full disk) is still stored: it becomes its key's entry
+        again (tracked), so nothing stored is lost or leaked."""
+        evicted = 0
         for d, v in doomed:
             if self.tier.delete(d, only_version=v):
+                self.m.counters.count("nvme", evictions=1)
+                evicted += 1
                 self.after_delete(d, v)
                 continue
             with self.m.cond:
@@ -183,6 +185,7 @@ class NvmeMoves:
                     self.m.catalog.set_current(d, v)
                     if not self.index.tracked(d):
                         self.index.track(d, rec.stored_bytes, self.m.catalog.cost(d))
+        return evicted
 
     def _reserve(self, digest: bytes, version: int, size: int, *, register: bool,
                  protect: bytes | None) -> list[tuple[bytes, int]] | None:
@@ -244,15 +247,15 @@ class NvmeMoves:
         return False
 
     def _claim_victims_locked(self, victims: list[bytes]) -> list[tuple[bytes, int]]:
-        """Take NVMe victims out of the policy (evictions); returns ``(digest, version)`` to delete."""
+        """Take NVMe victims out of the policy; returns ``(digest, version)`` to delete (evictions
+        are counted by the deletes that succeed)."""
         doomed = []
         for d in victims:
             self.index.untrack(d)
             rec = self.tier.record(d)
             if rec is None:
                 continue
-            doomed.append((d, rec.version))
-            self.m.counters.count("nvme", evictions=1)
+            doomed.append((d, rec.version))  # (an eviction is counted once its delete succeeds)
             kept = False
             for t in self.m.stack.arenas():
                 slot = t.current(d, rec.version)
