@@ -1,8 +1,10 @@
 """``ectier bench connectors`` on a small size: vLLM's ECExampleConnector and ECTierConnector (in-process
-host, host over NVMe, daemon, restarted daemon) through vLLM's connector calls, every load bitwise."""
+host, host over NVMe, daemon, restarted daemon) through vLLM's connector calls, every load bitwise; vLLM's
+ECMooncakeConnector (variant ``mooncake``) where the Mooncake client imports, its skip where it does not."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -14,11 +16,15 @@ from ectier.cli import main
 
 TIMINGS = ("save_block_s", "save_calls_s", "loadable_s", "lookup_s", "load_s", "consumer_s")
 RAN = ("example", "ectier-host", "ectier-nvme", "ectier-daemon", "ectier-daemon-nvme")
+#: the Mooncake client (mooncake-transfer-engine-non-cuda; scripts/bootstrap_vllm.sh installs it where it can)
+HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
+_ENV_BEFORE = dict(os.environ)
 
 
 def test_bench_connectors_small_size(tmp_path):
     out = tmp_path / "out"
     res = CliRunner().invoke(main, ["bench", "connectors", "--sizes", "16", "--min-reps", "2",
+                                    "--variants", ",".join(("cpu", *RAN)),  # mooncake: its own tests below
                                     "--budget-bytes", "64KiB", "--out", str(out), "--quiet",
                                     "--workdir", str(tmp_path)], catch_exceptions=False)
     assert res.exit_code == 0, res.output
@@ -47,6 +53,42 @@ def test_bench_connectors_small_size(tmp_path):
 
     assert open_stores() == 0
     assert [p for p in os.listdir(tmp_path) if p != "out"] == []
+
+
+def _run(tmp_path, variants: str) -> tuple[str, dict]:
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["bench", "connectors", "--sizes", "16", "--min-reps", "2", "--variants", variants,
+                                    "--budget-bytes", "64KiB", "--out", str(out), "--quiet",
+                                    "--workdir", str(tmp_path)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    return res.output, json.loads((out / "connectors.json").read_text())
+
+
+@pytest.mark.skipif(not HAVE_MOONCAKE, reason="the Mooncake client (mooncake-transfer-engine-non-cuda) is not "
+                                              "installed in this environment")
+def test_bench_connectors_mooncake_pushes_over_tcp_on_loopback(tmp_path):
+    """vLLM's ECMooncakeConnector (producer scheduler + worker, consumer scheduler + worker in one process,
+    Mooncake's TransferEngine over tcp on 127.0.0.1, CPU buffers): every item pushed, loaded, bitwise."""
+    output, data = _run(tmp_path, "example,mooncake")
+    r = {r["variant"]: r for r in data["results"]}["mooncake"]
+    assert "skipped" not in r, r.get("skipped")
+    assert r["num_tokens"] == 16 and r["reps"] == 2 and r["mismatches"] == 0 and len(r["samples"]) == 2
+    for s in r["samples"]:
+        assert all(s[k] > 0 for k in TIMINGS), s
+        assert s["loadable_s"] >= s["save_block_s"] and s["consumer_s"] >= s["lookup_s"] + s["load_s"]
+        assert s["lookup_steps"] >= 2  # vLLM defers a pushed item one step: a worker step hands it over
+    assert "| mooncake | 16 |" in (tmp_path / "out" / "connectors.md").read_text()
+    assert [p for p in os.listdir(tmp_path) if p != "out"] == []
+    assert os.environ.get("VLLM_HOST_IP") == _ENV_BEFORE.get("VLLM_HOST_IP")  # set for the run only
+
+
+@pytest.mark.skipif(HAVE_MOONCAKE, reason="the Mooncake client is installed: the variant runs (test above)")
+def test_bench_connectors_mooncake_skips_with_vllms_reason_without_the_client(tmp_path):
+    output, data = _run(tmp_path, "example,mooncake")
+    r = {r["variant"]: r for r in data["results"]}["mooncake"]
+    assert "Install mooncake-transfer-engine to use ECMooncakeConnector" in r["skipped"]
+    assert "No module named 'mooncake'" in r["skipped"]
+    assert "mooncake: skipped (Install mooncake-transfer-engine" in output
 
 
 def test_bench_connectors_runs_without_vllm_target_device_on_a_cpu_machine(tmp_path):

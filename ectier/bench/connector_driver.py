@@ -1,7 +1,8 @@
 """Drives vLLM 0.33 EC connectors through vLLM's own connector calls, for ``ectier bench connectors``.
 
-Every connector (vLLM's ``ECExampleConnector``, its ``ECCPUConnector`` where CUDA is, and
-``ECTierConnector`` in-process over host, host over NVMe, and through ``ectier serve``) is built by
+Every connector (vLLM's ``ECExampleConnector``, its ``ECCPUConnector`` where CUDA is, its
+``ECMooncakeConnector`` where the Mooncake client imports, and ``ECTierConnector`` in-process over
+host, host over NVMe, and through ``ectier serve``) is built by
 vLLM's ``ECConnectorFactory`` from a ``VllmConfig`` whose model produces ``(N, 8192)`` bfloat16
 encoder outputs (a tiny Qwen2-Audio ``config.json`` with text hidden size 8192, written to a
 temporary directory; nothing is downloaded), and driven with the calls vLLM's scheduler and model
@@ -21,6 +22,9 @@ runner make, in their order:
   embedding gather does; safetensors' ``load_file`` maps the file lazily, so a load that is not
   touched costs nothing), ``build_connector_worker_meta``, ``clear_connector_metadata``;
 - back on the scheduler: ``update_connector_output``, ``request_finished``.
+
+``ECMooncakeConnector`` pushes from the producer to the consumer and needs both schedulers' connectors:
+:mod:`.connector_mooncake` drives it (its own call sequence and timing meanings are there).
 
 Each load is compared bitwise (``int16`` view) with the tensor the producer saved.
 
@@ -88,7 +92,7 @@ WARMUP = 1
 
 @dataclass(frozen=True)
 class Variant:
-    """One connector set-up. ``kind``: ``example`` | ``cpu`` | ``inprocess`` | ``daemon``.
+    """One connector set-up. ``kind``: ``example`` | ``cpu`` | ``mooncake`` | ``inprocess`` | ``daemon``.
     ``nvme``: ectier keeps an NVMe tier (write-through) and the consumer opens a fresh store (in-process)
     or a restarted daemon, so every lookup promotes from NVMe."""
 
@@ -101,6 +105,9 @@ class Variant:
 VARIANTS = (
     Variant("example", "example", text="vLLM ECExampleConnector (safetensors file per item)"),
     Variant("cpu", "cpu", text="vLLM ECCPUConnector (shared CPU region; needs CUDA)"),
+    Variant("mooncake", "mooncake",
+            text="vLLM ECMooncakeConnector (producer pushes over Mooncake's TransferEngine: tcp on loopback, "
+                 "CPU buffers; needs the Mooncake client)"),
     Variant("ectier-host", "inprocess", text="ECTierConnector in-process, host tier"),
     Variant("ectier-nvme", "inprocess", nvme=True,
             text="ECTierConnector in-process, host over NVMe (consumer reopens: served from NVMe)"),
@@ -129,7 +136,7 @@ def write_model(directory: str, max_tokens: int) -> str:
 
 
 def _vllm_config(model_dir: str, max_tokens: int, connector: str, role: str, extra: dict,
-                 module_path: str | None):
+                 module_path: str | None, ec_kwargs: dict | None = None):
     from vllm.config import CacheConfig, ECTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 
     max_len = max(2048, max_tokens + 64)
@@ -140,19 +147,24 @@ def _vllm_config(model_dir: str, max_tokens: int, connector: str, role: str, ext
     cache_config = CacheConfig(block_size=16, gpu_memory_utilization=0.9, cache_dtype="auto",
                                enable_prefix_caching=False)
     ec = ECTransferConfig(ec_connector=connector, ec_role=role, ec_connector_module_path=module_path,
-                          ec_connector_extra_config=extra)
+                          ec_connector_extra_config=extra, **(ec_kwargs or {}))
+    if ec.is_ec_producer:  # what vLLM's engine measures at a producer's start-up (one dummy encode)
+        ec.mm_encoder_output_widths = {"audio": WIDTH}
     return VllmConfig(model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config,
                       ec_transfer_config=ec)
 
 
-def _request(req_id: str, mm_hash: str, n: int):
+def _request(req_id: str, mm_hash: str, n: int, ec_params: dict | None = None):
+    """A request with one ``n``-token audio item ``mm_hash``; ``ec_params``: its ``ec_transfer_params``
+    (what a disaggregation proxy passes in the sampling params' ``extra_args``)."""
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
     feat = MultiModalFeatureSpec(data=None, modality="audio", identifier=mm_hash,
                                  mm_position=PlaceholderRange(offset=1, length=n))
-    return Request(request_id=req_id, prompt_token_ids=[1] * (n + 2), sampling_params=SamplingParams(max_tokens=1),
+    return Request(request_id=req_id, prompt_token_ids=[1] * (n + 2), sampling_params=SamplingParams(max_tokens=1, extra_args=(
+                   {"ec_transfer_params": ec_params} if ec_params else None)),
                    pooling_params=None, mm_features=[feat])
 
 
@@ -230,6 +242,7 @@ class _Setup:
     connector: str
     module_path: str | None
     extra: dict
+    ec_kwargs: dict = field(default_factory=dict)
     cleanup: list[Callable[[], None]] = field(default_factory=list)
     daemon: _Daemon | None = None
 
@@ -243,6 +256,13 @@ def _setup(v: Variant, directory: str, store_bytes: int) -> _Setup:
         s = _Setup(v, "ECCPUConnector", None, {})
         s.cleanup.append(lambda: os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None) if before is None
                          else os.environ.__setitem__("VLLM_USE_V2_MODEL_RUNNER", before))
+        return s
+    if v.kind == "mooncake":
+        from .connector_mooncake import ec_settings
+
+        kwargs, undo = ec_settings(store_bytes)
+        s = _Setup(v, "ECMooncakeConnector", None, {"mooncake_protocol": "tcp"}, ec_kwargs=kwargs)
+        s.cleanup += undo
         return s
     host = {"capacity_bytes": store_bytes, "block_bytes": 256 * 1024}
     if v.kind == "inprocess":
@@ -270,11 +290,15 @@ def skip_reason(v: Variant) -> str | None:
     if v.kind == "cpu" and not torch.cuda.is_available():
         return ("ECCPUConnector needs CUDA (its worker copies between the GPU encoder cache and a pinned "
                 "shared CPU region, and it requires the V2 model runner); torch.cuda.is_available() is False")
+    if v.kind == "mooncake":
+        from .connector_mooncake import skip_reason as mooncake_skip_reason
+
+        return mooncake_skip_reason()
     return None
 
 
 def _make(setup: _Setup, model_dir: str, max_tokens: int, role: str, which: str):
-    cfg = _vllm_config(model_dir, max_tokens, setup.connector, role, setup.extra, setup.module_path)
+    cfg = _vllm_config(model_dir, max_tokens, setup.connector, role, setup.extra, setup.module_path, setup.ec_kwargs)
     return _v().Factory.create_connector(cfg, getattr(_v().Role, which))
 
 
@@ -364,7 +388,8 @@ def run_variant(v: Variant, n: int, reps: int, workdir: str | None = None,
     Returns:
         ``{"variant", "num_tokens", "nbytes", "reps", "samples": [{timings...}, ...],
         "mismatches": int}``; ``{"variant", "num_tokens", "skipped": reason}`` where it cannot run
-        (:func:`skip_reason`, or the connector refused to start: the reason is its error).
+        (:func:`skip_reason`, or the connector refused to start: the reason is its error; for
+        ``mooncake``, an error starting its connectors).
 
     Raises:
         RuntimeError: a save never reported, a saved item never loadable (the benchmark's own
@@ -378,10 +403,16 @@ def run_variant(v: Variant, n: int, reps: int, workdir: str | None = None,
     directory = tempfile.mkdtemp(prefix="ectier-bench-conn-", dir=workdir)
     model_dir = write_model(os.path.join(directory, "model"), n)
     setup: _Setup | None = None
-    producer = sched = worker = None
+    producer = sched = worker = mc = None
     try:
         setup = _setup(v, directory, (reps + WARMUP) * nbytes + 16 * MiB)
-        producer = _make(setup, model_dir, n, "ec_producer", "WORKER")
+        if v.kind == "mooncake":  # four connectors, pushing: see .connector_mooncake
+            from .connector_mooncake import MooncakeConnectors
+
+            mc = MooncakeConnectors(lambda role, which: _make(setup, model_dir, n, role, which), n,
+                                    f"tcp://127.0.0.1:{setup.ec_kwargs['ec_port']}")
+        else:
+            producer = _make(setup, model_dir, n, "ec_producer", "WORKER")
         sync_save = setup.connector != "ECTierConnector"  # vLLM's: loadable once save_caches returns
         dev = _device()
         base = torch.randn(n, WIDTH, generator=torch.Generator().manual_seed(n)).to(DTYPE).to(dev)
@@ -391,7 +422,7 @@ def run_variant(v: Variant, n: int, reps: int, workdir: str | None = None,
             t = base.clone()
             t[0, 0] = float(r)
             _sync()
-            samples.append(_produce(producer, mm_hash, t, sync_save, step_s))
+            samples.append(mc.produce(mm_hash, t, step_s) if mc else _produce(producer, mm_hash, t, sync_save, step_s))
             items.append((mm_hash, t.cpu()))
             del t
         if v.nvme:  # the consumer finds the items on NVMe only
@@ -400,12 +431,14 @@ def run_variant(v: Variant, n: int, reps: int, workdir: str | None = None,
             if setup.daemon is not None:
                 setup.daemon.stop()
                 setup.daemon.start()
-        sched = _make(setup, model_dir, n, "ec_consumer", "SCHEDULER")
-        worker = _make(setup, model_dir, n, "ec_consumer", "WORKER")
+        if mc is None:
+            sched = _make(setup, model_dir, n, "ec_consumer", "SCHEDULER")
+            worker = _make(setup, model_dir, n, "ec_consumer", "WORKER")
         dst = torch.empty(n, WIDTH, dtype=DTYPE, device=dev)
         mismatches = 0
         for r, (mm_hash, ref) in enumerate(items):
-            samples[r].update(_consume(sched, worker, _request(f"req-{r}", mm_hash, n), mm_hash, dst))
+            samples[r].update(mc.consume(f"req-{r}", mm_hash, dst) if mc else
+                              _consume(sched, worker, _request(f"req-{r}", mm_hash, n), mm_hash, dst))
             if not torch.equal(dst.cpu().view(torch.int16), ref.view(torch.int16)):
                 mismatches += 1
             if advance and r >= WARMUP:
@@ -413,11 +446,15 @@ def run_variant(v: Variant, n: int, reps: int, workdir: str | None = None,
         return {"variant": v.name, "num_tokens": n, "nbytes": nbytes, "reps": reps, "samples": samples[WARMUP:],
                 "mismatches": mismatches}
     except Exception as exc:
-        if v.kind == "cpu":  # vLLM's own connector refused this machine: say why, measure the rest
+        # vLLM's own connector refused this machine (ECCPUConnector; ECMooncakeConnector's start,
+        # e.g. Mooncake's engine): say why, measure the rest
+        if v.kind == "cpu" or (v.kind == "mooncake" and mc is None and setup is not None):
             return {"variant": v.name, "num_tokens": n, "skipped": f"{type(exc).__name__}: {exc}"}
         raise
     finally:
         _shutdown(producer, sched, worker)
+        if mc is not None:
+            mc.shutdown()
         for fn in (setup.cleanup if setup else ()):
             fn()
         shutil.rmtree(directory, ignore_errors=True)

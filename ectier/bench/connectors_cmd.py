@@ -2,11 +2,13 @@
 
 ::
 
-    ectier bench connectors [--sizes 64,1024,2040,4096 --variants example,cpu,ectier-host,...]
+    ectier bench connectors [--sizes 64,1024,2040,4096 --variants example,cpu,mooncake,ectier-host,...]
     ectier bench connectors --from-json bench-results/connectors.json   # table + plot again
 
 It needs vLLM importable (run it in the environment vLLM is installed in); without it the command
-says so in one line and exits 1. ``--from-json`` needs no vLLM (it re-renders a saved result, e.g.
+says so in one line and exits 1. The ``mooncake`` variant (vLLM's ``ECMooncakeConnector``, tcp on
+loopback) needs the Mooncake client (``mooncake-transfer-engine-non-cuda``) in that environment, and
+``cpu`` needs CUDA: without them each is skipped with the reason. ``--from-json`` needs no vLLM (it re-renders a saved result, e.g.
 where matplotlib is installed).
 """
 
@@ -27,7 +29,7 @@ from .report import markdown_table, print_table, write_json
 
 __all__ = ["connectors_cmd"]
 
-VARIANT_NAMES = ("example", "cpu", "ectier-host", "ectier-nvme", "ectier-daemon", "ectier-daemon-nvme")
+VARIANT_NAMES = ("example", "cpu", "mooncake", "ectier-host", "ectier-nvme", "ectier-daemon", "ectier-daemon-nvme")
 
 
 def _driver():
@@ -104,7 +106,8 @@ def _measure(console, quiet, sizes, variants, budget_bytes, min_reps, workdir, t
 @click.option("--sizes", default=",".join(map(str, DEFAULT_SIZES)), show_default=True, callback=_tokens_list,
               help="comma-separated N (tokens; each entry is N x 8192 bf16), each 1..16384")
 @click.option("--variants", default=",".join(VARIANT_NAMES), show_default=True, callback=_variants,
-              help="connectors to run")
+              help="connectors to run (mooncake: vLLM's ECMooncakeConnector, needs the Mooncake client; cpu: "
+                   "ECCPUConnector, needs CUDA; either is skipped with the reason where it cannot run)")
 @click.option("--budget-bytes", default="256MiB", show_default=True, callback=_budget,
               help="about how many bytes each (connector, N) moves: items = budget / entry size, "
                    "between --min-reps and 30")
@@ -119,9 +122,11 @@ def _measure(console, quiet, sizes, variants, budget_bytes, min_reps, workdir, t
               help="re-render a saved connectors.json (no vLLM needed)")
 def connectors_cmd(out, workdir, quiet, sizes, variants, budget_bytes, min_reps, threads, step_ms,
                    from_json) -> None:
-    """vLLM's ECExampleConnector and ECCPUConnector (where CUDA is) vs ECTierConnector (in-process host,
-    host over NVMe, daemon), each driven through vLLM's connector calls on (N, 8192) bf16 items,
-    every load checked bitwise: save, until loadable, lookup, load, whole consumer side (p50 / p90)."""
+    """vLLM's ECExampleConnector, ECCPUConnector (where CUDA is) and ECMooncakeConnector (where the
+    Mooncake client imports: producer pushes over Mooncake's TransferEngine, tcp on loopback, CPU
+    buffers) vs ECTierConnector (in-process host, host over NVMe, daemon), each driven through
+    vLLM's connector calls on (N, 8192) bf16 items, every load checked bitwise: save, until loadable,
+    lookup, load, whole consumer side (p50 / p90)."""
     console = _console()
     if from_json:
         try:
