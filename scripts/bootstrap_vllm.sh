@@ -10,7 +10,7 @@ PY="${PYTHON:-python3}"
 VENV=.venv-vllm
 VLLM_VERSION=0.33.0
 TORCH_VERSION=2.13.0
-STAMP="$VENV/.ectier-bootstrap-$VLLM_VERSION-v2"
+STAMP="$VENV/.ectier-bootstrap-$VLLM_VERSION-v3"
 export VLLM_TARGET_DEVICE=cpu
 
 # module imported -> distribution (names as vllm's metadata spells them)
@@ -79,6 +79,18 @@ pip_ install --quiet -c "$VENV/constraints-ectier.txt" "${REQS[@]}" 2>&1 | grep 
 pip_ install --quiet -c "$VENV/constraints-ectier.txt" numpy lmdb zstandard xxhash msgpack click rich PyYAML \
   prometheus-client pytest pytest-timeout 2>&1 | grep -v -E "^WARNING: Location|dependency conflicts|requires .* which is not installed|but you have torch" || true
 pip_ install --quiet --no-deps -e . 2>&1 | grep -v "^WARNING: Location" || true
+# the Mooncake client, from the same sources as the core env's (scripts/bootstrap.sh, setup.py's
+# mooncake extra; x86_64 Linux only): the `mooncake` variant of `ectier bench connectors` drives vLLM's
+# ECMooncakeConnector with it (and its test in tests_vllm runs). Its deps (aiohttp, requests,
+# msgpack) are already here. It loads libibverbs.so.1 (scripts/bootstrap.sh test installs
+# libibverbs1). Best effort: without it that variant and its test skip, saying why.
+if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ] \
+    && ! "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('mooncake') is None)"; then
+  pip_ install --quiet -c "$VENV/constraints-ectier.txt" "mooncake-transfer-engine-non-cuda>=0.3.13" 2>&1 \
+    | grep -v -E "^WARNING: Location|dependency conflicts|requires .* which is not installed|but you have torch" || true
+  "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('mooncake') is None)" \
+    || echo "bootstrap_vllm: the Mooncake client did not install; bench connectors' mooncake variant will skip" >&2
+fi
 # packages pulled in transitively (e.g. apache-tvm-ffi via xgrammar) that vllm also declares, at a
 # version outside vllm's specifier: reinstall them as vllm declares them (pip's "vllm requires X==a,
 # but you have X b" would otherwise be printed and the environment differ from a real vllm install)
