@@ -230,3 +230,23 @@ def test_noise_summary_and_crossover_name_noisy_rows():
     assert text.startswith("NOISY RUN") and "nvme get ectier N=64" in text and "p50/min" in text
     c = crossover(mixed, fitted_cost_model())["nvme"]
     assert c["noisy_tokens"] == [64] and "NOISY" in c["verdict"]
+
+
+@pytest.mark.parametrize(
+    "text, column",
+    [
+        ("timestamp,mm_hash,width,height\n0,a,abc,100\n", "width"),
+        ("timestamp,mm_hash,width,height\n0,a,100,\n", "height"),
+        ("timestamp,mm_hash,tokens\n0,a,1.5\n", "tokens"),
+        ("timestamp,mm_hash,tokens\nsoon,a,64\n", "timestamp"),
+        ("timestamp,mm_hash,tokens\nnan,a,64\n", "timestamp"),
+        ("timestamp,mm_hash,tokens\n0,a,64\ninf,b,64\n", "timestamp"),
+    ],
+)
+def test_a_bad_trace_value_names_its_line_and_column(tmp_path, text, column):
+    from ectier.errors import ConfigError
+
+    trace = tmp_path / "t.csv"
+    trace.write_text(text)
+    with pytest.raises(ConfigError, match=rf"line \d+: {column}: expected"):
+        read_trace(trace)

@@ -185,7 +185,7 @@ def read_trace(path: str | os.PathLike, model: str | ModelSpec = "qwen3-vl") -> 
 
     Raises:
         ConfigError: a missing file, text that is not UTF-8, missing columns, a bad value (message
-            names the line; ``tokens`` must lie in ``[1, model.max_tokens]``), or one ``mm_hash``
+            names the line and the column; a ``timestamp`` must be finite; ``tokens`` must lie in ``[1, model.max_tokens]``), or one ``mm_hash``
             with two different sizes.
     """
     m = get_model(model)
@@ -198,6 +198,20 @@ def read_trace(path: str | os.PathLike, model: str | ModelSpec = "qwen3-vl") -> 
             return _read_rows(f, os.fspath(path), m)
         except UnicodeDecodeError as exc:
             raise ConfigError(f"trace: {os.fspath(path)} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+
+
+def _column(row: dict, name: str, conv):
+    """``conv(row[name])``; a ``ValueError`` naming the column for text that is not such a number
+    (an empty cell included) and for a non-finite one (``nan``, ``inf``)."""
+    text = row.get(name) or ""
+    try:
+        value = conv(text)
+    except ValueError:
+        kind = "an integer" if conv is int else "a number"
+        raise ValueError(f"{name}: expected {kind}, got {text!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite number, got {text!r}")
+    return value
 
 
 def _read_rows(f, path: str, m: ModelSpec) -> list[Request]:
@@ -213,17 +227,17 @@ def _read_rows(f, path: str, m: ModelSpec) -> list[Request]:
     for lineno, raw in enumerate(reader, start=2):
         row = {k.strip(): (v or "").strip() for k, v in raw.items() if k is not None}
         try:
-            ts = float(row["timestamp"])
+            ts = _column(row, "timestamp", float)
             key = row["mm_hash"]
             if not key:
                 raise ValueError("empty mm_hash")
             if has_wh and row.get("width"):
-                w, h = int(row["width"]), int(row["height"])
+                w, h = _column(row, "width", int), _column(row, "height", int)
                 info = image_tokens(w, h, m)
                 n, nbytes = info.num_tokens, info.nbytes
             else:
                 w = h = 0
-                n = int(row["tokens"])
+                n = _column(row, "tokens", int)
                 if not 1 <= n <= m.max_tokens:
                     raise ValueError(f"tokens must be in [1, {m.max_tokens}] ({m.name}'s most per image), got {n}")
                 nbytes = tokens_to_nbytes(n, m)
