@@ -163,3 +163,16 @@ def test_a_second_daemon_with_the_same_config_is_told_a_daemon_listens_not_the_p
     raw["daemon"]["metrics_port"] = server.metrics_address[1]
     code, out = _serve(d, raw)
     assert code == 1 and "already listening" in out and "metrics_port" not in out, out
+
+
+@pytest.mark.parametrize("under", ["", "deeper"])
+def test_a_socket_path_under_a_file_says_which_path_is_not_a_directory(daemon_dir, under):
+    d = daemon_dir
+    blocker = os.path.join(d, "a-file")
+    with open(blocker, "w") as f:
+        f.write("not a directory")
+    sock = os.path.join(blocker, under, "d.sock")
+    code, out = _serve(d, daemon_config(d, nvme=False, host_bytes=1 * MiB, socket_path=sock))
+    assert code == 1 and "daemon.socket_path" in out, out
+    assert f"{blocker!r} is not a directory" in out, out
+    assert "File exists" not in out, out

@@ -76,8 +76,11 @@ def claim_socket_path(path: str) -> list[str]:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         except OSError as exc:
             remove_created_dirs(created)
+            reason = exc.strerror
+            if isinstance(exc, (FileExistsError, NotADirectoryError)):  # a file where a directory goes
+                reason = f"{parent!r} is not a directory"
             raise EctierError(f"daemon.socket_path: cannot create the directory of {path!r}: "
-                              f"{exc.strerror}") from None
+                              f"{reason}") from None
         return created
     if not stat.S_ISSOCK(st.st_mode):  # never delete a file that is not a (stale) socket
         raise EctierError(f"daemon.socket_path: {path!r} exists and is not a socket; remove it or "
