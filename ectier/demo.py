@@ -141,12 +141,25 @@ def _default_budgets(entry_bytes: list[int], opts: DemoOptions) -> tuple[int, in
         nvme = -(-nvme // MiB) * MiB
     if host == 0 and nvme == 0:
         raise ConfigError("host-bytes: host and NVMe budgets are both 0; no tier could store anything")
+    return host, nvme
+
+
+def _check_room(opts: DemoOptions, nvme: int, baseline_bytes: int) -> None:
+    """Refuse a run whose stores cannot fit where they go: the NVMe budget ``nvme``, plus
+    ``baseline_bytes`` (each requested item once) for the safetensors baseline, which never evicts;
+    it ran into a full disk with a traceback."""
     where = opts.dir or tempfile.gettempdir()
     free = free_bytes(where)
-    if nvme and free is not None and nvme > free:  # (the cache would name nvme.thin_provisioning, no demo option)
+    if free is None:
+        return
+    if nvme > free:  # (the cache would name nvme.thin_provisioning, no demo option)
         raise ConfigError(f"nvme-bytes (--nvme-bytes): {nvme} bytes do not fit where the demo's stores go "
                           f"({where!r}: {free} bytes free); lower --nvme-bytes, or choose a --dir with room")
-    return host, nvme
+    if baseline_bytes and nvme + baseline_bytes > free:
+        raise ConfigError(f"dir (--dir): the stores need {nvme + baseline_bytes} bytes ({nvme} for --nvme-bytes, "
+                          f"{baseline_bytes} for the safetensors baseline, which keeps every requested item) but "
+                          f"{where!r} has {free} bytes free; choose a --dir with room, lower --nvme-bytes, or "
+                          "pass --no-baseline")
 
 
 def _progress(console: Console, quiet: bool) -> Progress:
@@ -310,6 +323,8 @@ def run_demo(
     host_bytes, nvme_bytes = _default_budgets(entry_bytes, opts)
     counts = np.bincount(np.asarray(stream), minlength=len(images))
     with_baseline = opts.baseline and _safetensors_available(note)
+    baseline_bytes = sum(nb for nb, c in zip(entry_bytes, counts) if c) if with_baseline else 0
+    _check_room(opts, nvme_bytes, baseline_bytes)
     ect, base, replay_s = _replay_in_workdir(opts, spec, encoder, images, stream, (host_bytes, nvme_bytes),
                                              max(entry_bytes), with_baseline, console, quiet)
     mismatches = ect["mismatches"] + (base["mismatches"] if base else 0)

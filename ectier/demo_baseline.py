@@ -25,15 +25,19 @@ class SafetensorsPerItemStore:
 
     Raises:
         ImportError: safetensors is not installed.
+
+    ``save`` raises ``OSError`` where safetensors cannot write the file (a full disk).
     """
 
     FILENAME = "encoder_cache.safetensors"
     TENSOR_NAME = "ec_cache"
 
     def __init__(self, root: str | os.PathLike) -> None:
+        import safetensors
         import safetensors.torch as st
 
         self._st = st
+        self._error = safetensors.SafetensorError
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
 
@@ -49,7 +53,10 @@ class SafetensorsPerItemStore:
         """Write ``tensor`` (any device) to its own safetensors file (the connector's ``save_caches``)."""
         path = self.path(mm_hash)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        self._st.save_file({self.TENSOR_NAME: tensor.cpu()}, path)
+        try:
+            self._st.save_file({self.TENSOR_NAME: tensor.cpu()}, path)
+        except self._error as exc:  # (a full disk inside safetensors is no OSError)
+            raise OSError(f"safetensors baseline: cannot write {path}: {exc}") from None
 
     def load(self, mm_hash: str, *, materialize: bool = True) -> torch.Tensor:
         """Read the tensor back (the connector's ``start_load_caches``). Raises FileNotFoundError.

@@ -328,3 +328,45 @@ def test_demo_killed_with_sigterm_removes_its_stores(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert list(tmp_path.iterdir()) == []
+
+
+def _report_free_bytes(monkeypatch, free: int) -> None:
+    """Make every filesystem report ``free`` bytes available (``os.statvfs``)."""
+    real = os.statvfs
+
+    def statvfs(path):
+        st = real(path)
+        fields = list(st)
+        fields[4] = free // st.f_frsize  # f_bavail
+        return os.statvfs_result(fields)
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+
+
+def test_demo_baseline_that_would_fill_the_disk_is_refused_naming_dir_and_no_baseline(runner, tmp_path, monkeypatch):
+    """The safetensors baseline keeps every requested item: on a small filesystem it hit ENOSPC
+    inside safetensors, a traceback."""
+    nvme = 8 << 20
+    _report_free_bytes(monkeypatch, nvme + (1 << 20))
+    args = ["demo", *SMALL, "--quiet", "--dir", str(tmp_path), "--nvme-bytes", str(nvme)]
+    result = runner.invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert "--dir" in result.output and "--no-baseline" in result.output and "safetensors baseline" in result.output
+    assert "Traceback" not in result.output and list(tmp_path.iterdir()) == []
+    result = runner.invoke(main, [*args, "--no-baseline"])
+    assert result.exit_code == 0, result.output
+
+
+def test_demo_baseline_write_failure_is_an_error_line_not_a_traceback(runner, tmp_path, monkeypatch):
+    import safetensors
+    import safetensors.torch
+
+    def full_disk(*args, **kwargs):
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    result = runner.invoke(main, ["demo", *SMALL, "--quiet", "--dir", str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    assert "demo failed" in result.output and "No space left on device" in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert list(tmp_path.iterdir()) == []
