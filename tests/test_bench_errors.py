@@ -117,3 +117,24 @@ def test_bench_replay_says_why_puts_were_refused(tmp_path):
     assert res.exit_code == 0, res.output
     text = " ".join(res.output.split())  # (wrapped to the terminal's width)
     assert "5 of 5 puts were refused" in text and "raise --host-bytes or --nvme-bytes" in text, res.output
+
+
+def test_bench_tiers_on_a_filesystem_too_small_names_its_own_options(tmp_path, monkeypatch):
+    """On a small filesystem the raw reference write came out short and the NVMe store's open failed
+    naming nvme.capacity_bytes and nvme.thin_provisioning, which `bench tiers` has no option for."""
+    real = os.statvfs
+
+    def statvfs(path):  # every filesystem reports 20 MiB free
+        st = real(path)
+        fields = list(st)
+        fields[4] = (20 << 20) // st.f_frsize  # f_bavail
+        return os.statvfs_result(fields)
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    r = CliRunner().invoke(main, ["bench", "tiers", "-q", "--workdir", str(tmp_path), "--tokens", "4096",
+                                  "--out", str(tmp_path / "out")])
+    assert r.exit_code == 1, r.output
+    assert "--workdir" in r.output and "--budget-bytes" in r.output and "N=4096" in r.output, r.output
+    assert "nvme.capacity_bytes" not in r.output and "thin_provisioning" not in r.output, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+    assert [p.name for p in tmp_path.iterdir()] in ([], ["out"])

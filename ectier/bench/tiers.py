@@ -32,6 +32,8 @@ import torch
 
 from ..cache import TieredCache
 from ..config import CacheConfig, HostTierConfig, NvmeTierConfig
+from ..errors import ConfigError
+from ..tiers.storedir import free_bytes
 from .noise import CpuProbe, NoiseThresholds, measure_until_quiet
 
 __all__ = ["DEFAULT_TOKENS", "FULL_TOKENS", "measure_tiers", "reps_for"]
@@ -143,12 +145,15 @@ def measure_tiers(
         "noise": {"noisy_rows", "retries", "thresholds", "other_cpu" (whole run; None if unknown)}}``.
 
     Raises:
-        ValueError: a token count < 1, or ``retries`` < 0. Errors from torch / LMDB / the OS propagate.
+        ValueError: a token count < 1, or ``retries`` < 0.
+        ConfigError: ``workdir``'s filesystem has too few free bytes for the NVMe rows.
+        Errors from torch / LMDB / the OS propagate.
     """
     if any(n < 1 for n in tokens):
         raise ValueError(f"tokens: each must be >= 1, got {list(tokens)}")
     if retries < 0:
         raise ValueError(f"retries: must be >= 0, got {retries}")
+    _check_room(workdir, tokens, budget_bytes)
     probe = probe if probe is not None else CpuProbe()
     timer = _Timer(clock, probe, thresholds, retries)
     run_probe = CpuProbe()
@@ -179,6 +184,25 @@ def measure_tiers(
     noise = {"noisy_rows": sum(r["noisy"] for r in rows), "retries": retries, "thresholds": thresholds.to_dict(),
              "other_cpu": run_probe.stop()}
     return {"rows": rows, "skipped": skipped, "sync": sync, "workdir": workdir or tempfile.gettempdir(), "noise": noise}
+
+
+def _nvme_store_bytes(nbytes: int, reps: int) -> int:
+    """The budget of the NVMe store :func:`_nvme_rows` opens (the most it writes under ``workdir``)."""
+    return (reps + 2) * (nbytes + MiB)
+
+
+def _check_room(workdir: str | None, tokens: Sequence[int], budget_bytes: int) -> None:
+    """Refuse a run whose NVMe rows cannot fit under ``workdir``: on a small filesystem the raw
+    reference write came out short (timed on fewer bytes) and the store's open failed naming
+    ``nvme.capacity_bytes``, which no bench option sets."""
+    where = workdir or tempfile.gettempdir()
+    free = free_bytes(where)
+    if free is None:
+        return
+    need, n = max((_nvme_store_bytes(n * WIDTH * 2, reps_for(n * WIDTH * 2, budget_bytes)), n) for n in tokens)
+    if need > free:
+        raise ConfigError(f"workdir (--workdir): the NVMe rows at N={n} need {need} bytes but {where!r} has "
+                          f"{free} bytes free; choose a --workdir with room, or lower --budget-bytes or --tokens")
 
 
 def _host_rows(timer: _Timer, keys: list[str], src: torch.Tensor, n: int, nbytes: int, reps: int,
@@ -222,7 +246,7 @@ def _nvme_rows(timer: _Timer, tmp: str, keys: list[str], src: torch.Tensor, n: i
     os.unlink(path)
     store = os.path.join(tmp, f"lmdb-{n}")
     cfg = CacheConfig(host=HostTierConfig(capacity_bytes=0),
-                      nvme=NvmeTierConfig(path=store, capacity_bytes=(reps + 2) * (nbytes + MiB),
+                      nvme=NvmeTierConfig(path=store, capacity_bytes=_nvme_store_bytes(nbytes, reps),
                                           sync=sync, flush_on_close=False))
     with TieredCache(cfg) as c:
         rows.append(timer.row("nvme", "put", "ectier", n, nbytes, lambda i: c.put(keys[i + 1], src), reps))
