@@ -21,7 +21,8 @@ class DaemonConfig:
             directory is created by ``ectier serve``.
         socket_mode: permission bits of the socket file as an octal string (``"0600"``, ``"600"``,
             ``"0o600"``), default ``"0600"`` (owner only); with ``allowed_group`` the group's read
-            and write bits are added (``"0600"`` becomes ``0660``). Quote it in YAML: an unquoted ``600`` is the decimal number 600 and is refused
+            and write bits are added (``"0600"`` becomes ``0660``). The owner's read and write bits
+            are required and bits for other users refused (``"0644"``, ``"0666"``). Quote it in YAML: an unquoted ``600`` is the decimal number 600 and is refused
             (an int is taken as the mode's value: YAML's unquoted ``0600``, JSON's 384).
         allowed_group: name of a group whose members may connect besides the daemon's own user
             (checked with SO_PEERCRED on every connection). Default ``None``.

@@ -40,4 +40,5 @@ def check_socket_mode(cfg: DaemonConfig) -> None:
         raise ConfigError(f"daemon.socket_mode: {cfg.socket_mode} leaves the socket's owner without read "
                           "and write, so nobody but root could connect; use 0600 or 0660")
     if cfg.socket_mode_bits & 0o007:
-        raise ConfigError(f"daemon.socket_mode: {cfg.socket_mode} gives access to every user; use 0600 or 0660")
+        raise ConfigError(f"daemon.socket_mode: {cfg.socket_mode} sets permission bits for other users (the last "
+                          "digit); only the daemon's user and daemon.allowed_group may connect: use 0600 or 0660")

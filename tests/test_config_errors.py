@@ -398,3 +398,13 @@ def test_a_yaml_file_holding_an_empty_non_mapping_is_refused_not_taken_as_defaul
     path.write_text(text)
     with pytest.raises(ConfigError, match="must hold a mapping at top level"):
         CacheConfig.load(path)
+
+
+@pytest.mark.parametrize("mode", ["0644", "0604", "0666", "0601"])
+def test_a_socket_mode_with_bits_for_other_users_is_refused_saying_which_bits(mode):
+    """0644 was refused as 'gives access to every user', which it does not (connecting needs write)."""
+    with pytest.raises(ConfigError) as info:
+        DaemonConfig(socket_mode=mode)
+    message = str(info.value)
+    assert message.startswith(f"daemon.socket_mode: {mode} sets permission bits for other users"), message
+    assert "every user" not in message and "0600 or 0660" in message, message
