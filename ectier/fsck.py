@@ -120,7 +120,8 @@ class RepairResult:
     store was healthy: nothing changed); ``salvaged`` records (``salvaged_bytes``) in the fresh
     store; ``lost`` (records found but not salvaged: a page scan does not find, so cannot count,
     records whose index entries were on destroyed pages); ``moved_to`` (the ``damaged-*`` directory
-    now holding the old environment, or ``None``)."""
+    now holding the old environment, or ``None``); ``removed_stale`` (``.repair-*`` directories of
+    a repair that was killed, removed, healthy store or not)."""
 
     report: FsckReport
     repaired: bool = False
@@ -128,6 +129,7 @@ class RepairResult:
     salvaged_bytes: int = 0
     lost: int = 0
     moved_to: str | None = None
+    removed_stale: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return dict(asdict(self), report=self.report.to_dict())
@@ -164,14 +166,14 @@ def repair(path: str | os.PathLike) -> RepairResult:
     with _locked(store):
         report = _check(store)
         result = RepairResult(report)
-        if not report.damaged:
+        if not report.damaged:  # (a healthy store: a repair killed after its swap left only staging)
+            result.removed_stale = _remove_stale_repairs(store)
             return result
         fmt = report.settings.get("format")
         if fmt is not None and fmt not in ("1", str(STORE_FORMAT)):
             raise StoreOpenError(f"--path: {str(store)!r} holds store format {fmt}; this ectier repairs "
                                  f"formats 1 and {STORE_FORMAT} only")
-        for stale in store.glob(".repair-*"):  # left by a repair that was killed (we hold the lock)
-            shutil.rmtree(stale, ignore_errors=True)
+        result.removed_stale = _remove_stale_repairs(store)
         staging = store / f".repair-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}"
         try:
             result.salvaged, result.salvaged_bytes = _build(store, staging, report)
@@ -191,6 +193,15 @@ def repair(path: str | os.PathLike) -> RepairResult:
         result.repaired = True
         result.lost = report.entries - result.salvaged
         return result
+
+
+def _remove_stale_repairs(store: Path) -> list[str]:
+    """Remove the ``.repair-*`` staging directories a killed repair left (the caller holds the
+    store's lock, so no repair runs); returns their paths."""
+    stale = sorted(store.glob(".repair-*"))
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return [str(p) for p in stale]
 
 
 # =============================================================================== checking

@@ -350,6 +350,23 @@ def test_fsck_names_a_killed_repairs_staging_and_payloads_no_key_can_be_matched_
     assert not list(store.glob(".repair-*"))
 
 
+def test_repair_of_a_healthy_store_removes_a_killed_repairs_staging_as_fsck_says(tmp_path, runner):
+    """A repair killed after its swap leaves a healthy store and its staging directory; fsck said
+    'the next --repair removes it', and --repair answered 'nothing to repair' and kept it."""
+    store = tmp_path / "nvme"
+    _build_store(store)
+    stale = store / ".repair-20261207T000000Z-1"
+    (stale / "lmdb").mkdir(parents=True)
+    result = runner.invoke(main, ["fsck", "--path", str(store)])
+    assert result.exit_code == 0 and "the next --repair removes it" in result.output, result.output
+    result = runner.invoke(main, ["fsck", "--path", str(store), "--repair"])
+    assert result.exit_code == 0 and "nothing to repair" in result.output, result.output
+    assert "(removed)" in result.output and not stale.exists(), result.output
+    assert repair(store).removed_stale == [] and check(store).stale_repairs == []
+    stale.mkdir()
+    assert repair(store).removed_stale == [str(stale)] and not stale.exists()
+
+
 def test_a_file_ending_before_lmdbs_last_page_number_is_not_damage(tmp_path, runner):
     """Pages allocated and freed in one transaction are never written, so a healthy data.mdb can
     end before LMDB's last page number (found by review: such a store was called truncated)."""

@@ -89,7 +89,9 @@ def _print_fsck(report: Any, result: Any) -> None:
     for d in report.damaged_copies:
         console.print(f"earlier damaged copy: {d} (delete it when done)", soft_wrap=True)
     for d in report.stale_repairs:
-        console.print(f"left by a repair that was killed: {d} (the next --repair removes it)", soft_wrap=True)
+        done = result is not None and d in result.removed_stale
+        console.print(f"left by a repair that was killed: {d} "
+                      f"({'removed' if done else 'the next --repair removes it'})", soft_wrap=True)
     if report.damaged and not report.entries and report.segment_bytes:
         console.print(f"no index entry was found: the {format_bytes(report.segment_bytes)} of {SEGMENT_NAME} "
                       "(payloads, and space freed earlier) carry no keys and cannot be salvaged", soft_wrap=True)
