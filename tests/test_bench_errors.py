@@ -138,3 +138,17 @@ def test_bench_tiers_on_a_filesystem_too_small_names_its_own_options(tmp_path, m
     assert "nvme.capacity_bytes" not in r.output and "thin_provisioning" not in r.output, r.output
     assert r.exception is None or isinstance(r.exception, SystemExit)
     assert [p.name for p in tmp_path.iterdir()] in ([], ["out"])
+
+
+@pytest.mark.parametrize("args, option, text", [
+    (["--policy", ""], "--policy", "no policy named in ''"),
+    (["--policy", " , "], "--policy", "no policy named in ' , '"),
+    (["--policy", "lru,fifo"], "--policy", "unknown policy 'fifo'"),
+    (["--width-scale", "3"], "--width-scale", "3 does not divide 8192"),
+    (["--curve-scale", "5"], "--curve-scale", "5 does not divide 8192"),
+])
+def test_bench_replay_names_the_one_option_at_fault_and_why(tmp_path, args, option, text):
+    """'--policy ""' said "unknown policy []"; a bad scale named both --width-scale/--curve-scale."""
+    res = CliRunner().invoke(main, ["bench", "replay", *args, "--out", str(tmp_path)])
+    assert res.exit_code == 2, res.output
+    assert f"Invalid value for {option}" in res.output.replace("'", "") and text in res.output, res.output

@@ -141,9 +141,12 @@ def replay_cmd(out, cost_model, workdir, quiet, trace, requests, items, zipf, se
     policies = [p.strip() for p in policy.split(",") if p.strip()]
     bad = [p for p in policies if p not in ("lru", "gdsf")]
     if bad or not policies:
-        raise click.BadParameter(f"unknown policy {bad}; use lru, gdsf", param_hint="--policy")
-    if 8192 % width_scale or 8192 % curve_scale:
-        raise click.BadParameter("must divide 8192", param_hint="--width-scale/--curve-scale")
+        what = f"unknown policy {', '.join(map(repr, bad))}" if bad else f"no policy named in {policy!r}"
+        raise click.BadParameter(f"{what}; use lru, gdsf (comma-separated)", param_hint="--policy")
+    for flag, scale in (("--width-scale", width_scale), ("--curve-scale", curve_scale)):
+        if 8192 % scale:
+            raise click.BadParameter(f"{scale} does not divide 8192 (the entries' width); use a power of two",
+                                     param_hint=flag)
     cost = _cost(cost_model)
     stream, source = _stream(trace, requests, items, zipf, seed, max_tokens)
     summ = stream_summary(stream)
