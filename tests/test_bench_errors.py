@@ -152,3 +152,13 @@ def test_bench_replay_names_the_one_option_at_fault_and_why(tmp_path, args, opti
     res = CliRunner().invoke(main, ["bench", "replay", *args, "--out", str(tmp_path)])
     assert res.exit_code == 2, res.output
     assert f"Invalid value for {option}" in res.output.replace("'", "") and text in res.output, res.output
+
+
+@pytest.mark.parametrize("command", [["demo"], ["bench", "replay"], ["bench", "baseline"]])
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_a_bad_zipf_exponent_is_refused_by_the_option_name(tmp_path, command, value):
+    """It was refused as 'zipf: must be a finite number >= 0' (no option named) by demo and bench."""
+    extra = [] if command == ["demo"] else ["--out", str(tmp_path)]
+    res = CliRunner().invoke(main, [*command, "--zipf", value, *extra])
+    assert res.exit_code == 2, res.output
+    assert "Invalid value for '--zipf'" in res.output or "Invalid value for '--zipf' / '-s'" in res.output, res.output

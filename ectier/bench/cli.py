@@ -24,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..config import HostTierConfig, format_bytes, parse_bytes
 from ..errors import ConfigError, EctierError
-from ..commands.params import sigterm_exits
+from ..commands.params import sigterm_exits, zipf_exponent
 from ..sizing import max_tokens as _model_max_tokens
 from .limits import MAX_ITEMS, MAX_REQUESTS
 from .report import fmt, markdown_table, print_table, write_json
@@ -180,7 +180,8 @@ def _workload(f):
                      help="requests in the generated stream (ignored with --trace)")(f)
     f = click.option("--items", default=150, show_default=True, type=click.IntRange(1, MAX_ITEMS),
                      help="catalogue size (images drawn one by one: ~50 s at the most)")(f)
-    f = click.option("--zipf", default=0.9, show_default=True, type=float, help="Zipf exponent s of item popularity")(f)
+    f = click.option("--zipf", default=0.9, show_default=True, type=float, callback=zipf_exponent,
+                     help="Zipf exponent s of item popularity")(f)
     f = click.option("--seed", default=0, show_default=True, type=click.IntRange(0),
                      help="seed of the generated stream (the same seed: the same requests)")(f)
     f = click.option("--max-tokens", default=None, type=click.IntRange(64), help="cap on N per image")(f)

@@ -11,7 +11,7 @@ import click
 from ..bench.limits import MAX_REQUESTS
 from ..errors import ConfigError, EctierError
 from ..sizing import DEFAULT_MODEL, ModelSpec
-from .params import ByteSize, ModelName, console as _console, sigterm_exits
+from .params import ByteSize, ModelName, console as _console, sigterm_exits, zipf_exponent
 
 __all__ = ["demo"]
 
@@ -19,7 +19,7 @@ __all__ = ["demo"]
 @click.command()
 @click.option("--requests", "-n", type=click.IntRange(min=1, max=MAX_REQUESTS), default=300, show_default=True,
               help="Requests in the replayed stream.")
-@click.option("--zipf", "-s", type=click.FloatRange(min=0.0), default=1.1, show_default=True,
+@click.option("--zipf", "-s", type=click.FloatRange(min=0.0), default=1.1, show_default=True, callback=zipf_exponent,
               help="Popularity exponent: image at rank r is requested with probability ~ r**-s (0 = uniform).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the request stream.")
 @click.option("--host-bytes", type=ByteSize(), default=None,

@@ -102,3 +102,11 @@ def not_empty(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
     if value is not None and not str(value).strip():
         raise click.BadParameter("an empty path; give one, or leave the option out where it has a default")
     return value
+
+
+def zipf_exponent(ctx: click.Context, param: click.Parameter, value: Optional[float]) -> Optional[float]:
+    """``--zipf``: a finite number >= 0, refused by the option's name (a ``FloatRange`` lets NaN
+    through, and the stream generator's own refusal named ``zipf:``, no option)."""
+    if value is not None and not (value >= 0 and value != float("inf")):
+        raise click.BadParameter(f"{value} is not a finite number >= 0 (0 = uniform popularity)")
+    return value
