@@ -10,10 +10,11 @@ Complements ``tests/test_races.py`` (host/NVMe puts of one key, delete vs promot
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
-from ectier import TieredCache
+from ectier import TieredCache, testing
 from ectier.tiers.nvme import NvmeTier
 
 from conftest import KiB, MiB, assert_same, check_quiescent, digest, filled, make_config
@@ -113,3 +114,35 @@ def test_delete_and_put_racing_an_overwrite_that_committed(make_cache, monkeypat
     held.release.set()
     join(t, box)
     _same_after_reopen(cache, cfg, "K", v2)
+
+
+def _committed_records(cache) -> int:
+    """Index entries LMDB holds now: what a process killed at this moment would find at restart."""
+    lm = testing.lmdb_of(cache)
+    with lm.env.begin() as txn:
+        return txn.stat(lm.meta)["entries"]
+
+
+def test_two_write_through_overwrites_cut_by_a_kill_leave_an_older_value_on_nvme(make_cache, monkeypatch):
+    """Write-through (the daemon's mode in the crash campaign): K v0 is on NVMe; put(K, va)'s
+    write-through is held once its record committed (va replaced v0); put(K, vb) commits in the host
+    and waits for it; va's write goes on (stale: vb is current) and vb's write-through is held before
+    it writes. A kill now must find va (or v0) on NVMe: vb's put has not returned. Deleting va's
+    record as stale before vb's landed left nothing (the crash campaign's 'lost committed entry',
+    2026-12-07: daemon round 70 of `--seed 20261207`)."""
+    cache, cfg = make_cache(host_bytes=4 * MiB, nvme_bytes=4 * MiB, write_through=True)
+    va, vb = filled(100 * KiB, 1), filled(150 * KiB, 2)
+    cache.put("K", filled(64 * KiB, 0))
+    held_a = HeldWrite(monkeypatch, "K", "after-commit")
+    ta, box_a = start(cache.put, "K", va)
+    held_a.wait()
+    tb, box_b = start(cache.put, "K", vb)  # commits into the host, then waits for va's write
+    time.sleep(0.2)
+    held_b = HeldWrite(monkeypatch, "K", "before-write")  # vb's write-through, once va's is over
+    held_a.release.set()
+    held_b.wait()
+    assert _committed_records(cache) == 1, "no record of K on NVMe while vb's write-through is in flight"
+    held_b.release.set()
+    join(ta, box_a)  # (va's put returns once vb's write landed: nothing older than va is left then)
+    join(tb, box_b)
+    _same_after_reopen(cache, cfg, "K", vb)

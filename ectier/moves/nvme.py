@@ -51,6 +51,8 @@ class NvmeMoves:
         self.index = tier.index
         # digest -> versions being copied to NVMe by store(register=False) now; guarded by m.cond
         self._writing: dict[bytes, list[int]] = {}
+        # digest -> versions committed into the host whose write-through has not ended; m.cond
+        self._through: dict[bytes, list[int]] = {}
 
     # ------------------------------------------------------------------------- open
     def adopt_records(self) -> None:
@@ -237,6 +239,11 @@ class NvmeMoves:
                 if current == version:
                     self.index.track(digest, rec.stored_bytes, m.catalog.cost(digest))
                     return True
+                if self._newer_through_locked(digest, version):
+                    # the newer version's write-through replaces this record (or, failing, deletes
+                    # it): until then it is the key's only durable copy (a kill keeps an older value)
+                    self.index.track(digest, rec.stored_bytes, m.catalog.cost(digest))
+                    return False
                 # a newer version was committed (or the key deleted) while this write ran: this
                 # record is stale, and goes even with nvme.write_through
                 stale = version
@@ -412,23 +419,50 @@ class NvmeMoves:
         while any(older_than is None or v < older_than for v in self._writing.get(digest, ())):
             self.m.cond.wait()
 
+    def expect_write_through_locked(self, digest: bytes, version: int) -> None:
+        """Under ``m.cond``: a put of ``version`` committed into the host, its :meth:`write_through`
+        to follow. Until that ends, no older record of the key is deleted as stale."""
+        self._through.setdefault(digest, []).append(version)
+
+    def _newer_through_locked(self, digest: bytes, version: int) -> set[int]:
+        return {v for v in self._through.get(digest, ()) if v > version}
+
     def write_through(self, host, digest: bytes, version: int) -> None:
         """Write the host entry ``version`` of ``digest`` (just committed by a put) to NVMe.
 
         Its write replaces the key's older record, if any, in one LMDB transaction (a crash leaves
-        the old record or the new one, never neither). On every path where that write does not
-        land, the older record is deleted before this returns, so no bytes older than this put
-        are ever served, in-process or after a restart.
+        the old record or the new one, never neither). Where it does not land (a newer put of the
+        key committed meanwhile, or the write failed), this waits for the write-throughs of newer
+        versions under way, then deletes the records older than ``version``: no bytes older than
+        this put are served after it returns, in-process or after a restart, and until a newer
+        version is on NVMe the older record stays (a kill between never leaves the key without one).
         """
+        landed = False
         try:
             with self.m.cond:
                 slot = host.current(digest, version)
-                if slot is None:
-                    return
-                host.pin(slot)
-            try:
-                self.demote_slot(host, slot, write_through=True)
-            finally:
-                self.m.unpin(host, slot)
+                if slot is not None:
+                    host.pin(slot)
+            if slot is not None:
+                try:
+                    landed = self.demote_slot(host, slot, write_through=True)
+                finally:
+                    self.m.unpin(host, slot)
         finally:
+            self._end_write_through(digest, version, landed)
+
+    def _end_write_through(self, digest: bytes, version: int, landed: bool) -> None:
+        with self.m.cond:
+            versions = self._through.get(digest, [])
+            if version in versions:
+                versions.remove(version)
+            if not versions:
+                self._through.pop(digest, None)
+            self.m.cond.notify_all()
+            if not landed:  # a newer write-through replaces the older record, or deletes it on failure
+                newer = self._newer_through_locked(digest, version)
+                while newer:
+                    self.m.cond.wait()
+                    newer &= self._newer_through_locked(digest, version)
+        if not landed:
             self.drop_older(digest, version)
