@@ -222,3 +222,26 @@ def test_a_daemon_stops_on_sigterm_within_its_bound_while_the_master_hangs(moonc
         assert "left open" in proc.log()
     finally:
         remove_dir(d)
+
+
+def test_an_entry_larger_than_the_stores_room_is_a_counted_refusal_not_a_back_off():
+    """Mooncake answers NO_AVAILABLE_HANDLE to an object no segment has room for: the store is up,
+    so the write-through is counted in errors and the tier backs nothing off (it used to go
+    degraded for remote.backoff_s: every remote read of the node was a miss meanwhile)."""
+    from mooncake_master import running_store
+
+    with running_store("16MB") as store:
+        producer, writer = (TieredCache(_cfg(store, prefix="room", timeout_s=D, backoff_s=60.0)) for _ in range(2))
+        try:
+            small = _t(1, 8)
+            producer.put("small", small)
+            assert testing.drain(producer)
+            writer.put("big", _t(2, 1536))  # 24 MiB: more than the store node's 16 MB segment
+            assert testing.drain(writer)
+            st = writer.stats()["tiers"]["remote"]
+            assert (st["puts"], st["errors"], st["backoffs"], st["degraded"]) == (0, 1, 0, False)
+            assert _same(writer.get("small"), small)  # read from the store at once, no back-off
+            assert writer.stats()["tiers"]["remote"]["hits"] == 1
+        finally:
+            producer.close()
+            writer.close()

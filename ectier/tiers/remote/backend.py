@@ -26,7 +26,7 @@ class RemoteTimeout(RemoteError):
 
 class RemoteRefused(RemoteError):
     """The store answered and refused this call (Redis: out of memory under ``maxmemory`` with
-    ``noeviction``). The store is up: the tier counts the failure and warns (once per
+    ``noeviction``; Mooncake: no segment has room for the object). The store is up: the tier counts the failure and warns (once per
     ``remote.backoff_s``), but backs nothing off, so reads of what it holds go on."""
 
 

@@ -59,7 +59,7 @@ import numpy as np
 
 from ...errors import ConfigError
 from ...record import checksum, pack_header
-from .backend import RemoteBackend, RemoteError, RemoteTimeout, byte_view
+from .backend import RemoteBackend, RemoteError, RemoteRefused, RemoteTimeout, byte_view
 from .mooncake_calls import HOLD_S, MAX_IN_FLIGHT, Holds, Runner, check_args, route_address, unreachable
 from .mooncake_calls import code as _code
 from .mooncake_io import NO_HANDLE as _NO_HANDLE, NOT_FOUND as _NOT_FOUND, SAFE as _SAFE
@@ -229,6 +229,8 @@ class MooncakeBackend(RemoteBackend):
 
         Raises:
             ValueError / TypeError: a bad key, data or deadline_s.
+            RemoteRefused: the store has no room for it (``NO_AVAILABLE_HANDLE``: larger than any
+                segment's free space, ``INVALID_PARAMS``): the store is up, the tier backs nothing off.
             RemoteError, RemoteTimeout: the store failed or the deadline passed.
         """
         check_args(key, deadline_s)
@@ -253,7 +255,8 @@ class MooncakeBackend(RemoteBackend):
 
         rc = self._call("put", deadline_s, write)
         if rc != 0:
-            raise RemoteError(f"mooncake put of {len(view)} bytes on {self._master}: {_code(rc)}")
+            cls = RemoteRefused if rc in (_NO_HANDLE, _TOO_SMALL) else RemoteError  # no room: the store is up
+            raise cls(f"mooncake put of {len(view)} bytes on {self._master}: {_code(rc)}")
         self._sizes.note(name, len(view))
 
     def put_record(self, key: str, header: Any, payload: Any, *, deadline_s: float,
@@ -275,6 +278,7 @@ class MooncakeBackend(RemoteBackend):
 
         Raises:
             ValueError / TypeError: a bad key, payload or deadline_s.
+            RemoteRefused: no room for it on any path (as :meth:`put`).
             RemoteError, RemoteTimeout.
         """
         check_args(key, deadline_s)
