@@ -452,3 +452,23 @@ def test_tls_is_passed_through(redis_single_tls):
     with pytest.raises(RemoteError):
         plain.get("k", deadline_s=1.0)
     plain.close()
+
+
+def test_a_put_failing_on_a_dead_node_unlinks_the_chunks_it_wrote_on_the_live_ones(redis_cluster_fn):
+    """A put whose chunks reach a dead node midway leaves no chunks on the live nodes: they have
+    no manifest and no TTL, so under noeviction or a volatile-* policy they were never removed
+    (every put during a node outage leaked memory)."""
+    servers = redis_cluster_fn
+    be = backend(servers, timeout_s=DEADLINE)
+    be.put("warm", b"v", deadline_s=D)
+    servers.kill(servers.node_of("ectier:m:warm"))
+    failed = []
+    for i in range(6):
+        try:
+            be.put(f"big{i}", os.urandom(MiB), deadline_s=D)  # 16 chunks: some on the dead node
+        except RemoteError:
+            failed.append(f"big{i}")
+    assert failed
+    left = servers.all_keys("ectier:c:big*", live_only=True)
+    assert not [c for c in left if c.split(":")[2] in failed]  # no chunk of a failed put stays
+    be.close()

@@ -13,7 +13,8 @@ and manifest, a chunk evicted by the server's ``maxmemory`` policy, a concurrent
 already dropped the chunks being read) is a miss (``None``), never wrong bytes. A put writes the
 chunks, then the manifest with ``SET ... GET`` (Redis >= 6.2 / Valkey), which returns the manifest
 it replaced, and then unlinks exactly that generation's chunks (so two writers racing on one key
-leave no orphans). Chunks of a writer that died before its manifest stay until the server's
+leave no orphans); a put that fails (refused, a node down) unlinks the chunks it wrote on the
+nodes that answer. Chunks of a writer that died before its manifest stay until the server's
 eviction policy removes them (run the store with ``maxmemory`` and ``allkeys-lru``).
 
 No hash tags: the chunks of one object spread over the cluster's nodes (their memory stays
@@ -55,7 +56,7 @@ try:  # the ``remote`` extra; RedisBackend() says how to install it when it is m
     import redis
     from redis.backoff import NoBackoff
     from redis.cluster import ClusterNode, RedisCluster
-    from redis.exceptions import AuthenticationError, NoPermissionError, RedisClusterException, RedisError
+    from redis.exceptions import AuthenticationError, RedisClusterException, RedisError
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import ResponseError
     from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -70,8 +71,8 @@ else:
 
 from ...errors import ConfigError, CorruptRecordError
 from ...record import pack_header, pack_record
-from .backend import RemoteBackend, RemoteError, RemoteRefused, RemoteTimeout, byte_view
-from .redis_nodes import NodeBackoff
+from .backend import RemoteBackend, RemoteError, RemoteNodeError, RemoteRefused, RemoteTimeout, byte_view
+from .redis_nodes import NodeBackoff, is_cluster
 
 __all__ = ["RedisBackend", "MANIFEST"]
 
@@ -93,23 +94,6 @@ class _Deadline:
     def check(self, what: str) -> None:
         if time.monotonic() >= self.end:
             raise RemoteTimeout(f"redis {what}: past its deadline of {self.seconds:g} s")
-
-    def left(self) -> bool:
-        return time.monotonic() < self.end
-
-
-def _is_cluster(client: Any) -> bool:
-    """Whether the server of ``client`` is a cluster node (``INFO cluster``; ``CLUSTER INFO``
-    where an ACL forbids INFO)."""
-    try:
-        return bool(int(client.info("cluster").get("cluster_enabled", 0)))
-    except NoPermissionError:
-        pass
-    try:
-        client.execute_command("CLUSTER INFO")
-        return True
-    except ResponseError:  # "cluster support disabled"
-        return False
 
 
 class _Manifest:
@@ -215,7 +199,7 @@ class RedisBackend(NodeBackoff, RemoteBackend):
             client = redis.Redis(host, port, **{**self._client_kwargs(), "socket_timeout": share,
                                                 "socket_connect_timeout": share})
             try:
-                return (host, port), _is_cluster(client)
+                return (host, port), is_cluster(client)
             except Exception as exc:
                 error = exc
             finally:
@@ -383,8 +367,12 @@ class RedisBackend(NodeBackoff, RemoteBackend):
         def write(client: Any) -> tuple[Any, bytes | None]:
             try:
                 self._run(client, cmds, dl, "put")
+            except (ResponseError, RemoteNodeError):  # refused (out of memory, ...), or a node down:
+                self._forget(client, ckeys, dl)  # the chunks written have no manifest and no TTL
+                raise
+            try:
                 return client, self._cmd(client, "set", (self._manifest_key(key), m.pack()), dl, "put", get=True)
-            except ResponseError:  # the server refused (out of memory, ...): the connection is fine
+            except ResponseError:  # refused: not set (a node error may have set it: its chunks stay)
                 self._forget(client, ckeys, dl)
                 raise
 
@@ -394,12 +382,16 @@ class RedisBackend(NodeBackoff, RemoteBackend):
             self._forget(client, self._chunk_keys(key, old), dl)
 
     def _forget(self, client: Any, keys: list[str], dl: _Deadline) -> None:
-        """Unlink chunks nobody reads any more, while the deadline lasts (best effort: what is
-        left is garbage for the server's eviction policy)."""
-        try:
-            self._run(client, [("unlink", (k,)) for k in keys], dl, "unlink")
-        except Exception as exc:
-            log.debug("redis: left %d unreadable chunks to eviction: %s", len(keys), exc)
+        """Unlink chunks nobody reads any more, each one while the deadline lasts (best effort: a
+        chunk on a node that is down, or past the deadline, is garbage for the eviction policy)."""
+        for i, k in enumerate(keys):
+            try:
+                self._cmd(client, "unlink", (k,), dl, "unlink")
+            except RemoteNodeError:
+                continue  # (that node's chunks: maybe none were written there)
+            except Exception as exc:
+                log.debug("redis: left %d unreadable chunks to eviction: %s", len(keys) - i, exc)
+                return
 
     def get(self, key: str, *, deadline_s: float) -> bytes | None:
         """The object under ``key``; ``None`` when absent or not whole (a chunk missing).

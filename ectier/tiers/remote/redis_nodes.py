@@ -13,16 +13,30 @@ import time
 from typing import Any
 
 try:  # the ``remote`` extra (redis.py says how to install it)
-    from redis.exceptions import RedisClusterException
+    from redis.exceptions import NoPermissionError, RedisClusterException, ResponseError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 except ImportError:  # pragma: no cover - exercised only without the extra
-    RedisClusterException = RedisTimeoutError = Exception  # type: ignore[misc, assignment]
+    NoPermissionError = RedisClusterException = ResponseError = RedisTimeoutError = Exception  # type: ignore[misc, assignment]
 
 from .backend import RemoteError, RemoteNodeError, RemoteNodeTimeout
 
-__all__ = ["NodeBackoff"]
+__all__ = ["NodeBackoff", "is_cluster"]
 
 log = logging.getLogger("ectier.tiers.remote.redis")
+
+
+def is_cluster(client: Any) -> bool:
+    """Whether the server of ``client`` (a ``redis.Redis``) is a cluster node (``INFO cluster``;
+    ``CLUSTER INFO`` where an ACL forbids INFO). Raises redis-py's errors (no answer, refused)."""
+    try:
+        return bool(int(client.info("cluster").get("cluster_enabled", 0)))
+    except NoPermissionError:
+        pass
+    try:
+        client.execute_command("CLUSTER INFO")
+        return True
+    except ResponseError:  # "cluster support disabled"
+        return False
 
 
 class NodeBackoff:
