@@ -146,8 +146,11 @@ class Worker:
     ``save_caches`` for every item new in the encoder cache after the step's encoder run.
     Both use the process-global connector made by ``ensure_ec_transfer_initialized``, or
     ``connector`` (one worker of several, e.g. a tensor-parallel rank: it is made the process-global
-    connector while this worker runs). ``gather`` does what ``_gather_mm_embeddings`` does with a
-    missing entry: it raises.
+    connector while this worker runs). Like the runners it keeps each request's items from its
+    first scheduling on, so a later chunk's or a resumed request's encoder inputs are encoded too;
+    ``gather`` does what ``_gather_mm_embeddings`` does with a missing entry of an item the step's
+    tokens reach: it raises. It does not drop what vLLM frees (``free_encoder_mm_hashes``): tests
+    that need that pop them themselves.
     """
 
     def __init__(self, vllm_config, runner: str = "v1", connector=None):
@@ -167,19 +170,26 @@ class Worker:
                 self.v2 = ActiveECConnector(vllm_config, self.encoder_cache)
         self.encoded: list[str] = []
         self.gathered: dict[str, torch.Tensor] = {}
+        self.features: dict[str, list] = {}  # req_id -> mm_features, as the runner keeps them
 
     def _encode_and_gather(self, scheduler_output, save_each: bool):
         from vllm.v1.worker.ec_connector_model_runner_mixin import ECConnectorModelRunnerMixin as M
 
-        for req in scheduler_output.scheduled_new_reqs:
-            for i in scheduler_output.scheduled_encoder_inputs.get(req.req_id, []):
-                f = req.mm_features[i]
+        for req in scheduler_output.scheduled_new_reqs:  # the runner's persistent request state
+            self.features[req.req_id] = req.mm_features
+        for req_id, inputs in scheduler_output.scheduled_encoder_inputs.items():
+            for i in inputs:  # new requests' items, and later chunks' or resumed requests' ones
+                f = self.features[req_id][i]
                 self.encoder_cache[f.identifier] = encoder_output(f.identifier, f.mm_position.get_num_embeds())
                 self.encoded.append(f.identifier)
                 if save_each:
                     M.maybe_save_ec_to_connector(self.encoder_cache, f.identifier)
         for req in scheduler_output.scheduled_new_reqs:
+            lo = req.num_computed_tokens
+            hi = lo + scheduler_output.num_scheduled_tokens.get(req.req_id, 0)
             for f in req.mm_features:
+                if not (f.mm_position.offset < hi and f.mm_position.offset + f.mm_position.length > lo):
+                    continue  # not reached by this step's chunk (_gather_mm_embeddings skips it)
                 t = self.encoder_cache.get(f.identifier)
                 if t is None:
                     raise RuntimeError(f"Encoder cache miss for {f.identifier}.")

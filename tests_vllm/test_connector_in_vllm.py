@@ -63,21 +63,24 @@ def test_producer_then_fresh_consumer_loads_byte_identical(engine, tmp_path):
     assert store.open_stores() == 1
 
 
-def test_ec_both_shares_one_store_between_scheduler_and_worker(engine, tmp_path):
+def test_ec_both_shares_one_store_between_scheduler_and_worker(engine, tmp_path, monkeypatch):
+    monkeypatch.setattr(H.FixedBudget, "cache_size", 64)  # vLLM's encoder cache holds one item
     sched, worker = engine("ec_both", inproc(tmp_path))
     assert ct.cache(sched.ec_connector) is ct.cache(worker.connector)
-    item = H.Item("c" * 64, 0, 64)
+    item, filler = H.Item("c" * 64, 0, 64), H.Item("f" * 64, 0, 64)
     sched.add_request(H.make_request("r1", [item], max_tokens=1))
     so, _ = run_step(sched, worker)
     assert so.scheduled_encoder_inputs == {"r1": [0]}
     first = worker.encoder_cache[item.mm_hash].clone()
-    # the worker's encoder cache forgets it (as after vLLM frees it); a new request loads it back
-    worker.encoder_cache.clear()
-    sched.encoder_cache_manager.reset()
+    # another request's item evicts it from vLLM's encoder cache; a new request loads it back
+    sched.add_request(H.make_request("rf", [filler], max_tokens=1))
+    so, _ = run_step(sched, worker)
+    assert so.free_encoder_mm_hashes == [item.mm_hash]
+    worker.encoder_cache.pop(item.mm_hash)  # (the model runner drops what vLLM freed)
     sched.add_request(H.make_request("r2", [item], max_tokens=1))
     so, out = run_step(sched, worker)
     assert so.scheduled_encoder_inputs == {}
-    assert worker.encoded == [item.mm_hash]  # encoded once, in the first step only
+    assert worker.encoded == [item.mm_hash, filler.mm_hash]  # the item encoded once, in the first step only
     assert same_bytes(worker.encoder_cache[item.mm_hash], first)
 
 

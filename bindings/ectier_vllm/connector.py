@@ -12,8 +12,8 @@ entry point add ``"ec_connector_module_path": "ectier_vllm.connector"``).
 How a stored item reaches a consumer's ``encoder_cache`` (one step = one ``schedule()``):
 
 1. ``ensure_cache_available(request)`` (scheduler, before the request is scheduled): for each of
-   the request's items still ahead of ``num_computed_tokens`` that ectier holds, start a
-   promotion towards the worker's device (in-process: ``TieredCache.prefetch(keys, device=)``,
+   the request's items still ahead of ``num_computed_tokens`` that vLLM's own encoder cache does
+   not hold (allocated and not yet reported freed) and ectier does, start a promotion towards the worker's device (in-process: ``TieredCache.prefetch(keys, device=)``,
    whose ``LoadHandle`` s the connector polls; NVMe → host, and host → GPU tier when the device is
    ``gpu.device``) and defer the request (``False``) until it is done, then *pin* the entry
    (``acquire``: a host-arena lease, checksum checked; an entry only the GPU tier holds is read

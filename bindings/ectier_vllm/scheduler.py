@@ -85,6 +85,10 @@ class SchedulerSide:
         # neither encode nor load them again, so this connector reloads them from the store itself,
         # or fails the requests that need them (never a worker crash)
         self._poisoned: set[str] = set()
+        # mm_hashes vLLM's encoder-cache manager holds: allocated (update_state_after_alloc: encoded
+        # or loaded) and not evicted since (free_encoder_mm_hashes). vLLM serves them itself and
+        # never asks has_cache_item about them, so they are neither promoted, pinned nor counted
+        self._local: set[str] = set()
         # load or recompute, per item (recompute.py): fed by the lookups and the workers' reports;
         # off with an in-process GPU tier (a wait may then be a host -> GPU promotion, never worth skipping)
         gpu_tier = self.settings.cache is not None and self.settings.cache.gpu.enabled
@@ -109,6 +113,9 @@ class SchedulerSide:
     def has_cache_item(self, identifier: str) -> bool:
         """True iff the item is pinned in ectier for a load (see module docstring, step 2)."""
         hit = identifier in self._pins
+        # vLLM asks only after its own encoder cache missed: it no longer holds the item (evicted
+        # earlier in this step, or its whole cache reset by reset_encoder_cache, which reports nothing)
+        self._local.discard(identifier)
         if self.is_consumer:  # a pure producer never loads: its lookups are no misses
             self._count_lookup(identifier, hit)
         return hit
@@ -136,11 +143,12 @@ class SchedulerSide:
             return False
         req_id = request.request_id
         settled = self._settled.get(req_id, ())
-        pins, poisoned = self._pins, self._poisoned
+        pins, poisoned, local = self._pins, self._poisoned, self._local
         # daemon mode: every item of the request is asked about in one request (store.expect)
         self._store.expect([f.identifier for f in request.mm_features
                             if f.mm_position.offset + f.mm_position.length > num_computed_tokens
-                            and f.identifier not in settled and f.identifier not in pins])
+                            and f.identifier not in settled and f.identifier not in pins
+                            and (f.identifier not in local or f.identifier in poisoned)])
         ready = True
         for index, feature in enumerate(request.mm_features):
             pos = feature.mm_position
@@ -159,9 +167,11 @@ class SchedulerSide:
                     return False
                 continue
             state = pins.get(mm_hash)
-            if state is not None:
+            if state is not None:  # (its load may be this step's: a sharer fails with it, _add_sharers)
                 self._join(state, request)
                 continue
+            if mm_hash in local:
+                continue  # vLLM's own encoder cache holds it
             status = self._promotion(mm_hash, req_id)
             if status is Promotion.MISS:
                 self._recompute.check(mm_hash, status, 0, 0)  # forgets its pending promotion
@@ -318,6 +328,7 @@ class SchedulerSide:
         counted = self._counted.get(request.request_id)
         if counted is not None:  # placed: vLLM asks again only if it needs the item anew
             counted.discard(mm_hash)
+        self._local.add(mm_hash)  # vLLM's encoder cache holds it once this step ran
         state = self._pins.get(mm_hash)
         if not self.is_consumer or state is None:
             return
@@ -327,7 +338,14 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         self._store.new_step()  # the daemon's answers of this step are spent
         # items vLLM's encoder-cache manager evicted this step: it will encode or load them again
-        self._poisoned.difference_update(scheduler_output.free_encoder_mm_hashes)
+        freed = scheduler_output.free_encoder_mm_hashes
+        if freed:
+            self._poisoned.difference_update(freed)
+            self._local.difference_update(freed)
+            # a request that needs such an item again (preempted, resumed from token 0) looks it
+            # up afresh: settled meant "in vLLM's encoder cache, or refused", and it no longer is there
+            for settled in self._settled.values():
+                settled.difference_update(freed)
         self._add_sharers(scheduler_output)
         meta = ECTierConnectorMetadata(loads=list(self._to_load.values()))
         self._to_load = {}

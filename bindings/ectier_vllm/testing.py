@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .connector import ECTierConnector
 
 __all__ = ["cache_factory", "store", "cache", "daemon_client", "pinned", "promoting", "poisoned", "widths", "saves_to_confirm",
-           "recompute_waiting"]
+           "recompute_waiting", "leftovers"]
 
 
 @contextlib.contextmanager
@@ -100,3 +100,30 @@ def saves_to_confirm(conn: "ECTierConnector") -> int | None:
 def recompute_waiting(conn: "ECTierConnector") -> set[str]:
     """``mm_hash`` es whose promotion the load-or-recompute rule is timing (started, not yet done)."""
     return set(conn._recompute._pending)
+
+
+def leftovers(conn: "ECTierConnector") -> dict[str, Any]:
+    """Everything the scheduler side still holds for requests or items, by kind, leaving out
+    the empty kinds: ``{}`` once every request finished and every load was reported. Kinds:
+    ``pins`` (scheduler pins), ``promotions`` (promotions waited for), ``to_load`` (loads not yet
+    sent to the workers), ``unavailable`` (requests to fail), ``settled`` / ``requests`` /
+    ``counted`` (per-request bookkeeping), ``recompute_waiting`` (promotions being timed),
+    ``staged`` (pins offered to a worker of this process), ``daemon_pins`` (daemon-mode pins
+    received and not taken). ``poisoned`` items are not listed: they last until vLLM's encoder
+    cache frees them (:func:`poisoned`)."""
+    out: dict[str, Any] = {
+        "pins": set(conn._pins), "promotions": set(conn._prefetching), "to_load": set(conn._to_load),
+        "unavailable": set(conn._unavailable), "settled": dict(conn._settled), "requests": set(conn._requests),
+        "counted": dict(conn._counted), "recompute_waiting": recompute_waiting(conn),
+    }
+    handle = conn._store_obj
+    if isinstance(handle, InProcessStore):
+        with handle._entry.lock:
+            out["staged"] = set(handle._entry.staged)
+    elif isinstance(handle, DaemonStore):
+        from .daemon_store import _SHARED
+
+        with _SHARED._lock:
+            out["staged"] = {ident[2] for ident in _SHARED._staged if ident[:2] == handle._ident("")[:2]}
+        out["daemon_pins"] = set(handle.lookups._pinned)
+    return {k: v for k, v in out.items() if v}
