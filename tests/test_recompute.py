@@ -312,3 +312,18 @@ def test_a_promotion_given_up_teaches_that_the_tier_is_slow():
         waited += 1
         assert waited <= 6, f"still waiting for a promotion after {waited} timeouts"
     assert lor.policy.bandwidth.bytes_per_s("promote") < before / 2
+
+
+def test_a_read_or_step_whose_rate_overflows_or_underflows_is_ignored():
+    """Absurd measurements (a subnormal duration from a clock step; a huge byte count): each value
+    is a finite number > 0, but the rate is not. Before: a read of rate inf set the tier's EWMA to
+    inf for good (no later read can bring (1 - a) * inf back: every item loaded forever), and an
+    encoder step of rate 0 made recomputing look free (every item recomputed)."""
+    b = TierBandwidth(min_samples=1)
+    b.observe("promote", 2**40, 1e-300)  # 2**40 / 1e-300 overflows to inf
+    b.observe("promote", MiB, 1.0)
+    assert b.bytes_per_s("promote") == pytest.approx(MiB)
+    e = EncoderCost(min_samples=1)
+    e.observe(10**6, 5e-324)  # 5e-324 / 1e6 underflows to 0.0
+    e.observe(1000, 1.0)
+    assert e.seconds_per_token() == pytest.approx(1e-3)

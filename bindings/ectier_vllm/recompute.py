@@ -66,10 +66,13 @@ class TierBandwidth:
 
     def observe(self, tier: str, nbytes: int, seconds: float) -> None:
         """One read of ``nbytes`` bytes from ``tier`` that took ``seconds``; an empty or instant read
-        (``nbytes`` or ``seconds`` not > 0, not finite) is ignored."""
+        (``nbytes`` or ``seconds`` not > 0, not finite) is ignored, and so is one whose rate is
+        not a finite number > 0 (overflow: an EWMA of inf would never come back)."""
         if not (_ok(nbytes) and _ok(seconds)):
             return
         rate = nbytes / seconds
+        if not _ok(rate):
+            return
         with self._lock:
             old = self._bw.get(tier)
             self._bw[tier] = rate if old is None else (1 - self.alpha) * old + self.alpha * rate
@@ -131,6 +134,8 @@ class EncoderCost:
         if self.configured or not (_ok(tokens) and _ok(seconds)):
             return
         rate = seconds / tokens
+        if not _ok(rate):  # underflow to 0: recomputing would look free
+            return
         with self._lock:
             self._s = rate if self._s is None else (1 - self.alpha) * self._s + self.alpha * rate
             self._n += 1
