@@ -100,3 +100,33 @@ def test_a_long_run_with_aborts_preemptions_and_failed_loads_leaves_nothing_behi
     worker.encoder_cache.clear()  # vLLM drops its encoder outputs: their views' pins go with them
     gc.collect()
     assert testing.pins(ct.cache(conn), "host") == 0
+
+
+def test_daemon_a_long_run_with_aborts_and_preemptions_leaves_nothing_behind(engine, daemon, monkeypatch):
+    """The same in daemon mode (an ``ectier serve`` with an 8 MiB arena over NVMe): no pin, staged
+    pin or unanswered lookup is left once every request finished."""
+    from vllm.v1.request import RequestStatus
+
+    rng = random.Random(99)
+    pool = [(f"{i:02d}" * 32, rng.choice([120, 250, 400, 500])) for i in range(24)]
+    extra = {"mode": "daemon", "socket_path": daemon.socket_path, "namespace": NS}
+    sched, worker = engine("ec_both", extra)
+    conn = sched.ec_connector
+    _flaky_gets(monkeypatch, worker, rng, 0.1)
+    added, loads = 0, 0
+    while added < 150 or sched.requests:
+        for _ in range(rng.randint(0, 2) if added < 150 else 0):
+            sched.add_request(_request(rng, added, pool))
+            added += 1
+        live = [r for r in sched.requests.values() if not r.is_finished()]
+        if live and rng.random() < 0.1:
+            sched.finish_requests([rng.choice(live).request_id], RequestStatus.FINISHED_ABORTED)
+        if sched.running and rng.random() < 0.05:
+            sched.reset_prefix_cache(reset_running_requests=True)
+        so, _ = _step(sched, worker)
+        loads += len(so.ec_connector_metadata.loads)
+    for _ in range(3):
+        _step(sched, worker)
+    assert loads > 5
+    assert ct.leftovers(conn) == {}
+    worker.encoder_cache.clear()
