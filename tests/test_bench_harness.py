@@ -250,3 +250,24 @@ def test_a_bad_trace_value_names_its_line_and_column(tmp_path, text, column):
     trace.write_text(text)
     with pytest.raises(ConfigError, match=rf"line \d+: {column}: expected"):
         read_trace(trace)
+
+
+def test_the_safetensors_baseline_reads_a_hit_as_ectier_does_into_a_reused_buffer(tmp_path, monkeypatch):
+    """Same work on both sides of `bench baseline`: ectier's replay reads a hit with get(out=) into a
+    reused buffer, so the baseline must not time a fresh owned copy (materialize: a clone, whose new
+    tensor pays its page faults) against it; its bytes are still all read and checked."""
+    from ectier.bench.baseline import replay_safetensors
+    from ectier.bench.workload import Request
+    from ectier.demo_baseline import SafetensorsPerItemStore
+
+    asked, real_load = [], SafetensorsPerItemStore.load
+
+    def load(self, mm_hash, *, materialize=True):
+        asked.append(materialize)
+        return real_load(self, mm_hash, materialize=materialize)
+
+    monkeypatch.setattr(SafetensorsPerItemStore, "load", load)
+    stream = [Request(f"img{i % 2}", 3 + i % 2, (3 + i % 2) * 64 * 2, "photo", 0, 0, float(i)) for i in range(6)]
+    r = replay_safetensors(stream, fitted_cost_model(), width=64, workdir=str(tmp_path))
+    assert (r["hits"], r["misses"], r["mismatches"]) == (4, 2, 0)
+    assert asked == [False] * 4
