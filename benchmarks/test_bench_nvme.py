@@ -310,6 +310,33 @@ def test_nvme_cold_get_ectier(measure, payloads, tokens, bench_dir, nvme_cache):
             compare=(REF_READ_COLD, REF_READ_DIRECT))
 
 
+@needs_out
+@pytest.mark.parametrize("nvme_cache", [True], ids=["sync"], indirect=True)
+def test_nvme_cold_get_out_ectier(measure, payloads, tokens, bench_dir, nvme_cache):
+    """The same cold get with ``get(key, out=buffer)``: like the reference, the bytes land in a
+    buffer already faulted in (``get`` also pays a fresh tensor's page faults, which
+    ``file read (cold)`` does not)."""
+    x = payloads(tokens)
+    o = torch.empty_like(x)
+    store = Path(nvme_cache.config.nvme.path)
+    state = {"i": 0}
+
+    def setup():
+        state["i"] += 1
+        nvme_cache.put(f"cold-{state['i']}", x)
+        for f in _store_files(store):
+            evict_page_cache(f)
+
+    def get():
+        return nvme_cache.get(f"cold-{state['i']}", out=o)
+
+    setup()
+    assert get() is o and torch.equal(o.view(torch.uint8), x.view(torch.uint8))
+    measure(get, setup=setup, rounds=_cold_rounds(tokens), suite="nvme", tokens=tokens, op="cold get",
+            impl="ectier get(out=) (cold)", role="ectier", bytes_per_call=x.nbytes,
+            compare=(REF_READ_COLD, REF_READ_DIRECT))
+
+
 @pytest.mark.parametrize("nvme_cache", [True], ids=["sync"], indirect=True)
 def test_nvme_cold_reopen_ectier(measure, payloads, tokens, nvme_cache):
     """Opening the store (as after a restart) holding one record, page cache cold.
