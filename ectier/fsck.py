@@ -20,6 +20,14 @@ environment aside to ``<dir>/damaged-<UTC time>/lmdb`` (a store directory ``chec
 again) and puts the fresh one in its place. The directory lock is held throughout, so no cache
 can open the store half-way. A healthy store is left alone.
 
+The swap is journaled (:mod:`ectier.tiers.repairswap`): once the fresh store is complete and
+synced, ``<dir>/repair-swap.json`` names it and the ``damaged-*`` directory, and every step after
+is idempotent. A repair killed during the swap is finished — rolled forward, never undone — by
+whatever takes the store's lock next: :func:`check`, :func:`repair` (both say so:
+``FsckReport.finished_swap``) or a cache's open. A repair killed before the journal leaves the
+damaged store as it was and a ``.repair-*`` directory that the next repair removes; one a journal
+names is never removed before its swap is finished.
+
 In page-scan mode the file no longer says which pages were live: a record deleted or evicted
 shortly before the damage may come back (its bytes are the bytes once put under its key, and its
 checksums hold), and an overwritten key comes back with its newest surviving version.
@@ -50,7 +58,8 @@ from .tiers.nvme_record import parse_index_value
 from .fsck_pages import page_pass
 from .fsck_segment import Segment, reused_extents
 from .tiers.nvme_segment import SEGMENT_NAME, Location
-from .tiers.storedir import damaged_copies, move_aside
+from .tiers import repairswap as swap
+from .tiers.storedir import damaged_copies
 
 __all__ = ["FsckReport", "RepairResult", "check", "repair"]
 
@@ -76,7 +85,9 @@ class FsckReport:
     ``settings`` (the store's ``settings`` database, decoded); ``damaged_copies`` (``damaged-*``
     directories left in the store directory earlier); ``stale_repairs`` (``.repair-*`` staging
     directories of killed repairs: the next repair removes them); ``segment_bytes`` (the payload
-    file's size: with no entry found, bytes no key can be matched to).
+    file's size: with no entry found, bytes no key can be matched to); ``finished_swap`` (the
+    ``damaged-*`` directory of a repair killed during its swap, which this run finished first:
+    the store checked is the rebuilt one; else ``None``).
     """
 
     path: str
@@ -95,6 +106,7 @@ class FsckReport:
     damaged_copies: list[str] = field(default_factory=list)
     stale_repairs: list[str] = field(default_factory=list)
     segment_bytes: int = 0
+    finished_swap: str | None = None
 
     @property
     def damaged(self) -> bool:
@@ -141,14 +153,20 @@ class RepairResult:
 def check(path: str | os.PathLike) -> FsckReport:
     """Check the store in ``path`` (an ``nvme.path`` directory); changes nothing.
 
+    Changes nothing, but for finishing the swap of a repair that was killed during it (as any open
+    of the store would: ``FsckReport.finished_swap``).
+
     Raises:
         StoreOpenError: ``path`` is not a store directory (no ``lmdb/data.mdb``), cannot be read, or
-            holds a store format this ectier does not read (a newer one's).
+            holds a store format this ectier does not read (a newer one's); or a killed repair's
+            swap cannot be finished (the message says where the damaged and rebuilt stores are).
         StoreLockedError: a process has the store open (stop it first).
     """
     store = Path(path)
-    with _locked(store):
-        return _check(store)
+    with _locked(store) as finished:
+        report = _check(store)
+        report.finished_swap = finished
+        return report
 
 
 def repair(path: str | os.PathLike) -> RepairResult:
@@ -157,14 +175,16 @@ def repair(path: str | os.PathLike) -> RepairResult:
 
     Raises:
         StoreOpenError: as :func:`check`; or the store holds another store format; or the fresh
-            store cannot be written or swapped in (the damaged store is then left as it was, or,
-            if only the last rename failed, the message says where both are).
+            store cannot be written (the damaged store is then left as it was) or its journaled
+            swap stopped (the message says where both stores are; the next fsck or open finishes
+            it); or a swap a killed repair left cannot be finished.
         StoreLockedError: a process has the store open.
         TierWriteError: the fresh store ran out of disk space (nothing changed).
     """
     store = Path(path)
-    with _locked(store):
+    with _locked(store) as finished:
         report = _check(store)
+        report.finished_swap = finished
         result = RepairResult(report)
         if not report.damaged:  # (a healthy store: a repair killed after its swap left only staging)
             result.removed_stale = _remove_stale_repairs(store)
@@ -177,19 +197,18 @@ def repair(path: str | os.PathLike) -> RepairResult:
         staging = store / f".repair-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}"
         try:
             result.salvaged, result.salvaged_bytes = _build(store, staging, report)
-            result.moved_to = str(move_aside(store))
+            journal = swap.begin(store, staging)  # from here on the swap is only ever rolled forward
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
+        result.moved_to = str(store / journal.damaged)
         try:
-            os.rename(staging / "lmdb", store / "lmdb")
-            if (staging / SEGMENT_NAME).exists():
-                os.rename(staging / SEGMENT_NAME, store / SEGMENT_NAME)
+            swap.finish(store, journal)
         except OSError as exc:
-            raise StoreOpenError(f"--path: the damaged store was moved to {result.moved_to!r} but the repaired "
-                                 f"one could not be moved into place: rename {str(staging / 'lmdb')!r} to "
-                                 f"{str(store / 'lmdb')!r} by hand ({exc.strerror})") from None
-        shutil.rmtree(staging, ignore_errors=True)
+            raise StoreOpenError(f"--path: the swap of the repaired store stopped ({exc}); the damaged store is in "
+                                 f"{result.moved_to!r}, the repaired one in {str(staging)!r} (what is not in place "
+                                 f"yet); once the cause is fixed, `ectier fsck --path {str(store)!r}` finishes "
+                                 "it") from None
         result.repaired = True
         result.lost = report.entries - result.salvaged
         return result
@@ -197,18 +216,48 @@ def repair(path: str | os.PathLike) -> RepairResult:
 
 def _remove_stale_repairs(store: Path) -> list[str]:
     """Remove the ``.repair-*`` staging directories a killed repair left (the caller holds the
-    store's lock, so no repair runs); returns their paths."""
-    stale = sorted(store.glob(".repair-*"))
+    store's lock, so no repair runs) but the one a pending swap journal names; returns their paths."""
+    stale = _stale_repairs(store)
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     return [str(p) for p in stale]
+
+
+def _stale_repairs(store: Path) -> list[Path]:
+    """The ``.repair-*`` directories of killed repairs: all but the staging a swap journal names."""
+    journal = swap.pending(store)
+    return [p for p in damaged_copies(store, ".repair-") if journal is None or p.name != journal.staging]
 
 
 # =============================================================================== checking
 
 
 @contextmanager
-def _locked(store: Path) -> Iterator[None]:
+def _locked(store: Path) -> Iterator[str | None]:
+    """Hold the store's lock, after finishing the swap of a repair killed during it; yields that
+    repair's ``damaged-*`` directory, or ``None``."""
+    if not (store / swap.JOURNAL_NAME).exists():  # (a half-swapped store looks damaged until finished)
+        _refuse_no_store(store)
+    try:
+        lock = open(store / "ectier.lock", "a+")
+    except OSError as exc:
+        raise StoreOpenError(f"--path: cannot lock {str(store)!r}: {exc.strerror}") from None
+    try:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StoreLockedError(f"--path: {str(store)!r} is in use by another process (a cache or the "
+                                   "daemon); stop it before running ectier fsck") from None
+        journal = swap.finish_pending(store)
+        _refuse_no_store(store)
+        yield None if journal is None else str(store / journal.damaged)
+    finally:
+        lock.close()
+
+
+def _refuse_no_store(store: Path) -> None:
+    """Raise unless ``store`` is a store directory whose index is there (StoreDamagedError: it
+    lost its index; StoreOpenError: not a store directory)."""
     data_file = store / "lmdb" / "data.mdb"
     lost = lost_index(store, SEGMENT_NAME)  # (missing or empty beside payloads)
     if lost is not None:
@@ -223,25 +272,12 @@ def _locked(store: Path) -> Iterator[None]:
                              f"--path: {str(store)!r} is not a directory")
     if not data_file.is_file():
         raise StoreOpenError(f"--path: {str(store)!r} is not an ectier store directory (no lmdb/data.mdb in it)")
-    try:
-        lock = open(store / "ectier.lock", "a+")
-    except OSError as exc:
-        raise StoreOpenError(f"--path: cannot lock {str(store)!r}: {exc.strerror}") from None
-    try:
-        try:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise StoreLockedError(f"--path: {str(store)!r} is in use by another process (a cache or the "
-                                   "daemon); stop it before running ectier fsck") from None
-        yield
-    finally:
-        lock.close()
 
 
 def _check(store: Path) -> FsckReport:
     seg = store / SEGMENT_NAME
     found = {"damaged_copies": [str(p) for p in damaged_copies(store)],
-             "stale_repairs": [str(p) for p in damaged_copies(store, ".repair-")],
+             "stale_repairs": [str(p) for p in _stale_repairs(store)],
              "segment_bytes": seg.stat().st_size if seg.is_file() else 0}
     report = FsckReport(path=str(store), **found)
     error = _lmdb_pass(store / "lmdb", report)

@@ -67,6 +67,9 @@ def _print_fsck(report: Any, result: Any) -> None:
     state = "[bold red]damaged[/]" if report.damaged else "[bold green]healthy[/]"
     console.print(f"store {report.path}: {state} (read {'through LMDB' if report.mode == 'lmdb' else 'page by page: LMDB cannot read it'})",
                   soft_wrap=True)
+    if report.finished_swap:
+        console.print(f"finished first: the swap of a repair killed during it (the store checked is the repaired one; "
+                      f"the damaged one is in {report.finished_swap}: delete it when done)", soft_wrap=True)
     if report.lmdb_error:
         console.print(f"LMDB: {report.lmdb_error}", soft_wrap=True)
     table = Table(show_header=False, show_edge=False, pad_edge=False)
@@ -86,7 +89,7 @@ def _print_fsck(report: Any, result: Any) -> None:
         console.print(f"  ... {report.checksum_failed + report.unreadable - min(10, len(report.problems))} more (--json lists up to {len(report.problems)})")
     if report.mode != "lmdb":
         console.print("(a page scan may also find records deleted shortly before the damage)")
-    for d in report.damaged_copies:
+    for d in (d for d in report.damaged_copies if d != report.finished_swap):
         console.print(f"earlier damaged copy: {d} (delete it when done)", soft_wrap=True)
     for d in report.stale_repairs:
         done = result is not None and d in result.removed_stale

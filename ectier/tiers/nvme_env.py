@@ -3,7 +3,7 @@
 :class:`NvmeEnv` takes the directory lock, opens the environment (file size, store format — a
 layout-v1 store is migrated, :mod:`ectier.tiers.nvme_migrate` — scan of the index entries into the
 tier's index and of their extents into the free-space map), handles a damaged store
-(``nvme.on_damaged``), grows the map, and closes it all again. The layout and the contract are in
+(``nvme.on_damaged``; a repair's swap a kill cut is finished first: :mod:`ectier.tiers.repairswap`), grows the map, and closes it all again. The layout and the contract are in
 :mod:`ectier.tiers.nvme`.
 """
 
@@ -31,6 +31,7 @@ from .nvme_errors import NvmeDiskFullError, lmdb_write_error, write_error, write
 from .nvme_migrate import migrate_v1
 from .nvme_reserve import LmdbReserve, reserve_bytes
 from .nvme_scan import gc_paused, scan_index
+from .repairswap import finish_pending
 from .nvme_segment import BLOCK_BYTES, SEGMENT_NAME, ExtentSpace, SegmentFile, blocks_for, check_capacity
 from .storedir import (check_local_filesystem, check_space, drop_store_lock, missing_dirs, move_aside, remove_created,
                        sync_dirs, take_store_lock)
@@ -174,6 +175,8 @@ class NvmeEnv:
         created = missing_dirs(self.path)
         try:
             self._lock_directory()
+            if finish_pending(self.path, "nvme.path") is not None:  # (repairswap.py: why roll forward here)
+                log.warning("nvme tier: finished the swap of an `ectier fsck --repair` killed during it in %s", self.path)
             try:
                 self._open_env()
             except StoreDamagedError as exc:

@@ -36,8 +36,9 @@ from pathlib import Path
 from ..errors import ConfigError
 
 __all__ = ["Mount", "NETWORK_FS_TYPES", "MEMORY_FS_TYPES", "in_memory", "parse_mountinfo", "mount_of",
-           "is_network_fs", "check_local_filesystem", "move_aside", "damaged_copies", "MOUNTINFO_PATH", "free_bytes", "probe_subdir",
-           "check_space", "missing_dirs", "remove_created", "STORE_FILES", "take_store_lock", "drop_store_lock", "sync_dirs"]
+           "is_network_fs", "check_local_filesystem", "move_aside", "damaged_target", "damaged_copies", "MOUNTINFO_PATH", "free_bytes", "probe_subdir",
+           "check_space", "missing_dirs", "remove_created", "STORE_FILES", "take_store_lock", "drop_store_lock", "sync_dirs",
+           "fsync_path"]
 
 MOUNTINFO_PATH = "/proc/self/mountinfo"
 
@@ -264,6 +265,18 @@ def damaged_copies(store_dir: str | os.PathLike, prefix: str = "damaged-") -> li
         return []
 
 
+def damaged_target(store_dir: str | os.PathLike) -> Path:
+    """A ``store_dir/damaged-<YYYYmmddTHHMMSSZ>[-n]`` path that does not exist yet (not created)."""
+    d = Path(store_dir)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = d / f"damaged-{stamp}"
+    n = 0
+    while target.exists():
+        n += 1
+        target = d / f"damaged-{stamp}-{n}"
+    return target
+
+
 def move_aside(store_dir: str | os.PathLike) -> Path:
     """Rename ``store_dir/lmdb`` to ``store_dir/damaged-<YYYYmmddTHHMMSSZ>[-n]/lmdb`` (and the
     segment file ``store_dir/segment.0`` next to it, when there is one). A store that lost its
@@ -279,12 +292,7 @@ def move_aside(store_dir: str | os.PathLike) -> Path:
         OSError: the rename failed (the environment stays where it was).
     """
     d = Path(store_dir)
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    target = d / f"damaged-{stamp}"
-    n = 0
-    while target.exists():
-        n += 1
-        target = d / f"damaged-{stamp}-{n}"
+    target = damaged_target(d)
     target.mkdir()
     try:
         if (d / "lmdb").exists() or not (d / "segment.0").exists():
@@ -340,6 +348,19 @@ def sync_dirs(store_dir: str | os.PathLike, created: list[Path]) -> None:
     d = Path(store_dir)
     for target in [d / "lmdb", d, *(c.parent for c in created)]:
         _fsync_dir(target)
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """``fsync`` a file or directory (its entries: a rename into it is durable once this returns).
+
+    Raises:
+        OSError: it cannot be opened or synced.
+    """
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(d: Path) -> None:
