@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ectier import StoreDamagedError, TieredCache
+from ectier import StoreDamagedError, StoreOpenError, TieredCache
 from ectier.cli import main
 from ectier.fsck import check, repair
 
@@ -140,3 +140,33 @@ def test_a_repair_killed_while_building_leaves_the_damaged_store_as_it_was(tmp_p
     result = repair(store)
     assert result.repaired and result.salvaged == N and result.removed_stale == staging
     _assert_repaired(store, damaged_hashes)
+
+
+def test_a_swap_that_cannot_be_finished_is_refused_and_nothing_is_removed(tmp_path):
+    """The rebuilt segment deleted by hand after a kill: the open and fsck refuse, naming the
+    journal, the damaged and rebuilt stores and the command; the staging directory is kept."""
+    store = tmp_path / "nvme"
+    damaged_hashes = _damaged_store(store)
+    _kill_at("journal-written", store)
+    (staging,) = store.glob(".repair-*")
+    (staging / "segment.0").unlink()
+    for attempt in (lambda: TieredCache(_cfg(store)), lambda: check(store), lambda: repair(store)):
+        with pytest.raises(StoreOpenError) as exc:
+            attempt()
+        message = str(exc.value)
+        assert "repair-swap.json" in message and "damaged-" in message and staging.name in message, message
+        assert "segment.0" in message and "ectier fsck --path" in message, message
+        assert _hashes(store) == damaged_hashes and (staging / "lmdb").is_dir() and (store / "repair-swap.json").exists()
+    result = CliRunner().invoke(main, ["fsck", "--path", str(store)])
+    assert result.exit_code == 2 and "cannot finish the swap" in result.output, result.output
+
+
+def test_a_journal_ectier_did_not_write_is_refused(tmp_path):
+    store = tmp_path / "nvme"
+    with TieredCache(_cfg(store)) as cache:
+        cache.put("k0", _value(0))
+    (store / "repair-swap.json").write_text('{"staging": "../elsewhere", "damaged": "damaged-x", "old": [], "new": ["lmdb"]}')
+    for attempt in (lambda: TieredCache(_cfg(store)), lambda: check(store)):
+        with pytest.raises(StoreOpenError, match="is not one ectier wrote"):
+            attempt()
+    assert sorted(p.name for p in store.iterdir()) == ["ectier.lock", "lmdb", "repair-swap.json", "segment.0"]

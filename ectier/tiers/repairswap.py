@@ -172,5 +172,6 @@ def finish_pending(store: str | os.PathLike, who: str = "--path") -> SwapJournal
         raise StoreOpenError(
             f"{who}: cannot finish the swap of the repair journaled in {str(d / JOURNAL_NAME)!r} ({exc}); the "
             f"damaged store is in {str(d / journal.damaged)!r}, the rebuilt one in {str(d / journal.staging)!r} "
-            f"(what is not in place yet); once the cause is fixed, `ectier fsck --path {str(d)!r}` finishes it") from None
+            f"(what is not in place yet); once the cause is fixed, `ectier fsck --path {str(d)!r}` finishes it (to give "
+            f"up on the rebuilt store instead: move back what is in {journal.damaged}, then remove the journal)") from None
     return journal
