@@ -16,9 +16,10 @@ moving a damaged LMDB environment aside.
   cannot hold, a store that cannot be opened): the store's own files first, under its lock, then
   each directory that is then empty — nothing is left behind, and nothing else is removed.
 - :func:`move_aside` renames ``<store>/lmdb`` (and ``segment.0``) into ``<store>/damaged-<UTC time>/`` (used by
-  ``nvme.on_damaged: reset`` and ``ectier fsck --repair``). The copy stays inside the store
+  ``nvme.on_damaged: reset``; ``ectier fsck --repair`` names its ``damaged-*`` directory with
+  :func:`damaged_target` and journals its renames, :mod:`ectier.tiers.repairswap`). The copy stays inside the store
   directory: on the same filesystem (a rename, no copy), and possible when the store directory is
-  itself a mount point.
+  itself a mount point. :func:`fsync_path` syncs one file or directory, raising on failure.
 
 See docs/operations.md ("The NVMe tier on disk").
 """
