@@ -12,6 +12,8 @@ point is never reached it prints ``NOT KILLED`` and exits with status 3.
 Points, in the order a repair reaches them:
 
 - ``building``: after the 10th record written into the staging store (``NvmeTier.write``);
+- ``journal-unrenamed``: the swap's journal written under its temporary name, before the rename
+  that makes it the journal (``repair-swap.json``);
 - ``journal-written``: after the swap's journal (``repair-swap.json``) was renamed into place;
 - ``lmdb-aside``, ``segment-aside``: after the damaged ``lmdb``, ``segment.0`` went into ``damaged-*``;
 - ``lmdb-in``, ``segment-in``: after the rebuilt ``lmdb``, ``segment.0`` went into the store directory;
@@ -26,7 +28,7 @@ import signal
 import sys
 from pathlib import Path
 
-POINTS = ("building", "journal-written", "lmdb-aside", "segment-aside", "lmdb-in", "segment-in", "staging-removed")
+POINTS = ("building", "journal-unrenamed", "journal-written", "lmdb-aside", "segment-aside", "lmdb-in", "segment-in", "staging-removed")
 
 
 def _die() -> None:
@@ -50,6 +52,8 @@ def arm(point: str, store: Path) -> None:
         real = getattr(os, name)
 
         def moved(src, dst, *args, _real=real, **kwargs):
+            if point == "journal-unrenamed" and Path(os.path.abspath(dst)) == store / "repair-swap.json":
+                _die()
             _real(src, dst, *args, **kwargs)
             if _reached(point, store, Path(os.path.abspath(dst))):
                 _die()

@@ -114,7 +114,10 @@ def _next_repair(store: Path) -> None:
     assert result.report.finished_swap is not None and not result.report.damaged and result.report.intact == N
 
 
-@pytest.mark.parametrize("point", [p for p in POINTS if p != "building"])
+BEFORE_SWAP = ("building", "journal-unrenamed")  # the damaged store untouched yet
+
+
+@pytest.mark.parametrize("point", [p for p in POINTS if p not in BEFORE_SWAP])
 def test_a_repair_killed_during_its_swap_is_finished_by_the_next_check_open_or_repair(tmp_path, point):
     killed = tmp_path / "killed"
     damaged_hashes = _damaged_store(killed)
@@ -126,11 +129,16 @@ def test_a_repair_killed_during_its_swap_is_finished_by_the_next_check_open_or_r
         _assert_repaired(store, damaged_hashes)
 
 
-def test_a_repair_killed_while_building_leaves_the_damaged_store_as_it_was(tmp_path):
+@pytest.mark.parametrize("point", BEFORE_SWAP)
+def test_a_repair_killed_before_its_swap_leaves_the_damaged_store_as_it_was(tmp_path, point):
+    """Killed while building the fresh store, or with the journal written but not yet renamed
+    into place: the next check (which removes an unrenamed journal) and repair start over."""
     store = tmp_path / "nvme"
     damaged_hashes = _damaged_store(store)
-    _kill_at("building", store)
+    _kill_at(point, store)
     assert _hashes(store) == damaged_hashes and not list(store.glob("damaged-*"))
+    assert (store / "repair-swap.json.tmp").exists() == (point == "journal-unrenamed")
+    assert not (store / "repair-swap.json").exists()
     staging = [str(p) for p in store.glob(".repair-*")]
     assert len(staging) == 1
     with pytest.raises(StoreDamagedError):
