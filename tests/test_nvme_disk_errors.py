@@ -163,7 +163,7 @@ def test_an_overwrite_whose_commit_an_exception_cuts_gives_back_the_replaced_blo
             time.sleep(2.0)  # the signal lands here
 
     if cut == "in the commit":
-        hook = _sleep_after_commits(cache, slow)
+        hook = _write_txns(cache, after_commit=slow)
     else:
         hook = testing_internals.before_nvme_record(cache, lambda digest, record: record is not None and slow())
     with hook, _interrupt_after(0.3):
@@ -176,10 +176,10 @@ def test_an_overwrite_whose_commit_an_exception_cuts_gives_back_the_replaced_blo
 
 
 @contextlib.contextmanager
-def _sleep_after_commits(cache, slow):
-    """While open, each write transaction of the cache's NVMe store calls ``slow()`` right after
-    LMDB committed it, inside the ``with`` block's exit (where a signal during the commit's fsync
-    raises)."""
+def _write_txns(cache, *, after_commit=None, delete=None):
+    """While open, the write transactions of the cache's NVMe store call ``after_commit()`` right
+    after LMDB committed them, inside the ``with`` block's exit (where a signal during the commit's
+    fsync raises), and ``delete(*args)`` instead of their ``delete`` (e.g. to raise)."""
     env = testing.lmdb_of(cache).env
 
     class Txn:
@@ -192,10 +192,13 @@ def _sleep_after_commits(cache, slow):
 
         def __exit__(self, *exc):
             out = self._txn.__exit__(*exc)
-            slow()
+            if after_commit is not None:
+                after_commit()
             return out
 
         def __getattr__(self, name):
+            if name == "delete" and delete is not None:
+                return delete
             return getattr(self._txn, name)
 
     class Env:
@@ -221,39 +224,12 @@ def test_an_eviction_whose_delete_fails_is_not_counted(make_cache):
     cache, _ = make_cache(host_bytes=0, nvme_bytes=3 * MiB + 512 * KiB)
     for i, key in enumerate("abc"):
         cache.put(key, filled(MiB, i))
-    env = testing.lmdb_of(cache).env
 
-    class Txn:
-        def __init__(self, txn):
-            self._txn = txn
+    def refused(*args, **kwargs):
+        raise lmdb.Error("injected: delete refused")
 
-        def __enter__(self):
-            self._txn.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self._txn.__exit__(*exc)
-
-        def delete(self, *args, **kwargs):
-            raise lmdb.Error("injected: delete refused")
-
-        def __getattr__(self, name):
-            return getattr(self._txn, name)
-
-    class Env:
-        def begin(self, *args, **kwargs):
-            txn = env.begin(*args, **kwargs)
-            return Txn(txn) if kwargs.get("write") else txn
-
-        def __getattr__(self, name):
-            return getattr(env, name)
-
-    testing.set_lmdb_env(cache, Env())
-    try:
-        with contextlib.suppress(Exception):
-            cache.put("d", filled(MiB, 3))
-    finally:
-        testing.set_lmdb_env(cache, env)
+    with _write_txns(cache, delete=refused), contextlib.suppress(Exception):
+        cache.put("d", filled(MiB, 3))
     for i, key in enumerate("abc"):  # every delete failed: all still stored
         assert_same(cache.get(key), filled(MiB, i))
     assert cache.stats()["tiers"]["nvme"]["evictions"] == 0, "an eviction whose delete failed was counted"

@@ -61,17 +61,15 @@ def _flaky_gets(monkeypatch, worker, rng, rate):
     monkeypatch.setattr(store, "get", lambda key, device: None if rng.random() < rate else real(key, device))
 
 
-def test_a_long_run_with_aborts_preemptions_and_failed_loads_leaves_nothing_behind(engine, tmp_path, monkeypatch):
+def _churn(sched, worker, rng, pool, n: int):
+    """Add ``n`` requests, 0-2 a step, aborting one in ten steps and preempting every running
+    request (``reset_prefix_cache``) one in twenty, until all finished; yields each step's
+    ``(scheduler output, engine core outputs)``."""
     from vllm.v1.request import RequestStatus
 
-    rng = random.Random(1234)
-    pool = [(f"{i:02d}" * 32, rng.choice([120, 250, 400, 500])) for i in range(24)]
-    sched, worker = engine("ec_both", _extra(tmp_path))
-    conn = sched.ec_connector
-    _flaky_gets(monkeypatch, worker, rng, 0.15)
-    added, failed, stats = 0, 0, {}
-    while added < 300 or sched.requests:
-        for _ in range(rng.randint(0, 2) if added < 300 else 0):
+    added = 0
+    while added < n or sched.requests:
+        for _ in range(rng.randint(0, 2) if added < n else 0):
             sched.add_request(_request(rng, added, pool))
             added += 1
         live = [r for r in sched.requests.values() if not r.is_finished()]
@@ -79,7 +77,17 @@ def test_a_long_run_with_aborts_preemptions_and_failed_loads_leaves_nothing_behi
             sched.finish_requests([rng.choice(live).request_id], RequestStatus.FINISHED_ABORTED)
         if sched.running and rng.random() < 0.05:
             sched.reset_prefix_cache(reset_running_requests=True)
-        _, out = _step(sched, worker)
+        yield _step(sched, worker)
+
+
+def test_a_long_run_with_aborts_preemptions_and_failed_loads_leaves_nothing_behind(engine, tmp_path, monkeypatch):
+    rng = random.Random(1234)
+    pool = [(f"{i:02d}" * 32, rng.choice([120, 250, 400, 500])) for i in range(24)]
+    sched, worker = engine("ec_both", _extra(tmp_path))
+    conn = sched.ec_connector
+    _flaky_gets(monkeypatch, worker, rng, 0.15)
+    failed, stats = 0, {}
+    for _, out in _churn(sched, worker, rng, pool, 300):
         for o in out.values():
             for k, v in (o.scheduler_stats.ec_connector_stats or {}).items() if o.scheduler_stats else ():
                 if not isinstance(v, list):
@@ -105,25 +113,14 @@ def test_a_long_run_with_aborts_preemptions_and_failed_loads_leaves_nothing_behi
 def test_daemon_a_long_run_with_aborts_and_preemptions_leaves_nothing_behind(engine, daemon, monkeypatch):
     """The same in daemon mode (an ``ectier serve`` with an 8 MiB arena over NVMe): no pin, staged
     pin or unanswered lookup is left once every request finished."""
-    from vllm.v1.request import RequestStatus
-
     rng = random.Random(99)
     pool = [(f"{i:02d}" * 32, rng.choice([120, 250, 400, 500])) for i in range(24)]
     extra = {"mode": "daemon", "socket_path": daemon.socket_path, "namespace": NS}
     sched, worker = engine("ec_both", extra)
     conn = sched.ec_connector
     _flaky_gets(monkeypatch, worker, rng, 0.1)
-    added, loads = 0, 0
-    while added < 150 or sched.requests:
-        for _ in range(rng.randint(0, 2) if added < 150 else 0):
-            sched.add_request(_request(rng, added, pool))
-            added += 1
-        live = [r for r in sched.requests.values() if not r.is_finished()]
-        if live and rng.random() < 0.1:
-            sched.finish_requests([rng.choice(live).request_id], RequestStatus.FINISHED_ABORTED)
-        if sched.running and rng.random() < 0.05:
-            sched.reset_prefix_cache(reset_running_requests=True)
-        so, _ = _step(sched, worker)
+    loads = 0
+    for so, _ in _churn(sched, worker, rng, pool, 150):
         loads += len(so.ec_connector_metadata.loads)
     for _ in range(3):
         _step(sched, worker)
