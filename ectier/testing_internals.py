@@ -16,7 +16,7 @@ from .cache import TieredCache
 from .copy import CopyHandle
 from .tiers.base import Tier
 
-__all__ = ["nvme_rw_lock", "before_nvme_record", "around_nvme_move", "failed_copy", "version_clock", "isolated_codec_registry",
+__all__ = ["nvme_rw_lock", "nvme_headers_in_lmdb", "before_nvme_record", "around_nvme_move", "failed_copy", "version_clock", "isolated_codec_registry",
            "isolated_model_registry"]
 
 
@@ -29,6 +29,24 @@ def nvme_rw_lock(target: "TieredCache | Tier") -> Any:
     file read or write holds it shared (``with lock.shared():``), a map resize or close holds it
     exclusively (``with lock.exclusive():``); see :class:`ectier.tiers.nvme_env.RWLock`."""
     return _nvme(target)._rw
+
+
+def nvme_headers_in_lmdb(target: "TieredCache | Tier") -> dict[tuple[str, str], Any]:
+    """``(namespace, key) -> RecordHeader`` of every index entry LMDB holds now, read in one read
+    transaction: what a process killed at this instant would find at its restart (the in-memory
+    record table may lag it). Raises :class:`~ectier.errors.CorruptRecordError` on a damaged entry,
+    :class:`~ectier.errors.CacheClosedError` once the store is closed."""
+    from .errors import CacheClosedError
+    from .tiers.nvme_record import parse_index_value
+
+    nvme = _nvme(target)
+    with nvme._rw.shared():
+        if nvme._env is None:
+            raise CacheClosedError("cache is closed")
+        with nvme._env.begin() as txn:
+            raw = [bytes(v) for _, v in txn.cursor(db=nvme._meta)]
+    headers = (parse_index_value(v)[0] for v in raw)
+    return {(h.namespace, h.key): h for h in headers}
 
 
 @contextlib.contextmanager
