@@ -397,7 +397,8 @@ def check_invariants(cache: TieredCache) -> None:
 
     no pins or reservations; each memory tier's bytes add up and stay within budget; every memory
     copy is its key's current version; the NVMe records in memory equal what LMDB holds and are
-    all current and tracked by the NVMe policy; every key of the catalog is held by some tier.
+    all current and tracked by the NVMe policy; no write-through registered; every key of the
+    catalog is held by some tier.
     """
     assert write_behind_idle(cache), "the write-behind did not settle within 10 s"
     with cache._cond:
@@ -422,6 +423,7 @@ def check_invariants(cache: TieredCache) -> None:
             assert data_keys == meta_keys
             assert set(nvme.index) == set(recs), "NVMe policy differs from the NVMe records"
             assert nvme.index.quiet(), "NVMe writes or deletes left in flight"
+            assert not cache._mover.nvme._through, "write-throughs left registered (a later one would wait on them)"
             for d, rec in recs.items():
                 assert current.get(d) == rec.version, "stale NVMe record left behind"
         for d, v in current.items():

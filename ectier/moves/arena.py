@@ -50,12 +50,14 @@ class ArenaMoves:
     # ------------------------------------------------------------------------- host puts
     def store(self, tier: ArenaTier, digest: bytes, meta: EntryMeta, version: int, src: torch.Tensor, *,
               promotion: bool, protect: bytes | None = None, reserved: Slot | None = None,
-              wait: bool | None = None) -> "Commit | None":
+              wait: bool | None = None, written_through: bool = True) -> "Commit | None":
         """Admit an entry into a host-like tier synchronously: reserve (evicting), copy, commit.
 
         For a promotion nothing happens unless ``version`` is still current and the tier does not
         hold the key. ``reserved``: a slot the caller reserved already (``Mover.put_host``), or
-        ``None``: admitted here (``wait``: as :meth:`Mover.admit`). Returns the
+        ``None``: admitted here (``wait``: as :meth:`Mover.admit`). ``written_through`` False: no
+        write-through follows this non-promotion's commit (a remote fetch placed in the host), so
+        the key's older NVMe record goes at the commit, as in write-back mode. Returns the
         :class:`~ectier.mover.Commit` outcome, ``None`` if no room.
         """
         m = self.m
@@ -68,7 +70,9 @@ class ArenaMoves:
         except BaseException:
             m.abort(tier, slot)
             raise
-        return m.commit(tier, slot, promotion=promotion, keep_older_record=not promotion and m.write_through)
+        # (keep_older_record registers the write-through that the caller's after_put runs)
+        through = not promotion and written_through and m.write_through
+        return m.commit(tier, slot, promotion=promotion, keep_older_record=through)
 
     def put_async(self, tier: ArenaTier, digest: bytes, meta: EntryMeta, version: int, src: torch.Tensor,
                   engine: CopyEngine, handle: PutHandle) -> bool:

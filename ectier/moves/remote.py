@@ -323,7 +323,7 @@ class RemoteMoves:
         if host is not None and host.fits(meta.nbytes):
             # no wait for readers' pins: the caller has its bytes already (a full host goes to NVMe)
             c = m.run_move("promotion remote -> host", m.arena.store, host, digest, meta, version, data,
-                           promotion=False, wait=False)
+                           promotion=False, wait=False, written_through=False)  # (not written to NVMe)
             placed = c is not None and c.committed
         if not placed and m.nvme is not None and m.nvme.tier.fits(meta.nbytes):
             try:
