@@ -183,9 +183,10 @@ class NvmeTierConfig:
         zstd_level: zstd level for the zstd codecs, -7..22. Default 1.
         sync: fsync every commit (durable across power loss). ``False`` keeps crash safety against
             a killed process but may lose the last commits on a system crash. Default ``True``.
-        write_through: also write every put to this tier at once (inclusive tiers: evicting from
-            host then costs nothing, and every put survives a crash). Default ``False`` (write-back:
-            host victims are demoted on eviction).
+        write_through: also write every put into the host tier (and every daemon put) to this tier
+            at once (inclusive tiers: evicting from host then costs nothing, and such a put survives
+            a crash). A put into the GPU tier is not written through: it reaches this tier when
+            demoted or flushed. Default ``False`` (write-back: host victims are demoted on eviction).
         flush_on_close: on ``TieredCache.close()``, write host-only entries here so that a restart
             serves them. Default ``True``.
         map_initial_bytes: LMDB map size at first open; grows by doubling when full. Default 256 MiB.

@@ -15,6 +15,8 @@ import time
 import pytest
 
 from ectier import TieredCache, testing
+from ectier.errors import TierWriteError
+from ectier.testing_internals import nvme_headers_in_lmdb
 from ectier.tiers.nvme import NvmeTier
 
 from conftest import KiB, MiB, assert_same, check_quiescent, digest, filled, make_config
@@ -146,3 +148,39 @@ def test_two_write_through_overwrites_cut_by_a_kill_leave_an_older_value_on_nvme
     join(ta, box_a)  # (va's put returns once vb's write landed: nothing older than va is left then)
     join(tb, box_b)
     _same_after_reopen(cache, cfg, "K", vb)
+
+
+def test_a_delete_racing_a_demotion_and_a_write_through_leaves_no_record(make_cache, monkeypatch):
+    """Write-through: K v0 lives in the host only (its write-through failed); flush() writes it
+    and is held before its write; put(K, vb) commits in the host (its write-through registered)
+    and waits for that write; delete(K) runs and waits for it too. The write lands after the
+    delete forgot K: v0's record is stale and goes before delete returns — it was kept because
+    vb's write-through was registered, so a kill after delete returned (vb's put not yet over)
+    found v0, a value the completed delete had removed, on NVMe."""
+    cache, cfg = make_cache(host_bytes=4 * MiB, nvme_bytes=4 * MiB, write_through=True)
+    with testing.fail_writes(cache, "nvme", TierWriteError("injected")):
+        cache.put("K", filled(64 * KiB, 0))
+    assert testing.where(cache, "K") == {"host"}
+    overwriter_deletes = threading.Event()
+    real_delete = NvmeTier.delete
+
+    def delete(tier, d, **kw):  # vb's own clean-up (its write-through did not land) waits for the check
+        if threading.current_thread().name == "overwriter":
+            overwriter_deletes.wait(10)
+        return real_delete(tier, d, **kw)
+
+    monkeypatch.setattr(NvmeTier, "delete", delete)
+    with testing.hold_writes(cache, "nvme", thread_name="flusher") as gate:
+        tf, box_f = start(cache.flush, name="flusher")
+        assert gate.wait_held()
+        tb, box_b = start(cache.put, "K", filled(100 * KiB, 2), name="overwriter")
+        time.sleep(0.2)  # (vb committed in the host; its commit waits for v0's write)
+        td, box_d = start(cache.delete, "K")
+        time.sleep(0.2)  # (the delete waits for v0's write too)
+        gate.release()
+        assert join(td, box_d) is True
+        assert not nvme_headers_in_lmdb(cache), "a completed delete left an older value on NVMe"
+    overwriter_deletes.set()
+    join(tf, box_f)
+    join(tb, box_b)
+    _same_after_reopen(cache, cfg, "K", None)

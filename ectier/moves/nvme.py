@@ -239,9 +239,11 @@ class NvmeMoves:
                 if current == version:
                     self.index.track(digest, rec.stored_bytes, m.catalog.cost(digest))
                     return True
-                if self._newer_through_locked(digest, version):
-                    # the newer version's write-through replaces this record (or, failing, deletes
-                    # it): until then it is the key's only durable copy (a kill keeps an older value)
+                if current is not None and current > version and current in self._through.get(digest, ()):
+                    # the current version's write-through replaces this record (or, failing, deletes
+                    # it): until then it is the key's only durable copy (a kill keeps an older value).
+                    # Not when the key was deleted or a put that is not written through (GPU tier)
+                    # came since: nothing older than those may be left on NVMe once they return
                     self.index.track(digest, rec.stored_bytes, m.catalog.cost(digest))
                     return False
                 # a newer version was committed (or the key deleted) while this write ran: this
