@@ -110,7 +110,8 @@ def _check_records(history: History, headers: dict, *, before: int, after: int, 
         if h is not None:
             pid = _pid(h.shape[0])
             x = history.dominated(pid, key, before)
-            assert x is None, f"{where}: {key} holds put {pid}, older than the completed {x}"
+            assert x is None, f"{where}: {key} holds put {pid} v{h.version}, older than the completed {x}; " + repr(
+                [o for o in history.ops if o.key == key])
         elif durable:
             b = history.must_hold(key, before, after)
             assert b is None, f"{where}: {key} has no record, though {b} completed"
