@@ -47,13 +47,14 @@ def write_tiny_model(directory: str) -> str:
 
 def make_vllm_config(model_dir: str, role: str, extra: dict, *, connector: str = "ECTierConnector",
                      max_num_batched_tokens: int = 2048, module_path: str | None = MODULE,
-                     gpu_memory_utilization: float = 0.9):
+                     gpu_memory_utilization: float = 0.9, **scheduler):
     from vllm.config import CacheConfig, ECTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 
     model_config = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16",
                                max_model_len=2048, seed=0)
     scheduler_config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens, max_model_len=2048,
-                                       is_encoder_decoder=False, enable_chunked_prefill=True)
+                                       is_encoder_decoder=False, enable_chunked_prefill=True,
+                                       **scheduler)  # more SchedulerConfig fields
     cache_config = CacheConfig(block_size=16, gpu_memory_utilization=gpu_memory_utilization, cache_dtype="auto",
                                enable_prefix_caching=False)
     cache_config.num_gpu_blocks = 1000

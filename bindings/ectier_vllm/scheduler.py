@@ -147,16 +147,17 @@ class SchedulerSide:
         # daemon mode: every item of the request is asked about in one request (store.expect)
         self._store.expect([f.identifier for f in request.mm_features
                             if f.mm_position.offset + f.mm_position.length > num_computed_tokens
-                            and f.identifier not in settled and f.identifier not in pins
-                            and (f.identifier not in local or f.identifier in poisoned)])
+                            and f.identifier not in pins
+                            and (f.identifier in poisoned or (f.identifier not in settled and f.identifier not in local))])
         ready = True
         for index, feature in enumerate(request.mm_features):
             pos = feature.mm_position
             if pos.offset + pos.length <= num_computed_tokens:
                 continue  # already consumed by the prompt's computed part
             mm_hash = feature.identifier
-            if mm_hash in settled:
-                continue
+            # poisoned first: an item settled for this request (refused, timed out, recomputed ahead
+            # of its chunk) that another request's failed load poisoned since is neither encoded nor
+            # loaded by vLLM, which counts it as present: it must be reloaded (or the request failed)
             if mm_hash in poisoned:
                 repaired = self._repair(request, index, mm_hash)
                 settled = self._settled.get(req_id, settled)
@@ -165,6 +166,8 @@ class SchedulerSide:
                 elif repaired is not Promotion.READY:
                     self._unavailable.add(req_id)
                     return False
+                continue
+            if mm_hash in settled:
                 continue
             state = pins.get(mm_hash)
             if state is not None:  # (its load may be this step's: a sharer fails with it, _add_sharers)
