@@ -282,15 +282,9 @@ def _cold_rounds(tokens: int) -> int:
     return 5 if tokens <= 1024 else 3
 
 
-@pytest.mark.parametrize("nvme_cache", [True], ids=["sync"], indirect=True)
-def test_nvme_cold_get_ectier(measure, payloads, tokens, bench_dir, nvme_cache):
-    """get of a record whose pages left the page cache (written earlier, evicted).
-
-    Each round puts a new key (its pages are not mapped by any reader yet), drops the store's
-    unmapped page-cache pages, then times ``get`` of that key: what serving from the NVMe tier
-    costs once memory pressure has evicted the record.
-    """
-    x = payloads(tokens)
+def _cold_keys(nvme_cache, x: torch.Tensor):
+    """``(setup, key)``: ``setup()`` puts ``x`` under a new key (its pages mapped by no reader yet)
+    and drops the store's unmapped page-cache pages; ``key()`` is the key put last."""
     store = Path(nvme_cache.config.nvme.path)
     state = {"i": 0}
 
@@ -300,8 +294,22 @@ def test_nvme_cold_get_ectier(measure, payloads, tokens, bench_dir, nvme_cache):
         for f in _store_files(store):
             evict_page_cache(f)
 
+    return setup, lambda: f"cold-{state['i']}"
+
+
+@pytest.mark.parametrize("nvme_cache", [True], ids=["sync"], indirect=True)
+def test_nvme_cold_get_ectier(measure, payloads, tokens, bench_dir, nvme_cache):
+    """get of a record whose pages left the page cache (written earlier, evicted).
+
+    Each round puts a new key (its pages are not mapped by any reader yet), drops the store's
+    unmapped page-cache pages, then times ``get`` of that key: what serving from the NVMe tier
+    costs once memory pressure has evicted the record.
+    """
+    x = payloads(tokens)
+    setup, key = _cold_keys(nvme_cache, x)
+
     def get():
-        return nvme_cache.get(f"cold-{state['i']}")
+        return nvme_cache.get(key())
 
     setup()
     assert torch.equal(get().view(torch.uint8), x.view(torch.uint8))
@@ -318,17 +326,10 @@ def test_nvme_cold_get_out_ectier(measure, payloads, tokens, bench_dir, nvme_cac
     ``file read (cold)`` does not)."""
     x = payloads(tokens)
     o = torch.empty_like(x)
-    store = Path(nvme_cache.config.nvme.path)
-    state = {"i": 0}
-
-    def setup():
-        state["i"] += 1
-        nvme_cache.put(f"cold-{state['i']}", x)
-        for f in _store_files(store):
-            evict_page_cache(f)
+    setup, key = _cold_keys(nvme_cache, x)
 
     def get():
-        return nvme_cache.get(f"cold-{state['i']}", out=o)
+        return nvme_cache.get(key(), out=o)
 
     setup()
     assert get() is o and torch.equal(o.view(torch.uint8), x.view(torch.uint8))
