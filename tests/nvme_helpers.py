@@ -187,3 +187,12 @@ def io_held(monkeypatch, call: str, thread_name: str) -> Iterator[tuple[threadin
             yield reached, go
         finally:
             go.set()
+
+
+def lmdb_page_bytes(store_dir: Path) -> int:
+    """The LMDB page size, bytes, of the closed store in ``store_dir``."""
+    env = open_lmdb(store_dir)[0]
+    try:
+        return env.stat()["psize"]
+    finally:
+        env.close()

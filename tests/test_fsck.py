@@ -24,7 +24,7 @@ from ectier.cli import main
 from ectier.fsck import check, repair
 
 from click.testing import CliRunner
-from conftest import KiB, MiB, assert_same, digest, filled, make_config, open_lmdb
+from conftest import KiB, MiB, assert_same, filled, make_config, open_lmdb
 from ectier.tiers.nvme_record import parse_index_value
 
 import nvme_helpers as nh
@@ -44,11 +44,7 @@ def _build_store(path, codec: str = "raw"):
     with TieredCache(cfg) as cache:
         for i in range(N):
             cache.put(f"k{i}", _value(i))
-    env = open_lmdb(path)[0]
-    try:
-        psize = env.stat()["psize"]
-    finally:
-        env.close()
+    psize = nh.lmdb_page_bytes(path)
     return cfg, psize
 
 

@@ -25,7 +25,8 @@ from ectier import StoreDamagedError, StoreOpenError, TieredCache
 from ectier.cli import main
 from ectier.fsck import check, repair
 
-from conftest import KiB, MiB, assert_same, filled, make_config, open_lmdb
+from conftest import KiB, MiB, assert_same, filled, make_config
+from nvme_helpers import lmdb_page_bytes
 from repair_kill import POINTS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,11 +49,7 @@ def _damaged_store(path: Path) -> dict[str, str]:
     with TieredCache(_cfg(path)) as cache:
         for i in range(N):
             cache.put(f"k{i}", _value(i))
-    env = open_lmdb(path)[0]
-    try:
-        psize = env.stat()["psize"]
-    finally:
-        env.close()
+    psize = lmdb_page_bytes(path)
     with open(path / "lmdb" / "data.mdb", "r+b") as f:
         f.write(bytes(2 * psize))
     return _hashes(path)
