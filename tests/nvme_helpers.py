@@ -196,3 +196,19 @@ def lmdb_page_bytes(store_dir: Path) -> int:
         return env.stat()["psize"]
     finally:
         env.close()
+
+
+@contextlib.contextmanager
+def overwrite_during_a_read(monkeypatch, cache: TieredCache, key: str, new: torch.Tensor) -> Iterator[dict]:
+    """``put(key, new)`` while a ``get(key)`` on thread ``"R"`` is held inside its read of the old
+    copy (the old blocks stay held for it); the body runs with the read still held, then it ends.
+    Yields the dict the reader's result lands in (``got[key]``, after the block)."""
+    got: dict = {}
+    with io_held(monkeypatch, "preadv", "R") as (in_read, go):
+        reader = threading.Thread(target=lambda: got.setdefault(key, cache.get(key)), name="R", daemon=True)
+        reader.start()
+        assert in_read.wait(10)
+        cache.put(key, new)
+        yield got
+        go.set()
+        reader.join(10)

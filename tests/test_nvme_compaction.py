@@ -6,14 +6,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
-import threading
 
 import pytest
 
 from ectier import TieredCache, testing
 
 from conftest import KiB, MiB, assert_same, check_quiescent, filled
-from nvme_helpers import io_held
+from nvme_helpers import overwrite_during_a_read
 
 
 def _segment_bytes(tmp_path) -> int:
@@ -108,15 +107,8 @@ def test_a_move_that_found_no_room_under_a_read_is_done_when_the_read_ends(make_
     capacity, entry = 4 * MiB, 3 * MiB + 512 * KiB
     cache, _ = make_cache(host_bytes=0, nvme_bytes=capacity)
     cache.put("a", filled(entry, 1))
-    got = {}
-    with io_held(monkeypatch, "preadv", "R") as (in_read, go):
-        reader = threading.Thread(target=lambda: got.setdefault("a", cache.get("a")), name="R", daemon=True)
-        reader.start()
-        assert in_read.wait(10)
-        cache.put("a", filled(entry, 2))
+    with overwrite_during_a_read(monkeypatch, cache, "a", filled(entry, 2)) as got:
         assert _segment_bytes(tmp_path) > 1.5 * capacity  # (both copies: the move had no room)
-        go.set()
-        reader.join(10)
     assert_same(got["a"], filled(entry, 1))  # the read in progress got the old bytes whole
     check_quiescent(cache)
     assert _segment_bytes(tmp_path) <= 1.1 * capacity

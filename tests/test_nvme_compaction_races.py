@@ -20,7 +20,7 @@ from ectier.entry import EntryMeta, next_version
 from ectier.tiers.nvme import NvmeTier
 
 from conftest import KiB, MiB, assert_same, digest, filled
-from nvme_helpers import io_held
+from nvme_helpers import io_held, overwrite_during_a_read
 
 BLOCK = 64 * KiB
 
@@ -37,12 +37,7 @@ def _past_base_record(make_cache, tmp_path, monkeypatch, *, corrupt: bool):
     cache, _ = make_cache(host_bytes=0, nvme_bytes=capacity)
     cache.put("a", filled(entry, 1))
     cache.put("b", filled(60 * KiB, 7))
-    got = {}
-    with io_held(monkeypatch, "preadv", "R") as (in_read, go):
-        reader = threading.Thread(target=lambda: got.setdefault("a", cache.get("a")), name="R", daemon=True)
-        reader.start()
-        assert in_read.wait(10)
-        cache.put("a", filled(entry, 2))
+    with overwrite_during_a_read(monkeypatch, cache, "a", filled(entry, 2)) as got:
         assert _segment_bytes(tmp_path) > 1.5 * capacity  # (the move had no room)
         if corrupt:
             loc = testing.record_of(cache, "a").location
@@ -54,8 +49,6 @@ def _past_base_record(make_cache, tmp_path, monkeypatch, *, corrupt: bool):
                 os.pwrite(fd, bytes([b[0] ^ 0xFF]), off)
             finally:
                 os.close(fd)
-        go.set()
-        reader.join(10)
     assert_same(got["a"], filled(entry, 1))
     return cache
 
