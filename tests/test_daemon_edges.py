@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 from daemon_helpers import KiB, MiB, RawConn, daemon_config, daemon_stats, make_tensor
 from ectier import CacheConfig
@@ -145,6 +146,28 @@ def test_a_newcomer_whose_thread_cannot_start_leaves_the_idle_connection_it_woul
         assert idle.request({"id": 2, "op": "ping"})["ok"], "the idle connection was closed for nobody"
         stats = server.stats()["daemon"]
     assert (stats["evicted"], stats["refused"]) == (0, 1)
+
+
+def test_a_newcomer_sees_the_eviction_it_caused_in_its_first_stats(thread_daemon, daemon_dir, monkeypatch):
+    """The newcomer that took an idle connection's place finds that eviction counted in the stats it
+    asks first, even when its thread answers before the accept loop has closed the idle one (made
+    certain here: the accept loop pauses 0.3 s after starting each connection thread). The count
+    used to come after the thread start; a CI run saw one eviction missing."""
+    server, _ = thread_daemon(_cfg(daemon_dir, max_clients_per_uid=1))
+    with RawConn(server.socket_path, name="idle"):
+        real_start = threading.Thread.start
+
+        def start(self):
+            real_start(self)
+            if self.name.startswith("ectier-conn-"):
+                time.sleep(0.3)
+
+        monkeypatch.setattr(threading.Thread, "start", start)
+        with DaemonClient(server.socket_path, client_name="newcomer") as c:
+            stats = c.stats()["daemon"]
+        monkeypatch.undo()
+    assert stats["evicted"] == 1, stats
+    assert [x for x in stats["clients"] if x.get("name") == "idle"] == [], stats["clients"]
 
 
 def test_a_connection_thread_that_cannot_start_refuses_only_that_client(thread_daemon, daemon_dir, monkeypatch):

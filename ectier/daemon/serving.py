@@ -66,6 +66,8 @@ class ConnectionServing:
                     if reason is None:
                         if victim is not None:  # idle: no request in progress, no lease; see admission()
                             victim.closed = True  # (a request it receives now is dropped)
+                            # counted here, before the newcomer's thread can answer a stats request
+                            self.counters["evicted"] += 1
                         conn = Connection(self._new_id_locked(), sock, pid, uid, gid, pid_start=pid_start)
                         self._conns[conn.id] = conn
                         self.counters["connections"] += 1
@@ -90,8 +92,10 @@ class ConnectionServing:
             with self._lock:
                 self._conns.pop(conn.id, None)
                 conn.closed = True
-                if victim is not None and victim.id in self._conns:
-                    victim.closed = False  # it keeps its place: the newcomer did not take it
+                if victim is not None:
+                    self.counters["evicted"] -= 1
+                    if victim.id in self._conns:
+                        victim.closed = False  # it keeps its place: the newcomer did not take it
                 self.counters["refused"] += 1
             self._accept_log.warning(("thread",), "refused connection from pid %d: cannot start its thread (%s)",
                                      pid, exc)
@@ -107,9 +111,8 @@ class ConnectionServing:
         self._threads.append(t)
 
     def _close_victim(self, victim: Connection, pid: int) -> None:
-        """Close the idle connection ``victim`` whose place the client of ``pid`` took."""
-        with self._lock:
-            self.counters["evicted"] += 1
+        """Close the idle connection ``victim`` whose place the client of ``pid`` took (counted
+        in ``evicted`` at admission)."""
         log.info("closed the idle connection of client %s (pid %d, uid %d; idle %.1f s) to make room for "
                  "pid %d (%s, daemon.max_clients_per_uid=%d)", victim.name, victim.pid,
                  victim.uid, time.monotonic() - victim.last_active, pid, self.client_cap.note,
