@@ -54,6 +54,7 @@ from ectier.record import (  # the record names are re-exported, see __all__
     _byte_view, checksum, header_nbytes, pack_header, pack_record, peek_header, split_record, unpack_header,
     verify_payload,
 )
+from ectier.zstd_frames import PLANE_CHUNK_ROWS, zstd_check_frame, zstd_stream_into
 
 __all__ = [
     "Codec", "RawCodec", "ZstdCodec", "PlaneZstdCodec",
@@ -62,13 +63,6 @@ __all__ = [
     "checksum", "RecordHeader", "pack_header", "unpack_header", "header_nbytes", "peek_header", "verify_payload",
     "pack_record", "split_record", "RECORD_MAGIC", "RECORD_FORMAT_VERSION", "MAX_HEADER_NBYTES",
 ]
-
-_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-#: Rows (elements) per chunk when :class:`PlaneZstdCodec` splits into / merges from byte planes:
-#: its scratch buffer is this many bytes (1 MiB), which keeps the strided numpy copy at ~2.5 GB/s
-#: (a whole-tensor transpose measured 0.4-0.9 GB/s and needs a full-size temporary) and feeds
-#: zstd large enough pieces. A payload of more elements is split in several chunks per plane.
-PLANE_CHUNK_ROWS = 1 << 20
 
 
 # --------------------------------------------------------------------------------------------
@@ -87,120 +81,6 @@ def _check_itemsize(itemsize: Any) -> int:
     if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize < 1:
         raise ValueError(f"itemsize must be a positive int (bytes per element), got {itemsize!r}")
     return itemsize
-
-
-# --------------------------------------------------------------------------------------------
-# zstd frame helpers
-# --------------------------------------------------------------------------------------------
-
-
-def _zstd_frame_nbytes(frame: memoryview) -> int:
-    """Length in bytes of the single zstd frame at the start of ``frame``, by walking its blocks.
-
-    python-zstandard's stream reader returns end-of-stream without an error when the input stops
-    inside the 4-byte content checksum, and does not report trailing bytes; walking the block
-    headers (3 bytes per block of at most 128 KiB, so ~2,000 steps for 256 MiB) catches both.
-    Raises ``zstandard.ZstdError`` or ``CorruptRecordError``.
-    """
-    if bytes(frame[:4]) != _ZSTD_MAGIC:
-        raise CorruptRecordError("zstd payload does not start with a zstd frame magic number")
-    params = zstandard.get_frame_parameters(frame)
-    pos = zstandard.frame_header_size(frame)
-    end = len(frame)
-    while True:
-        if pos + 3 > end:
-            raise CorruptRecordError("zstd payload is truncated inside a block header")
-        bh = int.from_bytes(frame[pos : pos + 3], "little")
-        pos += 3
-        block_type = (bh >> 1) & 3
-        if block_type == 1:  # RLE: one byte repeated
-            pos += 1
-        elif block_type == 3:
-            raise CorruptRecordError("zstd payload has a reserved block type")
-        else:  # raw or compressed
-            pos += bh >> 3
-        if bh & 1:  # last block
-            break
-    if params.has_checksum:
-        pos += 4
-    return pos
-
-
-def _zstd_check_frame(payload: memoryview, raw_nbytes: int) -> None:
-    """Check that ``payload`` is exactly one zstd frame declaring ``raw_nbytes`` of content."""
-    try:
-        content = zstandard.frame_content_size(payload)
-        frame_nbytes = _zstd_frame_nbytes(payload)
-    except zstandard.ZstdError as exc:
-        raise CorruptRecordError(f"zstd payload has an invalid frame header: {exc}") from exc
-    # python-zstandard reports an absent content size as -1 (CONTENTSIZE_UNKNOWN is the C value).
-    if content in (-1, zstandard.CONTENTSIZE_UNKNOWN):
-        raise CorruptRecordError("zstd payload does not declare its content size")
-    if content != raw_nbytes:
-        raise CorruptRecordError(
-            f"zstd payload declares {content} bytes of content, the output buffer holds {raw_nbytes}"
-        )
-    if frame_nbytes != len(payload):
-        raise CorruptRecordError(
-            f"zstd payload is {len(payload)} bytes but its frame is {frame_nbytes} bytes "
-            f"({'truncated' if frame_nbytes > len(payload) else 'trailing data'})"
-        )
-
-
-def _read_exactly(reader: Any, dest: memoryview) -> int:
-    """``readinto`` until ``dest`` is full or the stream ends; the number of bytes read."""
-    filled = 0
-    n = len(dest)
-    while filled < n:
-        got = reader.readinto(dest[filled:])
-        if not got:
-            break
-        filled += got
-    return filled
-
-
-def _zstd_stream_into(payload: memoryview, planes: int, out: memoryview | None, n: int = 0) -> None:
-    """Decode one checked zstd frame into ``out``, optionally merging ``planes`` byte planes.
-
-    Decodes straight into ``out`` (``planes == 1``) or through a 1 MiB scratch buffer that is
-    scattered into ``out`` plane by plane; never materialises the whole decoded payload twice.
-    ``out=None``: decode ``n`` bytes through that scratch buffer and drop them (a check).
-    """
-    n = n if out is None else len(out)
-    dctx = zstandard.ZstdDecompressor()
-    try:
-        with dctx.stream_reader(payload, read_across_frames=False) as reader:
-            if out is None:
-                scratch_mv, got = memoryview(bytearray(min(n, PLANE_CHUNK_ROWS))), 0
-                while got < n and (k := _read_exactly(reader, scratch_mv[:min(n - got, PLANE_CHUNK_ROWS)])):
-                    got += k
-                if got != n:
-                    raise CorruptRecordError(f"zstd payload decoded to {got} bytes, expected {n}")
-            elif planes == 1:
-                got = _read_exactly(reader, out)
-                if got != n:
-                    raise CorruptRecordError(f"zstd payload decoded to {got} bytes, expected {n}")
-            else:
-                rows = n // planes
-                out2d = np.frombuffer(out, dtype=np.uint8).reshape(rows, planes)
-                scratch = np.empty(min(rows, PLANE_CHUNK_ROWS), dtype=np.uint8)
-                scratch_mv = memoryview(scratch)
-                for plane in range(planes):
-                    for r0 in range(0, rows, PLANE_CHUNK_ROWS):
-                        m = min(PLANE_CHUNK_ROWS, rows - r0)
-                        got = _read_exactly(reader, scratch_mv[:m])
-                        if got != m:
-                            raise CorruptRecordError(
-                                f"zstd payload ended early in byte plane {plane} "
-                                f"({plane * rows + r0 + got} of {n} bytes decoded)"
-                            )
-                        out2d[r0 : r0 + m, plane] = scratch[:m]
-            # Reading past the end makes zstd consume the frame epilogue and verify the content
-            # checksum; any byte here means the frame holds more than it declared.
-            if reader.read(1):
-                raise CorruptRecordError(f"zstd payload decodes to more than {n} bytes")
-    except zstandard.ZstdError as exc:
-        raise CorruptRecordError(f"zstd payload failed to decode: {exc}") from exc
 
 
 # --------------------------------------------------------------------------------------------
@@ -355,14 +235,14 @@ class ZstdCodec(Codec):
         _check_itemsize(itemsize)
         src = _byte_view(payload, "payload")
         dst = _writable_byte_view(out)
-        _zstd_check_frame(src, len(dst))
-        _zstd_stream_into(src, 1, dst)
+        zstd_check_frame(src, len(dst))
+        zstd_stream_into(src, 1, dst)
 
     def check(self, payload: BytesLike, raw_nbytes: int, itemsize: int) -> None:
         _check_itemsize(itemsize)
         src = _byte_view(payload, "payload")
-        _zstd_check_frame(src, raw_nbytes)
-        _zstd_stream_into(src, 1, None, raw_nbytes)  # (the byte planes' order does not matter here)
+        zstd_check_frame(src, raw_nbytes)
+        zstd_stream_into(src, 1, None, raw_nbytes)  # (the byte planes' order does not matter here)
 
 
 class PlaneZstdCodec(ZstdCodec):
@@ -408,8 +288,8 @@ class PlaneZstdCodec(ZstdCodec):
         dst = _writable_byte_view(out)
         if len(dst) % itemsize:
             raise ValueError(f"out is {len(dst)} bytes, not a multiple of itemsize {itemsize}")
-        _zstd_check_frame(src, len(dst))
-        _zstd_stream_into(src, itemsize if len(dst) else 1, dst)
+        zstd_check_frame(src, len(dst))
+        zstd_stream_into(src, itemsize if len(dst) else 1, dst)
 
 
 # --------------------------------------------------------------------------------------------

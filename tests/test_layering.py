@@ -61,6 +61,7 @@ LAYERS: tuple[Layer, ...] = (
             "ectier.arena",
             "ectier.index",
             "ectier.codec",
+            "ectier.zstd_frames",
             "ectier.record",
             "ectier.sizing",
             "ectier.cpus",

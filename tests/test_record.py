@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from codec_helpers import ALL_CODECS, ITEMSIZES, POISON, bf16_like, make_bytes, make_header, slow
 from ectier import codec as codec_mod
 from ectier import record as record_mod
+from ectier import zstd_frames as zstd_frames_mod
 from ectier.codec import PlaneZstdCodec, RawCodec, registered_codecs
 from ectier.record import (
     MAX_HEADER_NBYTES,
@@ -381,7 +382,8 @@ def test_golden_generator_is_unchanged():
 @pytest.mark.parametrize(
     "module, allowed_third_party, allowed_ours",
     [
-        (codec_mod, {"numpy", "zstandard"}, {"ectier.errors", "ectier.record"}),
+        (codec_mod, {"numpy", "zstandard"}, {"ectier.errors", "ectier.record", "ectier.zstd_frames"}),
+        (zstd_frames_mod, {"numpy", "zstandard"}, {"ectier.errors"}),
         (record_mod, {"numpy", "xxhash"}, {"ectier.errors", "ectier.codec"}),  # codec: lazily
     ],
 )
