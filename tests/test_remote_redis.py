@@ -217,6 +217,32 @@ def test_a_damaged_entry_is_a_miss_or_a_corrupt_record(servers, b, damage):
         assert b.get("other", deadline_s=D) == data
 
 
+@pytest.mark.parametrize("forged", ["two million chunks", "a chunk of one byte"])
+def test_a_forged_manifest_is_refused_before_naming_its_chunks(servers, b, forged):
+    """A manifest written by another tool that declares more than ``remote.max_entry_bytes`` (two
+    million chunks of 64 KiB: 128 GiB), or chunks below ``remote.chunk_bytes``' minimum, is
+    refused at once: ``get`` raises CorruptRecordError within the deadline (the old code named and
+    asked every chunk, past the deadline), ``exists`` is False, ``delete`` removes the manifest
+    alone, and the key can be written again."""
+    data = os.urandom(3 * CHUNK + 10)
+    b.put("k", data, deadline_s=D)
+    prefix = b.describe()["prefix"]
+    n, cb = (2_000_000, CHUNK) if forged == "two million chunks" else (len(data), 1)
+    raw = servers.raw()
+    try:
+        raw.set(f"{prefix}:m:k", MANIFEST.pack(b"ECRM", 1, 0, 0, n, cb, n * cb, 0, b"g" * 16))
+    finally:
+        raw.close()
+    t0 = time.monotonic()
+    with pytest.raises(CorruptRecordError, match="max_entry_bytes" if cb == CHUNK else "consistent"):
+        b.get("k", deadline_s=D)
+    assert b.exists("k", deadline_s=D) is False
+    b.delete("k", deadline_s=D)
+    assert time.monotonic() - t0 < D, "the forged manifest's chunks were asked"
+    b.put("k", data, deadline_s=D)
+    assert b.get("k", deadline_s=D) == data
+
+
 def test_concurrent_writers_and_readers_never_see_mixed_bytes(b):
     """Threads overwrite one key with whole values while others read it: a read is a value that was
     written, or a miss (a chunk dropped by the next overwrite), never a mix."""

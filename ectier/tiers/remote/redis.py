@@ -82,6 +82,8 @@ log = logging.getLogger(__name__)
 MANIFEST = struct.Struct("<4sBBHIQQQ16s")
 _MAGIC = b"ECRM"
 _VERSION = 1
+#: the range of ``remote.chunk_bytes`` (ectier/config_remote.py), checked in every manifest read
+MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 64 * 1024, 512 * 1024 * 1024
 
 
 class _Deadline:
@@ -108,18 +110,25 @@ class _Manifest:
                              self.generation)
 
     @classmethod
-    def parse(cls, raw: bytes | None, *, strict: bool = False) -> "_Manifest | None":
+    def parse(cls, raw: bytes | None, max_total: int, *, strict: bool = False) -> "_Manifest | None":
         """The manifest in ``raw``, or None when it is absent or not a consistent manifest
-        (``strict``: raise :class:`CorruptRecordError` for one that is present but not consistent)."""
+        (``strict``: raise :class:`CorruptRecordError` for one that is present but not consistent).
+        Consistent: chunks of ``MIN_CHUNK_BYTES``..``MAX_CHUNK_BYTES`` (``remote.chunk_bytes``'s
+        range) and a total of at most ``max_total`` bytes (``remote.max_entry_bytes``), so a forged
+        manifest cannot make a reader name billions of chunk keys."""
         if raw is None:
             return None
         fields = MANIFEST.unpack(raw) if len(raw) == MANIFEST.size else None
+        why = "not a consistent ectier manifest"
         if fields is not None:
             magic, version, _flags, _res, n, cb, total, digest, gen = fields
-            if magic == _MAGIC and version == _VERSION and cb > 0 and n == -(-total // cb):
-                return cls(n, cb, total, digest, gen)
+            if magic == _MAGIC and version == _VERSION and MIN_CHUNK_BYTES <= cb <= MAX_CHUNK_BYTES \
+                    and n == -(-total // cb):
+                if total <= max_total:
+                    return cls(n, cb, total, digest, gen)
+                why = f"declaring {total} bytes, more than remote.max_entry_bytes={max_total}"
         if strict:
-            raise CorruptRecordError(f"a manifest of {len(raw)} bytes that is not a consistent ectier manifest")
+            raise CorruptRecordError(f"a manifest of {len(raw)} bytes {why}")
         return None
 
 
@@ -168,6 +177,7 @@ class RedisBackend(NodeBackoff, RemoteBackend):
         self._addresses = cfg.address_list
         self._prefix = cfg.prefix
         self._chunk_bytes = int(cfg.chunk_bytes)
+        self._max_total = int(cfg.max_entry_bytes)  # no object of ours is larger (see RemoteTier)
         self._lock = threading.Lock()
         self._client: Any = None
         self._mode = "not connected"
@@ -377,7 +387,7 @@ class RedisBackend(NodeBackoff, RemoteBackend):
                 raise
 
         client, replaced = self._call("put", dl, write)
-        old = _Manifest.parse(replaced)
+        old = _Manifest.parse(replaced, self._max_total)
         if old is not None and old.generation != m.generation:
             self._forget(client, self._chunk_keys(key, old), dl)
 
@@ -405,7 +415,8 @@ class RedisBackend(NodeBackoff, RemoteBackend):
         dl = _Deadline(deadline_s)
 
         def read(client: Any) -> bytes | None:
-            m = _Manifest.parse(self._cmd(client, "get", (self._manifest_key(key),), dl, "get"), strict=True)
+            m = _Manifest.parse(self._cmd(client, "get", (self._manifest_key(key),), dl, "get"), self._max_total,
+                                strict=True)
             if m is None:
                 return None
             chunks = self._run(client, [("get", (k,)) for k in self._chunk_keys(key, m)], dl, "get")
@@ -443,7 +454,7 @@ class RedisBackend(NodeBackoff, RemoteBackend):
         dl = _Deadline(deadline_s)
 
         def check(client: Any) -> bool:
-            m = _Manifest.parse(self._cmd(client, "get", (self._manifest_key(key),), dl, "exists"))
+            m = _Manifest.parse(self._cmd(client, "get", (self._manifest_key(key),), dl, "exists"), self._max_total)
             if m is None:
                 return False
             keys = self._chunk_keys(key, m)
@@ -463,7 +474,7 @@ class RedisBackend(NodeBackoff, RemoteBackend):
         dl = _Deadline(deadline_s)
 
         def drop(client: Any) -> None:
-            m = _Manifest.parse(self._cmd(client, "getdel", (self._manifest_key(key),), dl, "delete"))
+            m = _Manifest.parse(self._cmd(client, "getdel", (self._manifest_key(key),), dl, "delete"), self._max_total)
             if m is not None:
                 self._run(client, [("unlink", (k,)) for k in self._chunk_keys(key, m)], dl, "delete")
 
