@@ -274,8 +274,9 @@ class RemoteTierConfig:
         write_through: write every put to the remote tier in the background (never on the
             caller's path), so that other nodes find it. Default ``True``.
         max_entry_bytes: entries larger than this are not written remotely (a value of a Redis
-            server is capped at 512 MiB), nor read: a Redis manifest declaring more is a counted
-            checksum failure, so hosts sharing a store use one value. Default 256 MiB.
+            server is capped at 512 MiB), nor read: a Redis manifest or a Mooncake object
+            declaring more is a counted checksum failure, so hosts sharing a store use one
+            value. Default 256 MiB.
         chunk_bytes: objects larger than this are stored in chunks of this size with a manifest
             written last (a reader never assembles a half-written entry). Default 2 MiB (measured:
             docs/benchmarks.md, "Remote tier: Redis Cluster").

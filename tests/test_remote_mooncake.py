@@ -17,7 +17,7 @@ import time
 import pytest
 
 from ectier.config import RemoteTierConfig
-from ectier.errors import ConfigError
+from ectier.errors import ConfigError, CorruptRecordError
 from ectier.tiers.remote import open_backend
 from ectier.tiers.remote.backend import RemoteError, RemoteTimeout
 from ectier.tiers.remote.mooncake import MooncakeBackend
@@ -114,6 +114,26 @@ def test_two_clients_see_each_others_objects(mooncake_store):
     finally:
         one.close()
         two.close()
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_an_object_larger_than_max_entry_bytes_is_refused_before_it_is_read(mooncake_store, zero_copy, monkeypatch):
+    """An object under our prefix larger than the reader's ``remote.max_entry_bytes`` (written by
+    another tool, or a host with a larger value) is refused after ``get_size``, before a buffer
+    of its size is allocated: CorruptRecordError naming the knob (the tier counts a checksum
+    failure; before, any size was allocated and read whole). The next key is served."""
+    monkeypatch.setattr(MooncakeBackend, "zero_copy", zero_copy)
+    writer = open_backend(mooncake_store.config(prefix="big"))
+    reader = open_backend(mooncake_store.config(prefix="big", max_entry_bytes=MiB))
+    try:
+        writer.put("k", os.urandom(3 * MiB), deadline_s=D)
+        writer.put("small", b"x" * KiB, deadline_s=D)
+        with pytest.raises(CorruptRecordError, match="remote.max_entry_bytes=1048576"):
+            reader.get("k", deadline_s=D)
+        assert reader.get("small", deadline_s=D) == b"x" * KiB
+    finally:
+        writer.close()
+        reader.close()
 
 
 @pytest.mark.parametrize("call", [

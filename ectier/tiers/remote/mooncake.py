@@ -57,7 +57,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ...errors import ConfigError
+from ...errors import ConfigError, CorruptRecordError
 from ...record import checksum, pack_header
 from .backend import RemoteBackend, RemoteError, RemoteRefused, RemoteTimeout, byte_view
 from .mooncake_calls import HOLD_S, MAX_IN_FLIGHT, Holds, Runner, check_args, route_address, unreachable
@@ -213,7 +213,7 @@ class MooncakeBackend(RemoteBackend):
 
         try:
             return self._runner.run(what, call, end, deadline_s, self._release)
-        except RemoteError:
+        except (RemoteError, CorruptRecordError):  # the latter: one object's fault, not the store's
             raise
         except Exception as exc:  # the client's own (a binding that raises): a failed call, not a crash
             raise RemoteError(f"mooncake {what} on {self._master}: {type(exc).__name__}: {exc}") from exc
@@ -335,7 +335,7 @@ class MooncakeBackend(RemoteBackend):
 
     def _read(self, store: Any, name: str) -> memoryview | bytes | None:
         if not self.zero_copy:
-            size = store.get_size(name)
+            size = self._checked_size(store.get_size(name), name)
             return (store.get(name) or None) if size > 0 else self._answer(size, name, None)
         hint = self._sizes.get(name) if self._pool is not None else None
         pooled = self._pool.acquire(store, hint) if hint else None
@@ -344,7 +344,7 @@ class MooncakeBackend(RemoteBackend):
             if rc != _TOO_SMALL:
                 return self._answer(rc, name, got)
         for _ in range(_GET_ATTEMPTS):  # an overwrite between get_size and get_into: again
-            size = store.get_size(name)
+            size = self._checked_size(store.get_size(name), name)
             if size <= 0:
                 return self._answer(size, name, None)
             pooled = self._pool.acquire(store, size) if self._pool is not None else None
@@ -353,6 +353,15 @@ class MooncakeBackend(RemoteBackend):
             if rc != _TOO_SMALL:
                 return self._answer(rc, name, got)
         return None  # overwritten under every attempt: a miss
+
+    def _checked_size(self, size: int, name: str) -> int:
+        """``size`` (``get_size``'s answer: bytes, or a code <= 0), unless it is more than
+        ``remote.max_entry_bytes``: no object of ours is, so a foreign one is refused before a
+        buffer is allocated for it (CorruptRecordError: a counted checksum failure, a miss)."""
+        if size > self._cfg.max_entry_bytes:
+            raise CorruptRecordError(f"mooncake object {name!r} holds {size} bytes, more than "
+                                     f"remote.max_entry_bytes={self._cfg.max_entry_bytes}")
+        return size
 
     def _answer(self, rc: int, name: str, got: Any) -> Any:
         """A read's answer after Mooncake's ``rc`` (a size, or a code): ``got`` (``rc`` > 0 bytes),
