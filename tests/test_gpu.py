@@ -212,6 +212,39 @@ def test_prefetch_to_the_gpu_then_get_is_a_gpu_hit():
         cache.close()
 
 
+def test_a_connector_pin_read_on_the_schedulers_stream_is_waited_for_on_the_workers():
+    """The connector's scheduler pins a GPU-tier entry (a device-to-device read ordered on its
+    current stream); the worker then uses the pinned tensor on another stream (another thread's):
+    the worker's stream waits for the pin's event, so it never reads the poisoned block before the
+    delayed read filled it (ectier_vllm.store: ready_event, use_on_current_stream)."""
+    from ectier_vllm.store import open_inprocess
+
+    store = open_inprocess(CacheConfig(
+        namespace="gpu-test-pin-streams",
+        host=HostTierConfig(capacity_bytes=128 * MiB, block_bytes=1 * MiB, pin_memory=True, admit_wait_s=5),
+        gpu=GpuTierConfig(device=DEV, capacity_bytes=128 * MiB),
+    ))
+    try:
+        src = source(32 * MiB, 40)
+        assert store.put("k", src).wait()
+        scheduler, worker = torch.cuda.Stream(DEV), torch.cuda.Stream(DEV)
+        with torch.cuda.stream(scheduler):
+            poison = torch.full((32 * MiB,), 0xEE, dtype=torch.uint8, device=DEV)
+            del poison  # the pin's read allocates this block on this stream
+            delay_lanes(store.cache, "arena")
+            pin = store.acquire("k", DEV)
+            assert pin is not None and pin.tensor is not None, "not read from the GPU tier"
+            store.stage("k", pin)
+        with torch.cuda.stream(worker):
+            got = store.get("k", DEV)
+            copy = got.clone()  # on the worker's stream: must come after the delayed read
+        worker.synchronize()
+        assert torch.equal(copy, src)
+        store.release(pin, staged_as="k")
+    finally:
+        store.close()
+
+
 # ------------------------------------------------------------------------------- bad input
 
 

@@ -61,6 +61,9 @@ class Pin:
     dtype: str
     lease: Any
     tensor: Any = None
+    #: for a CUDA ``tensor``: an event recorded on the scheduler's current stream right after the
+    #: read that made it (:func:`ready_event`); the worker's stream waits on it (:func:`use_on_current_stream`)
+    ready: Any = None
 
 
 class _NotStored:
@@ -153,7 +156,7 @@ class InProcessStore:
             if tensor is not None:
                 from ectier.tensors import dtype_name
 
-                return Pin(tuple(tensor.shape), dtype_name(tensor.dtype), None, tensor)
+                return Pin(tuple(tensor.shape), dtype_name(tensor.dtype), None, tensor, ready_event(tensor))
         lease = self.cache.acquire(key, promote=False)  # the host arena only: no I/O
         return None if lease is None else Pin(tuple(lease.meta.shape), str(lease.meta.dtype), lease)
 
@@ -192,7 +195,10 @@ class InProcessStore:
         """Read ``key`` onto ``device``: from the scheduler's pin when there is one (same process)."""
         pin = self.take_staged(key)
         if pin is not None and pin.tensor is not None:
-            return pin.tensor  # read from the GPU tier by the scheduler onto this device
+            # read from the GPU tier by the scheduler onto this device, ready on the scheduler's
+            # stream: the worker's waits for it (they differ when the two run on other threads)
+            use_on_current_stream(pin.tensor, pin.ready)
+            return pin.tensor
         if pin is not None:
             # straight from the pinned host arena to the destination, on the copy engine (the
             # scheduler releases the pin once the worker has reported the load); None is the CPU
@@ -208,6 +214,33 @@ class InProcessStore:
             return
         self._closed = True
         _release(self._entry)
+
+
+def ready_event(tensor: Any) -> Any:
+    """For a CUDA ``tensor`` (a read ordered on the calling thread's current stream, docs/
+    architecture.md, CUDA ordering rule 4): a ``torch.cuda.Event`` recorded on that stream now;
+    ``None`` for any other device (nothing to order)."""
+    if tensor.device.type != "cuda":
+        return None
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensor.device))
+    return event
+
+
+def use_on_current_stream(tensor: Any, ready: Any) -> None:
+    """Make the calling thread's current stream on ``tensor``'s device wait for ``ready`` (from
+    :func:`ready_event`; ``None``: nothing to do), and ``record_stream`` it there, so that the
+    caching allocator does not reuse ``tensor``'s memory before this stream's work on it ended.
+    No host synchronisation."""
+    if ready is None:
+        return
+    import torch
+
+    stream = torch.cuda.current_stream(tensor.device)
+    stream.wait_event(ready)
+    tensor.record_stream(stream)
 
 
 @dataclass
