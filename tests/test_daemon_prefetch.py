@@ -446,6 +446,59 @@ def test_an_entry_evicted_between_answer_and_pin_is_read_by_a_worker(tmp_path):
             pf.close()
 
 
+class _AskedAtEachRelease:
+    """A stand-in for ``Prefetcher._lock``: each time a worker thread lets it go after the run of
+    ``key`` ended (no longer in ``_running``), the first time only, asks ``states`` of ``key`` as a
+    client's ``prefetch`` could at that instant, and records the answer in ``answers``."""
+
+    def __init__(self, pf: Prefetcher, key: str) -> None:
+        self._real, self._pf, self._key = threading.Lock(), pf, key
+        self.answers: list[list[str]] = []
+
+    def acquire(self, *a, **kw):
+        return self._real.acquire(*a, **kw)
+
+    def release(self):
+        self._real.release()
+        worker = threading.current_thread().name.startswith("ectier-daemon-prefetch")
+        if worker and not self.answers and (self._pf._ns(None), self._key) not in self._pf._running:
+            self.answers.append([])  # (no second ask from inside this one)
+            self.answers[0] = self._pf.states([self._key], None, direct=True)
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def test_a_prefetch_the_instant_a_direct_read_ends_finds_it_ready_and_reads_nothing_again(tmp_path):
+    """The worker ended a run (out of ``_running``) and kept its scratch file (into ``_held``)
+    under two holds of the lock: a ``prefetch`` in between found the key neither running nor held
+    and started a second direct read, refused by the held scratch budget (``scratch_refused``
+    counted one more; a CI-style strict count of it could fail). Made certain here: the prefetch
+    is asked at the first release of the lock by the worker after the run ended."""
+    with TieredCache(make_config(tmp_path / "nvme", host_bytes=2 * MiB, nvme_bytes=16 * MiB)) as cache:
+        big = make_tensor(5, "uint8", (4 * MiB,))  # larger than the arena: on NVMe only
+        cache.put("big", big)
+        cache.flush()
+        assert testing.where(cache, "big") == {"nvme"}
+        pf = Prefetcher(cache, hold_s=30.0, scratch_dir=str(tmp_path), gid=None)
+        watch = pf._lock = _AskedAtEachRelease(pf, "big")
+        try:
+            assert pf.states(["big"], None, direct=True) == ["promoting"]
+            wait_for(lambda: pf.states(["big"], None, direct=True) == ["ready"], timeout=30, what="the direct read")
+            assert watch.answers == [["ready"]], watch.answers
+            st = pf.stats()
+            assert (st["started"], st["direct_reads"], st["scratch_refused"], st["held"]) == (1, 1, 0, 1), st
+            held = pf.take(None, "big", direct=True)
+            assert held is not None
+            held.handle.release()
+        finally:
+            pf.close()
+
+
 def test_a_prefetch_counts_no_lookup_and_the_get_that_takes_its_pin_counts_one(tmp_path):
     """Before: the prefetch's pin was counted as a hit (``ectier_lookups_total``) when taken,
     whether or not a get followed, and a get after that pin expired counted a second one."""

@@ -206,17 +206,22 @@ class Prefetcher:
         ``prefetch`` finds the entry in the arena by itself; one whose ``ticket`` a put or
         delete of the key marked stale is let go: it pins the older version)."""
         with self._lock:
-            self._end_ticket(ident, ticket)
-            if held is UNPINNED:
-                return
-            drop = self._closed or ticket.stale
-            stale = held if drop else self._held.pop(ident, None)
-            if not drop:
-                self._held[ident] = held
-            if stale is not None:
-                self._unhold(stale)
+            stale = self._keep_locked(ident, held, ticket)
         if stale is not None:
             _end(self.cache, stale)
+
+    def _keep_locked(self, ident: tuple[str, str], held: Held, ticket: "_Ticket") -> Held | None:
+        """:meth:`_keep` under ``_lock``; returns the pin to end (:func:`_end`) once it is let go."""
+        self._end_ticket(ident, ticket)
+        if held is UNPINNED:
+            return None
+        drop = self._closed or ticket.stale
+        stale = held if drop else self._held.pop(ident, None)
+        if not drop:
+            self._held[ident] = held
+        if stale is not None:
+            self._unhold(stale)
+        return stale
 
     def _finish(self, ident: tuple[str, str], handle: Any, ticket: "_Ticket") -> None:
         """Worker: wait for the cache's promotion, pin the entry (or read it into a scratch file)."""
@@ -237,7 +242,12 @@ class Prefetcher:
                 self.counters["failed"] += held is None  # (a refusal is counted as scratch_refused)
                 return
             self.counters["promoted"] += 1
-        self._keep(ident, held, ticket)
+            # kept under the same hold of the lock that ends the run: a prefetch in between found the
+            # key neither running nor held and started it again (for an entry larger than the arena,
+            # a second direct read, refused by the held scratch budget and counted as scratch_refused)
+            stale = self._keep_locked(ident, held, ticket)
+        if stale is not None:
+            _end(self.cache, stale)
 
     def _hold(self, lease: ReadLease | None, ns: str, key: str) -> Held | None:
         """A held pin of ``lease`` (None: no lease); over the held-bytes budget (the arena blocks
