@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
@@ -317,17 +317,26 @@ def slow_daemon_reserve(server: Any, seconds: float) -> Iterator[threading.Event
 
 
 @contextlib.contextmanager
-def stall_daemon_copy(client: Any, seconds: float, *, times: int = 1) -> Iterator[None]:
+def stall_daemon_copy(client: Any, seconds: float, *, times: int = 1,
+                      until: Callable[[int], bool] | None = None) -> Iterator[None]:
     """Make the next ``times`` copies of ``client`` (a :class:`~ectier.daemon.client.DaemonClient`)
     into or out of the daemon's bytes (its arena, or a scratch file) start ``seconds`` late, as a
-    client stalled by a GC pause, swap or ``SIGSTOP`` would, while the context is open."""
+    client stalled by a GC pause, swap or ``SIGSTOP`` would, while the context is open. With
+    ``until``, a stall ends as soon as ``until(n)`` is true (``n``: 1 for the first stall, then 2,
+    ...; asked every 10 ms), at the latest after ``seconds``: e.g. once the daemon counted the
+    lease expired, however late its reaper ran on a loaded machine."""
     real = client._bytes_of
     left = [times]
 
     def late(reply):
         if left[0] > 0:
             left[0] -= 1
-            time.sleep(seconds)
+            if until is None:
+                time.sleep(seconds)
+            else:
+                n, deadline = times - left[0], time.monotonic() + seconds
+                while not until(n) and time.monotonic() < deadline:
+                    time.sleep(0.01)
         return real(reply)
 
     client._bytes_of = late

@@ -170,7 +170,8 @@ def test_commit_after_the_lease_expired_fails(restricted):
     try:
         r = c.call("reserve", key="late-commit", dtype="uint8", shape=[64 * KiB])
         write_arena(c.server_info["arena"]["path"], r["extents"], b"\x01" * (64 * KiB))
-        time.sleep(1.2)
+        time.sleep(1.2)  # past daemon.lease_s; then until the reaper closed the connection, however late
+        _wait_closed(restricted.socket_path, "slow-writer")
         with pytest.raises(DaemonUnavailableError):  # its connection was closed
             c.call("commit", retry=False, lease=r["lease"])
         with pytest.raises(LeaseExpiredError, match="unknown or expired"):  # and the lease is gone
@@ -184,22 +185,34 @@ def test_commit_after_the_lease_expired_fails(restricted):
         c.close()
 
 
+def _wait_closed(sock: str, name: str) -> None:
+    """Wait until the daemon closed the connection of client ``name`` (its lease expired: the
+    reaper runs every lease_s / 4, later on a loaded machine)."""
+    wait_for(lambda: name not in {x["name"] for x in daemon_stats(sock)["daemon"]["clients"]}, timeout=10,
+             what=f"the daemon to expire the lease of {name} and close its connection")
+
+
 def test_get_whose_copy_outlives_the_lease_is_a_miss(restricted):
-    c = DaemonClient(restricted.socket_path, client_name="slow-reader")
+    sock = restricted.socket_path
+    c = DaemonClient(sock, client_name="slow-reader")
     try:
         t = make_tensor(71, "bfloat16", (8, 8192))
         c.put("slow-get", t)
         c.get("slow-get")  # maps the arena
-        with testing.stall_daemon_copy(c, 1.2):  # the copy takes longer than daemon.lease_s
+        expired = daemon_stats(sock)["daemon"]["leases_expired"]
+        # the copy takes longer than daemon.lease_s: it starts once the daemon counted the lease
+        # expired (at most 10 s), however late the reaper runs
+        with testing.stall_daemon_copy(c, 10.0, until=lambda n: daemon_stats(sock)["daemon"]["leases_expired"] > expired):
             assert c.get("slow-get") is None  # release said valid: false -> the copy is discarded
         assert_same(c.get("slow-get"), t)  # the entry itself is intact
     finally:
         c.close()
     # the low-level view: a release after expiry answers valid: false
-    c = DaemonClient(restricted.socket_path)
+    c = DaemonClient(sock, client_name="late-release")
     try:
         g = c.call("get", key="slow-get")
-        time.sleep(1.2)
+        time.sleep(1.2)  # past daemon.lease_s
+        _wait_closed(sock, "late-release")
         assert c.call("release", lease=g["lease"]) == {"valid": False}
     finally:
         c.close()

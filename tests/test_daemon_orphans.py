@@ -36,6 +36,10 @@ def _orphans(sock: str) -> dict:
     return daemon_stats(sock)["daemon"]["orphaned_puts"]
 
 
+def _expired(sock: str) -> int:
+    return daemon_stats(sock)["daemon"]["leases_expired"]
+
+
 def _scribble(arena_path: str, extents) -> None:
     """What a stalled client's late copy does: write into its reservation's extents."""
     with open(arena_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
@@ -91,7 +95,8 @@ def test_a_client_stalled_mid_put_retries_and_gives_its_orphan_back(daemon):
     c = DaemonClient(sock)
     try:
         t = torch.arange(ENTRY // 8, dtype=torch.int64)
-        with testing.stall_daemon_copy(c, 1.0):
+        # the copy starts once the lease (0.5 s) expired, however late the reaper runs (at most 10 s)
+        with testing.stall_daemon_copy(c, 10.0, until=lambda n: _expired(sock) >= 1):
             c.put("k", t)
         st = daemon_stats(sock)["daemon"]
         assert st["leases_expired"] == 1 and st["orphans"] == 1 and st["orphans_ended"] == 1
@@ -152,7 +157,8 @@ def test_a_put_that_loses_its_connection_twice_gives_both_reservations_back(daem
     sock = daemon.socket_path
     c = DaemonClient(sock)
     try:
-        with testing.stall_daemon_copy(c, 1.0, times=2):  # both attempts outlive their lease (0.5 s)
+        # both attempts outlive their lease (0.5 s): each copy starts once the daemon expired it
+        with testing.stall_daemon_copy(c, 10.0, times=2, until=lambda n: _expired(sock) >= n):
             with pytest.raises(Exception):
                 c.put("k", torch.ones(ENTRY, dtype=torch.uint8))
         st = daemon_stats(sock)["daemon"]
