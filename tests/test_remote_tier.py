@@ -94,7 +94,9 @@ def test_the_write_through_never_runs_on_the_callers_path(nodes):
 
 def test_a_store_that_fails_is_a_miss_with_back_off_then_retried(nodes):
     be, make = nodes
-    producer, consumer = make(), make()
+    # a back-off of 1 s: the second get must land inside it (with 0.3 s a loaded machine could
+    # pause this thread past it between the two gets, and the second one asked the store again)
+    producer, consumer = make(), make(_cfg(backoff_s=1.0))
     producer.put("k", _t(3))
     testing.drain(producer)
     be.fail_with = RemoteError("connection refused (injected)")
@@ -104,13 +106,15 @@ def test_a_store_that_fails_is_a_miss_with_back_off_then_retried(nodes):
     st = consumer.stats()["tiers"]["remote"]
     assert st["errors"] == 1 and st["skipped_degraded"] >= 1 and st["degraded"]
     be.fail_with = None
-    time.sleep(0.35)  # past remote.backoff_s
+    time.sleep(1.05)  # past remote.backoff_s
     assert _same(consumer.get("k"), _t(3)) and not consumer.stats()["tiers"]["remote"]["degraded"]
 
 
 def test_a_store_that_hangs_costs_one_deadline_then_nothing(nodes):
     be, make = nodes
-    producer, consumer = make(), make()
+    # a back-off of 5 s: the second get lands inside it however late (with 0.3 s a pause of this
+    # thread past it made the second get wait remote.timeout_s again, failing the 0.25 s bound)
+    producer, consumer = make(), make(_cfg(backoff_s=5.0))
     producer.put("k", _t(4))
     testing.drain(producer)
     be.delay_s = 5.0  # past remote.timeout_s = 0.5
