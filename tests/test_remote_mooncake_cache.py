@@ -109,7 +109,9 @@ def test_a_master_killed_mid_run_is_misses_and_counted_errors_never_an_exception
     for k, v in values.items():
         producer.put(k, v)
     assert testing.drain(producer)
-    consumer = TieredCache(_cfg(store))
+    # a back-off of 5 s: 'degraded' is read after the gets, inside the window their first failure
+    # opened however slow the machine (with 0.5 s a pause past it read False)
+    consumer = TieredCache(_cfg(store, backoff_s=5.0))
     try:
         assert _same(consumer.get("k0"), values["k0"])  # reached while the master is up
         store.kill_master()
