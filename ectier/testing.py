@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
@@ -20,13 +19,12 @@ from .entry import entry_digest
 from .tiers.arena import ArenaTier
 from .tiers.base import Tier
 from .testing_order import SyncOrderCheck, check_sync_order
-from .tiers.remote.backend import RemoteBackend, RemoteTimeout
+from .testing_remote import MemoryBackend, versions_from_another_clock
 
 __all__ = ["MemoryBackend", "DeferredCopyEngine", "make_cache", "tier", "where", "holds", "version_of", "versions", "drop_copy", "record_of",
            "pins", "drain", "check_invariants", "fail_writes", "fail_after_writes", "watch_nvme_records", "lmdb_of", "set_lmdb_env", "NvmeLmdb", "copy_engine_of",
            "write_behind_idle", "write_behind_enabled", "hold_writes", "WriteGate", "WRITE_BEHIND_THREAD",
-           "versions_from_another_clock", "check_sync_order", "SyncOrderCheck", "stall_daemon_copy",
-           "slow_daemon_reserve"]
+           "versions_from_another_clock", "check_sync_order", "SyncOrderCheck"]
 
 
 class DeferredCopyEngine(CopyEngine):
@@ -295,57 +293,6 @@ def hold_writes(cache: TieredCache, tier_name: str, *, thread_name: str | None =
         del t.write
 
 
-@contextlib.contextmanager
-def slow_daemon_reserve(server: Any, seconds: float) -> Iterator[threading.Event]:
-    """Make every reservation of ``server`` (a :class:`~ectier.daemon.server.DaemonServer` in
-    this process) start ``seconds`` late while the context is open, as a daemon busy making room
-    would. Yields an event set once a reservation so delayed has been made (or failed)."""
-    real, granted = server.cache.reserve, threading.Event()
-
-    def late(*args, **kwargs):
-        time.sleep(seconds)
-        try:
-            return real(*args, **kwargs)
-        finally:
-            granted.set()
-
-    server.cache.reserve = late
-    try:
-        yield granted
-    finally:
-        del server.cache.reserve
-
-
-@contextlib.contextmanager
-def stall_daemon_copy(client: Any, seconds: float, *, times: int = 1,
-                      until: Callable[[int], bool] | None = None) -> Iterator[None]:
-    """Make the next ``times`` copies of ``client`` (a :class:`~ectier.daemon.client.DaemonClient`)
-    into or out of the daemon's bytes (its arena, or a scratch file) start ``seconds`` late, as a
-    client stalled by a GC pause, swap or ``SIGSTOP`` would, while the context is open. With
-    ``until``, a stall ends as soon as ``until(n)`` is true (``n``: 1 for the first stall, then 2,
-    ...; asked every 10 ms), at the latest after ``seconds``: e.g. once the daemon counted the
-    lease expired, however late its reaper ran on a loaded machine."""
-    real = client._bytes_of
-    left = [times]
-
-    def late(reply):
-        if left[0] > 0:
-            left[0] -= 1
-            if until is None:
-                time.sleep(seconds)
-            else:
-                n, deadline = times - left[0], time.monotonic() + seconds
-                while not until(n) and time.monotonic() < deadline:
-                    time.sleep(0.01)
-        return real(reply)
-
-    client._bytes_of = late
-    try:
-        yield
-    finally:
-        del client._bytes_of
-
-
 class _WatchedRecords(dict):
     """The NVMe index's record table, calling ``fn(digest)`` after each change of it."""
 
@@ -437,74 +384,3 @@ def check_invariants(cache: TieredCache) -> None:
                 assert current.get(d) == rec.version, "stale NVMe record left behind"
         for d, v in current.items():
             assert cache._stack.holds(d, v), "a key of the catalog is held by no tier"
-
-
-@contextlib.contextmanager
-def versions_from_another_clock(ahead_s: float) -> Iterator[None]:
-    """Inside: write versions are stamped as on a machine whose clock runs ``ahead_s`` seconds
-    ahead of this one; after: this process's version counter is back where it was, as if those
-    stamps had been made elsewhere (two nodes with skewed clocks, in one process)."""
-    from . import entry
-    import time as _time
-
-    class _Clock:
-        @staticmethod
-        def time_ns() -> int:
-            return _time.time_ns() + int(ahead_s * 1e9)
-
-    with entry._version_lock:
-        saved = entry._last_version
-    entry.time = _Clock
-    try:
-        yield
-    finally:
-        entry.time = _time
-        with entry._version_lock:
-            entry._last_version = saved
-
-
-class MemoryBackend(RemoteBackend):
-    """A remote store in this process's memory (a dict), shared by every cache given the same
-    instance — two caches on one backend stand for two nodes on one store. ``fail_with`` makes
-    every call raise that error while set; ``delay_s`` makes every call take that long first
-    (a call whose delay passes its deadline raises :class:`RemoteTimeout`)."""
-
-    name = "memory"
-
-    def __init__(self) -> None:
-        self.objects: dict[str, bytes] = {}
-        self.calls: list[str] = []
-        self.fail_with: BaseException | None = None
-        self.delay_s = 0.0
-        self._lock = threading.Lock()
-
-    def _enter(self, op: str, deadline_s: float) -> None:
-        self.calls.append(op)
-        if self.delay_s:
-            import time
-
-            time.sleep(min(self.delay_s, deadline_s))
-            if self.delay_s >= deadline_s:
-                raise RemoteTimeout(f"{op}: no answer within {deadline_s} s")
-        if self.fail_with is not None:
-            raise self.fail_with
-
-    def put(self, key, data, *, deadline_s):
-        self._enter("put", deadline_s)
-        with self._lock:
-            self.objects[key] = bytes(data)
-
-    def get(self, key, *, deadline_s):
-        self._enter("get", deadline_s)
-        with self._lock:
-            return self.objects.get(key)
-
-    def exists(self, key, *, deadline_s):
-        self._enter("exists", deadline_s)
-        with self._lock:
-            return key in self.objects
-
-    def delete(self, key, *, deadline_s):
-        self._enter("delete", deadline_s)
-        with self._lock:
-            self.objects.pop(key, None)

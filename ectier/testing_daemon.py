@@ -1,20 +1,24 @@
 """What tests use instead of a daemon client's private state: its mapping of the daemon's arena
 (map it, page-lock it, whether it is mapped).
 
-Like :mod:`ectier.testing` (whose :func:`~ectier.testing.stall_daemon_copy` and
-:func:`~ectier.testing.slow_daemon_reserve` delay a client's copies and a daemon's reservations),
-this module may look inside a :class:`~ectier.daemon.client.DaemonClient`, so that tests need not.
+and delays: :func:`stall_daemon_copy` and :func:`slow_daemon_reserve` delay a client's copies
+and a daemon's reservations. Like
+:mod:`ectier.testing`, this module may look inside a :class:`~ectier.daemon.client.DaemonClient`,
+so that tests need not.
 Not for production.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import contextlib
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 if TYPE_CHECKING:
     from .daemon.client import DaemonClient
 
-__all__ = ["map_arena", "page_lock_arena", "arena_mapped"]
+__all__ = ["map_arena", "page_lock_arena", "arena_mapped", "slow_daemon_reserve", "stall_daemon_copy"]
 
 
 def map_arena(client: "DaemonClient") -> Any:
@@ -40,3 +44,54 @@ def arena_mapped(client: "DaemonClient") -> bool:
     """Whether ``client`` maps a daemon's arena now (from its first data call until it lets go of
     it: at close, or at the first call after its daemon went away)."""
     return client._arena_mmap is not None or client._arena is not None
+
+
+@contextlib.contextmanager
+def slow_daemon_reserve(server: Any, seconds: float) -> Iterator[threading.Event]:
+    """Make every reservation of ``server`` (a :class:`~ectier.daemon.server.DaemonServer` in
+    this process) start ``seconds`` late while the context is open, as a daemon busy making room
+    would. Yields an event set once a reservation so delayed has been made (or failed)."""
+    real, granted = server.cache.reserve, threading.Event()
+
+    def late(*args, **kwargs):
+        time.sleep(seconds)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            granted.set()
+
+    server.cache.reserve = late
+    try:
+        yield granted
+    finally:
+        del server.cache.reserve
+
+
+@contextlib.contextmanager
+def stall_daemon_copy(client: Any, seconds: float, *, times: int = 1,
+                      until: Callable[[int], bool] | None = None) -> Iterator[None]:
+    """Make the next ``times`` copies of ``client`` (a :class:`~ectier.daemon.client.DaemonClient`)
+    into or out of the daemon's bytes (its arena, or a scratch file) start ``seconds`` late, as a
+    client stalled by a GC pause, swap or ``SIGSTOP`` would, while the context is open. With
+    ``until``, a stall ends as soon as ``until(n)`` is true (``n``: 1 for the first stall, then 2,
+    ...; asked every 10 ms), at the latest after ``seconds``: e.g. once the daemon counted the
+    lease expired, however late its reaper ran on a loaded machine."""
+    real = client._bytes_of
+    left = [times]
+
+    def late(reply):
+        if left[0] > 0:
+            left[0] -= 1
+            if until is None:
+                time.sleep(seconds)
+            else:
+                n, deadline = times - left[0], time.monotonic() + seconds
+                while not until(n) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+        return real(reply)
+
+    client._bytes_of = late
+    try:
+        yield
+    finally:
+        del client._bytes_of

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from daemon_helpers import MiB, daemon_stats, wait_for
-from ectier import testing
+from ectier import testing_daemon
 from ectier.daemon.client import DaemonClient
 from ectier.daemon.protocol import PROTOCOL_VERSION, FrameDecoder, encode_frame
 
@@ -50,7 +50,7 @@ def test_a_put_interrupted_while_waiting_for_its_reservation_leaves_nothing_rese
     c = DaemonClient(sock)
     try:
         c.connect()
-        with testing.slow_daemon_reserve(daemon, 0.4) as granted:
+        with testing_daemon.slow_daemon_reserve(daemon, 0.4) as granted:
             main = threading.main_thread().ident
             threading.Timer(0.1, lambda: signal.pthread_kill(main, signal.SIGUSR1)).start()
             with pytest.raises(Interrupted):
@@ -139,7 +139,7 @@ def test_close_from_a_signal_handler_during_a_put_waits_for_its_copy(daemon):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = textwrap.dedent(f"""
         import os, signal, threading, torch
-        from ectier import testing
+        from ectier import testing_daemon
         from ectier.daemon.client import DaemonClient
         c = DaemonClient({daemon.socket_path!r})
         c.connect()
@@ -147,7 +147,7 @@ def test_close_from_a_signal_handler_during_a_put_waits_for_its_copy(daemon):
         main = threading.main_thread().ident
         threading.Timer(0.1, lambda: signal.pthread_kill(main, signal.SIGUSR1)).start()
         t = torch.arange({ENTRY} // 8, dtype=torch.int64)
-        with testing.stall_daemon_copy(c, 0.3):  # (within daemon.lease_s: no expiry)
+        with testing_daemon.stall_daemon_copy(c, 0.3):  # (within daemon.lease_s: no expiry)
             c.put("k", t)
         other = DaemonClient({daemon.socket_path!r})
         print("stored", torch.equal(other.get("k"), t))

@@ -35,7 +35,7 @@ from daemon_helpers import (
     wait_for,
     write_arena,
 )
-from ectier import CacheConfig, testing
+from ectier import CacheConfig, testing_daemon
 from ectier.daemon.client import DaemonClient, DaemonUnavailableError
 from ectier.daemon.protocol import encode_frame
 from ectier.errors import LeaseExpiredError
@@ -202,7 +202,7 @@ def test_get_whose_copy_outlives_the_lease_is_a_miss(restricted):
         expired = daemon_stats(sock)["daemon"]["leases_expired"]
         # the copy takes longer than daemon.lease_s: it starts once the daemon counted the lease
         # expired (at most 10 s), however late the reaper runs
-        with testing.stall_daemon_copy(c, 10.0, until=lambda n: daemon_stats(sock)["daemon"]["leases_expired"] > expired):
+        with testing_daemon.stall_daemon_copy(c, 10.0, until=lambda n: daemon_stats(sock)["daemon"]["leases_expired"] > expired):
             assert c.get("slow-get") is None  # release said valid: false -> the copy is discarded
         assert_same(c.get("slow-get"), t)  # the entry itself is intact
     finally:

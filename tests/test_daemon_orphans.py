@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from daemon_helpers import MiB, daemon_config, daemon_stats, remove_dir, serve_in_thread, short_tmpdir, wait_for
-from ectier import CacheConfig, testing
+from ectier import CacheConfig, testing_daemon
 from ectier.daemon.client import DaemonClient
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,7 +96,7 @@ def test_a_client_stalled_mid_put_retries_and_gives_its_orphan_back(daemon):
     try:
         t = torch.arange(ENTRY // 8, dtype=torch.int64)
         # the copy starts once the lease (0.5 s) expired, however late the reaper runs (at most 10 s)
-        with testing.stall_daemon_copy(c, 10.0, until=lambda n: _expired(sock) >= 1):
+        with testing_daemon.stall_daemon_copy(c, 10.0, until=lambda n: _expired(sock) >= 1):
             c.put("k", t)
         st = daemon_stats(sock)["daemon"]
         assert st["leases_expired"] == 1 and st["orphans"] == 1 and st["orphans_ended"] == 1
@@ -141,7 +141,7 @@ def test_a_reservation_whose_reply_never_reached_its_client_is_no_orphan(daemon)
     sock = daemon.socket_path
     c = DaemonClient(sock, timeout_s=0.3, client_name="gives-up")
     try:
-        with testing.slow_daemon_reserve(daemon, 0.6) as granted:
+        with testing_daemon.slow_daemon_reserve(daemon, 0.6) as granted:
             with pytest.raises(Exception, match="did not answer"):
                 c.put("slow", torch.ones(ENTRY, dtype=torch.uint8))
             assert granted.wait(10)
@@ -158,7 +158,7 @@ def test_a_put_that_loses_its_connection_twice_gives_both_reservations_back(daem
     c = DaemonClient(sock)
     try:
         # both attempts outlive their lease (0.5 s): each copy starts once the daemon expired it
-        with testing.stall_daemon_copy(c, 10.0, times=2, until=lambda n: _expired(sock) >= n):
+        with testing_daemon.stall_daemon_copy(c, 10.0, times=2, until=lambda n: _expired(sock) >= n):
             with pytest.raises(Exception):
                 c.put("k", torch.ones(ENTRY, dtype=torch.uint8))
         st = daemon_stats(sock)["daemon"]

@@ -77,7 +77,7 @@ LAYERS: tuple[Layer, ...] = (
     Layer("stack-and-mover", 3, ("ectier.stack", "ectier.mover", "ectier.moves", "ectier.moves.*")),
     # "ectier" is the package facade, __init__.py; ectier.testing (and testing_*) wrap the facade for tests
     Layer("cache", 4, ("ectier.cache", "ectier.cache_arena", "ectier", "ectier.testing", "ectier.testing_order",
-                       "ectier.testing_internals")),
+                       "ectier.testing_internals", "ectier.testing_remote")),
     Layer(
         "frontends",
         5,
