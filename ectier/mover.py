@@ -269,8 +269,8 @@ class Mover:
             tier.release_victim(v)
             if moved is not None:  # (None: a replaced or deleted version, no entry evicted)
                 self.counters.count(tier.name, evictions=1, **{"demotions" if moved else "drops": 1})
-            if not moved:
-                self.forget_if_unheld_locked(v.digest, v.version)
+            # moved or not: an NVMe eviction since the demotion's write kept the key for this slot only
+            self.forget_if_unheld_locked(v.digest, v.version)
             self.cond.notify_all()
 
     # ------------------------------------------------------------------------- commits

@@ -1,7 +1,8 @@
 """Races on one key of the NVMe tier, staged deterministically (a put held in ``NvmeTier.write``
 before its write, or after its record committed and before the put registers it), each ending in
 a checked state that is the same in memory and after a reopen: a delete racing an NVMe put, and
-two NVMe puts of one key racing (the later-started one stands, whichever finishes last).
+two NVMe puts of one key racing (the later-started one stands, whichever finishes last), and an
+NVMe eviction of a record that a host victim's demotion has just written.
 
 Complements ``tests/test_races.py`` (host/NVMe puts of one key, delete vs promotion) and
 ``tests/test_nvme_layout.py`` (a record replaced in one step; a write failing after its commit).
@@ -17,6 +18,7 @@ import pytest
 from ectier import TieredCache, testing
 from ectier.errors import TierWriteError
 from ectier.testing_internals import nvme_headers_in_lmdb
+from ectier.moves.nvme import NvmeMoves
 from ectier.tiers.nvme import NvmeTier
 
 from conftest import KiB, MiB, assert_same, check_quiescent, digest, filled, make_config
@@ -184,3 +186,38 @@ def test_a_delete_racing_a_demotion_and_a_write_through_leaves_no_record(make_ca
     join(tf, box_f)
     join(tb, box_b)
     _same_after_reopen(cache, cfg, "K", None)
+
+
+def test_an_nvme_eviction_of_a_record_just_demoted_forgets_the_key(make_cache, monkeypatch):
+    """A (host only: its write-through failed) is the victim of put(C)'s host admission: its
+    demotion writes it to NVMe and is held once that write is done, before the host slot is let go.
+    put(E) (larger than the host: NVMe directly) evicts A's record meanwhile — the host slot still
+    held A then, so the key stayed. Then the demotion reported success and the slot went: A was a
+    key of the catalog held by no tier (``contains``/``len`` counted it, ``get`` missed; the stress
+    test's ``check_invariants``, ~1 in 500 seed-runs)."""
+    cache, _ = make_cache(host_bytes=128 * KiB, nvme_bytes=288 * KiB, write_through=True)
+    with testing.fail_writes(cache, "nvme", TierWriteError("injected")):
+        cache.put("A", filled(128 * KiB, 1))
+    assert testing.where(cache, "A") == {"host"}
+    demoted, go = threading.Event(), threading.Event()
+    real_demote = NvmeMoves.demote_slot
+
+    def demote_slot(moves, *args, **kw):
+        ok = real_demote(moves, *args, **kw)
+        if threading.current_thread().name == "evictor" and not kw.get("write_through"):
+            demoted.set()
+            assert go.wait(10)
+        return ok
+
+    monkeypatch.setattr(NvmeMoves, "demote_slot", demote_slot)
+    tc, box_c = start(cache.put, "C", filled(64 * KiB, 2), name="evictor")
+    assert demoted.wait(10), "A was never demoted"
+    assert testing.where(cache, "A") == {"host", "nvme"}
+    cache.put("E", filled(129 * KiB, 3))  # NVMe directly: A's record is its victim
+    assert testing.where(cache, "A") == {"host"}
+    go.set()
+    join(tc, box_c)
+    assert cache.get("A") is None  # (evicted from both tiers: a cache may drop it)
+    assert not cache.contains("A"), "a key held by no tier is still counted"
+    assert len(cache) == 2
+    testing.check_invariants(cache)

@@ -406,8 +406,8 @@ class NvmeMoves:
                                    "entry dropped", exc)
             return False
         if ok:
-            with self.m.cond:
-                slot.lower_copy = True
+            with self.m.cond:  # (unless an NVMe eviction took the record since: then it is the only copy)
+                slot.lower_copy = self.tier.holds(slot.digest, slot.version)
         return ok
 
     def wait_not_writing_locked(self, digest: bytes, older_than: int | None = None) -> None:
