@@ -314,7 +314,7 @@ class Mover:
             versions[digest] = version
             if self.nvme is not None:
                 if keep_older_record and not promotion and tier.name == "host":  # after_put writes it through
-                    self.nvme.expect_write_through_locked(digest, version)
+                    self.nvme.expect_write_through_locked(digest, version, current)
                 if self.nvme.tier.holds(digest, version):
                     slot.lower_copy = True
                 elif not keep_older_record:

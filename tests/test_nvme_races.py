@@ -1,8 +1,9 @@
 """Races on one key of the NVMe tier, staged deterministically (a put held in ``NvmeTier.write``
 before its write, or after its record committed and before the put registers it), each ending in
 a checked state that is the same in memory and after a reopen: a delete racing an NVMe put, and
-two NVMe puts of one key racing (the later-started one stands, whichever finishes last), and an
-NVMe eviction of a record that a host victim's demotion has just written.
+two NVMe puts of one key racing (the later-started one stands, whichever finishes last), an NVMe
+eviction of a record that a host victim's demotion has just written, and write-through overwrites,
+deletes and demotions of one key (what LMDB holds at each step: what a kill would leave).
 
 Complements ``tests/test_races.py`` (host/NVMe puts of one key, delete vs promotion) and
 ``tests/test_nvme_layout.py`` (a record replaced in one step; a write failing after its commit).
@@ -221,3 +222,51 @@ def test_an_nvme_eviction_of_a_record_just_demoted_forgets_the_key(make_cache, m
     assert not cache.contains("A"), "a key held by no tier is still counted"
     assert len(cache) == 2
     testing.check_invariants(cache)
+
+
+def _until(predicate, timeout_s: float = 10.0) -> None:
+    """Poll ``predicate()`` until it holds (AssertionError after ``timeout_s`` seconds)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "the staged state never came"
+        time.sleep(0.001)
+
+
+def test_a_demotion_landing_after_a_delete_and_a_newer_put_leaves_no_record(make_cache, monkeypatch):
+    """Write-through: K v0 lives in the host only (its write-through failed); flush() writes it
+    and is held before its write; delete(K) forgets K and waits for that write; then put(K, vb)
+    commits in the host (its write-through registered, K was absent) and waits for it too. v0's
+    write lands: it is stale and goes before delete returns, though vb's write-through is under
+    way — that write-through does not replace v0 (K was deleted in between), so keeping v0 until
+    it lands (the stress test's watcher, ~1 in 500 seed-runs) let a kill after the delete returned
+    find v0, a value the completed delete had removed, on NVMe."""
+    cache, cfg = make_cache(host_bytes=4 * MiB, nvme_bytes=4 * MiB, write_through=True)
+    vb = filled(100 * KiB, 2)
+    with testing.fail_writes(cache, "nvme", TierWriteError("injected")):
+        cache.put("K", filled(64 * KiB, 0))
+    assert testing.where(cache, "K") == {"host"}
+    deleted = threading.Event()
+    real_fits = NvmeTier.fits
+
+    def fits(tier, nbytes):  # vb's write-through starts once the delete returned (else it waits for it)
+        if threading.current_thread().name == "overwriter":
+            assert deleted.wait(10)
+        return real_fits(tier, nbytes)
+
+    monkeypatch.setattr(NvmeTier, "fits", fits)
+    with testing.hold_writes(cache, "nvme") as gate:
+        tf, box_f = start(cache.flush, name="flusher")
+        assert gate.wait_held(1)  # v0's write, past its admission
+        td, box_d = start(cache.delete, "K")
+        _until(lambda: testing.version_of(cache, "K") is None)  # forgotten; the delete waits for v0's write
+        tb, box_b = start(cache.put, "K", vb, name="overwriter")
+        _until(lambda: testing.version_of(cache, "K") is not None)  # vb committed; it waits for v0's write too
+        gate.release(1)
+        assert join(td, box_d) is True
+        deleted.set()
+        assert gate.wait_held(2)  # vb's write-through, before it writes
+        assert not nvme_headers_in_lmdb(cache), "a completed delete left an older value on NVMe"
+    join(tf, box_f)
+    join(tb, box_b)
+    _same_after_reopen(cache, cfg, "K", vb)
+

@@ -51,8 +51,9 @@ class NvmeMoves:
         self.index = tier.index
         # digest -> versions being copied to NVMe by store(register=False) now; guarded by m.cond
         self._writing: dict[bytes, list[int]] = {}
-        # digest -> versions committed into the host whose write-through has not ended; m.cond
-        self._through: dict[bytes, list[int]] = {}
+        # digest -> {version committed into the host whose write-through has not ended: the oldest
+        # version of the key that may stay on NVMe until it lands (see expect_write_through_locked)}; m.cond
+        self._through: dict[bytes, dict[int, int]] = {}
 
     # ------------------------------------------------------------------------- open
     def adopt_records(self) -> None:
@@ -239,11 +240,13 @@ class NvmeMoves:
                 if current == version:
                     self.index.track(digest, rec.stored_bytes, m.catalog.cost(digest))
                     return True
-                if current is not None and current > version and current in self._through.get(digest, ()):
+                floor = self._through.get(digest, {}).get(current) if current is not None else None
+                if floor is not None and floor <= version < current:
                     # the current version's write-through replaces this record (or, failing, deletes
                     # it): until then it is the key's only durable copy (a kill keeps an older value).
                     # Not when the key was deleted or a put that is not written through (GPU tier)
-                    # came since: nothing older than those may be left on NVMe once they return
+                    # came since this version (below the floor): nothing older than those may be
+                    # left on NVMe once they return, though a later put's write-through is under way
                     self.index.track(digest, rec.stored_bytes, m.catalog.cost(digest))
                     return False
                 # a newer version was committed (or the key deleted) while this write ran: this
@@ -421,13 +424,20 @@ class NvmeMoves:
         while any(older_than is None or v < older_than for v in self._writing.get(digest, ())):
             self.m.cond.wait()
 
-    def expect_write_through_locked(self, digest: bytes, version: int) -> None:
-        """Under ``m.cond``: a put of ``version`` committed into the host, its :meth:`write_through`
-        to follow. Until that ends, no older record of the key is deleted as stale."""
-        self._through.setdefault(digest, []).append(version)
+    def expect_write_through_locked(self, digest: bytes, version: int, replaced: int | None) -> None:
+        """Under ``m.cond``: a put of ``version`` committed into the host, replacing the key's
+        current version ``replaced`` (``None``: the key was absent — deleted, evicted or never
+        stored), its :meth:`write_through` to follow. Until that ends, a record of the key that
+        lands meanwhile is kept (not deleted as stale) if it is no older than ``replaced`` — or
+        than the oldest version an overlapping write-through of ``replaced`` keeps: such a record
+        is what this write replaces in one transaction. An older one (a delete or a GPU-tier put
+        came between it and this put) goes at once."""
+        through = self._through.setdefault(digest, {})
+        floor = version if replaced is None else through.get(replaced, replaced)
+        through[version] = min(floor, version)
 
     def _newer_through_locked(self, digest: bytes, version: int) -> set[int]:
-        return {v for v in self._through.get(digest, ()) if v > version}
+        return {v for v in self._through.get(digest, {}) if v > version}
 
     def write_through(self, host, digest: bytes, version: int) -> None:
         """Write the host entry ``version`` of ``digest`` (just committed by a put) to NVMe.
@@ -455,9 +465,8 @@ class NvmeMoves:
 
     def _end_write_through(self, digest: bytes, version: int, landed: bool) -> None:
         with self.m.cond:
-            versions = self._through.get(digest, [])
-            if version in versions:
-                versions.remove(version)
+            versions = self._through.get(digest, {})
+            versions.pop(version, None)
             if not versions:
                 self._through.pop(digest, None)
             self.m.cond.notify_all()
