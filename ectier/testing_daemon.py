@@ -2,9 +2,10 @@
 (map it, page-lock it, whether it is mapped).
 
 and delays: :func:`stall_daemon_copy` and :func:`slow_daemon_reserve` delay a client's copies
-and a daemon's reservations. Like
-:mod:`ectier.testing`, this module may look inside a :class:`~ectier.daemon.client.DaemonClient`,
-so that tests need not.
+and a daemon's reservations; :func:`at_prefetch_worker_unlock` and :func:`prefetch_running` stage
+a daemon prefetcher's races. Like
+:mod:`ectier.testing`, this module may look inside a :class:`~ectier.daemon.client.DaemonClient`
+(and a :class:`~ectier.daemon.prefetch.Prefetcher`), so that tests need not.
 Not for production.
 """
 
@@ -18,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 if TYPE_CHECKING:
     from .daemon.client import DaemonClient
 
-__all__ = ["map_arena", "page_lock_arena", "arena_mapped", "slow_daemon_reserve", "stall_daemon_copy"]
+__all__ = ["map_arena", "page_lock_arena", "arena_mapped", "slow_daemon_reserve", "stall_daemon_copy",
+           "at_prefetch_worker_unlock", "prefetch_running"]
 
 
 def map_arena(client: "DaemonClient") -> Any:
@@ -95,3 +97,52 @@ def stall_daemon_copy(client: Any, seconds: float, *, times: int = 1,
         yield
     finally:
         del client._bytes_of
+
+
+def prefetch_running(prefetcher: Any, key: str, namespace: str | None = None) -> bool:
+    """Whether a worker of ``prefetcher`` (a :class:`~ectier.daemon.prefetch.Prefetcher`) has a
+    run of ``key`` (in ``namespace``, default the cache's) under way now."""
+    with prefetcher._lock:
+        return (prefetcher._ns(namespace), key) in prefetcher._running
+
+
+class _HookedLock:
+    """A lock that calls ``fn()`` after each release by a prefetch worker thread (never again from
+    inside ``fn``)."""
+
+    def __init__(self, real: Any, fn: Callable[[], None]) -> None:
+        self._real, self._fn, self._inside = real, fn, threading.local()
+
+    def acquire(self, *args: Any, **kwargs: Any) -> bool:
+        return self._real.acquire(*args, **kwargs)
+
+    def release(self) -> None:
+        self._real.release()
+        if threading.current_thread().name.startswith("ectier-daemon-prefetch") and \
+                not getattr(self._inside, "on", False):
+            self._inside.on = True
+            try:
+                self._fn()
+            finally:
+                self._inside.on = False
+
+    def __enter__(self) -> "_HookedLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+@contextlib.contextmanager
+def at_prefetch_worker_unlock(prefetcher: Any, fn: Callable[[], None]) -> Iterator[None]:
+    """While the context is open, call ``fn()`` each time a worker thread of ``prefetcher`` (a
+    :class:`~ectier.daemon.prefetch.Prefetcher`) lets go of its lock, right after (``fn`` may call
+    the prefetcher: what a client's request could see at that instant). Open it before the
+    prefetcher's first run."""
+    real = prefetcher._lock
+    prefetcher._lock = _HookedLock(real, fn)
+    try:
+        yield
+    finally:
+        prefetcher._lock = real

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from conftest import make_config
-from ectier import CacheConfig, LoadHandle, TieredCache, testing
+from ectier import CacheConfig, LoadHandle, TieredCache, testing, testing_daemon
 from ectier.daemon.prefetch import Prefetcher
 from ectier.daemon.client import DaemonClient
 from ectier.errors import TierWriteError
@@ -446,33 +446,6 @@ def test_an_entry_evicted_between_answer_and_pin_is_read_by_a_worker(tmp_path):
             pf.close()
 
 
-class _AskedAtEachRelease:
-    """A stand-in for ``Prefetcher._lock``: each time a worker thread lets it go after the run of
-    ``key`` ended (no longer in ``_running``), the first time only, asks ``states`` of ``key`` as a
-    client's ``prefetch`` could at that instant, and records the answer in ``answers``."""
-
-    def __init__(self, pf: Prefetcher, key: str) -> None:
-        self._real, self._pf, self._key = threading.Lock(), pf, key
-        self.answers: list[list[str]] = []
-
-    def acquire(self, *a, **kw):
-        return self._real.acquire(*a, **kw)
-
-    def release(self):
-        self._real.release()
-        worker = threading.current_thread().name.startswith("ectier-daemon-prefetch")
-        if worker and not self.answers and (self._pf._ns(None), self._key) not in self._pf._running:
-            self.answers.append([])  # (no second ask from inside this one)
-            self.answers[0] = self._pf.states([self._key], None, direct=True)
-
-    def __enter__(self):
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc):
-        self.release()
-
-
 def test_a_prefetch_the_instant_a_direct_read_ends_finds_it_ready_and_reads_nothing_again(tmp_path):
     """The worker ended a run (out of ``_running``) and kept its scratch file (into ``_held``)
     under two holds of the lock: a ``prefetch`` in between found the key neither running nor held
@@ -485,11 +458,18 @@ def test_a_prefetch_the_instant_a_direct_read_ends_finds_it_ready_and_reads_noth
         cache.flush()
         assert testing.where(cache, "big") == {"nvme"}
         pf = Prefetcher(cache, hold_s=30.0, scratch_dir=str(tmp_path), gid=None)
-        watch = pf._lock = _AskedAtEachRelease(pf, "big")
+        answers: list[list[str]] = []
+
+        def ask() -> None:  # the first time a worker lets the lock go after the run ended
+            if not answers and not testing_daemon.prefetch_running(pf, "big"):
+                answers.append(pf.states(["big"], None, direct=True))
+
         try:
-            assert pf.states(["big"], None, direct=True) == ["promoting"]
-            wait_for(lambda: pf.states(["big"], None, direct=True) == ["ready"], timeout=30, what="the direct read")
-            assert watch.answers == [["ready"]], watch.answers
+            with testing_daemon.at_prefetch_worker_unlock(pf, ask):
+                assert pf.states(["big"], None, direct=True) == ["promoting"]
+                wait_for(lambda: pf.states(["big"], None, direct=True) == ["ready"], timeout=30,
+                         what="the direct read")
+            assert answers == [["ready"]], answers
             st = pf.stats()
             assert (st["started"], st["direct_reads"], st["scratch_refused"], st["held"]) == (1, 1, 0, 1), st
             held = pf.take(None, "big", direct=True)
