@@ -243,6 +243,31 @@ def test_a_forged_manifest_is_refused_before_naming_its_chunks(servers, b, forge
     assert b.get("k", deadline_s=D) == data
 
 
+@pytest.mark.parametrize("then", ["delete", "overwrite"])
+def test_an_object_larger_than_a_lowered_max_entry_bytes_leaves_no_chunks_behind(servers, b, then):
+    """An object written before ``remote.max_entry_bytes`` was lowered (or by a host with a larger
+    value) is no longer read (a CorruptRecordError naming the knob), but a delete or an overwrite
+    by the host with the lower value still unlinks its chunks: they have no TTL, and before, such
+    a manifest was dropped unparsed and its chunks left to the eviction policy."""
+    data = os.urandom(5 * CHUNK + 7)
+    b.put("k", data, deadline_s=D)
+    old = chunk_keys(servers, b, "k")
+    assert len(old) == 6
+    lower = backend(servers, prefix=b.describe()["prefix"], max_entry_bytes=2 * CHUNK)
+    try:
+        with pytest.raises(CorruptRecordError, match="max_entry_bytes"):
+            lower.get("k", deadline_s=D)
+        if then == "delete":
+            lower.delete("k", deadline_s=D)
+            assert b.get("k", deadline_s=D) is None
+        else:
+            lower.put("k", b"x" * 100, deadline_s=D)
+            assert lower.get("k", deadline_s=D) == b"x" * 100
+        assert not (chunk_keys(servers, b, "k") & old), "the old object's chunks were left behind"
+    finally:
+        lower.close()
+
+
 def test_concurrent_writers_and_readers_never_see_mixed_bytes(b):
     """Threads overwrite one key with whole values while others read it: a read is a value that was
     written, or a miss (a chunk dropped by the next overwrite), never a mix."""

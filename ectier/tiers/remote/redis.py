@@ -84,6 +84,10 @@ _MAGIC = b"ECRM"
 _VERSION = 1
 #: the range of ``remote.chunk_bytes`` (ectier/config_remote.py), checked in every manifest read
 MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 64 * 1024, 512 * 1024 * 1024
+#: a delete or an overwrite unlinks the chunks of a manifest declaring more than
+#: ``remote.max_entry_bytes`` (one written before that value was lowered) when it names at most
+#: this many: bounded names to make, and each unlink bounded by the call's deadline
+MAX_CLEANUP_CHUNKS = 1 << 16
 
 
 class _Deadline:
@@ -110,12 +114,15 @@ class _Manifest:
                              self.generation)
 
     @classmethod
-    def parse(cls, raw: bytes | None, max_total: int, *, strict: bool = False) -> "_Manifest | None":
+    def parse(cls, raw: bytes | None, max_total: int, *, strict: bool = False,
+              cleanup: bool = False) -> "_Manifest | None":
         """The manifest in ``raw``, or None when it is absent or not a consistent manifest
         (``strict``: raise :class:`CorruptRecordError` for one that is present but not consistent).
         Consistent: chunks of ``MIN_CHUNK_BYTES``..``MAX_CHUNK_BYTES`` (``remote.chunk_bytes``'s
         range) and a total of at most ``max_total`` bytes (``remote.max_entry_bytes``), so a forged
-        manifest cannot make a reader name billions of chunk keys."""
+        manifest cannot make a reader name billions of chunk keys. ``cleanup`` (the manifest whose
+        chunks a delete or an overwrite unlinks): a larger total too, in at most
+        ``MAX_CLEANUP_CHUNKS`` chunks (an object written before ``max_entry_bytes`` was lowered)."""
         if raw is None:
             return None
         fields = MANIFEST.unpack(raw) if len(raw) == MANIFEST.size else None
@@ -124,7 +131,7 @@ class _Manifest:
             magic, version, _flags, _res, n, cb, total, digest, gen = fields
             if magic == _MAGIC and version == _VERSION and MIN_CHUNK_BYTES <= cb <= MAX_CHUNK_BYTES \
                     and n == -(-total // cb):
-                if total <= max_total:
+                if total <= max_total or (cleanup and n <= MAX_CLEANUP_CHUNKS):
                     return cls(n, cb, total, digest, gen)
                 why = f"declaring {total} bytes, more than remote.max_entry_bytes={max_total}"
         if strict:
@@ -387,7 +394,7 @@ class RedisBackend(NodeBackoff, RemoteBackend):
                 raise
 
         client, replaced = self._call("put", dl, write)
-        old = _Manifest.parse(replaced, self._max_total)
+        old = _Manifest.parse(replaced, self._max_total, cleanup=True)
         if old is not None and old.generation != m.generation:
             self._forget(client, self._chunk_keys(key, old), dl)
 
@@ -474,7 +481,8 @@ class RedisBackend(NodeBackoff, RemoteBackend):
         dl = _Deadline(deadline_s)
 
         def drop(client: Any) -> None:
-            m = _Manifest.parse(self._cmd(client, "getdel", (self._manifest_key(key),), dl, "delete"), self._max_total)
+            m = _Manifest.parse(self._cmd(client, "getdel", (self._manifest_key(key),), dl, "delete"), self._max_total,
+                                cleanup=True)
             if m is not None:
                 self._run(client, [("unlink", (k,)) for k in self._chunk_keys(key, m)], dl, "delete")
 
