@@ -270,3 +270,35 @@ def test_a_demotion_landing_after_a_delete_and_a_newer_put_leaves_no_record(make
     join(tb, box_b)
     _same_after_reopen(cache, cfg, "K", vb)
 
+
+
+def test_a_write_behind_whose_record_an_nvme_eviction_took_leaves_the_entry_dirty(make_cache, monkeypatch):
+    """Write-back with a write-behind over the whole host: the write-behind writes A to NVMe and is
+    held once its store returned, before it marks A's host slot clean; put(E) (larger than the
+    host: NVMe directly) evicts A's record meanwhile (the host slot is then A's only copy). The
+    write-behind used to mark the slot clean anyway, so its next rounds skipped A for good: A
+    stayed in host memory only, never written again. It stays dirty, and is written again."""
+    cache, _ = make_cache(host_bytes=3 * MiB // 2, nvme_bytes=2 * MiB, write_behind_fraction=1.0)
+    assert testing.write_behind_enabled(cache)
+    stored, go = threading.Event(), threading.Event()
+    real_store = NvmeMoves.store
+
+    def store(moves, *args, **kw):
+        ok = real_store(moves, *args, **kw)
+        if threading.current_thread().name == testing.WRITE_BEHIND_THREAD and not stored.is_set():
+            stored.set()
+            assert go.wait(10)
+        return ok
+
+    monkeypatch.setattr(NvmeMoves, "store", store)
+    cache.put("A", filled(MiB, 1))
+    assert stored.wait(10), "the write-behind never wrote A"
+    assert testing.where(cache, "A") == {"host", "nvme"}
+    cache.put("E", filled(3 * MiB // 2 + KiB, 3))  # NVMe directly: A's record is its victim
+    assert testing.where(cache, "A") == {"host"}
+    go.set()
+    assert testing.write_behind_idle(cache)
+    cache.put("B", filled(4 * KiB, 2))  # a host put: the write-behind's next round
+    assert testing.write_behind_idle(cache)
+    assert "nvme" in testing.where(cache, "A"), "A was marked clean with no copy on NVMe: never written again"
+    assert_same(cache.get("A"), filled(MiB, 1))
