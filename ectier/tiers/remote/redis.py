@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -72,23 +71,12 @@ else:
 from ...errors import ConfigError, CorruptRecordError
 from ...record import pack_header, pack_record
 from .backend import RemoteBackend, RemoteError, RemoteNodeError, RemoteRefused, RemoteTimeout, byte_view
+from .redis_manifest import MANIFEST, Manifest
 from .redis_nodes import NodeBackoff, is_cluster
 
 __all__ = ["RedisBackend", "MANIFEST"]
 
 log = logging.getLogger(__name__)
-
-#: manifest: magic, version, flags, reserved, chunk count, chunk size, total length, xxh3-64, generation
-MANIFEST = struct.Struct("<4sBBHIQQQ16s")
-_MAGIC = b"ECRM"
-_VERSION = 1
-#: the range of ``remote.chunk_bytes`` (ectier/config_remote.py), checked in every manifest read
-MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 64 * 1024, 512 * 1024 * 1024
-#: a delete or an overwrite unlinks the chunks of a manifest declaring more than
-#: ``remote.max_entry_bytes`` (one written before that value was lowered) when it names at most
-#: this many: bounded names to make, and each unlink bounded by the call's deadline
-MAX_CLEANUP_CHUNKS = 1 << 16
-
 
 class _Deadline:
     def __init__(self, seconds: float) -> None:
@@ -100,43 +88,6 @@ class _Deadline:
     def check(self, what: str) -> None:
         if time.monotonic() >= self.end:
             raise RemoteTimeout(f"redis {what}: past its deadline of {self.seconds:g} s")
-
-
-class _Manifest:
-    __slots__ = ("n_chunks", "chunk_bytes", "total", "digest", "generation")
-
-    def __init__(self, n_chunks: int, chunk_bytes: int, total: int, digest: int, generation: bytes) -> None:
-        self.n_chunks, self.chunk_bytes, self.total = n_chunks, chunk_bytes, total
-        self.digest, self.generation = digest, generation
-
-    def pack(self) -> bytes:
-        return MANIFEST.pack(_MAGIC, _VERSION, 0, 0, self.n_chunks, self.chunk_bytes, self.total, self.digest,
-                             self.generation)
-
-    @classmethod
-    def parse(cls, raw: bytes | None, max_total: int, *, strict: bool = False,
-              cleanup: bool = False) -> "_Manifest | None":
-        """The manifest in ``raw``, or None when it is absent or not a consistent manifest
-        (``strict``: raise :class:`CorruptRecordError` for one that is present but not consistent).
-        Consistent: chunks of ``MIN_CHUNK_BYTES``..``MAX_CHUNK_BYTES`` (``remote.chunk_bytes``'s
-        range) and a total of at most ``max_total`` bytes (``remote.max_entry_bytes``), so a forged
-        manifest cannot make a reader name billions of chunk keys. ``cleanup`` (the manifest whose
-        chunks a delete or an overwrite unlinks): a larger total too, in at most
-        ``MAX_CLEANUP_CHUNKS`` chunks (an object written before ``max_entry_bytes`` was lowered)."""
-        if raw is None:
-            return None
-        fields = MANIFEST.unpack(raw) if len(raw) == MANIFEST.size else None
-        why = "not a consistent ectier manifest"
-        if fields is not None:
-            magic, version, _flags, _res, n, cb, total, digest, gen = fields
-            if magic == _MAGIC and version == _VERSION and MIN_CHUNK_BYTES <= cb <= MAX_CHUNK_BYTES \
-                    and n == -(-total // cb):
-                if total <= max_total or (cleanup and n <= MAX_CLEANUP_CHUNKS):
-                    return cls(n, cb, total, digest, gen)
-                why = f"declaring {total} bytes, more than remote.max_entry_bytes={max_total}"
-        if strict:
-            raise CorruptRecordError(f"a manifest of {len(raw)} bytes {why}")
-        return None
 
 
 def _check_key(key: Any) -> str:
@@ -319,7 +270,7 @@ class RedisBackend(NodeBackoff, RemoteBackend):
     def _manifest_key(self, key: str) -> str:
         return f"{self._prefix}:m:{key}"
 
-    def _chunk_keys(self, key: str, m: _Manifest) -> list[str]:
+    def _chunk_keys(self, key: str, m: Manifest) -> list[str]:
         gen = m.generation.hex()
         return [f"{self._prefix}:c:{key}:{gen}:{i}" for i in range(m.n_chunks)]
 
@@ -377,7 +328,7 @@ class RedisBackend(NodeBackoff, RemoteBackend):
 
     def _put_chunks(self, key: str, chunks: list[Any], total: int, digest: int, dl: "_Deadline") -> None:
         """Write ``chunks`` (each ``chunk_bytes`` but the last) and then the manifest over them."""
-        m = _Manifest(len(chunks), self._chunk_bytes, total, digest, os.urandom(16))
+        m = Manifest(len(chunks), self._chunk_bytes, total, digest, os.urandom(16))
         ckeys = self._chunk_keys(key, m)
         cmds = [("set", (k, chunk)) for k, chunk in zip(ckeys, chunks)]
 
@@ -394,7 +345,7 @@ class RedisBackend(NodeBackoff, RemoteBackend):
                 raise
 
         client, replaced = self._call("put", dl, write)
-        old = _Manifest.parse(replaced, self._max_total, cleanup=True)
+        old = Manifest.parse(replaced, self._max_total, cleanup=True)
         if old is not None and old.generation != m.generation:
             self._forget(client, self._chunk_keys(key, old), dl)
 
@@ -422,7 +373,7 @@ class RedisBackend(NodeBackoff, RemoteBackend):
         dl = _Deadline(deadline_s)
 
         def read(client: Any) -> bytes | None:
-            m = _Manifest.parse(self._cmd(client, "get", (self._manifest_key(key),), dl, "get"), self._max_total,
+            m = Manifest.parse(self._cmd(client, "get", (self._manifest_key(key),), dl, "get"), self._max_total,
                                 strict=True)
             if m is None:
                 return None
@@ -431,7 +382,7 @@ class RedisBackend(NodeBackoff, RemoteBackend):
 
         return self._call("get", dl, read)
 
-    def _assemble(self, key: str, m: _Manifest, chunks: list[Any]) -> bytes | None:
+    def _assemble(self, key: str, m: Manifest, chunks: list[Any]) -> bytes | None:
         """The object's bytes; ``None`` if a chunk is missing (evicted by the server, or removed
         by an overwrite or delete since the manifest was read: a plain miss).
 
@@ -461,7 +412,7 @@ class RedisBackend(NodeBackoff, RemoteBackend):
         dl = _Deadline(deadline_s)
 
         def check(client: Any) -> bool:
-            m = _Manifest.parse(self._cmd(client, "get", (self._manifest_key(key),), dl, "exists"), self._max_total)
+            m = Manifest.parse(self._cmd(client, "get", (self._manifest_key(key),), dl, "exists"), self._max_total)
             if m is None:
                 return False
             keys = self._chunk_keys(key, m)
@@ -481,7 +432,7 @@ class RedisBackend(NodeBackoff, RemoteBackend):
         dl = _Deadline(deadline_s)
 
         def drop(client: Any) -> None:
-            m = _Manifest.parse(self._cmd(client, "getdel", (self._manifest_key(key),), dl, "delete"), self._max_total,
+            m = Manifest.parse(self._cmd(client, "getdel", (self._manifest_key(key),), dl, "delete"), self._max_total,
                                 cleanup=True)
             if m is not None:
                 self._run(client, [("unlink", (k,)) for k in self._chunk_keys(key, m)], dl, "delete")
