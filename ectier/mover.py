@@ -60,6 +60,9 @@ RETRIES = 3
 #: the call that triggered it: ectier's own, device errors (CUDA OOM is a RuntimeError), I/O errors
 MOVE_ERRORS = (EctierError, RuntimeError, OSError)
 
+#: what a demotion whose copy is still in flight returns (true): counted when the copy completes
+IN_FLIGHT = "in flight"
+
 
 class Commit(enum.Enum):
     """The outcome of :meth:`Mover.commit`."""
@@ -128,7 +131,8 @@ class Mover:
     def _register(self) -> None:
         gpu, host, nvme = (self.stack.get(n) for n in ("gpu", "host", "nvme"))
         if gpu is not None and host is not None:
-            self._demotions["gpu", "host"] = lambda v, protect: self.arena.demote_device(gpu, host, v, protect)
+            self._demotions["gpu", "host"] = (  # counted when its copy completes (finish_write)
+                lambda v, protect: self.arena.demote_device(gpu, host, v, protect) and IN_FLIGHT)
         if nvme is not None:
             for src in (gpu, host):
                 if src is not None:
@@ -232,10 +236,10 @@ class Mover:
             for v in pending:
                 self._release_victim(tier, v, False)
 
-    def demote(self, tier: ArenaTier, v: Slot, *, protect: bytes | None = None) -> bool | None:
+    def demote(self, tier: ArenaTier, v: Slot, *, protect: bytes | None = None) -> bool | str | None:
         """Move a pinned victim to the nearest lower tier that takes it. True if a lower tier
-        holds (or, once its copy completes, will hold) its version; ``None`` if its version was
-        replaced or deleted meanwhile (nothing to keep, nothing lost)."""
+        holds its version, ``IN_FLIGHT`` once its copy there is enqueued (a GPU victim); ``None``
+        if its version was replaced or deleted meanwhile (nothing to keep, nothing lost)."""
         host = tier.name == "host"
         with self.cond:
             if not self.catalog.is_current(v.digest, v.version):
@@ -252,9 +256,9 @@ class Mover:
         try:
             for dst in self.stack.below(tier):
                 handler = self._demotions.get((tier.name, dst.name))
-                if handler is not None and self._run(f"demotion {tier.name} -> {dst.name}", handler, v, protect):
-                    moved = True
-                    return True
+                if handler is not None and (done := self._run(f"demotion {tier.name} -> {dst.name}", handler, v, protect)):
+                    moved = done
+                    return done
             with self.cond:  # a newer version or a delete during the write: nothing was lost
                 rec = self.nvme.tier.record(v.digest) if self.nvme is not None else None
                 newer = rec is not None and rec.version > v.version  # (a put whose record just landed)
@@ -264,10 +268,12 @@ class Mover:
             if host and self.nvme is not None and moved is not None:
                 self.counters.count("host", dirty_evictions=1, eviction_write_s=time.perf_counter() - started)
 
-    def _release_victim(self, tier: ArenaTier, v: Slot, moved: bool | None) -> None:
+    def _release_victim(self, tier: ArenaTier, v: Slot, moved: bool | str | None) -> None:
         with self.cond:
             tier.release_victim(v)
-            if moved is not None:  # (None: a replaced or deleted version, no entry evicted)
+            if moved is IN_FLIGHT:  # a demotion or a drop once its copy completes (ArenaMoves.finish_write)
+                self.counters.count(tier.name, evictions=1)
+            elif moved is not None:  # (None: a replaced or deleted version, no entry evicted)
                 self.counters.count(tier.name, evictions=1, **{"demotions" if moved else "drops": 1})
             # moved or not: an NVMe eviction since the demotion's write kept the key for this slot only
             self.forget_if_unheld_locked(v.digest, v.version)

@@ -232,6 +232,28 @@ def test_gpu_demotion_in_flight_is_waited_for_by_get(open_cache):
         assert raw_bytes(c.get("b", device="cpu")) == raw_bytes(b)
 
 
+@pytest.mark.parametrize("copy", ["completes", "fails"])
+def test_a_gpu_demotion_is_counted_when_its_copy_completes_as_what_it_became(open_cache, copy):
+    """A GPU victim's D2H demotion counts an eviction when it is enqueued, and a demotion (its
+    copy completed) or a drop (its copy failed: the entry is gone) only when the copy ends. It
+    used to count a demotion at once, also for an entry its failed copy then lost."""
+    e = DeferredCopyEngine()
+    c = open_cache(cfg(gpu_blocks=1, host_blocks=4), e)
+    c.put("a", filled(BLOCK, 1))
+    e.complete()
+    c.put("b", filled(BLOCK, 2))  # a's demotion is enqueued behind nothing; b's write behind it
+    gpu = c.stats()["tiers"]["gpu"]
+    assert (gpu["evictions"], gpu["demotions"], gpu["drops"]) == (1, 0, 0)
+    if copy == "fails":
+        e.fail_with = RuntimeError("injected D2H failure")
+    e.complete()
+    gpu = c.stats()["tiers"]["gpu"]
+    want = (1, 0) if copy == "completes" else (0, 1)
+    assert (gpu["demotions"], gpu["drops"]) == want, gpu
+    assert ("a" in c) == (copy == "completes")
+    check_quiescent(c)
+
+
 def test_close_waits_for_copies_in_flight(tmp_path):
     e = DeferredCopyEngine()
     c = testing.make_cache(cfg().replace(gpu=GpuTierConfig()), copy_engine=e)

@@ -114,6 +114,8 @@ class ArenaMoves:
                 if result.committed and not promotion:
                     m.after_put(tier, slot.digest, slot.version, slot.meta.nbytes)
         finally:
+            if source is not None and (ok or error is not None):  # (a replaced version: no entry lost)
+                m.counters.count("gpu", **{"demotions" if ok else "drops": 1})
             m.end_pending(pending, ok, error)
 
     # ------------------------------------------------------------------------- GPU puts
