@@ -1,6 +1,7 @@
 """More of what tests use instead of private state (:mod:`ectier.testing` is full): the NVMe tier's
-read/write lock and a hook before its record bookkeeping, a copy handle that has failed, the
-write-version clock, and registries a test may add to without leaking into other tests.
+read/write lock and a hook before its record bookkeeping, a hook before a write-through's wait for
+newer ones, a copy handle that has failed, the write-version clock, and registries a test may add
+to without leaking into other tests.
 
 Like :mod:`ectier.testing`, this module may look inside the cache, its tiers and the library's
 module state, so that tests need not. Not for production.
@@ -16,8 +17,8 @@ from .cache import TieredCache
 from .copy import CopyHandle
 from .tiers.base import Tier
 
-__all__ = ["nvme_rw_lock", "nvme_headers_in_lmdb", "before_nvme_record", "around_nvme_move", "failed_copy", "version_clock", "isolated_codec_registry",
-           "isolated_model_registry"]
+__all__ = ["nvme_rw_lock", "nvme_headers_in_lmdb", "before_nvme_record", "around_nvme_move", "before_write_through_wait",
+           "failed_copy", "version_clock", "isolated_codec_registry", "isolated_model_registry"]
 
 
 def _nvme(target: "TieredCache | Tier") -> Any:
@@ -95,6 +96,27 @@ def around_nvme_move(target: "TieredCache | Tier", before: Callable[[bytes], Non
         yield
     finally:
         del nvme._commit_move
+
+
+@contextlib.contextmanager
+def before_write_through_wait(cache: TieredCache, fn: Callable[[bytes, int], None]) -> Iterator[None]:
+    """Call ``fn(digest, version)`` each time a put's write-through of ``version`` that did not
+    land (a newer put of the key committed before it wrote, or its write failed) is about to wait
+    for the newer write-throughs of the key (``NvmeMoves.await_newer_locked``), while the context
+    is open. ``fn`` runs in the put's thread under the cache's lock, so it must not block; a put
+    of the key that commits after ``fn`` returned commits while that write-through waits."""
+    moves = cache._mover.nvme
+    real = moves.await_newer_locked
+
+    def hooked(digest: bytes, version: int) -> None:
+        fn(digest, version)
+        real(digest, version)
+
+    moves.await_newer_locked = hooked
+    try:
+        yield
+    finally:
+        del moves.await_newer_locked
 
 
 def failed_copy(error: BaseException) -> CopyHandle:

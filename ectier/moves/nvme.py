@@ -436,9 +436,6 @@ class NvmeMoves:
         floor = version if replaced is None else through.get(replaced, replaced)
         through[version] = min(floor, version)
 
-    def _newer_through_locked(self, digest: bytes, version: int) -> set[int]:
-        return {v for v in self._through.get(digest, {}) if v > version}
-
     def write_through(self, host, digest: bytes, version: int) -> None:
         """Write the host entry ``version`` of ``digest`` (just committed by a put) to NVMe.
 
@@ -471,9 +468,17 @@ class NvmeMoves:
                 self._through.pop(digest, None)
             self.m.cond.notify_all()
             if not landed:  # a newer write-through replaces the older record, or deletes it on failure
-                newer = self._newer_through_locked(digest, version)
-                while newer:
-                    self.m.cond.wait()
-                    newer &= self._newer_through_locked(digest, version)
+                self.await_newer_locked(digest, version)
         if not landed:
             self.drop_older(digest, version)
+
+    def await_newer_locked(self, digest: bytes, version: int) -> None:
+        """Under ``m.cond``: the write-through of ``version`` did not land; wait for the
+        write-throughs of newer versions of ``digest`` under way now to end."""
+        def newer() -> set[int]:
+            return {v for v in self._through.get(digest, {}) if v > version}
+
+        waiting = newer()
+        while waiting:
+            self.m.cond.wait()
+            waiting &= newer()
