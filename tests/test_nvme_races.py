@@ -18,7 +18,7 @@ import pytest
 
 from ectier import TieredCache, testing
 from ectier.errors import TierWriteError
-from ectier.testing_internals import nvme_headers_in_lmdb
+from ectier.testing_internals import before_write_through_wait, nvme_headers_in_lmdb
 from ectier.moves.nvme import NvmeMoves
 from ectier.tiers.nvme import NvmeTier
 
@@ -302,3 +302,65 @@ def test_a_write_behind_whose_record_an_nvme_eviction_took_leaves_the_entry_dirt
     assert testing.write_behind_idle(cache)
     assert "nvme" in testing.where(cache, "A"), "A was marked clean with no copy on NVMe: never written again"
     assert_same(cache.get("A"), filled(MiB, 1))
+
+
+class _PausedWriteThroughs:
+    """Holds the write-through of the put run on each thread named in ``names`` as it starts (its
+    host slot found current and pinned, before its write's admission) until :meth:`release`."""
+
+    def __init__(self, monkeypatch, *names: str) -> None:
+        self.entered = {n: threading.Event() for n in names}
+        self.go = {n: threading.Event() for n in names}
+        real_fits = NvmeTier.fits
+
+        def fits(tier, nbytes):  # (the first step of a write-through's demote_slot)
+            name = threading.current_thread().name
+            if name in self.entered and not self.entered[name].is_set():
+                self.entered[name].set()
+                assert self.go[name].wait(30), f"{name}'s write-through never released"
+            return real_fits(tier, nbytes)
+
+        monkeypatch.setattr(NvmeTier, "fits", fits)
+
+    def wait(self, name: str) -> None:
+        assert self.entered[name].wait(10), f"{name}'s write-through never started"
+
+    def release(self, name: str) -> None:
+        self.go[name].set()
+
+
+def test_a_write_through_overtaken_twice_keeps_the_older_record_until_a_newer_one_lands(make_cache, monkeypatch):
+    """Write-through: K v0 is on NVMe. put(K, vb) commits in the host, its write-through held as it
+    starts; put(K, vc) commits and is held likewise; vb's write-through goes on — vb is not current,
+    nothing is written — and waits for vc's. Only then put(K, vd) commits (held likewise), and vc's
+    write-through goes on: not current either, nothing written; it waits for vd's. vb waited only
+    for the newer write-throughs under way when its wait began ({vc}): once vc's ended it deleted
+    v0 as older than vb, and LMDB held no record of K until vd's landed — a kill then lost K though
+    put(K, v0) had completed (the stress test's watcher, nvme-roomy, ~1 in 500 seed-runs). vb now
+    waits while a newer write-through is under way and NVMe holds nothing as new as vb."""
+    cache, cfg = make_cache(host_bytes=4 * MiB, nvme_bytes=4 * MiB, write_through=True)
+    vd = filled(120 * KiB, 4)
+    cache.put("K", filled(64 * KiB, 0))
+    paused = _PausedWriteThroughs(monkeypatch, "b", "c", "d")
+    waiting: list[str] = []
+    with before_write_through_wait(cache, lambda d, v: waiting.append(threading.current_thread().name)):
+        tb, box_b = start(cache.put, "K", filled(100 * KiB, 1), name="b")
+        paused.wait("b")  # vb committed in the host
+        tc, box_c = start(cache.put, "K", filled(110 * KiB, 2), name="c")
+        paused.wait("c")  # vc committed: vb is not current
+        paused.release("b")
+        _until(lambda: "b" in waiting)  # vb wrote nothing and waits (a commit from now on comes after)
+        td, box_d = start(cache.put, "K", vd, name="d")
+        paused.wait("d")  # vd committed: vc is not current
+        paused.release("c")
+        _until(lambda: "c" in waiting)  # vc wrote nothing and waits for vd's write-through
+        tb.join(1.0)
+        headers = nvme_headers_in_lmdb(cache)
+        assert [h.shape[0] for h in headers.values()] == [64 * KiB], (
+            "LMDB held no record of K while vd's write-through was under way, though put(K, v0) completed")
+        assert tb.is_alive(), "put(K, vb) returned with only an older record on NVMe"
+        paused.release("d")
+        join(td, box_d)
+        join(tc, box_c)
+        join(tb, box_b)
+    _same_after_reopen(cache, cfg, "K", vd)

@@ -299,13 +299,6 @@ class NvmeMoves:
                 self.index.end_delete()
                 self.m.cond.notify_all()
 
-    def drop_older(self, digest: bytes, version: int) -> None:
-        """Delete the record of ``digest`` if it is older than ``version`` (a committed write)."""
-        with self.m.cond:
-            stale = self.claim_locked(digest, older_than=version)
-        if stale is not None:
-            self.delete_claimed(digest, stale)
-
     def after_delete(self, digest: bytes, version: int) -> None:
         """Bookkeeping after record ``version`` was deleted outside the lock: a concurrent write
         may have tracked that very record meanwhile; the key is gone unless memory holds it."""
@@ -441,10 +434,10 @@ class NvmeMoves:
 
         Its write replaces the key's older record, if any, in one LMDB transaction (a crash leaves
         the old record or the new one, never neither). Where it does not land (a newer put of the
-        key committed meanwhile, or the write failed), this waits for the write-throughs of newer
-        versions under way, then deletes the records older than ``version``: no bytes older than
-        this put are served after it returns, in-process or after a restart, and until a newer
-        version is on NVMe the older record stays (a kill between never leaves the key without one).
+        key committed meanwhile, or the write failed), this waits (:meth:`await_newer_locked`),
+        then deletes the records older than ``version``: no bytes older than this put are served
+        after it returns, in-process or after a restart, and until a version at least as new as
+        this one is on NVMe the older record stays (a kill between never leaves the key without one).
         """
         landed = False
         try:
@@ -461,24 +454,29 @@ class NvmeMoves:
             self._end_write_through(digest, version, landed)
 
     def _end_write_through(self, digest: bytes, version: int, landed: bool) -> None:
+        stale = None
         with self.m.cond:
             versions = self._through.get(digest, {})
             versions.pop(version, None)
             if not versions:
                 self._through.pop(digest, None)
             self.m.cond.notify_all()
-            if not landed:  # a newer write-through replaces the older record, or deletes it on failure
+            if not landed:  # (the wait and the claim in one hold of the lock: nothing registers between)
                 self.await_newer_locked(digest, version)
-        if not landed:
-            self.drop_older(digest, version)
+                stale = self.claim_locked(digest, older_than=version)
+        if stale is not None:
+            self.delete_claimed(digest, stale)
 
     def await_newer_locked(self, digest: bytes, version: int) -> None:
-        """Under ``m.cond``: the write-through of ``version`` did not land; wait for the
-        write-throughs of newer versions of ``digest`` under way now to end."""
-        def newer() -> set[int]:
-            return {v for v in self._through.get(digest, {}) if v > version}
+        """Under ``m.cond``: the write-through of ``version`` did not land; wait while NVMe holds
+        no record of ``digest`` at least as new as ``version`` and a write-through of a newer
+        version is under way — registered now, not only when the wait began (one that ends without
+        landing may have been overtaken by a later one). That one replaces the older record in one
+        transaction, or deletes it on failure. It ends: the newest write-through under way waits
+        for nothing, and a put waiting here puts nothing more (n threads: at most n - 1 wait)."""
+        def durable() -> bool:
+            rec = self.tier.record(digest)
+            return rec is not None and rec.version >= version
 
-        waiting = newer()
-        while waiting:
+        while not durable() and any(v > version for v in self._through.get(digest, ())):
             self.m.cond.wait()
-            waiting &= newer()
