@@ -22,7 +22,7 @@ from ectier.testing_internals import before_write_through_wait, nvme_headers_in_
 from ectier.moves.nvme import NvmeMoves
 from ectier.tiers.nvme import NvmeTier
 
-from conftest import KiB, MiB, assert_same, check_quiescent, digest, filled, make_config
+from conftest import KiB, MiB, assert_same, check_quiescent, digest, filled
 from staged_threads import join, start
 
 
