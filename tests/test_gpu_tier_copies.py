@@ -247,6 +247,9 @@ def test_a_gpu_demotion_is_counted_when_its_copy_completes_as_what_it_became(ope
     if copy == "fails":
         e.fail_with = RuntimeError("injected D2H failure")
     e.complete()
+    deadline = time.monotonic() + 10  # the completer thread commits (or drops) the copy's entry
+    while c.stats()["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.002)
     gpu = c.stats()["tiers"]["gpu"]
     want = (1, 0) if copy == "completes" else (0, 1)
     assert (gpu["demotions"], gpu["drops"]) == want, gpu
