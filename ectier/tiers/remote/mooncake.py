@@ -60,7 +60,8 @@ import numpy as np
 from ...errors import ConfigError, CorruptRecordError
 from ...record import checksum, pack_header
 from .backend import RemoteBackend, RemoteError, RemoteRefused, RemoteTimeout, byte_view
-from .mooncake_calls import HOLD_S, MAX_IN_FLIGHT, Holds, Runner, check_args, route_address, unreachable
+from .mooncake_calls import HOLD_S, MAX_IN_FLIGHT, Holds, Runner, check_args, import_store, route_address, time_left
+from .mooncake_calls import unreachable
 from .mooncake_calls import code as _code
 from .mooncake_io import NO_HANDLE as _NO_HANDLE, NOT_FOUND as _NOT_FOUND, SAFE as _SAFE
 from .mooncake_io import NOT_READY as _NOT_READY
@@ -109,7 +110,7 @@ class MooncakeBackend(RemoteBackend):
 
     def __init__(self, cfg: Any, store_factory: Callable[[], Any] | None = None) -> None:
         if store_factory is None:
-            store_factory = _import_store()
+            store_factory = import_store()
         addrs = cfg.address_list
         if len(addrs) != 1:
             raise ConfigError(f"remote.addresses: one master 'host:port' for mooncake, got {cfg.addresses!r}")
@@ -296,7 +297,7 @@ class MooncakeBackend(RemoteBackend):
                 raise RemoteTimeout(f"mooncake put: the copy of {nbytes} bytes ended past the deadline")
             if self._put_done(rc, name, nbytes):
                 return
-            deadline_s = _left(end, "no room in the buffer pool")
+            deadline_s = time_left(end, "no room in the buffer pool")
         if not checksum_known:
             header = dataclasses.replace(header, payload_checksum=checksum(body))
         head = pack_header(header)
@@ -304,7 +305,7 @@ class MooncakeBackend(RemoteBackend):
             if self._put_done(self._call("put", deadline_s, lambda store: store.upsert_parts(name, head, body)),
                               name, nbytes):
                 return
-            deadline_s = _left(end, "the client's buffer was full")
+            deadline_s = time_left(end, "the client's buffer was full")
         buf = aligned_empty(nbytes)
         buf[:len(head)] = np.frombuffer(head, dtype=np.uint8)
         if len(body):
@@ -474,14 +475,6 @@ def exit_now_if_abandoned(code: int) -> None:
     os._exit(code)
 
 
-def _left(end: float, why: str) -> float:
-    """The seconds left before ``end`` (monotonic) for a put's next path. Raises RemoteTimeout."""
-    left = end - time.monotonic()
-    if left <= 0:
-        raise RemoteTimeout(f"mooncake put: past its deadline ({why})")
-    return left
-
-
 def _close_quietly(store: Any, pool: BufferPool | None = None) -> None:
     if store is None:
         return
@@ -491,13 +484,3 @@ def _close_quietly(store: Any, pool: BufferPool | None = None) -> None:
         store.close()
     except Exception as exc:  # noqa: BLE001
         log.debug("mooncake: close: %s", exc)
-
-
-def _import_store() -> Callable[[], Any]:
-    os.environ.setdefault("GLOG_minloglevel", "1")  # the client's INFO lines; warnings still show
-    try:
-        from mooncake.store import MooncakeDistributedStore
-    except ImportError as exc:
-        raise ConfigError("remote.backend: 'mooncake' needs the Mooncake client: pip install 'ectier[mooncake]' "
-                          f"(and Debian's libibverbs1: apt-get install libibverbs1): {exc}") from None
-    return MooncakeDistributedStore

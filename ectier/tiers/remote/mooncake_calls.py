@@ -1,12 +1,14 @@
 """How the Mooncake backend runs client calls: each on a daemon thread, the caller waiting at most
 its deadline (:class:`Runner`); buffers of failed transfers kept alive for a while (:class:`Holds`);
 Mooncake's return codes by name; the checks of a call's arguments; the probe of a master before a
-setup (:func:`unreachable`). Used by
+setup (:func:`unreachable`); the time left for a put's next path (:func:`time_left`); the import of
+Mooncake's client (:func:`import_store`). Used by
 ``ectier/tiers/remote/mooncake.py`` only."""
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -16,10 +18,11 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable
 
+from ...errors import ConfigError
 from .backend import RemoteTimeout
 
 __all__ = ["Runner", "Holds", "code", "check_args", "route_address", "unreachable", "ERROR_NAMES", "MAX_IN_FLIGHT",
-           "HOLD_S", "HOLD_CAP_BYTES"]
+           "HOLD_S", "HOLD_CAP_BYTES", "time_left", "import_store"]
 
 log = logging.getLogger("ectier.tiers.remote.mooncake")
 
@@ -160,3 +163,25 @@ def unreachable(master: str, metadata: str, timeout_s: float) -> str:
         except OSError as exc:
             return f"metadata server {metadata} does not answer: {exc}"
     return ""
+
+
+def time_left(end: float, why: str) -> float:
+    """The seconds left before ``end`` (monotonic) for a put's next path. Raises RemoteTimeout."""
+    left = end - time.monotonic()
+    if left <= 0:
+        raise RemoteTimeout(f"mooncake put: past its deadline ({why})")
+    return left
+
+
+def import_store() -> Callable[[], Any]:
+    """Mooncake's ``MooncakeDistributedStore`` class (its client's INFO logging off).
+
+    Raises:
+        ConfigError: the Mooncake client is not installed (names ``remote.backend``)."""
+    os.environ.setdefault("GLOG_minloglevel", "1")  # the client's INFO lines; warnings still show
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:
+        raise ConfigError("remote.backend: 'mooncake' needs the Mooncake client: pip install 'ectier[mooncake]' "
+                          f"(and Debian's libibverbs1: apt-get install libibverbs1): {exc}") from None
+    return MooncakeDistributedStore
