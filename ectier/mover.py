@@ -23,7 +23,6 @@ of copies in flight. Tiers never call it; it never calls the facade.
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from typing import Any, Callable
@@ -39,7 +38,8 @@ from .handles import PutHandle
 from .index import Slot
 from .logutil import RateLimitedLogger, failure_kind
 from .moves.arena import ArenaMoves
-from .moves.nvme import RETRY, NvmeMoves
+from .moves.nvme import NvmeMoves
+from .moves.outcomes import IN_FLIGHT, Commit
 from .moves.promote import Promotions
 from .moves.remote import RemoteMoves
 from .moves.writeback import WriteBehind
@@ -59,28 +59,6 @@ RETRIES = 3
 #: exceptions a move may raise that make it a failed move (counted, logged), never an error of
 #: the call that triggered it: ectier's own, device errors (CUDA OOM is a RuntimeError), I/O errors
 MOVE_ERRORS = (EctierError, RuntimeError, OSError)
-
-#: what a demotion whose copy is still in flight returns (true): counted when the copy completes
-IN_FLIGHT = "in flight"
-
-
-class Commit(enum.Enum):
-    """The outcome of :meth:`Mover.commit`."""
-
-    COMMITTED = "committed"  #: the entry is visible, the key's current version
-    SUPERSEDED = "superseded"  #: a newer write won; this put is ordered before it (stands)
-    CANCELLED = "cancelled"  #: deleted while its copy ran; ordered before the delete (stands)
-    DROPPED = "dropped"  #: a promotion no longer needed (the key changed or is already there)
-
-    @property
-    def stands(self) -> bool:
-        """Whether the write counts as done for its caller."""
-        return self is not Commit.DROPPED
-
-    @property
-    def committed(self) -> bool:
-        return self is Commit.COMMITTED
-
 
 class Mover:
     """Moves entries between the tiers of ``stack``.
