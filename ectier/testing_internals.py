@@ -51,6 +51,23 @@ def nvme_headers_in_lmdb(target: "TieredCache | Tier") -> dict[tuple[str, str], 
 
 
 @contextlib.contextmanager
+def _calling_first(obj: Any, method: str, fn: Callable[..., None]) -> Iterator[None]:
+    """While open, ``obj.<method>(*args)`` calls ``fn(*args)`` first (an instance attribute over
+    the method; ``fn`` raising skips the method)."""
+    real = getattr(obj, method)
+
+    def hooked(*args: Any) -> Any:
+        fn(*args)
+        return real(*args)
+
+    setattr(obj, method, hooked)
+    try:
+        yield
+    finally:
+        delattr(obj, method)
+
+
+@contextlib.contextmanager
 def before_nvme_record(target: "TieredCache | Tier", fn: Callable[[bytes, Any], None]) -> Iterator[None]:
     """Call ``fn(digest, record)`` each time the NVMe tier of ``target`` is about to change its
     in-memory record of ``digest`` (``record`` is the new record, or ``None`` for a removal), before
@@ -58,18 +75,8 @@ def before_nvme_record(target: "TieredCache | Tier", fn: Callable[[bytes, Any], 
     transaction of ``record`` has committed by then and the tier's bookkeeping of it has not begun
     (a crash point). ``fn`` may block (e.g. until the process is killed); if it raises, the change
     is not made."""
-    nvme = _nvme(target)
-    real = nvme._set_record
-
-    def hooked(digest: bytes, record: Any) -> None:
-        fn(digest, record)
-        real(digest, record)
-
-    nvme._set_record = hooked
-    try:
+    with _calling_first(_nvme(target), "_set_record", fn):
         yield
-    finally:
-        del nvme._set_record
 
 
 @contextlib.contextmanager
@@ -105,18 +112,8 @@ def before_write_through_wait(cache: TieredCache, fn: Callable[[bytes, int], Non
     for the newer write-throughs of the key (``NvmeMoves.await_newer_locked``), while the context
     is open. ``fn`` runs in the put's thread under the cache's lock, so it must not block; a put
     of the key that commits after ``fn`` returned commits while that write-through waits."""
-    moves = cache._mover.nvme
-    real = moves.await_newer_locked
-
-    def hooked(digest: bytes, version: int) -> None:
-        fn(digest, version)
-        real(digest, version)
-
-    moves.await_newer_locked = hooked
-    try:
+    with _calling_first(cache._mover.nvme, "await_newer_locked", fn):
         yield
-    finally:
-        del moves.await_newer_locked
 
 
 def failed_copy(error: BaseException) -> CopyHandle:
